@@ -1,0 +1,49 @@
+"""GPTTask: the reference task. A small GPT learns Python from the standard library's source.
+
+Every machine with Python has this data, so the quickstart needs no download. `[task.args]`
+in the config sets the model's shape (any GPTConfig field: d_model, n_layers, seq_len, ...)
+and `val_fraction`, the share of stdlib files held out for the validation loss.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stalwart.examples.gpt.data import TokenDataset, TokenFiles, build_token_files
+from stalwart.examples.gpt.model import GPT, GPTConfig
+from stalwart.task import TrainTask
+
+if TYPE_CHECKING:
+    from stalwart.config import JobConfig
+
+
+class GPTTask(TrainTask):
+    def __init__(self, *, val_fraction: float = 0.02, **model_args: Any) -> None:
+        allowed = {f.name for f in dataclasses.fields(GPTConfig)}
+        unknown = sorted(set(model_args) - allowed)
+        if unknown:
+            raise ValueError(f"unknown key task.args.{unknown[0]}; allowed: val_fraction, "
+                             f"{', '.join(sorted(allowed))}")
+        self.model_config = GPTConfig(**model_args)
+        self.val_fraction = val_fraction
+        self._files: TokenFiles | None = None
+
+    def _token_files(self, config: JobConfig) -> TokenFiles:
+        if self._files is None:
+            cache = Path(config.data.cache_dir).expanduser() / "gpt-stdlib"
+            self._files = build_token_files(cache, val_fraction=self.val_fraction)
+        return self._files
+
+    def prepare_data(self, config: JobConfig) -> None:
+        self._token_files(config)  # tokenizes once per machine; later calls find the cache
+
+    def build_model(self, config: JobConfig) -> GPT:
+        return GPT(self.model_config)
+
+    def train_dataset(self, config: JobConfig) -> TokenDataset:
+        return TokenDataset(self._token_files(config).train, self.model_config.seq_len)
+
+    def val_dataset(self, config: JobConfig) -> TokenDataset:
+        return TokenDataset(self._token_files(config).val, self.model_config.seq_len)

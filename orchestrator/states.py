@@ -1,0 +1,94 @@
+"""Controller states: small classes that carry their data, and the one table of transitions.
+
+    SCHEDULING -> RENDEZVOUS -> RESTORING -> RUNNING -> FINISHED
+                                               |  \\-> STOPPED   (user asked; step checkpointed)
+                                               v
+    (any live state) -> RECOVERING -> SCHEDULING ...   or -> FAILED
+
+Every change goes through `check_transition`, so a transition the table does not list is a
+bug that surfaces at once rather than a run in a state nobody designed for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from stalwart.checkpointing.catalog import CheckpointInfo
+from stalwart.orchestrator.errors import InvalidTransition
+from stalwart.orchestrator.failures import WorkerFailure
+
+
+@dataclass(frozen=True)
+class State:
+    @property
+    def name(self) -> str:
+        return type(self).__name__.upper()
+
+    @property
+    def terminal(self) -> bool:
+        return not TRANSITIONS[type(self)]
+
+
+@dataclass(frozen=True)
+class Scheduling(State):
+    generation: int
+    """Counts worker groups: 0 for the first, +1 for each recovery."""
+
+
+@dataclass(frozen=True)
+class Rendezvous(State):
+    generation: int
+
+
+@dataclass(frozen=True)
+class Restoring(State):
+    generation: int
+    checkpoint: CheckpointInfo | None
+    """What to load; None starts from freshly initialised weights."""
+
+
+@dataclass(frozen=True)
+class Running(State):
+    generation: int
+    start_step: int
+
+
+@dataclass(frozen=True)
+class Recovering(State):
+    generation: int
+    failure: WorkerFailure
+
+
+@dataclass(frozen=True)
+class Finished(State):
+    step: int
+
+
+@dataclass(frozen=True)
+class Stopped(State):
+    step: int
+    """The last completed step, which was checkpointed before stopping."""
+
+
+@dataclass(frozen=True)
+class Failed(State):
+    reason: str
+
+
+TRANSITIONS: dict[type[State], frozenset[type[State]]] = {
+    Scheduling: frozenset({Rendezvous, Recovering, Failed}),
+    Rendezvous: frozenset({Restoring, Recovering, Failed}),
+    Restoring: frozenset({Running, Recovering, Failed}),
+    Running: frozenset({Finished, Stopped, Recovering, Failed}),
+    Recovering: frozenset({Scheduling, Failed}),
+    Finished: frozenset(),
+    Stopped: frozenset(),
+    Failed: frozenset(),
+}
+
+
+def check_transition(old: State, new: State) -> None:
+    if type(new) not in TRANSITIONS[type(old)]:
+        raise InvalidTransition(f"controller transition {old.name} -> {new.name} is not allowed; "
+                                f"from {old.name}: "
+                                f"{sorted(t.__name__.upper() for t in TRANSITIONS[type(old)])}")

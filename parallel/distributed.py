@@ -1,0 +1,63 @@
+"""Process groups and devices: join a world at a rendezvous address, leave it cleanly.
+
+The device is chosen at run time: CUDA with NCCL when the worker was given a GPU and CUDA
+is present, otherwise CPU with gloo. Nothing else in stalwart hard-codes a backend.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class Rendezvous:
+    """Where a generation of workers meets: rank 0's node address and a free port."""
+
+    host: str
+    port: int
+
+    @property
+    def init_method(self) -> str:
+        return f"tcp://{self.host}:{self.port}"
+
+
+def free_port() -> int:
+    """A port that is free now on this host (the OS picks it, so parallel runs never clash)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
+def pick_device(want_gpu: bool) -> torch.device:
+    if want_gpu:
+        if not torch.cuda.is_available():
+            raise RuntimeError("scaling.gpus_per_worker > 0 but CUDA is not available on this worker")
+        # Ray sets CUDA_VISIBLE_DEVICES per actor, so the actor's GPU is always index 0.
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+    return torch.device("cpu")
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def init_process_group(rdzv: Rendezvous, *, rank: int, world_size: int, device: torch.device,
+                       timeout_s: float) -> None:
+    dist.init_process_group(
+        backend=backend_for(device),
+        init_method=rdzv.init_method,
+        rank=rank,
+        world_size=world_size,
+        timeout=timedelta(seconds=timeout_s),
+    )
+
+
+def destroy_process_group() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,329 @@
+"""JobConfig: the one frozen dataclass tree that describes a run, loaded from TOML.
+
+Every section is a frozen, keyword-only dataclass whose fields carry their own docstrings
+and whose ``__post_init__`` rejects bad values with a message that names the field, the
+value and what is allowed. ``load_config`` reads TOML, applies ``--set a.b=value``
+overrides and refuses unknown keys, so a typo never silently falls back to a default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from stalwart.errors import ConfigError
+
+
+def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
+    if not ok:
+        raise ConfigError(f"{name} = {value!r} is invalid: {allowed}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TaskConfig:
+    path: str = "stalwart.examples.gpt.task:GPTTask"
+    """The TrainTask to run, as `module:attribute` (the module must be importable)."""
+    args: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments passed to the task's constructor (e.g. model width)."""
+
+    def __post_init__(self) -> None:
+        mod, _, attr = self.path.partition(":")
+        _require(bool(mod) and bool(attr), "task.path", self.path,
+                 "expected 'module:attribute', e.g. 'stalwart.examples.gpt.task:GPTTask'")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScalingConfig:
+    num_workers: int = 2
+    """Number of worker actors (= ranks = the world size)."""
+    cpus_per_worker: float = 1.0
+    """Ray CPUs reserved for each worker in the placement group."""
+    gpus_per_worker: float = 0.0
+    """Ray GPUs reserved for each worker; > 0 trains on CUDA with NCCL, 0 on CPU with gloo."""
+    placement_strategy: str = "PACK"
+    """Ray placement group strategy: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."""
+    start_timeout_s: float = 120.0
+    """How long to wait for the cluster to place all workers before failing."""
+
+    def __post_init__(self) -> None:
+        _require(self.num_workers >= 1, "scaling.num_workers", self.num_workers, "must be >= 1")
+        _require(self.cpus_per_worker > 0, "scaling.cpus_per_worker", self.cpus_per_worker,
+                 "must be > 0")
+        _require(self.gpus_per_worker >= 0, "scaling.gpus_per_worker", self.gpus_per_worker,
+                 "must be >= 0")
+        strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+        _require(self.placement_strategy in strategies, "scaling.placement_strategy",
+                 self.placement_strategy, f"one of {', '.join(strategies)}")
+        _require(self.start_timeout_s > 0, "scaling.start_timeout_s", self.start_timeout_s,
+                 "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ParallelConfig:
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP when dp_shard == 1; the outer dimension of HSDP otherwise)."""
+    dp_shard: int = -1
+    """Data-parallel sharding degree with FSDP2; -1 takes every rank dp_replicate leaves."""
+    reshard_after_forward: bool = True
+    """FSDP2: free the gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
+
+    def __post_init__(self) -> None:
+        _require(self.dp_replicate >= 1, "parallel.dp_replicate", self.dp_replicate,
+                 "must be >= 1")
+        _require(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
+                 "must be >= 1, or -1 for every rank that dp_replicate leaves")
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrainConfig:
+    steps: int = 200
+    """Optimizer steps to train for; the LR schedule spans them."""
+    global_batch_size: int = 32
+    """Sequences per optimizer step over all ranks; constant whatever the world size."""
+    micro_batch_size: int = 8
+    """Sequences per forward/backward on one rank; accumulation makes up the rest."""
+    lr: float = 3e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """The cosine schedule decays to lr x min_lr_ratio at the last step."""
+    warmup_steps: int = 20
+    """Linear warm-up steps before the cosine decay."""
+    weight_decay: float = 0.1
+    """AdamW decoupled weight decay."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value; 0 disables clipping."""
+    seed: int = 0
+    """Seeds model initialisation and the sample order."""
+
+    def __post_init__(self) -> None:
+        _require(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
+        _require(self.global_batch_size >= 1, "train.global_batch_size",
+                 self.global_batch_size, "must be >= 1")
+        _require(self.micro_batch_size >= 1, "train.micro_batch_size", self.micro_batch_size,
+                 "must be >= 1")
+        _require(self.global_batch_size % self.micro_batch_size == 0, "train.global_batch_size",
+                 self.global_batch_size,
+                 f"must be a multiple of train.micro_batch_size ({self.micro_batch_size})")
+        _require(self.lr > 0, "train.lr", self.lr, "must be > 0")
+        _require(0 <= self.min_lr_ratio <= 1, "train.min_lr_ratio", self.min_lr_ratio,
+                 "must be in [0, 1]")
+        _require(0 <= self.warmup_steps <= self.steps, "train.warmup_steps", self.warmup_steps,
+                 f"must be in [0, train.steps={self.steps}]")
+        _require(self.weight_decay >= 0, "train.weight_decay", self.weight_decay, "must be >= 0")
+        _require(self.grad_clip >= 0, "train.grad_clip", self.grad_clip, "must be >= 0")
+        _require(self.seed >= 0, "train.seed", self.seed, "must be >= 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    storage: str = ""
+    """fsspec URL of the checkpoint directory (file path, memory://, s3://...); empty means <run dir>/checkpoints."""
+    persist_every: int = 50
+    """Write a storage checkpoint every this many steps (the final step is always written)."""
+    keep_last: int = 3
+    """Number of recent checkpoints to retain, or zero to retain all."""
+    async_save: bool = True
+    """Write checkpoints in the background while training goes on."""
+
+    def __post_init__(self) -> None:
+        _require(self.persist_every >= 1, "checkpoint.persist_every", self.persist_every,
+                 "must be >= 1")
+        _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last,
+                 "must be >= 0 (0 keeps all)")
+
+
+@dataclass(frozen=True, kw_only=True)
+class FailureConfig:
+    max_failures: int = 0
+    """Worker failures to recover from (restart from the newest checkpoint) before the run fails."""
+    collective_timeout_s: float = 300.0
+    """Process-group timeout: a collective stuck longer than this raises on the workers."""
+
+    def __post_init__(self) -> None:
+        _require(self.max_failures >= 0, "failure.max_failures", self.max_failures,
+                 "must be >= 0")
+        _require(self.collective_timeout_s > 0, "failure.collective_timeout_s",
+                 self.collective_timeout_s, "must be > 0")
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataConfig:
+    cache_dir: str = "~/.cache/stalwart"
+    """Where tasks keep prepared data (tokenized files), shared between runs on a machine."""
+    val_every: int = 50
+    """Compute the validation loss every this many steps (and at the end); 0 disables it."""
+    val_batches: int = 4
+    """Micro-batches per rank in each validation pass."""
+
+    def __post_init__(self) -> None:
+        _require(self.val_every >= 0, "data.val_every", self.val_every, "must be >= 0")
+        _require(self.val_batches >= 1, "data.val_batches", self.val_batches, "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class RunConfig:
+    name: str = "run"
+    """Run name; the default run directory is runs/<name>-<timestamp>."""
+    log_every: int = 10
+    """Write a metrics.jsonl row (globally averaged loss) every this many steps."""
+    progress: bool = True
+    """Show a live progress bar on a terminal (plain log lines otherwise)."""
+
+    def __post_init__(self) -> None:
+        _require(bool(self.name) and "/" not in self.name, "run.name", self.name,
+                 "must be non-empty and contain no '/'")
+        _require(self.log_every >= 1, "run.log_every", self.log_every, "must be >= 1")
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    task: TaskConfig = field(default_factory=TaskConfig)
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        # Cross-section checks: the world must be splittable into the data-parallel layout,
+        # and the global batch into micro-batches on each data-parallel rank.
+        world = self.scaling.num_workers
+        rep, shard = self.parallel.dp_replicate, self.parallel.dp_shard
+        _require(world % rep == 0, "parallel.dp_replicate", rep,
+                 f"must divide scaling.num_workers={world}")
+        if shard != -1:
+            _require(rep * shard == world, "parallel.dp_shard", shard,
+                     f"dp_replicate x dp_shard must equal scaling.num_workers={world} "
+                     f"(or set dp_shard = -1)")
+        per_step = self.train.micro_batch_size * world
+        _require(self.train.global_batch_size % per_step == 0, "train.global_batch_size",
+                 self.train.global_batch_size,
+                 f"must be a multiple of micro_batch_size x data-parallel ranks = "
+                 f"{self.train.micro_batch_size} x {world} = {per_step}")
+
+    @property
+    def dp_shard(self) -> int:
+        """dp_shard with -1 resolved against the world size."""
+        if self.parallel.dp_shard == -1:
+            return self.scaling.num_workers // self.parallel.dp_replicate
+        return self.parallel.dp_shard
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (
+            self.train.micro_batch_size * self.scaling.num_workers)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def _coerce(value: Any, hint: Any, name: str) -> Any:
+    """Check a TOML value against a field's type hint (TOML already has typed values)."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        raise ConfigError(f"{name}: union types are not supported in config")  # never declared
+    if hint is bool:
+        ok = isinstance(value, bool)
+    elif hint is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif hint is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif hint is str:
+        ok = isinstance(value, str)
+    elif origin is dict or hint is dict:
+        ok = isinstance(value, dict)
+    else:
+        raise ConfigError(f"{name}: unexpected field type {hint!r}")
+    if not ok:
+        type_name = getattr(hint, "__name__", None) or str(hint)
+        raise ConfigError(f"{name} = {value!r} is invalid: expected a {type_name}")
+    return value
+
+
+def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        where = f"[{prefix}]" if prefix else "the top level"
+        raise ConfigError(
+            f"unknown key {prefix + '.' if prefix else ''}{unknown[0]} in {where}; "
+            f"allowed: {', '.join(known)}")
+    kwargs = {}
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else key
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{name} must be a table ([{name}]), got {value!r}")
+            kwargs[key] = _build(hint, value, name)
+        else:
+            kwargs[key] = _coerce(value, hint, name)
+    return cls(**kwargs)
+
+
+def _parse_value(raw: str) -> Any:
+    """Parse an override's value as TOML (so 2, 1e-3, true, "x", [1] work); bare words are strings."""
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply `a.b=value` overrides to a nested dict (copying what it changes)."""
+    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"--set {item!r} is invalid: expected section.key=value, "
+                              f"e.g. --set train.steps=100")
+        node = data
+        *parents, leaf = key.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part} is not a section")
+            child = dict(child)
+            node[part] = child
+            node = child
+        node[leaf] = _parse_value(raw.strip())
+    return data
+
+
+def config_from_dict(data: dict[str, Any]) -> JobConfig:
+    return _build(JobConfig, data, "")
+
+
+def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
+    """Load a JobConfig from a TOML file (None: defaults) plus `--set` overrides."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise ConfigError(f"config file {str(p)!r} does not exist (expected a TOML file)")
+        try:
+            data = tomllib.loads(p.read_text())
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    return config_from_dict(apply_overrides(data, list(overrides)))
+
+
+def dump_config(config: JobConfig) -> str:
+    """The resolved config as TOML; load_config of it gives back an equal JobConfig."""
+    import tomli_w
+
+    return tomli_w.dumps(config.to_dict())

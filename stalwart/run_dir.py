@@ -1,0 +1,91 @@
+"""The run directory: the files a run leaves for its user (an interface; see README).
+
+    config.toml     the resolved JobConfig (defaults filled in, overrides applied)
+    events.jsonl    one JSON object per line: {"time", "kind", ...fields}
+    metrics.jsonl   one row per logged step: step, loss, lr, tokens_per_s, world_size, time
+    checkpoints/    storage checkpoints, unless checkpoint.storage points elsewhere
+
+A run directory that already holds checkpoints is never reused without --resume, so no run
+can overwrite another's work.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from stalwart.checkpointing.catalog import list_step_dirs
+from stalwart.config import JobConfig, dump_config
+from stalwart.errors import RunDirError
+
+
+class JsonlWriter:
+    """Appends one JSON object per line and flushes it, so a reader (or a crash) sees whole lines."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._lock = threading.Lock()
+
+    def write(self, row: dict[str, Any]) -> None:
+        line = json.dumps(row, default=str)
+        with self._lock, self.path.open("a") as f:
+            f.write(line + "\n")
+
+
+class EventLog(JsonlWriter):
+    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
+        row = {"time": time.time(), "kind": kind, **fields}
+        self.write(row)
+        return row
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class RunDir:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.config_file = path / "config.toml"
+        self.events = EventLog(path / "events.jsonl")
+        self.metrics = JsonlWriter(path / "metrics.jsonl")
+
+    @staticmethod
+    def default_path(config: JobConfig) -> Path:
+        return Path("runs") / f"{config.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
+
+    def storage_url(self, config: JobConfig) -> str:
+        return config.checkpoint.storage or str((self.path / "checkpoints").resolve())
+
+    def check_new(self, storage_url: str) -> None:
+        """Refuse to start a fresh run where one already left checkpoints."""
+        steps = list_step_dirs(storage_url)
+        if steps:
+            raise RunDirError(f"{storage_url} already holds checkpoints (steps "
+                              f"{[s for s, _ in steps][-3:]}); pass --resume to continue that "
+                              f"run, or choose another --run-dir")
+        if self.config_file.exists():
+            raise RunDirError(f"run dir {self.path} already holds a run (config.toml); pass "
+                              f"--resume to continue it, or choose another --run-dir")
+
+    def check_resumable(self) -> None:
+        if not self.path.is_dir():
+            raise RunDirError(f"run dir {self.path} does not exist")
+        if not self.config_file.exists():
+            raise RunDirError(f"run dir {self.path} holds no config.toml, so no "
+                              f"run to resume")
+
+    def saved_config_text(self) -> str:
+        return self.config_file.read_text()
+
+    def write_config(self, config: JobConfig) -> None:
+        self.path.mkdir(parents=True, exist_ok=True)
+        tmp = self.config_file.with_suffix(".toml.tmp")
+        tmp.write_text(dump_config(config))
+        tmp.replace(self.config_file)

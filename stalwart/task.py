@@ -1,0 +1,117 @@
+"""TrainTask: what a user supplies, and how stalwart finds it by `module:attribute` path.
+
+A task is plain Python. It is constructed on the driver (to check it before any worker
+starts) and on every worker with the `[task.args]` table as keyword arguments. stalwart
+owns the distributed parts (process groups, sharding, checkpoints, sample order); the
+task only says what to train: the model, its loss, the data, the optimizer and schedule.
+
+Contract for datasets: `len(ds)` items, and `ds.get_batch(indices) -> (inputs, targets)`
+tensors on the CPU for a 1-D array of item indices. stalwart decides which indices each
+rank reads (see stalwart.workers.sampler), so a dataset never needs to know about ranks.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import math
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from stalwart.errors import TaskError
+
+if TYPE_CHECKING:
+    from stalwart.config import JobConfig
+
+
+class Dataset(Protocol):
+    def __len__(self) -> int: ...
+    def get_batch(self, indices: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class TrainTask:
+    """Subclass and override `build_model`, `train_dataset` (and whatever else differs)."""
+
+    def prepare_data(self, config: JobConfig) -> None:
+        """Download or preprocess data; runs on every worker before datasets are opened.
+
+        It must be idempotent and safe when several workers on a node call it at once.
+        """
+
+    def build_model(self, config: JobConfig) -> torch.nn.Module:
+        raise TaskError(f"{type(self).__name__} must implement build_model(config)")
+
+    def init_weights(self, model: torch.nn.Module) -> None:
+        """Initialise every parameter from torch's global RNG (seeded by train.seed)."""
+        if hasattr(model, "init_weights"):
+            model.init_weights()
+
+    def train_dataset(self, config: JobConfig) -> Dataset:
+        raise TaskError(f"{type(self).__name__} must implement train_dataset(config)")
+
+    def val_dataset(self, config: JobConfig) -> Dataset | None:
+        """Held-out data for the periodic validation loss, or None."""
+        return None
+
+    def loss(self, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
+             ) -> torch.Tensor:
+        """Mean loss of one micro-batch; the default is next-token cross entropy."""
+        logits = model(inputs)
+        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+
+    def build_optimizer(self, model: torch.nn.Module, config: JobConfig
+                        ) -> torch.optim.Optimizer:
+        """AdamW; weight decay on matrices only (not norms or biases)."""
+        decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
+        no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
+        groups = [{"params": decay, "weight_decay": config.train.weight_decay},
+                  {"params": no_decay, "weight_decay": 0.0}]
+        # foreach=False: the per-tensor loop gives the same numbers for any sharding.
+        return torch.optim.AdamW(groups, lr=config.train.lr, betas=(0.9, 0.95),
+                                 foreach=False)
+
+    def build_lr_scheduler(self, optimizer: torch.optim.Optimizer, config: JobConfig
+                           ) -> torch.optim.lr_scheduler.LRScheduler:
+        """Linear warm-up to train.lr, then cosine decay to lr x min_lr_ratio at train.steps."""
+        t = config.train
+
+        def factor(step: int) -> float:
+            if step < t.warmup_steps:
+                return (step + 1) / t.warmup_steps
+            span = max(1, t.steps - t.warmup_steps)
+            progress = min(1.0, (step - t.warmup_steps) / span)
+            return t.min_lr_ratio + (1 - t.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def load_task_class(path: str) -> type[TrainTask]:
+    module_name, _, attr = path.partition(":")
+    if not module_name or not attr:
+        raise TaskError(f"task path {path!r} is invalid: expected 'module:attribute'")
+    try:
+        module = importlib.import_module(module_name)
+    except Exception as exc:  # any import-time error of user code belongs in the message
+        raise TaskError(f"task path {path!r}: cannot import module {module_name!r}: "
+                        f"{type(exc).__name__}: {exc}") from exc
+    try:
+        obj = getattr(module, attr)
+    except AttributeError:
+        raise TaskError(f"task path {path!r}: module {module_name!r} has no attribute "
+                        f"{attr!r}") from None
+    if not (inspect.isclass(obj) and issubclass(obj, TrainTask)):
+        raise TaskError(f"task path {path!r} names {obj!r}, which is not a TrainTask subclass")
+    return obj
+
+
+def build_task(path: str, args: dict[str, Any]) -> TrainTask:
+    """Import and construct the task; errors name the path or the bad argument."""
+    cls = load_task_class(path)
+    try:
+        return cls(**args)
+    except TaskError:
+        raise
+    except (TypeError, ValueError) as exc:
+        raise TaskError(f"task.args for {path!r} are invalid: {exc}") from exc

@@ -1,0 +1,217 @@
+"""Trainer: the public entry point. Checks every input, prepares the run directory, connects to
+Ray (embedded or a cluster), and hands the run to the controller.
+
+Everything that can be wrong with the input is checked here, before a single worker starts:
+the config, the task path, the storage URL, the run directory and what it holds.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stalwart.checkpointing.catalog import CheckpointInfo, newest_valid
+from stalwart.checkpointing.errors import StorageURLError
+from stalwart.checkpointing.layout import filesystem
+from stalwart.config import JobConfig, load_config
+from stalwart.errors import ClusterError, ConfigError, RunDirError
+from stalwart.orchestrator.controller import Controller
+from stalwart.orchestrator.states import Failed, Finished, State, Stopped
+from stalwart.progress import ProgressDisplay
+from stalwart.run_dir import RunDir, read_jsonl
+from stalwart.task import build_task
+
+# Keys that define what is being trained: changing them on --resume would silently mix two
+# different runs (another model, another data order), so it is refused.
+IDENTITY_KEYS = ("task.path", "task.args", "train.seed", "train.global_batch_size")
+
+
+@dataclass(frozen=True)
+class RunResult:
+    run_dir: Path
+    state: str
+    """FINISHED, STOPPED (Ctrl-C, last step checkpointed) or FAILED."""
+    step: int
+    loss: float | None
+    val_loss: float | None
+    wall_s: float
+    reason: str | None = None
+
+
+def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and key != "task.args":
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_changes(old: JobConfig, new: JobConfig) -> dict[str, list[Any]]:
+    a, b = _flatten(old.to_dict()), _flatten(new.to_dict())
+    return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
+
+
+class Trainer:
+    def __init__(self, config: JobConfig, *, run_dir: str | Path | None = None,
+                 address: str | None = None, resume: bool = False,
+                 live_progress: bool | None = None) -> None:
+        self.config = config
+        self.run_dir = RunDir(Path(run_dir) if run_dir else RunDir.default_path(config))
+        self.address = address
+        self.resume = resume
+        self.live_progress = live_progress
+
+    # ------------------------------------------------------------------ checks
+
+    def _check_storage(self, url: str) -> None:
+        if url.startswith("memory://"):
+            raise StorageURLError(
+                f"checkpoint.storage {url!r}: memory:// lives inside one process, and "
+                f"stalwart's workers are separate processes; use a path or a shared "
+                f"filesystem URL (file://, s3://, gs://, ...)")
+        fs, path = filesystem(url)
+        try:
+            fs.makedirs(path, exist_ok=True)
+        except Exception as exc:  # any filesystem's own error type (permissions, auth, ...)
+            raise StorageURLError(f"checkpoint.storage {url!r} is not writable: "
+                                  f"{type(exc).__name__}: {exc}") from exc
+
+    def _prepare_run_dir(self, storage_url: str) -> CheckpointInfo | None:
+        rd = self.run_dir
+        if not self.resume:
+            rd.check_new(storage_url)
+            return None
+        rd.check_resumable()
+        saved = load_config(rd.config_file)
+        changes = config_changes(saved, self.config)
+        identity = [k for k in changes if any(k == i or k.startswith(i + ".")
+                                              for i in IDENTITY_KEYS)]
+        if identity:
+            k = identity[0]
+            raise ConfigError(f"--resume: {k} was {changes[k][0]!r} in {rd.config_file} and is "
+                              f"{changes[k][1]!r} now; a resumed run must train the same model "
+                              f"on the same data order (unchangeable: {', '.join(IDENTITY_KEYS)})")
+        skipped: list[str] = []
+        checkpoint = newest_valid(storage_url, on_skip=lambda s, m: skipped.append(m))
+        if checkpoint is None:
+            why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
+            raise RunDirError(f"--resume: no committed checkpoint under {storage_url}{why}; "
+                              f"nothing to resume from")
+        for message in skipped:
+            rd.events.emit("checkpoint_skipped", message=message)
+        rd.events.emit("resumed", from_step=checkpoint.step, path=checkpoint.path,
+                       config_changes=changes)
+        return checkpoint
+
+    # ------------------------------------------------------------------ Ray
+
+    def _connect(self) -> tuple[bool, dict[str, Any]]:
+        """Join or start Ray; returns (whether we started it, the workers' runtime_env)."""
+        import ray
+
+        # Workers import the task by module path: let them find modules next to the user,
+        # as the driver does (a cluster of other machines ships code with `stalwart submit`).
+        paths = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(paths),
+                                    "OMP_NUM_THREADS": str(max(1, int(
+                                        self.config.scaling.cpus_per_worker)))}}
+        if ray.is_initialized():
+            return False, runtime_env
+        if self.address:
+            try:
+                ray.init(address=self.address, logging_level="WARNING")
+            except Exception as exc:  # ConnectionError, ValueError, ... all mean the same here
+                raise ClusterError(f"--address {self.address!r}: cannot join the Ray cluster: "
+                                   f"{type(exc).__name__}: {exc}") from exc
+        else:
+            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False,
+                     logging_level="WARNING")
+        return True, runtime_env
+
+    def _check_resources(self) -> None:
+        import ray
+
+        sc = self.config.scaling
+        need_cpu = sc.num_workers * sc.cpus_per_worker
+        need_gpu = sc.num_workers * sc.gpus_per_worker
+        have = ray.cluster_resources()
+        if need_cpu > have.get("CPU", 0) or need_gpu > have.get("GPU", 0):
+            raise ClusterError(
+                f"scaling.num_workers={sc.num_workers} x (cpus_per_worker={sc.cpus_per_worker}, "
+                f"gpus_per_worker={sc.gpus_per_worker}) needs {need_cpu:g} CPUs and "
+                f"{need_gpu:g} GPUs; the Ray cluster has {have.get('CPU', 0):g} CPUs and "
+                f"{have.get('GPU', 0):g} GPUs (lower scaling.num_workers or "
+                f"scaling.cpus_per_worker)")
+
+    # ------------------------------------------------------------------ run
+
+    def fit(self) -> RunResult:
+        from stalwart.orchestrator.worker_group import GroupFailed, RayWorkerGroup
+
+        build_task(self.config.task.path, self.config.task.args)  # fails before any worker
+        storage_url = self.run_dir.storage_url(self.config)
+        self._check_storage(storage_url)
+        resume_from = self._prepare_run_dir(storage_url)
+        self.run_dir.write_config(self.config)
+
+        started_ray, runtime_env = self._connect()
+        t0 = time.time()
+        display = ProgressDisplay(total_steps=self.config.train.steps,
+                                  start_step=resume_from.step if resume_from else 0,
+                                  log_every=self.config.run.log_every, live=self.live_progress)
+        try:
+            self._check_resources()
+            controller = Controller(
+                self.config, storage_url=storage_url,
+                group_factory=lambda gen: RayWorkerGroup(self.config, storage_url,
+                                                         generation=gen,
+                                                         runtime_env=runtime_env),
+                group_error=GroupFailed, events=self.run_dir.events,
+                metrics=self.run_dir.metrics, display=display, resume_from=resume_from)
+            final = controller.run()
+        finally:
+            display.close()
+            if started_ray:
+                import ray
+
+                ray.shutdown()
+        return self._result(final, controller, time.time() - t0)
+
+    def _result(self, final: State, controller: Controller, wall_s: float) -> RunResult:
+        reason = None
+        if isinstance(final, Failed):
+            reason = final.reason
+            self.run_dir.events.emit("failed", reason=final.reason, step=controller.last_step)
+        elif not isinstance(final, Finished | Stopped):
+            raise ValueError(f"unexpected final state {final!r}")
+        return RunResult(run_dir=self.run_dir.path, state=final.name, step=controller.last_step,
+                         loss=controller.last_loss, val_loss=controller.last_val_loss,
+                         wall_s=wall_s, reason=reason)
+
+
+def summarize(result: RunResult) -> str:
+    """The closing summary the CLI prints."""
+    metrics = read_jsonl(result.run_dir / "metrics.jsonl")
+    events = read_jsonl(result.run_dir / "events.jsonl")
+    rates = [m["tokens_per_s"] for m in metrics[1:]] or [m["tokens_per_s"] for m in metrics]
+    commits = [e for e in events if e["kind"] == "checkpoint_committed"]
+    lines = [f"{result.state} at step {result.step} in {result.wall_s:.1f}s"]
+    if result.loss is not None:
+        val = f", val_loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+        lines.append(f"  loss {result.loss:.4f}{val}")
+    if rates:
+        lines.append(f"  throughput {sum(rates) / len(rates):,.0f} tokens/s (mean of logged)")
+    if commits:
+        lines.append(f"  checkpoints committed: {len(commits)}, newest step "
+                     f"{commits[-1]['step']} at {commits[-1]['path']}")
+    lines.append(f"  run dir: {result.run_dir}")
+    if result.reason:
+        lines.append(f"  reason: {result.reason}")
+    return "\n".join(lines)
+

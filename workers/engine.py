@@ -1,0 +1,142 @@
+"""TrainEngine: one rank's model, optimizer, data position and step, with no Ray in sight.
+
+The Ray actor (workers/actor.py) drives it from a thread; the dist tests drive it directly
+in plain processes. A step reads the rank's slice of the global batch (workers/sampler.py),
+accumulates micro-batches, syncs gradients once, steps the optimizer and all-reduces a tiny
+tensor holding the loss and a stop flag, so every rank agrees on the loss and on when to stop.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from stalwart.parallel.data_parallel import apply_data_parallel, build_mesh, gradient_sync
+from stalwart.workers.reports import StepReport
+from stalwart.workers.sampler import GlobalSampler, rank_slice
+
+if TYPE_CHECKING:
+    from stalwart.config import JobConfig
+    from stalwart.task import TrainTask
+
+
+class TrainEngine:
+    def __init__(self, config: JobConfig, task: TrainTask, *, rank: int, world_size: int,
+                 device: torch.device) -> None:
+        self.config = config
+        self.task = task
+        self.rank = rank
+        self.world_size = world_size
+        self.device = device
+        self.dp_rank, self.dp_size = rank, world_size  # every rank is data-parallel for now
+        self.accum = config.train.global_batch_size // (config.train.micro_batch_size
+                                                        * self.dp_size)
+        distributed = dist.is_initialized()
+        self.mesh = (build_mesh(device, dp_replicate=config.parallel.dp_replicate,
+                                dp_shard=world_size // config.parallel.dp_replicate)
+                     if distributed else None)
+
+        # Initialise the full model identically on every rank from the seed, then shard it:
+        # the initial weights are then the same for any world size (an invariant the dist
+        # tests check). Meta-device init for models too big for one host comes with TP/PP.
+        torch.manual_seed(config.train.seed)
+        model = task.build_model(config).to(device)
+        task.init_weights(model)
+        self.model = (apply_data_parallel(model, self.mesh,
+                                          reshard_after_forward=config.parallel.reshard_after_forward)
+                      if self.mesh is not None else model)
+        self.optimizer = task.build_optimizer(self.model, config)
+        self.scheduler = task.build_lr_scheduler(self.optimizer, config)
+
+        self.train_data = task.train_dataset(config)
+        self.val_data = task.val_dataset(config)
+        self.sampler = GlobalSampler(len(self.train_data), seed=config.train.seed)
+        self.step = 0
+        self.samples_seen = 0
+
+    # ------------------------------------------------------------------ training
+
+    def train_step(self, *, stop_requested: bool = False) -> tuple[StepReport, bool]:
+        """Run one optimizer step; returns its report and whether any rank asked to stop."""
+        t0 = time.perf_counter()
+        cfg = self.config.train
+        start, count = rank_slice(self.samples_seen, cfg.global_batch_size, self.dp_rank,
+                                  self.dp_size)
+        items = self.sampler.items(start, count)
+        self.model.train()
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = 0
+        for i in range(self.accum):
+            mb = items[i * cfg.micro_batch_size:(i + 1) * cfg.micro_batch_size]
+            inputs, targets = (t.to(self.device, non_blocking=True)
+                               for t in self.train_data.get_batch(mb))
+            tokens += targets.numel()
+            with gradient_sync(self.model, i == self.accum - 1):
+                loss = self.task.loss(self.model, inputs, targets) / self.accum
+                loss.backward()
+            loss_sum += loss.detach()
+        if cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+
+        # One all-reduce of two numbers per step: the mean loss for logging and the stop
+        # flag, so that all ranks stop after the same step whoever was asked first.
+        summary = torch.stack([loss_sum, torch.tensor(float(stop_requested), device=self.device)])
+        if dist.is_initialized():
+            dist.all_reduce(summary)
+        loss_mean, stop_votes = (summary / torch.tensor([self.dp_size, 1.0],
+                                                        device=self.device)).tolist()
+        self.step += 1
+        self.samples_seen += cfg.global_batch_size
+        report = StepReport(rank=self.rank, step=self.step, loss=loss_mean, lr=lr,
+                            tokens=tokens * self.dp_size, step_time_s=time.perf_counter() - t0,
+                            time=time.time())
+        return report, stop_votes > 0
+
+    @torch.no_grad()
+    def validate(self) -> float | None:
+        """Mean loss over a fixed held-out set (the same samples for any world size)."""
+        if self.val_data is None:
+            return None
+        cfg = self.config
+        total = cfg.data.val_batches * cfg.train.global_batch_size
+        start, count = rank_slice(0, total, self.dp_rank, self.dp_size)
+        items = np.arange(start, start + count) % len(self.val_data)
+        self.model.eval()
+        mb = cfg.train.micro_batch_size
+        acc = torch.zeros(2, device=self.device)
+        for i in range(0, count, mb):
+            inputs, targets = (t.to(self.device) for t in self.val_data.get_batch(items[i:i + mb]))
+            loss = self.task.loss(self.model, inputs, targets)
+            acc += torch.stack([loss * len(inputs), torch.tensor(float(len(inputs)),
+                                                                 device=self.device)])
+        if dist.is_initialized():
+            dist.all_reduce(acc)
+        return (acc[0] / acc[1]).item()
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's shard of everything a bit-exact resume needs (DCP-ready)."""
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        return {
+            "model": model_sd,
+            "optim": optim_sd,
+            "scheduler": self.scheduler.state_dict(),
+            "train": {"step": self.step, "samples_seen": self.samples_seen},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optim"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.step = int(state["train"]["step"])
+        self.samples_seen = int(state["train"]["samples_seen"])

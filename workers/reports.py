@@ -1,0 +1,45 @@
+"""What workers tell the controller: plain, picklable records (the heartbeat is a StepReport)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """One completed optimizer step, as seen by one rank (loss is already the global mean)."""
+
+    rank: int
+    step: int
+    loss: float
+    lr: float
+    tokens: int
+    """Tokens the whole world consumed in this step."""
+    step_time_s: float
+    time: float
+    """Wall-clock time (time.time()) at the end of the step."""
+    val_loss: float | None = None
+
+
+@dataclass(frozen=True)
+class CommitReport:
+    """A storage checkpoint is complete and visible (its manifest is written)."""
+
+    step: int
+    path: str
+    save_s: float
+    """Seconds from the start of the save to the manifest being written."""
+
+
+@dataclass(frozen=True)
+class WorkerStatus:
+    """Everything a worker has to say since the last poll."""
+
+    rank: int
+    steps: list[StepReport]
+    commits: list[CommitReport]
+    done: bool
+    """The training thread has ended normally (finished or stopped on request)."""
+    stopped_early: bool = False
+    error: str | None = None
+    """Formatted traceback of an exception in the training thread (user code or ours)."""
