@@ -7,6 +7,8 @@ group is behind a small interface, so tests can drive the controller with a fake
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
@@ -76,11 +78,13 @@ class Controller:
         self._tokens_since_log = 0
         # (failure, step restored from, steps lost) until the first step after a recovery
         self._pending_recovery: tuple[WorkerFailure, int, int] | None = None
-        self._stop_requested = False
+        self._stop_requested = False  # set by the SIGINT handler
+        self._stop_sent = False
 
     # ------------------------------------------------------------------ driver loop
 
     def run(self) -> State:
+        previous_handler = self._install_interrupt_handler()
         try:
             while not self.state.terminal:
                 try:
@@ -93,7 +97,25 @@ class Controller:
                 graceful = isinstance(self.state, Finished | Stopped)
                 self.group.shutdown(graceful=graceful)
                 self.group = None
+            if previous_handler is not None:
+                signal.signal(signal.SIGINT, previous_handler)
         return self.state
+
+    def _install_interrupt_handler(self) -> Any:
+        """First Ctrl-C: stop after the step in flight and checkpoint it. Second: abandon.
+
+        A flag rather than KeyboardInterrupt, so the interrupt never lands half-way through
+        the controller's own bookkeeping. Only the main thread may own signal handlers.
+        """
+        if threading.current_thread() is not threading.main_thread():
+            return None
+
+        def on_sigint(signum: int, frame: Any) -> None:
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+
+        return signal.signal(signal.SIGINT, on_sigint)
 
     def _transition(self, new: State) -> None:
         if new is self.state:  # a handler that returns its own state stays (RUNNING polls)
@@ -145,17 +167,13 @@ class Controller:
 
     def _on_running(self, state: Running) -> State:
         assert self.group is not None
-        try:
-            time.sleep(self.POLL_INTERVAL_S)
-            statuses = self.group.poll(timeout=self.config.scaling.start_timeout_s)
-        except KeyboardInterrupt:
-            if self._stop_requested:
-                return Failed(reason="interrupted twice; stopped without a final checkpoint")
-            self._stop_requested = True
+        if self._stop_requested and not self._stop_sent:
+            self._stop_sent = True
             self.display.log("stopping after the step in flight and checkpointing it "
                              "(Ctrl-C again to abandon the checkpoint)")
             self.group.request_stop()
-            return state
+        time.sleep(self.POLL_INTERVAL_S)
+        statuses = self.group.poll(timeout=self.config.scaling.start_timeout_s)
         self._absorb(statuses)
         if all(st.done for st in statuses):
             if any(st.stopped_early for st in statuses):

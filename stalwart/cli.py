@@ -92,6 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     except StalwartError as exc:
         print(f"stalwart: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
+    except KeyboardInterrupt:
+        print("stalwart: interrupted twice; stopped without a final checkpoint (the newest "
+              "committed one is intact)", file=sys.stderr)
+        return EXIT_STOPPED
 
 
 if __name__ == "__main__":

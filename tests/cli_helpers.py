@@ -1,0 +1,39 @@
+"""Running the `stalwart` console script exactly as a user types it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+STALWART = str(Path(sys.executable).with_name("stalwart"))
+REFERENCE_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "config.toml"
+
+# A tiny GPT on the reference task: seconds per run on 2 CPU cores.
+TINY = [
+    "task.args.seq_len=64", "task.args.d_model=64", "task.args.n_layers=2",
+    "task.args.n_heads=2", "train.global_batch_size=8", "train.micro_batch_size=2",
+    "train.warmup_steps=5", "data.val_batches=1",
+]
+
+
+def sets(*overrides: str) -> list[str]:
+    return [arg for o in overrides for arg in ("--set", o)]
+
+
+def stalwart(*args: str, cwd: Path, timeout: float = 240,
+             check: int | None = 0) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([STALWART, *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=timeout)
+    if check is not None and proc.returncode != check:
+        raise AssertionError(f"stalwart {' '.join(args)} exited {proc.returncode}, expected "
+                             f"{check}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+    return proc
+
+
+def exported_weights(run_dir: Path, cwd: Path, name: str) -> dict[str, torch.Tensor]:
+    out = cwd / f"{name}.pt"
+    stalwart("export", str(run_dir), "--out", str(out), cwd=cwd)
+    return torch.load(out)

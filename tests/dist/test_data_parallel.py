@@ -1,0 +1,55 @@
+"""Data parallelism is exact: 2 gloo ranks train like 1 process with the same global batch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stalwart.config import load_config
+from stalwart.examples.gpt.data import build_token_files
+from stalwart.task import build_task
+from stalwart.workers.engine import TrainEngine
+from tests.dist.launcher import run_ranks
+
+pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
+
+STEPS = 20
+
+
+def tiny_config(world: int, cache_dir: str, layout: list[str]):
+    return load_config(None, [
+        f"scaling.num_workers={world}", "task.args.seq_len=32", "task.args.d_model=32",
+        "task.args.n_layers=2", "task.args.n_heads=2", "train.global_batch_size=8",
+        "train.micro_batch_size=2", f"train.steps={STEPS}", "train.warmup_steps=2",
+        "train.lr=1e-2", f'data.cache_dir="{cache_dir}"', *layout])
+
+
+def train_losses(rank: int, world: int, cache_dir: str, layout: list[str]) -> list[float]:
+    config = tiny_config(world, cache_dir, layout)
+    task = build_task(config.task.path, config.task.args)
+    engine = TrainEngine(config, task, rank=rank, world_size=world, device=torch.device("cpu"))
+    return [engine.train_step()[0].loss for _ in range(STEPS)]
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("data")
+    build_token_files(path / "gpt-stdlib")  # once, before the ranks race for it
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def single_process_losses(cache_dir) -> list[float]:
+    return run_ranks(train_losses, 1, cache_dir, [])[0]
+
+
+@pytest.mark.parametrize("layout", [
+    pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=1"], id="ddp"),
+    pytest.param(["parallel.dp_shard=2"], id="fsdp-zero3"),
+    pytest.param(["parallel.dp_shard=2", "parallel.reshard_after_forward=false"], id="fsdp-zero2"),
+])
+def test_two_ranks_match_one_process(cache_dir, single_process_losses, layout):
+    per_rank = run_ranks(train_losses, 2, cache_dir, layout)
+    assert per_rank[0] == per_rank[1], "ranks disagree on the all-reduced loss"
+    assert single_process_losses[-1] < single_process_losses[0] - 0.5, "the model did not learn"
+    assert per_rank[0] == pytest.approx(single_process_losses, rel=1e-5)
