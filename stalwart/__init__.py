@@ -1,0 +1,12 @@
+"""stalwart: elastic, fault-tolerant PyTorch training on Ray.
+
+Public API: `JobConfig` (+ `load_config`), `TrainTask`, `Trainer` and its `RunResult`.
+"""
+
+from __future__ import annotations
+
+from stalwart.config import JobConfig, load_config
+from stalwart.task import TrainTask
+from stalwart.trainer import RunResult, Trainer
+
+__all__ = ["JobConfig", "RunResult", "TrainTask", "Trainer", "load_config"]

@@ -123,7 +123,7 @@ class TrainConfig:
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     storage: str = ""
-    """fsspec URL of the checkpoint directory (file path, memory://, s3://...); empty means <run dir>/checkpoints."""
+    """Checkpoint directory as a path or fsspec URL (file://, s3://, gs://, ... shared by all workers); empty means <run dir>/checkpoints."""
     persist_every: int = 50
     """Write a storage checkpoint every this many steps (the final step is always written)."""
     keep_last: int = 3
@@ -159,7 +159,7 @@ class DataConfig:
     val_every: int = 50
     """Compute the validation loss every this many steps (and at the end); 0 disables it."""
     val_batches: int = 4
-    """Micro-batches per rank in each validation pass."""
+    """Size of the fixed validation set, in global batches (the same samples for any world size)."""
 
     def __post_init__(self) -> None:
         _require(self.val_every >= 0, "data.val_every", self.val_every, "must be >= 0")

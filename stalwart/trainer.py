@@ -164,7 +164,8 @@ class Trainer:
         t0 = time.time()
         display = ProgressDisplay(total_steps=self.config.train.steps,
                                   start_step=resume_from.step if resume_from else 0,
-                                  log_every=self.config.run.log_every, live=self.live_progress)
+                                  log_every=self.config.run.log_every,
+                                  live=self.live_progress if self.config.run.progress else False)
         try:
             self._check_resources()
             controller = Controller(
