@@ -108,9 +108,26 @@ class RayWorkerGroup:
         self._get([a.start.remote() for a in self.actors])
 
     def poll(self, timeout: float) -> list[WorkerStatus]:
-        """Every rank's status; raises GroupFailed for a dead worker or a failed step."""
-        statuses = self._get([a.poll.remote() for a in self.actors], timeout=timeout,
-                             kind=FailureKind.WORKER_DIED)
+        """Every rank's status; raises GroupFailed for a dead worker or a failed step.
+
+        A dead rank outranks errors on the others: when a process dies, its peers' next
+        collective fails too, and blaming them (as a user error) would hide the real cause.
+        """
+        refs = [a.poll.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        statuses: list[WorkerStatus] = []
+        died: WorkerFailure | None = None
+        for rank, ref in enumerate(refs):
+            if ref not in ready:
+                raise GroupFailed(WorkerFailure(
+                    kind=FailureKind.WORKER_DIED, rank=rank, detected_at=time.time(),
+                    message=f"worker rank {rank} did not answer a poll within {timeout:.0f}s"))
+            try:
+                statuses.append(ray.get(ref))
+            except Exception as exc:
+                died = died or _failure_from(exc, rank, FailureKind.WORKER_DIED)
+        if died is not None:
+            raise GroupFailed(died)
         for st in statuses:
             if st.error is not None:
                 raise GroupFailed(WorkerFailure(kind=FailureKind.USER_ERROR, rank=st.rank,
@@ -121,8 +138,8 @@ class RayWorkerGroup:
         for a in self.actors:
             a.request_stop.remote()
 
-    def pids(self) -> list[int]:
-        return self._get([a.pid.remote() for a in self.actors])
+    def describe(self) -> list[dict[str, Any]]:
+        return self._get([a.describe.remote() for a in self.actors])
 
     def shutdown(self, *, graceful: bool) -> None:
         """Leave the process group cleanly when asked and able; then kill actors, free resources."""

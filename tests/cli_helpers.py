@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
+
+from stalwart.run_dir import read_jsonl
 
 STALWART = str(Path(sys.executable).with_name("stalwart"))
 REFERENCE_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "config.toml"
@@ -37,3 +40,15 @@ def exported_weights(run_dir: Path, cwd: Path, name: str) -> dict[str, torch.Ten
     out = cwd / f"{name}.pt"
     stalwart("export", str(run_dir), "--out", str(out), cwd=cwd)
     return torch.load(out)
+
+
+def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Block until a running CLI process has logged `step` in metrics.jsonl."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"the run ended before step {step}"
+        rows = read_jsonl(metrics) if metrics.exists() else []
+        if rows and rows[-1]["step"] >= step:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"step {step} not reached in {timeout}s")

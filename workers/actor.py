@@ -56,8 +56,11 @@ class TrainWorker:
 
         return Rendezvous(host=ray.util.get_node_ip_address(), port=free_port())
 
-    def pid(self) -> int:
-        return os.getpid()
+    def describe(self) -> dict[str, Any]:
+        """Where this rank runs, for the event log (and for tests that kill it)."""
+        import ray
+
+        return {"rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address()}
 
     def setup(self, rank: int, world_size: int, rdzv: Rendezvous) -> None:
         """Join the process group, then build the task, model, optimizer and data."""

@@ -6,34 +6,26 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
-import time
 
 import pytest
 import torch
 
 from stalwart.run_dir import read_jsonl
-from tests.cli_helpers import REFERENCE_CONFIG, STALWART, TINY, exported_weights, sets, stalwart
+from tests.cli_helpers import (
+    REFERENCE_CONFIG,
+    STALWART,
+    exported_weights,
+    sets,
+    stalwart,
+    wait_for_step,
+)
+from tests.ray.conftest import RUN
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
-RUN = [*TINY, "train.steps=150", "checkpoint.persist_every=10", "checkpoint.keep_last=2",
-       "run.log_every=1", "data.val_every=50"]
 
-
-def wait_for_step(metrics, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "the run ended before it could be interrupted"
-        rows = read_jsonl(metrics) if metrics.exists() else []
-        if rows and rows[-1]["step"] >= step:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached in {timeout}s")
-
-
-def test_interrupt_then_resume_equals_uninterrupted(tmp_path):
+def test_interrupt_then_resume_equals_uninterrupted(tmp_path, straight_run):
     config = str(REFERENCE_CONFIG)
-    stalwart("run", config, *sets(*RUN), "--run-dir", "straight", cwd=tmp_path)
 
     interrupted = tmp_path / "interrupted"
     proc = subprocess.Popen([STALWART, "run", config, *sets(*RUN), "--run-dir", "interrupted"],
@@ -65,12 +57,12 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path):
     assert events[-1]["kind"] == "finished" and events[-1]["step"] == 150
 
     # The metrics continue where the stop left off, and the last losses agree exactly.
-    straight_rows = read_jsonl(tmp_path / "straight" / "metrics.jsonl")
+    straight_rows = read_jsonl(straight_run / "metrics.jsonl")
     resumed_rows = read_jsonl(interrupted / "metrics.jsonl")
     assert [r["step"] for r in resumed_rows] == list(range(1, 151))
     assert resumed_rows[-1]["loss"] == straight_rows[-1]["loss"]
 
-    a = exported_weights(tmp_path / "straight", tmp_path, "straight")
+    a = exported_weights(straight_run, tmp_path, "straight")
     b = exported_weights(interrupted, tmp_path, "resumed")
     assert a.keys() == b.keys() and len(a) > 5
     for key in a:

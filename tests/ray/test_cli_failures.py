@@ -1,0 +1,90 @@
+"""Failures from the CLI on a local Ray: a killed worker is recovered from the newest storage
+checkpoint (bit-identical result), an exception in user code fails fast with its traceback."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import textwrap
+
+import pytest
+import torch
+
+from stalwart.run_dir import read_jsonl
+from tests.cli_helpers import (
+    REFERENCE_CONFIG,
+    STALWART,
+    exported_weights,
+    sets,
+    stalwart,
+    wait_for_step,
+)
+from tests.ray.conftest import RUN
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+
+def test_killed_worker_restarts_from_checkpoint_with_identical_result(tmp_path, straight_run):
+    run_dir = tmp_path / "killed"
+    proc = subprocess.Popen([STALWART, "run", str(REFERENCE_CONFIG),
+                             *sets(*RUN, "failure.max_failures=1"), "--run-dir", "killed"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        wait_for_step(run_dir / "metrics.jsonl", 15, proc)
+        (workers,) = [e["workers"] for e in read_jsonl(run_dir / "events.jsonl")
+                      if e["kind"] == "workers_started"]
+        os.kill(workers[1]["pid"], signal.SIGKILL)  # a real process death, by its own PID
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, f"{out}\n{err}"
+
+    events = read_jsonl(run_dir / "events.jsonl")
+    kinds = [e["kind"] for e in events]
+    (failure,) = [e for e in events if e["kind"] == "failure"]
+    assert failure["failure_kind"] == "worker_died" and failure["rank"] == 1 and failure["retry"]
+    (recovered,) = [e for e in events if e["kind"] == "recovered"]
+    assert recovered["source"] == "storage" and recovered["from_step"] % 10 == 0
+    assert recovered["lost_steps"] == failure["step"] - recovered["from_step"] >= 0
+    assert [e["generation"] for e in events if e["kind"] == "workers_started"] == [0, 1]
+    assert kinds[-1] == "finished"
+
+    a = exported_weights(straight_run, tmp_path, "straight")
+    b = exported_weights(run_dir, tmp_path, "recovered")
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs after recovery"
+
+
+EXPLODING_TASK = textwrap.dedent('''
+    from stalwart.examples.gpt.task import GPTTask
+
+    class ExplodingTask(GPTTask):
+        """Raises from the loss after a few micro-batches, like a bug in user code."""
+
+        def __init__(self, *, explode_after=6, **kw):
+            super().__init__(**kw)
+            self.explode_after, self.calls = explode_after, 0
+
+        def loss(self, model, inputs, targets):
+            self.calls += 1
+            if self.calls > self.explode_after:
+                raise ValueError(f"user bug after {self.calls - 1} micro-batches")
+            return super().loss(model, inputs, targets)
+''')
+
+
+def test_user_exception_fails_fast_with_traceback(tmp_path):
+    # The task lives next to the user, not in an installed package: workers must find it too.
+    (tmp_path / "my_tasks.py").write_text(EXPLODING_TASK)
+    proc = stalwart("run", str(REFERENCE_CONFIG),
+                    *sets(*RUN, "task.path=my_tasks:ExplodingTask", "failure.max_failures=3"),
+                    "--run-dir", "exploding", cwd=tmp_path, check=1)
+    assert "ValueError: user bug after 6 micro-batches" in proc.stdout
+    assert "my_tasks.py" in proc.stdout  # the user's own frame is in the traceback
+    events = read_jsonl(tmp_path / "exploding" / "events.jsonl")
+    (failure,) = [e for e in events if e["kind"] == "failure"]
+    assert failure["failure_kind"] == "user_error" and failure["retry"] is False
+    assert events[-1]["kind"] == "failed"
+    assert [e["kind"] for e in events].count("workers_started") == 1  # not retried
