@@ -46,6 +46,11 @@ def filesystem(url: str) -> tuple[AbstractFileSystem, str]:
     except ValueError as exc:
         raise StorageURLError(f"checkpoint.storage {url!r}: {exc}; use a local path or an "
                               f"fsspec URL such as file://, s3://, gs://") from None
+    except Exception as exc:  # a filesystem whose client fails to load (hdfs:// without a JVM)
+        protocol = url.split("://", 1)[0]
+        first_line = (str(exc).splitlines() or [""])[0]
+        raise StorageURLError(f"checkpoint.storage {url!r}: cannot open the {protocol}:// "
+                              f"filesystem: {type(exc).__name__}: {first_line}") from None
     return fs, path
 
 

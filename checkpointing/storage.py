@@ -38,7 +38,8 @@ def write_manifest(url: str, step: int, extra: dict[str, Any]) -> None:
     files = {}
     for info in fs.ls(root, detail=True):
         name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-        if name == MANIFEST or info["type"] != "file":
+        # A stale manifest.json.tmp is left by a commit that crashed before its rename.
+        if name in (MANIFEST, f"{MANIFEST}.tmp") or info["type"] != "file":
             continue
         files[name] = {"size": int(info["size"]), "sha256": sha256_of(fs, info["name"])}
     manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "files": files,

@@ -55,7 +55,8 @@ class Display(Protocol):
 
 
 class Controller:
-    POLL_INTERVAL_S = 0.2
+    # Heartbeats are drained in batches; a poll costs an RPC per worker, so not faster.
+    POLL_INTERVAL_S = 0.5
 
     def __init__(self, config: JobConfig, *, storage_url: str,
                  group_factory: Callable[[int], WorkerGroup], group_error: type[Exception],
@@ -75,12 +76,20 @@ class Controller:
         self.last_step = resume_from.step if resume_from else 0
         self.last_loss: float | None = None
         self.last_val_loss: float | None = None
-        self._last_log_time = time.time()
+        # Metrics windows run on the workers' clock: from the end of the step of the last
+        # row (or the start of a group's first step) to the end of the current step.
+        self._last_log_time: float | None = None
+        self._last_step_end: float | None = None
         self._tokens_since_log = 0
+        # Throughput of this invocation: all tokens over the workers' time spent in steps
+        # (checkpoint waits included, start-up and recovery excluded).
+        self.tokens_total = 0
+        self.train_time_s = 0.0
         # (failure, step restored from, steps lost) until the first step after a recovery
         self._pending_recovery: tuple[WorkerFailure, int, int] | None = None
         self._stop_requested = False  # set by the SIGINT handler
         self._stop_sent = False
+        self._started_emitted = False
 
     # ------------------------------------------------------------------ driver loop
 
@@ -158,9 +167,10 @@ class Controller:
             start_step = self.group.restore(state.checkpoint.path)
         self.last_step = start_step
         self.group.launch()
-        self._last_log_time = time.time()
+        self._last_log_time = self._last_step_end = None
         self._tokens_since_log = 0
-        if state.generation == 0:
+        if not self._started_emitted:  # once, even if the first group never launched
+            self._started_emitted = True
             self.events.emit("started", world_size=self.config.scaling.num_workers,
                              steps=self.config.train.steps, start_step=start_step,
                              task=self.config.task.path)
@@ -199,10 +209,10 @@ class Controller:
 
     def _on_recovering(self, state: Recovering) -> State:
         # The skeleton's recovery: replace the whole group and restore from storage.
-        assert self.group is not None
         self.display.log(f"recovering from: {state.failure.message.splitlines()[-1]}")
-        self.group.shutdown(graceful=False)
-        self.group = None
+        if self.group is not None:  # None when creating the group itself failed
+            self.group.shutdown(graceful=False)
+            self.group = None
         restored = newest_valid(self.storage_url)
         from_step = restored.step if restored else 0
         self._pending_recovery = (state.failure, from_step, self.last_step - from_step)
@@ -227,6 +237,11 @@ class Controller:
             self.events.emit("recovered", from_step=from_step, source="storage",
                              world_size=self.config.scaling.num_workers, lost_steps=lost,
                              recovery_s=round(r.time - failure.detected_at, 3))
+        if self._last_log_time is None:  # first step of a group: its window starts on its clock
+            self._last_log_time = r.time - r.step_time_s
+        self.train_time_s += r.time - (self._last_step_end or self._last_log_time)
+        self._last_step_end = r.time
+        self.tokens_total += r.tokens
         self._tokens_since_log += r.tokens
         tokens_per_s = None
         if r.step % self.config.run.log_every == 0 or r.step == self.config.train.steps \

@@ -6,10 +6,10 @@ Decisions are plain data (Ray Train v2's shape): the policy decides, the control
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
-class FailureKind(str, Enum):
+class FailureKind(StrEnum):
     WORKER_DIED = "worker_died"
     """The actor's process or node is gone (Ray actor error)."""
     USER_ERROR = "user_error"

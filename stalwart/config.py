@@ -9,13 +9,12 @@ overrides and refuses unknown keys, so a typo never silently falls back to a def
 from __future__ import annotations
 
 import dataclasses
+import tomllib
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
-
-import tomllib
 
 from stalwart.errors import ConfigError
 
@@ -67,17 +66,40 @@ class ScalingConfig:
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     dp_replicate: int = 1
-    """Data-parallel replicas (DDP when dp_shard == 1; the outer dimension of HSDP otherwise)."""
+    """Data-parallel replicas (DDP when dp_shard == 1; the outer dimension of HSDP otherwise); -1 takes every rank dp_shard leaves."""
     dp_shard: int = -1
     """Data-parallel sharding degree with FSDP2; -1 takes every rank dp_replicate leaves."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
 
     def __post_init__(self) -> None:
-        _require(self.dp_replicate >= 1, "parallel.dp_replicate", self.dp_replicate,
-                 "must be >= 1")
+        _require(self.dp_replicate == -1 or self.dp_replicate >= 1, "parallel.dp_replicate",
+                 self.dp_replicate, "must be >= 1, or -1 for every rank that dp_shard leaves")
         _require(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
                  "must be >= 1, or -1 for every rank that dp_replicate leaves")
+        _require(not (self.dp_replicate == -1 and self.dp_shard == -1), "parallel.dp_replicate",
+                 self.dp_replicate, "at most one of dp_replicate and dp_shard may be -1")
+
+    def degrees(self, world_size: int) -> tuple[int, int]:
+        """(dp_replicate, dp_shard) for a world of `world_size` ranks, with -1 resolved.
+
+        Takes the world size rather than reading scaling.num_workers, because the world a
+        layout is built for can differ from the configured one (a resized world).
+        """
+        fixed = self.dp_shard if self.dp_replicate == -1 else self.dp_replicate
+        if world_size % fixed:
+            name = "dp_shard" if self.dp_replicate == -1 else "dp_replicate"
+            raise ConfigError(f"parallel.{name} = {fixed} is invalid: must divide the world "
+                              f"size {world_size}")
+        if self.dp_replicate == -1:
+            return world_size // self.dp_shard, self.dp_shard
+        if self.dp_shard == -1:
+            return self.dp_replicate, world_size // self.dp_replicate
+        if self.dp_replicate * self.dp_shard != world_size:
+            raise ConfigError(f"parallel.dp_shard = {self.dp_shard} is invalid: dp_replicate x "
+                              f"dp_shard must equal the world size {world_size} (or set one "
+                              f"of them to -1)")
+        return self.dp_replicate, self.dp_shard
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -196,25 +218,12 @@ class JobConfig:
         # Cross-section checks: the world must be splittable into the data-parallel layout,
         # and the global batch into micro-batches on each data-parallel rank.
         world = self.scaling.num_workers
-        rep, shard = self.parallel.dp_replicate, self.parallel.dp_shard
-        _require(world % rep == 0, "parallel.dp_replicate", rep,
-                 f"must divide scaling.num_workers={world}")
-        if shard != -1:
-            _require(rep * shard == world, "parallel.dp_shard", shard,
-                     f"dp_replicate x dp_shard must equal scaling.num_workers={world} "
-                     f"(or set dp_shard = -1)")
+        self.parallel.degrees(world)  # raises naming the dimension that does not fit
         per_step = self.train.micro_batch_size * world
         _require(self.train.global_batch_size % per_step == 0, "train.global_batch_size",
                  self.train.global_batch_size,
                  f"must be a multiple of micro_batch_size x data-parallel ranks = "
                  f"{self.train.micro_batch_size} x {world} = {per_step}")
-
-    @property
-    def dp_shard(self) -> int:
-        """dp_shard with -1 resolved against the world size."""
-        if self.parallel.dp_shard == -1:
-            return self.scaling.num_workers // self.parallel.dp_replicate
-        return self.parallel.dp_shard
 
     @property
     def grad_accum_steps(self) -> int:

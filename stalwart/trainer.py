@@ -38,6 +38,8 @@ class RunResult:
     loss: float | None
     val_loss: float | None
     wall_s: float
+    tokens_per_s: float | None
+    """All tokens trained in this invocation over the time the workers spent in steps."""
     reason: str | None = None
 
 
@@ -70,11 +72,15 @@ class Trainer:
     # ------------------------------------------------------------------ checks
 
     def _check_storage(self, url: str) -> None:
+        """Refuse a URL no worker could use; creates nothing (that waits for every check)."""
         if url.startswith("memory://"):
             raise StorageURLError(
                 f"checkpoint.storage {url!r}: memory:// lives inside one process, and "
                 f"stalwart's workers are separate processes; use a path or a shared "
                 f"filesystem URL (file://, s3://, gs://, ...)")
+        filesystem(url)
+
+    def _make_storage(self, url: str) -> None:
         fs, path = filesystem(url)
         try:
             fs.makedirs(path, exist_ok=True)
@@ -82,11 +88,13 @@ class Trainer:
             raise StorageURLError(f"checkpoint.storage {url!r} is not writable: "
                                   f"{type(exc).__name__}: {exc}") from exc
 
-    def _prepare_run_dir(self, storage_url: str) -> CheckpointInfo | None:
+    def _check_run_dir(self, storage_url: str) -> tuple[CheckpointInfo | None, dict[str, Any],
+                                                        list[str]]:
+        """(checkpoint to resume from, config changes, damaged checkpoints skipped); reads only."""
         rd = self.run_dir
         if not self.resume:
             rd.check_new(storage_url)
-            return None
+            return None, {}, []
         rd.check_resumable()
         saved = load_config(rd.config_file)
         changes = config_changes(saved, self.config)
@@ -103,11 +111,7 @@ class Trainer:
             why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
             raise RunDirError(f"--resume: no committed checkpoint under {storage_url}{why}; "
                               f"nothing to resume from")
-        for message in skipped:
-            rd.events.emit("checkpoint_skipped", message=message)
-        rd.events.emit("resumed", from_step=checkpoint.step, path=checkpoint.path,
-                       config_changes=changes)
-        return checkpoint
+        return checkpoint, changes, skipped
 
     # ------------------------------------------------------------------ Ray
 
@@ -154,20 +158,28 @@ class Trainer:
     def fit(self) -> RunResult:
         from stalwart.orchestrator.worker_group import GroupFailed, RayWorkerGroup
 
-        build_task(self.config.task.path, self.config.task.args)  # fails before any worker
+        # Every check first, writing nothing: a refused run leaves the run dir as it was.
+        build_task(self.config.task.path, self.config.task.args)
         storage_url = self.run_dir.storage_url(self.config)
         self._check_storage(storage_url)
-        resume_from = self._prepare_run_dir(storage_url)
-        self.run_dir.write_config(self.config)
-
+        resume_from, changes, skipped = self._check_run_dir(storage_url)
         started_ray, runtime_env = self._connect()
-        t0 = time.time()
-        display = ProgressDisplay(total_steps=self.config.train.steps,
-                                  start_step=resume_from.step if resume_from else 0,
-                                  log_every=self.config.run.log_every,
-                                  live=self.live_progress if self.config.run.progress else False)
+        display = None
         try:
             self._check_resources()
+            self._make_storage(storage_url)
+            self.run_dir.write_config(self.config)
+            for message in skipped:
+                self.run_dir.events.emit("checkpoint_skipped", message=message)
+            if resume_from is not None:
+                self.run_dir.events.emit("resumed", from_step=resume_from.step,
+                                         path=resume_from.path, config_changes=changes)
+            t0 = time.time()
+            display = ProgressDisplay(
+                total_steps=self.config.train.steps,
+                start_step=resume_from.step if resume_from else 0,
+                log_every=self.config.run.log_every,
+                live=self.live_progress if self.config.run.progress else False)
             controller = Controller(
                 self.config, storage_url=storage_url,
                 group_factory=lambda gen: RayWorkerGroup(self.config, storage_url,
@@ -177,7 +189,8 @@ class Trainer:
                 metrics=self.run_dir.metrics, display=display, resume_from=resume_from)
             final = controller.run()
         finally:
-            display.close()
+            if display is not None:
+                display.close()
             if started_ray:
                 import ray
 
@@ -193,21 +206,21 @@ class Trainer:
             raise ValueError(f"unexpected final state {final!r}")
         return RunResult(run_dir=self.run_dir.path, state=final.name, step=controller.last_step,
                          loss=controller.last_loss, val_loss=controller.last_val_loss,
-                         wall_s=wall_s, reason=reason)
+                         wall_s=wall_s, reason=reason,
+                         tokens_per_s=(controller.tokens_total / controller.train_time_s
+                                       if controller.train_time_s > 0 else None))
 
 
 def summarize(result: RunResult) -> str:
     """The closing summary the CLI prints."""
-    metrics = read_jsonl(result.run_dir / "metrics.jsonl")
     events = read_jsonl(result.run_dir / "events.jsonl")
-    rates = [m["tokens_per_s"] for m in metrics[1:]] or [m["tokens_per_s"] for m in metrics]
     commits = [e for e in events if e["kind"] == "checkpoint_committed"]
     lines = [f"{result.state} at step {result.step} in {result.wall_s:.1f}s"]
     if result.loss is not None:
         val = f", val_loss {result.val_loss:.4f}" if result.val_loss is not None else ""
         lines.append(f"  loss {result.loss:.4f}{val}")
-    if rates:
-        lines.append(f"  throughput {sum(rates) / len(rates):,.0f} tokens/s (mean of logged)")
+    if result.tokens_per_s is not None:
+        lines.append(f"  throughput {result.tokens_per_s:,.0f} tokens/s")
     if commits:
         lines.append(f"  checkpoints committed: {len(commits)}, newest step "
                      f"{commits[-1]['step']} at {commits[-1]['path']}")

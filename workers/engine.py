@@ -37,8 +37,8 @@ class TrainEngine:
         self.accum = config.train.global_batch_size // (config.train.micro_batch_size
                                                         * self.dp_size)
         distributed = dist.is_initialized()
-        self.mesh = (build_mesh(device, dp_replicate=config.parallel.dp_replicate,
-                                dp_shard=world_size // config.parallel.dp_replicate)
+        replicate, shard = config.parallel.degrees(world_size)
+        self.mesh = (build_mesh(device, dp_replicate=replicate, dp_shard=shard)
                      if distributed else None)
 
         # Initialise the full model identically on every rank from the seed, then shard it:

@@ -1,0 +1,149 @@
+"""The baseline of bench/throughput.py: the reference task trained by hand with torch DDP.
+
+What a competent user would write without stalwart: one process per rank started by torchrun,
+gloo on CPU, one compute thread per rank, torch DistributedDataParallel, gradient accumulation
+with no_sync(), clip_grad_norm_, AdamW + LR schedule, and one tiny all-reduce of the loss per
+step for logging. Everything that decides the numbers is taken from stalwart itself so that the
+two runs train the same thing: the JobConfig (same TOML + `--set` overrides), the GPTTask's
+model, init, loss, optimizer and schedule, the same token files and the same sample order.
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 bench/torchrun_ddp.py \
+        --steps 60 --exclude 10 --out /tmp/torchrun.json
+
+Rank 0 appends one JSON line to --out: steady-state tokens/s measured like stalwart's
+metrics.jsonl (wall time between the ends of step `exclude` and of the last step), plus the
+loss at every step, so that the caller can check both runs trained the same model on the same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from stalwart.config import load_config
+from stalwart.examples.gpt.data import TokenDataset, build_token_files
+from stalwart.task import build_task
+from stalwart.workers.sampler import GlobalSampler, rank_slice
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = ROOT / "examples" / "gpt" / "config.toml"
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="stalwart TOML config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, as for `stalwart run` (repeatable)")
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
+    p.add_argument("--exclude", type=int, default=10,
+                   help="warm-up steps left out of the measured window")
+    p.add_argument("--cache-dir", default=None,
+                   help="token file cache (default: <data.cache_dir>/gpt-stdlib, "
+                        "i.e. ~/.cache/stalwart/gpt-stdlib, the one stalwart uses)")
+    p.add_argument("--out", required=True, help="JSON-lines file that rank 0 appends to")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    overrides = list(args.overrides) + [f"scaling.num_workers={world}"]
+    if args.steps is not None:
+        overrides.append(f"train.steps={args.steps}")
+    config = load_config(args.config, overrides)
+    t = config.train
+    if not 0 <= args.exclude < t.steps:
+        raise SystemExit(f"--exclude={args.exclude} must be in [0, train.steps={t.steps})")
+    task = build_task(config.task.path, config.task.args)
+    accum = t.global_batch_size // (t.micro_batch_size * world)
+
+    # Data: the same token files and windows as GPTTask (build_token_files is safe to call
+    # from both ranks at once: it takes a file lock).
+    cache = (Path(args.cache_dir) if args.cache_dir
+             else Path(config.data.cache_dir) / "gpt-stdlib").expanduser()
+    files = build_token_files(cache, val_fraction=task.val_fraction)
+    data = TokenDataset(files.train, task.model_config.seq_len)
+    sampler = GlobalSampler(len(data), seed=t.seed)
+
+    # Model: built and initialised from the seed on every rank, exactly as stalwart does.
+    torch.manual_seed(t.seed)
+    model = task.build_model(config)
+    task.init_weights(model)
+    model = DistributedDataParallel(model)
+    optimizer = task.build_optimizer(model, config)
+    scheduler = task.build_lr_scheduler(optimizer, config)
+
+    samples_seen = 0
+    losses: list[float] = []
+    ends: list[float] = []  # wall time at the end of each step (index 0: before step 1)
+    tokens_per_step = 0
+    dist.barrier()
+    ends.append(time.time())
+    for _step in range(1, t.steps + 1):
+        start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
+        items = sampler.items(start, count)
+        model.train()
+        loss_sum = torch.zeros(())
+        tokens = 0
+        for i in range(accum):
+            inputs, targets = data.get_batch(items[i * t.micro_batch_size:
+                                                   (i + 1) * t.micro_batch_size])
+            tokens += targets.numel()
+            if i < accum - 1:
+                with model.no_sync():
+                    loss = task.loss(model, inputs, targets) / accum
+                    loss.backward()
+            else:
+                loss = task.loss(model, inputs, targets) / accum
+                loss.backward()
+            loss_sum += loss.detach()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)  # the global mean loss, for logging
+        losses.append(loss_sum.item() / world)
+        samples_seen += t.global_batch_size
+        tokens_per_step = tokens * world
+        ends.append(time.time())
+
+    window_s = ends[-1] - ends[args.exclude]
+    measured = t.steps - args.exclude
+    if rank == 0:
+        row = {
+            "runner": "torchrun-ddp",
+            "world_size": world,
+            "steps": t.steps,
+            "excluded_steps": args.exclude,
+            "tokens_per_step": tokens_per_step,
+            "window_s": window_s,
+            "tokens_per_s": measured * tokens_per_step / window_s,
+            "step_time_s_median": sorted(b - a for a, b in zip(ends[args.exclude:-1],
+                                                               ends[args.exclude + 1:],
+                                                               strict=True))[measured // 2],
+            "loss_by_step": {str(i + 1): v for i, v in enumerate(losses)},
+            "grad_accum": accum,
+            "threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+        }
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        with open(args.out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"torchrun DDP: {row['tokens_per_s']:,.0f} tokens/s over steps "
+              f"{args.exclude + 1}..{t.steps}, final loss {losses[-1]:.4f}", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,297 @@
+"""Bad input to the `stalwart` command: one clear error line, exit code 2, nothing started.
+
+Each case runs the installed console script as a user types it, in a fresh directory of its
+own. Every run gets its own RAY_TMPDIR: Ray creates its session there as soon as it starts,
+so an empty RAY_TMPDIR afterwards shows that no Ray (and so no worker) was started.
+
+Each run mostly waits on imports (and one on a local Ray start), so all cases are started
+together, a few at a time, when the first test needs one; each test then checks its own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+STALWART = Path(sys.executable).with_name("stalwart")
+REFERENCE_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "config.toml"
+TIMEOUT_S = 60
+PARALLEL = 3
+ERROR_PREFIX = "stalwart: error: "
+
+
+def _tree(root: Path) -> dict[str, bytes | None]:
+    """Every path under root: file bytes, or None for a directory."""
+    return {p.relative_to(root).as_posix(): (p.read_bytes() if p.is_file() else None)
+            for p in sorted(root.rglob("*"))}
+
+
+def _previous_run(run_dir: Path, *, with_checkpoint: bool) -> None:
+    run_dir.mkdir()
+    shutil.copy(REFERENCE_CONFIG, run_dir / "config.toml")
+    (run_dir / "events.jsonl").write_text('{"time": 1.0, "kind": "started"}\n')
+    if with_checkpoint:
+        step = run_dir / "checkpoints" / "step_000000010"
+        step.mkdir(parents=True)
+        (step / "manifest.json").write_text('{"format": 1, "step": 10, "files": {}}')
+        (step / "__0_0.distcp").write_bytes(b"\x00\x01shard")
+
+
+@dataclass(frozen=True)
+class Case:
+    args: tuple[str, ...]
+    prepare: Callable[[Path], None] | None = None
+    """Builds what the case needs in its working directory (which holds config.toml)."""
+
+
+def _sets(*overrides: str) -> tuple[str, ...]:
+    return tuple(arg for o in overrides for arg in ("--set", o))
+
+
+CASES: dict[str, Case] = {
+    # first: the one that starts Ray and takes longest
+    "too_big": Case(("run", "config.toml", *_sets(
+        "scaling.num_workers=64", "train.micro_batch_size=1", "train.global_batch_size=64"),
+        "--run-dir", "big")),
+    "missing_config": Case(("run", "missing.toml")),
+    "malformed_toml": Case(("run", "bad.toml"),
+                           lambda d: (d / "bad.toml").write_text("[train\nsteps = 3\n")),
+    "unknown_key": Case(("run", "config.toml", *_sets("train.stepz=10"))),
+    "batch": Case(("run", "config.toml", *_sets("train.global_batch_size=10"))),
+    "task_path": Case(("run", "config.toml", *_sets("task.path=nope.mod:Task"),
+                       "--run-dir", "r")),
+    "foo_storage": Case(("run", "config.toml", *_sets('checkpoint.storage="foo://bucket/x"'),
+                         "--run-dir", "r")),
+    "s3_storage": Case(("run", "config.toml", *_sets('checkpoint.storage="s3://bucket/x"'))),
+    "hdfs_storage": Case(("run", "config.toml",
+                          *_sets('checkpoint.storage="hdfs://namenode/x"'))),
+    "resume_no_run_dir": Case(("run", "config.toml", "--resume")),
+    "resume_no_run": Case(("run", "config.toml", "--resume", "--run-dir", "no-such-run")),
+    "fresh_into_checkpoints": Case(("run", "config.toml", "--run-dir", "old"),
+                                   lambda d: _previous_run(d / "old", with_checkpoint=True)),
+    "fresh_into_run": Case(("run", "config.toml", "--run-dir", "old"),
+                           lambda d: _previous_run(d / "old", with_checkpoint=False)),
+    "export_no_checkpoint": Case(("export", "run", "--out", "model.safetensors"),
+                                 lambda d: _previous_run(d / "run", with_checkpoint=False)),
+}
+
+
+@dataclass
+class Outcome:
+    args: tuple[str, ...]
+    cwd: Path
+    before: dict[str, bytes | None]
+    ray_tmpdir: Path
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def __str__(self) -> str:
+        return (f"stalwart {' '.join(self.args)} -> exit {self.returncode}\n--- stdout\n"
+                f"{self.stdout}\n--- stderr\n{self.stderr}")
+
+    @property
+    def ray_started(self) -> bool:
+        return any(self.ray_tmpdir.iterdir())
+
+    def error_line(self) -> str:
+        """The one `stalwart: error:` line; checks exit code 2 and that nothing else went wrong."""
+        assert self.returncode == 2, str(self)
+        errors = [line for line in self.stderr.splitlines() if line.startswith(ERROR_PREFIX)]
+        assert len(errors) == 1, str(self)
+        assert "Traceback" not in self.stderr, str(self)
+        assert self.stdout == "", str(self)
+        return errors[0]
+
+    def only_error(self) -> str:
+        """error_line, and it is all there is: no Ray log lines, no Ray session, no change."""
+        line = self.error_line()
+        assert self.stderr.splitlines() == [line], str(self)
+        assert not self.ray_started, f"Ray was started:\n{self}"
+        self.assert_unchanged()
+        return line
+
+    def assert_unchanged(self) -> None:
+        after = _tree(self.cwd)
+        assert after == self.before, (
+            f"the command changed its directory: added {sorted(set(after) - set(self.before))}, "
+            f"removed {sorted(set(self.before) - set(after))}, rewritten "
+            f"{sorted(k for k in set(after) & set(self.before) if after[k] != self.before[k])}")
+
+
+def _run(case: Case, cwd: Path, before: dict[str, bytes | None], ray_tmp: Path) -> Outcome:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["RAY_TMPDIR"] = str(ray_tmp)
+    proc = subprocess.run([str(STALWART), *case.args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=TIMEOUT_S)
+    return Outcome(case.args, cwd, before, ray_tmp, proc.returncode, proc.stdout, proc.stderr)
+
+
+@pytest.fixture(scope="module")
+def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future[Outcome]]]:
+    root = tmp_path_factory.mktemp("cli")
+    ray_dirs: list[Path] = []
+    futures: dict[str, Future[Outcome]] = {}
+    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+        for name, case in CASES.items():
+            cwd = root / name
+            cwd.mkdir()
+            shutil.copy(REFERENCE_CONFIG, cwd / "config.toml")
+            if case.prepare is not None:
+                case.prepare(cwd)
+            # short path: Ray puts unix sockets under it (a 107-byte limit)
+            ray_tmp = Path(tempfile.mkdtemp(prefix="swrt", dir="/tmp"))
+            ray_dirs.append(ray_tmp)
+            futures[name] = pool.submit(_run, case, cwd, _tree(cwd), ray_tmp)
+        yield futures
+    for d in ray_dirs:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+@pytest.fixture
+def outcome(request: pytest.FixtureRequest, outcomes: dict[str, Future[Outcome]]) -> Outcome:
+    """The outcome of the case the test names with @case(...)."""
+    return outcomes[request.param].result()
+
+
+def case(name: str) -> pytest.MarkDecorator:
+    assert name in CASES, name
+    return pytest.mark.parametrize("outcome", [name], indirect=True)
+
+
+# ---------------------------------------------------------------------------- config
+
+
+@case("missing_config")
+def test_missing_config_file(outcome: Outcome) -> None:
+    assert outcome.only_error() == (f"{ERROR_PREFIX}config file 'missing.toml' does not exist "
+                                    f"(expected a TOML file)")
+
+
+@case("malformed_toml")
+def test_malformed_toml(outcome: Outcome) -> None:
+    line = outcome.only_error()
+    assert line.startswith(f"{ERROR_PREFIX}config file 'bad.toml' is not valid TOML: ")
+
+
+@case("unknown_key")
+def test_unknown_key(outcome: Outcome) -> None:
+    line = outcome.only_error()
+    assert "unknown key train.stepz in [train]; allowed: steps, global_batch_size" in line
+
+
+@case("batch")
+def test_batch_not_divisible(outcome: Outcome) -> None:
+    assert outcome.only_error() == (f"{ERROR_PREFIX}train.global_batch_size = 10 is invalid: "
+                                    f"must be a multiple of train.micro_batch_size (8)")
+
+
+# ---------------------------------------------------------------------------- task, storage
+
+
+@case("task_path")
+def test_task_path_that_does_not_import(outcome: Outcome) -> None:
+    line = outcome.only_error()
+    assert ("task path 'nope.mod:Task': cannot import module 'nope.mod': "
+            "ModuleNotFoundError: No module named 'nope'") in line
+
+
+@case("foo_storage")
+def test_unknown_storage_protocol(outcome: Outcome) -> None:
+    line = outcome.only_error()
+    assert "checkpoint.storage 'foo://bucket/x': Protocol not known: foo" in line
+
+
+@case("s3_storage")
+def test_storage_filesystem_not_installed(outcome: Outcome) -> None:
+    if importlib.util.find_spec("s3fs") is not None:
+        pytest.skip("s3fs is installed here")
+    line = outcome.only_error()
+    assert "checkpoint.storage 's3://bucket/x': the filesystem for s3:// is not installed" in line
+    assert "s3fs" in line  # fsspec's hint: what to install
+
+
+@case("hdfs_storage")
+def test_storage_filesystem_that_cannot_start(outcome: Outcome) -> None:
+    assert "checkpoint.storage 'hdfs://namenode/x'" in outcome.only_error()
+
+
+# ---------------------------------------------------------------------------- run directory
+
+
+@case("resume_no_run_dir")
+def test_resume_without_run_dir(outcome: Outcome) -> None:
+    assert outcome.only_error() == (f"{ERROR_PREFIX}--resume needs --run-dir: the run "
+                                    f"directory to continue")
+
+
+@case("resume_no_run")
+def test_resume_with_no_run(outcome: Outcome) -> None:
+    line = outcome.error_line()
+    assert "run dir no-such-run" in line
+    assert "does not exist" in line or "holds no config.toml, so no run to resume" in line
+    assert not outcome.ray_started
+
+
+@case("resume_no_run")
+def test_resume_with_no_run_changes_nothing(outcome: Outcome) -> None:
+    assert outcome.only_error() == f"{ERROR_PREFIX}run dir no-such-run does not exist"
+
+
+@case("fresh_into_checkpoints")
+def test_fresh_run_into_a_dir_with_checkpoints_is_refused(outcome: Outcome) -> None:
+    line = outcome.only_error()  # compares every file's bytes before and after
+    storage = (outcome.cwd / "old" / "checkpoints").resolve()
+    assert f"{storage} already holds checkpoints (steps [10])" in line
+    assert "pass --resume to continue that run, or choose another --run-dir" in line
+
+
+@case("fresh_into_run")
+def test_fresh_run_into_a_dir_with_a_run_is_refused(outcome: Outcome) -> None:
+    line = outcome.error_line()
+    assert "run dir old already holds a run (config.toml); pass --resume" in line
+    assert not outcome.ray_started
+
+
+@case("fresh_into_run")
+def test_fresh_run_into_a_dir_with_a_run_changes_nothing(outcome: Outcome) -> None:
+    outcome.assert_unchanged()
+
+
+# ---------------------------------------------------------------------------- export
+
+
+@case("export_no_checkpoint")
+def test_export_with_no_checkpoint(outcome: Outcome) -> None:
+    storage = (outcome.cwd / "run").resolve() / "checkpoints"
+    assert outcome.only_error() == f"{ERROR_PREFIX}no committed checkpoint under {storage}"
+
+
+# ---------------------------------------------------------------------------- the cluster
+
+
+@case("too_big")
+def test_world_larger_than_the_cluster(outcome: Outcome) -> None:
+    line = outcome.error_line()
+    assert "scaling.num_workers=64" in line and "needs 64 CPUs" in line
+    assert f"the Ray cluster has {os.cpu_count()} CPUs" in line
+    assert "lower scaling.num_workers" in line
+    assert outcome.ray_started  # shows the RAY_TMPDIR probe of the other cases works
+    assert "stalwart-worker" not in outcome.stderr
+
+
+@case("too_big")
+def test_world_larger_than_the_cluster_changes_nothing(outcome: Outcome) -> None:
+    outcome.assert_unchanged()

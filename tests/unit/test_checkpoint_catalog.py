@@ -1,0 +1,291 @@
+"""Storage checkpoints on the driver: commit by manifest, validate by checksum, retain by policy.
+
+Pure file IO on fake step directories (no process group): the same functions run on a local
+path and on an fsspec `memory://` URL.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import fsspec
+import pytest
+
+from stalwart.checkpointing.catalog import (
+    committed_checkpoints,
+    find_step,
+    list_step_dirs,
+    newest_valid,
+    read_checkpoint,
+    verify,
+)
+from stalwart.checkpointing.errors import CheckpointError
+from stalwart.checkpointing.layout import MANIFEST, join, step_dir_name
+from stalwart.checkpointing.storage import apply_retention, write_manifest
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+class Store:
+    """A storage URL and a way to put bytes under it, for a local dir or memory://."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.fs, self.root = fsspec.core.url_to_fs(url)
+
+    def path(self, step: int, name: str) -> str:
+        return f"{self.root}/{step_dir_name(step)}/{name}"
+
+    def put(self, step: int, name: str, data: bytes) -> None:
+        self.fs.makedirs(f"{self.root}/{step_dir_name(step)}", exist_ok=True)
+        self.fs.pipe(self.path(step, name), data)
+
+    def get(self, step: int, name: str) -> bytes:
+        return self.fs.cat(self.path(step, name))
+
+    def shard_files(self, step: int) -> None:
+        """What DCP leaves: shard files and .metadata (deterministic, step-dependent bytes)."""
+        for rank in range(2):
+            self.put(step, f"__{rank}_0.distcp", bytes((step + rank + i) % 251 for i in range(300)))
+        self.put(step, ".metadata", f"metadata of step {step}".encode())
+
+    def commit(self, step: int, **extra) -> None:
+        self.shard_files(step)
+        write_manifest(self.url, step, {"world_size": 2, **extra})
+
+    def steps_on_storage(self) -> list[int]:
+        return [s for s, _ in list_step_dirs(self.url)]
+
+
+@pytest.fixture(params=["local", "memory"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    if request.param == "local":
+        yield Store(str(tmp_path / "checkpoints"))
+        return
+    url = f"memory://stalwart-test-{uuid.uuid4().hex}/checkpoints"
+    s = Store(url)
+    try:
+        yield s
+    finally:
+        if s.fs.exists(s.root):
+            s.fs.rm(s.root, recursive=True)
+
+
+@pytest.fixture
+def local(tmp_path: Path) -> Store:
+    return Store(str(tmp_path / "checkpoints"))
+
+
+def _skips() -> tuple[list[tuple[int, str]], Callable[[int, str], None]]:
+    seen: list[tuple[int, str]] = []
+    return seen, lambda step, message: seen.append((step, message))
+
+
+# ---------------------------------------------------------------------------- commit
+
+
+def test_empty_or_missing_storage_has_no_checkpoints(store: Store) -> None:
+    assert list_step_dirs(store.url) == []
+    assert committed_checkpoints(store.url) == []
+    assert newest_valid(store.url) is None
+
+
+def test_manifest_lists_every_file_with_size_and_sha256(store: Store) -> None:
+    store.commit(10, model="gpt")
+    manifest = json.loads(store.get(10, MANIFEST))
+    assert manifest["format"] == 1 and manifest["step"] == 10
+    assert manifest["world_size"] == 2 and manifest["model"] == "gpt"
+    assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
+    assert manifest["files"]["__0_0.distcp"]["size"] == 300
+    import hashlib
+
+    assert manifest["files"][".metadata"]["sha256"] == hashlib.sha256(
+        b"metadata of step 10").hexdigest()
+    assert not store.fs.exists(store.path(10, MANIFEST + ".tmp"))
+
+
+def test_uncommitted_dirs_are_invisible(store: Store) -> None:
+    store.commit(10)
+    store.commit(20)
+    store.shard_files(30)  # a save that crashed before its manifest
+    assert list_step_dirs(store.url) == [(10, True), (20, True), (30, False)]
+    assert [c.step for c in committed_checkpoints(store.url)] == [10, 20]
+    newest = newest_valid(store.url)
+    assert newest is not None and newest.step == 20
+    assert newest.path == join(store.url, "step_000000020")
+    with pytest.raises(CheckpointError, match="checkpoint step 30 under .* is not committed"):
+        read_checkpoint(store.url, 30)
+
+
+def test_unrelated_entries_are_ignored(store: Store) -> None:
+    store.commit(10)
+    store.fs.pipe(f"{store.root}/notes.txt", b"hello")
+    store.fs.makedirs(f"{store.root}/step_12", exist_ok=True)
+    store.fs.pipe(f"{store.root}/step_12/x", b"not nine digits")
+    store.fs.pipe(f"{store.root}/step_000000099", b"a file, not a directory")
+    assert list_step_dirs(store.url) == [(10, True)]
+
+
+# ---------------------------------------------------------------------------- validation
+
+
+def _flip_bytes(store: Store, step: int, name: str) -> None:
+    data = bytearray(store.get(step, name))
+    data[100] ^= 0xFF
+    store.fs.pipe(store.path(step, name), bytes(data))
+
+
+def _truncate(store: Store, step: int, name: str) -> None:
+    store.fs.pipe(store.path(step, name), store.get(step, name)[:-1])
+
+
+def _delete(store: Store, step: int, name: str) -> None:
+    store.fs.rm(store.path(step, name))
+
+
+@pytest.mark.parametrize(("damage", "expected"), [
+    (_flip_bytes, "file __1_0.distcp is damaged (size or sha256 differs from the manifest)"),
+    (_truncate, "file __1_0.distcp is damaged (size or sha256 differs from the manifest)"),
+    (_delete, "file __1_0.distcp is missing"),
+])
+def test_damaged_checkpoint_is_skipped_and_reported(store: Store, damage, expected: str) -> None:
+    store.commit(10)
+    store.commit(20)
+    damage(store, 20, "__1_0.distcp")
+    skipped, on_skip = _skips()
+    newest = newest_valid(store.url, on_skip=on_skip)
+    assert newest is not None and newest.step == 10
+    assert len(skipped) == 1
+    step, message = skipped[0]
+    assert step == 20
+    assert "step_000000020" in message and expected in message
+    # still committed (its manifest exists), but it never verifies
+    assert [c.step for c in committed_checkpoints(store.url)] == [10, 20]
+    with pytest.raises(CheckpointError, match="is damaged|is missing"):
+        verify(read_checkpoint(store.url, 20))
+
+
+def test_damaged_manifest_is_skipped(store: Store) -> None:
+    store.commit(10)
+    store.commit(20)
+    store.fs.pipe(store.path(20, MANIFEST), b"{not json")
+    skipped, on_skip = _skips()
+    newest = newest_valid(store.url, on_skip=on_skip)
+    assert newest is not None and newest.step == 10
+    assert skipped[0][0] == 20 and f"{MANIFEST} is damaged" in skipped[0][1]
+
+
+def test_manifest_of_another_format_is_skipped(store: Store) -> None:
+    store.commit(10)
+    store.commit(20)
+    manifest = json.loads(store.get(20, MANIFEST))
+    manifest["format"] = 99
+    store.fs.pipe(store.path(20, MANIFEST), json.dumps(manifest).encode())
+    skipped, on_skip = _skips()
+    assert newest_valid(store.url, on_skip=on_skip).step == 10
+    assert skipped[0][0] == 20 and "manifest format 99, expected 1" in skipped[0][1]
+
+
+def test_all_damaged_gives_none(store: Store) -> None:
+    store.commit(10)
+    _flip_bytes(store, 10, "__0_0.distcp")
+    skipped, on_skip = _skips()
+    assert newest_valid(store.url, on_skip=on_skip) is None
+    assert [s for s, _ in skipped] == [10]
+
+
+def test_find_step(store: Store) -> None:
+    store.commit(10)
+    store.commit(20)
+    store.shard_files(30)
+    assert find_step(store.url, 10).step == 10
+    with pytest.raises(CheckpointError) as err:
+        find_step(store.url, 30)  # exists, but not committed
+    assert "no committed checkpoint for step 30" in str(err.value)
+    assert "committed steps: [10, 20]" in str(err.value)
+    with pytest.raises(CheckpointError, match=r"committed steps: \[10, 20\]"):
+        find_step(store.url, 15)
+    _truncate(store, 20, ".metadata")
+    with pytest.raises(CheckpointError, match="file .metadata is damaged"):
+        find_step(store.url, 20)  # a specific step is verified too, never returned damaged
+
+
+def test_find_step_on_empty_storage(store: Store) -> None:
+    with pytest.raises(CheckpointError, match="committed steps: none"):
+        find_step(store.url, 1)
+
+
+def test_recommit_after_a_crash_between_tmp_and_rename(local: Store) -> None:
+    local.shard_files(10)
+    local.put(10, MANIFEST + ".tmp", b'{"format": 1, "partial')  # left by the crashed commit
+    write_manifest(local.url, 10, {})
+    skipped, on_skip = _skips()
+    newest = newest_valid(local.url, on_skip=on_skip)
+    assert skipped == []
+    assert newest is not None and newest.step == 10
+
+
+# ---------------------------------------------------------------------------- retention
+
+
+def test_retention_keeps_last_n_committed(store: Store) -> None:
+    for step in (10, 20, 30, 40, 50):
+        store.commit(step)
+    store.shard_files(25)  # stale partial write, older than the newest commit
+    store.shard_files(60)  # a save in flight, newer than the newest commit
+    apply_retention(store.url, keep_last=2, newest=50)
+    assert list_step_dirs(store.url) == [(40, True), (50, True), (60, False)]
+    # what is kept is untouched and still verifies
+    assert newest_valid(store.url).step == 50
+    verify(read_checkpoint(store.url, 40))
+
+
+def test_retention_one(store: Store) -> None:
+    for step in (10, 20):
+        store.commit(step)
+    apply_retention(store.url, keep_last=1, newest=20)
+    assert store.steps_on_storage() == [20]
+    apply_retention(store.url, keep_last=1, newest=20)  # idempotent
+    assert store.steps_on_storage() == [20]
+
+
+def test_retention_never_removes_a_partial_dir_newer_than_the_newest_commit(store: Store) -> None:
+    store.commit(10)
+    store.shard_files(20)
+    store.shard_files(30)
+    apply_retention(store.url, keep_last=1, newest=10)
+    assert list_step_dirs(store.url) == [(10, True), (20, False), (30, False)]
+    assert store.get(30, "__0_0.distcp") == bytes((30 + i) % 251 for i in range(300))
+
+
+def test_keep_last_zero_keeps_every_commit(store: Store) -> None:
+    for step in (10, 20, 30, 40):
+        store.commit(step)
+    store.shard_files(60)
+    apply_retention(store.url, keep_last=0, newest=40)
+    assert list_step_dirs(store.url) == [(10, True), (20, True), (30, True), (40, True),
+                                         (60, False)]
+
+
+def test_retention_with_more_room_than_checkpoints(store: Store) -> None:
+    for step in (10, 20):
+        store.commit(step)
+    apply_retention(store.url, keep_last=5, newest=20)
+    assert store.steps_on_storage() == [10, 20]
+
+
+def test_memory_url_is_really_in_memory() -> None:
+    # the parametrized `store` fixture ran everything above on memory:// too; check that
+    # such a URL leaves nothing on the local disk and is visible to the catalog by URL alone
+    url = f"memory://stalwart-test-{uuid.uuid4().hex}/ckpt"
+    s = Store(url)
+    try:
+        s.commit(7)
+        assert not Path(s.root).exists()
+        info = newest_valid(url)
+        assert info is not None and info.path == f"{url}/step_000000007"
+    finally:
+        s.fs.rm(s.root, recursive=True)

@@ -1,0 +1,343 @@
+"""JobConfig: loading from TOML, --set overrides, validation messages, and the dump round trip."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from stalwart.config import JobConfig, dump_config, load_config
+from stalwart.errors import ConfigError
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+
+REFERENCE_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "config.toml"
+
+
+def _write(tmp_path: Path, text: str, name: str = "job.toml") -> Path:
+    path = tmp_path / name
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------------------- loading
+
+
+def test_defaults_load_without_a_file() -> None:
+    config = load_config(None)
+    assert config == JobConfig()
+    assert config.task.path == "stalwart.examples.gpt.task:GPTTask"
+    assert config.task.args == {}
+    assert config.scaling.num_workers == 2
+    assert (config.parallel.dp_replicate, config.parallel.dp_shard) == (1, -1)
+    assert config.train.global_batch_size == 32 and config.train.micro_batch_size == 8
+    assert config.grad_accum_steps == 2  # 32 / (8 x 2)
+    assert config.checkpoint.storage == "" and config.checkpoint.keep_last == 3
+    assert config.failure.max_failures == 0
+
+
+def test_toml_file_load(tmp_path: Path) -> None:
+    path = _write(tmp_path, """
+[task]
+path = "my.module:MyTask"
+
+[task.args]
+d_model = 96
+name = "tiny"
+
+[scaling]
+num_workers = 4
+cpus_per_worker = 2          # an int where a float is declared is accepted
+
+[parallel]
+dp_replicate = 2
+dp_shard = 2
+
+[train]
+steps = 50
+global_batch_size = 64
+micro_batch_size = 4
+lr = 1e-4
+warmup_steps = 5
+
+[run]
+name = "exp"
+progress = false
+""")
+    config = load_config(path)
+    assert config.task.path == "my.module:MyTask"
+    assert config.task.args == {"d_model": 96, "name": "tiny"}
+    assert config.scaling.num_workers == 4
+    assert config.scaling.cpus_per_worker == 2.0
+    assert isinstance(config.scaling.cpus_per_worker, float)
+    assert (config.parallel.dp_replicate, config.parallel.dp_shard) == (2, 2)
+    assert config.train.steps == 50 and config.train.lr == 1e-4
+    assert config.grad_accum_steps == 64 // (4 * 4)
+    assert config.run.name == "exp" and config.run.progress is False
+    # sections absent from the file keep their defaults
+    assert config.checkpoint == JobConfig().checkpoint
+
+
+def test_reference_config_loads() -> None:
+    config = load_config(REFERENCE_CONFIG)
+    assert config.task.path == "stalwart.examples.gpt.task:GPTTask"
+    assert config.run.name == "gpt"
+    assert load_config(REFERENCE_CONFIG, ["scaling.num_workers=1"]).scaling.num_workers == 1
+
+
+@pytest.mark.parametrize(("override", "get", "expected"), [
+    ("train.steps=100", lambda c: c.train.steps, 100),
+    ("train.lr=1e-3", lambda c: c.train.lr, 1e-3),
+    ("train.lr=0.5", lambda c: c.train.lr, 0.5),
+    ("train.lr=2", lambda c: c.train.lr, 2.0),  # int accepted for a float field
+    ("run.progress=false", lambda c: c.run.progress, False),
+    ("checkpoint.async_save=true", lambda c: c.checkpoint.async_save, True),
+    ("run.name=nightly", lambda c: c.run.name, "nightly"),  # bare word: a string
+    ('run.name="quoted"', lambda c: c.run.name, "quoted"),
+    ("checkpoint.storage=/mnt/ckpt/run1", lambda c: c.checkpoint.storage, "/mnt/ckpt/run1"),
+    ("checkpoint.storage=s3://bucket/x", lambda c: c.checkpoint.storage, "s3://bucket/x"),
+    ("scaling.placement_strategy=SPREAD", lambda c: c.scaling.placement_strategy, "SPREAD"),
+    ("task.args.d_model=64", lambda c: c.task.args, {"d_model": 64}),
+    (" train.seed = 7 ", lambda c: c.train.seed, 7),
+])
+def test_set_overrides(override: str, get, expected) -> None:
+    value = get(load_config(None, [override]))
+    assert value == expected
+    assert type(value) is type(expected)
+
+
+def test_overrides_apply_on_top_of_file_and_in_order(tmp_path: Path) -> None:
+    path = _write(tmp_path, '[task.args]\nd_model = 128\nn_layers = 4\n[train]\nsteps = 10\n')
+    config = load_config(path, ["task.args.d_model=64", "train.steps=20", "train.steps=30"])
+    assert config.task.args == {"d_model": 64, "n_layers": 4}  # the other arg is kept
+    assert config.train.steps == 30  # the last --set wins
+
+
+def test_overrides_do_not_mutate_the_loaded_data(tmp_path: Path) -> None:
+    from stalwart.config import apply_overrides
+
+    data = {"task": {"args": {"d_model": 128}}, "train": {"steps": 10}}
+    out = apply_overrides(data, ["task.args.d_model=64", "train.steps=5"])
+    assert out["task"]["args"]["d_model"] == 64 and out["train"]["steps"] == 5
+    assert data == {"task": {"args": {"d_model": 128}}, "train": {"steps": 10}}
+
+
+# ---------------------------------------------------------------------------- unknown keys, types
+
+
+def test_unknown_top_level_key_names_it_and_lists_allowed() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["bogus=1"])
+    msg = str(err.value)
+    assert "unknown key bogus in the top level" in msg
+    assert "allowed: task, scaling, parallel, train, checkpoint, failure, data, run" in msg
+
+
+def test_unknown_key_in_a_section_names_it_and_lists_allowed() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.stepz=10"])
+    msg = str(err.value)
+    assert "unknown key train.stepz in [train]" in msg
+    assert ("allowed: steps, global_batch_size, micro_batch_size, lr, min_lr_ratio, "
+            "warmup_steps, weight_decay, grad_clip, seed") in msg
+
+
+def test_unknown_key_in_a_toml_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[checkpoint]\nkeep_lats = 2\n")
+    with pytest.raises(ConfigError, match=r"unknown key checkpoint\.keep_lats in \[checkpoint\]; "
+                                          r"allowed: storage, persist_every, keep_last, async_save"):
+        load_config(path)
+
+
+def test_unknown_section_from_a_file(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[optimizer]\nlr = 1\n")
+    with pytest.raises(ConfigError, match="unknown key optimizer in the top level"):
+        load_config(path)
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ('train.steps="x"', "train.steps = 'x' is invalid: expected a int"),
+    ("train.steps=1.5", "train.steps = 1.5 is invalid: expected a int"),
+    ("train.steps=true", "train.steps = True is invalid: expected a int"),
+    ("train.lr=fast", "train.lr = 'fast' is invalid: expected a float"),
+    ("train.lr=true", "train.lr = True is invalid: expected a float"),
+    ("run.progress=1", "run.progress = 1 is invalid: expected a bool"),
+    ("run.name=3", "run.name = 3 is invalid: expected a str"),
+    ("task.args=3", "task.args = 3 is invalid: expected a dict"),
+    ("train=3", "train must be a table ([train]), got 3"),
+])
+def test_wrong_types_name_the_field(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert expected in str(err.value)
+
+
+# ---------------------------------------------------------------------------- __post_init__ rules
+
+
+@pytest.mark.parametrize(("override", "expected"), [
+    ("task.path=no_colon", "task.path = 'no_colon' is invalid: expected 'module:attribute'"),
+    ('task.path=":Task"', "task.path = ':Task' is invalid"),
+    ('task.path="mod:"', "task.path = 'mod:' is invalid"),
+    ("scaling.num_workers=0", "scaling.num_workers = 0 is invalid: must be >= 1"),
+    ("scaling.cpus_per_worker=0", "scaling.cpus_per_worker = 0.0 is invalid: must be > 0"),
+    ("scaling.gpus_per_worker=-1", "scaling.gpus_per_worker = -1.0 is invalid: must be >= 0"),
+    ("scaling.placement_strategy=RANDOM",
+     "scaling.placement_strategy = 'RANDOM' is invalid: one of PACK, SPREAD, STRICT_PACK, "
+     "STRICT_SPREAD"),
+    ("scaling.start_timeout_s=0", "scaling.start_timeout_s = 0.0 is invalid: must be > 0"),
+    ("parallel.dp_replicate=0", "parallel.dp_replicate = 0 is invalid: must be >= 1"),
+    ("parallel.dp_replicate=-2", "parallel.dp_replicate = -2 is invalid: must be >= 1, or -1"),
+    ("parallel.dp_shard=0", "parallel.dp_shard = 0 is invalid: must be >= 1, or -1"),
+    ("parallel.dp_shard=-2", "parallel.dp_shard = -2 is invalid"),
+    ("train.steps=0", "train.steps = 0 is invalid: must be >= 1"),
+    ("train.global_batch_size=0", "train.global_batch_size = 0 is invalid: must be >= 1"),
+    ("train.micro_batch_size=0", "train.micro_batch_size = 0 is invalid: must be >= 1"),
+    ("train.global_batch_size=12",
+     "train.global_batch_size = 12 is invalid: must be a multiple of train.micro_batch_size (8)"),
+    ("train.lr=0", "train.lr = 0.0 is invalid: must be > 0"),
+    ("train.lr=-1e-3", "train.lr = -0.001 is invalid: must be > 0"),
+    ("train.min_lr_ratio=1.5", "train.min_lr_ratio = 1.5 is invalid: must be in [0, 1]"),
+    ("train.min_lr_ratio=-0.1", "train.min_lr_ratio = -0.1 is invalid: must be in [0, 1]"),
+    ("train.warmup_steps=-1", "train.warmup_steps = -1 is invalid: must be in [0, train.steps=200]"),
+    ("train.warmup_steps=201",
+     "train.warmup_steps = 201 is invalid: must be in [0, train.steps=200]"),
+    ("train.weight_decay=-0.1", "train.weight_decay = -0.1 is invalid: must be >= 0"),
+    ("train.grad_clip=-1", "train.grad_clip = -1.0 is invalid: must be >= 0"),
+    ("train.seed=-1", "train.seed = -1 is invalid: must be >= 0"),
+    ("checkpoint.persist_every=0", "checkpoint.persist_every = 0 is invalid: must be >= 1"),
+    ("checkpoint.keep_last=-1", "checkpoint.keep_last = -1 is invalid: must be >= 0 (0 keeps all)"),
+    ("failure.max_failures=-1", "failure.max_failures = -1 is invalid: must be >= 0"),
+    ("failure.collective_timeout_s=0",
+     "failure.collective_timeout_s = 0.0 is invalid: must be > 0"),
+    ("data.val_every=-1", "data.val_every = -1 is invalid: must be >= 0"),
+    ("data.val_batches=0", "data.val_batches = 0 is invalid: must be >= 1"),
+    ('run.name=""', "run.name = '' is invalid: must be non-empty and contain no '/'"),
+    ("run.name=a/b", "run.name = 'a/b' is invalid: must be non-empty and contain no '/'"),
+    ("run.log_every=0", "run.log_every = 0 is invalid: must be >= 1"),
+])
+def test_field_rules_name_field_and_value(override: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert expected in str(err.value)
+
+
+@pytest.mark.parametrize("override", [
+    "train.warmup_steps=0", "train.warmup_steps=200", "train.min_lr_ratio=0",
+    "train.min_lr_ratio=1", "train.grad_clip=0", "checkpoint.keep_last=0", "data.val_every=0",
+    "scaling.gpus_per_worker=0", "parallel.dp_shard=2", "scaling.placement_strategy=STRICT_SPREAD",
+])
+def test_boundary_values_are_accepted(override: str) -> None:
+    load_config(None, [override])
+
+
+# ---------------------------------------------------------------------------- cross-field rules
+
+
+def test_global_batch_must_split_over_micro_batches_and_workers() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["train.global_batch_size=24"])  # a multiple of 8, not of 8 x 2
+    assert str(err.value) == ("train.global_batch_size = 24 is invalid: must be a multiple of "
+                              "micro_batch_size x data-parallel ranks = 8 x 2 = 16")
+    with pytest.raises(ConfigError, match=r"= 8 x 3 = 24"):
+        load_config(None, ["scaling.num_workers=3"])  # 32 is not a multiple of 24
+    config = load_config(None, ["scaling.num_workers=4"])  # 32 = 8 x 4 x 1
+    assert config.grad_accum_steps == 1
+
+
+def test_dp_replicate_must_divide_the_world() -> None:
+    with pytest.raises(ConfigError, match=r"^parallel\.dp_replicate = 3 is invalid: must divide "
+                                          r"(the world size |scaling\.num_workers=)2$"):
+        load_config(None, ["parallel.dp_replicate=3"])
+    with pytest.raises(ConfigError, match=r"^parallel\.dp_shard = 3 is invalid: must divide "):
+        load_config(None, ["parallel.dp_replicate=-1", "parallel.dp_shard=3"])
+
+
+def test_dp_replicate_times_dp_shard_must_equal_the_world() -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["scaling.num_workers=4", "parallel.dp_replicate=2",
+                           "parallel.dp_shard=4"])
+    assert re.match(r"parallel\.dp_shard = 4 is invalid: dp_replicate x dp_shard must equal "
+                    r"(the world size |scaling\.num_workers=)4\b", str(err.value)), str(err.value)
+    for layout in (["parallel.dp_replicate=2", "parallel.dp_shard=2"],
+                   ["parallel.dp_replicate=2"], ["parallel.dp_replicate=-1",
+                                                 "parallel.dp_shard=2"]):
+        config = load_config(None, ["scaling.num_workers=4", *layout])
+        assert config.parallel.degrees(4) == (2, 2)
+
+
+def test_only_one_data_parallel_degree_may_be_inferred() -> None:
+    with pytest.raises(ConfigError, match=r"parallel\.dp_replicate = -1 is invalid: at most one "
+                                          r"of dp_replicate and dp_shard may be -1"):
+        load_config(None, ["parallel.dp_replicate=-1", "parallel.dp_shard=-1"])
+
+
+# ---------------------------------------------------------------------------- files
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ConfigError) as err:
+        load_config(missing)
+    assert str(err.value) == (f"config file {str(missing)!r} does not exist "
+                              f"(expected a TOML file)")
+
+
+def test_a_directory_is_not_a_config_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(tmp_path)
+
+
+@pytest.mark.parametrize("text", [
+    "[train\nsteps = 3\n",
+    "[train]\nsteps = \n",
+    "[train]\nsteps = 1\nsteps = 2\n",
+])
+def test_malformed_toml(tmp_path: Path, text: str) -> None:
+    path = _write(tmp_path, text)
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    assert f"config file {str(path)!r} is not valid TOML: " in str(err.value)
+
+
+def test_binary_file_is_not_valid_toml(tmp_path: Path) -> None:
+    path = tmp_path / "binary.toml"
+    path.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(ConfigError, match="is not valid TOML"):
+        load_config(path)
+
+
+def test_dump_round_trip(tmp_path: Path) -> None:
+    config = load_config(None, [
+        "task.args.d_model=64", 'task.args.tag="x"', "scaling.num_workers=4",
+        "scaling.cpus_per_worker=0.5", "parallel.dp_replicate=2", "parallel.dp_shard=2",
+        "train.global_batch_size=64",
+        "train.lr=1e-3", "checkpoint.storage=/tmp/somewhere", "checkpoint.keep_last=0",
+        "failure.max_failures=3", "run.progress=false", "run.name=rt",
+    ])
+    path = _write(tmp_path, dump_config(config), "dumped.toml")
+    again = load_config(path)
+    assert again == config
+    assert dataclasses.asdict(again) == dataclasses.asdict(config)
+    assert load_config(_write(tmp_path, dump_config(JobConfig()), "d.toml")) == JobConfig()
+    reference = load_config(REFERENCE_CONFIG)
+    assert load_config(_write(tmp_path, dump_config(reference), "r.toml")) == reference
+
+
+# ---------------------------------------------------------------------------- --set syntax
+
+
+@pytest.mark.parametrize("override", ["foo", "=3", "train.=3", ".steps=3", "train..steps=3"])
+def test_bad_set_syntax(override: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [override])
+    assert str(err.value) == (f"--set {override!r} is invalid: expected section.key=value, "
+                              f"e.g. --set train.steps=100")
+
+
+def test_set_through_a_value_that_is_not_a_section(tmp_path: Path) -> None:
+    path = _write(tmp_path, "[train]\nsteps = 3\n")
+    with pytest.raises(ConfigError, match=r"--set 'train\.steps\.x=1': steps is not a section"):
+        load_config(path, ["train.steps.x=1"])
