@@ -28,6 +28,11 @@ from stalwart.task import build_task
 # different runs (another model, another data order), so it is refused.
 IDENTITY_KEYS = ("task.path", "task.args", "train.seed", "train.global_batch_size")
 
+# Ray settings for the Ray that stalwart starts on this machine (a cluster keeps its own):
+# Ray runs workers at nice 15 by default, so its daemons preempt them; a rank delayed that
+# way stalls every rank at the next collective. And with no dashboard, metrics go nowhere.
+EMBEDDED_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "enable_metrics_collection": False}
+
 
 @dataclass(frozen=True)
 class RunResult:
@@ -135,7 +140,7 @@ class Trainer:
                                    f"{type(exc).__name__}: {exc}") from exc
         else:
             ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False,
-                     logging_level="WARNING")
+                     logging_level="WARNING", _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
         return True, runtime_env
 
     def _check_resources(self) -> None:
