@@ -8,6 +8,7 @@ the config, the task path, the storage URL, the run directory and what it holds.
 from __future__ import annotations
 
 import os
+import socket
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -133,11 +134,16 @@ class Trainer:
         if ray.is_initialized():
             return False, runtime_env
         if self.address:
+            _check_reachable(self.address)
             try:
                 ray.init(address=self.address, logging_level="WARNING")
             except Exception as exc:  # ConnectionError, ValueError, ... all mean the same here
+                hint = ("" if os.environ.get("RAY_AUTH_MODE") else
+                        " (a cluster with token authentication, the default of `ray start`, "
+                        "needs RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN or "
+                        "~/.ray/auth_token)")
                 raise ClusterError(f"--address {self.address!r}: cannot join the Ray cluster: "
-                                   f"{type(exc).__name__}: {exc}") from exc
+                                   f"{type(exc).__name__}: {exc}{hint}") from exc
         else:
             ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False,
                      logging_level="WARNING", _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
@@ -214,6 +220,19 @@ class Trainer:
                          wall_s=wall_s, reason=reason,
                          tokens_per_s=(controller.tokens_total / controller.train_time_s
                                        if controller.train_time_s > 0 else None))
+
+
+def _check_reachable(address: str) -> None:
+    """Fail in seconds on a HOST:PORT nothing listens on (ray.init retries for minutes)."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return  # `auto`, ray:// and other forms: Ray's own errors are quick and clear
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as exc:
+        raise ClusterError(f"--address {address!r}: nothing answers there ({exc}); start a "
+                           f"cluster with `ray start --head` and pass its address, or omit "
+                           f"--address to start Ray on this machine") from None
 
 
 def summarize(result: RunResult) -> str:
