@@ -7,6 +7,7 @@ the config, the task path, the storage URL, the run directory and what it holds.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import time
@@ -145,7 +146,12 @@ class Trainer:
                 raise ClusterError(f"--address {self.address!r}: cannot join the Ray cluster: "
                                    f"{type(exc).__name__}: {exc}{hint}") from exc
         else:
-            ray.init(num_cpus=os.cpu_count() or 1, include_dashboard=False,
+            # Token authentication stays on; only Ray's notice that it is on is silenced.
+            logging.getLogger("ray._private.authentication.authentication_token_setup"
+                              ).setLevel(logging.ERROR)
+            # address="local": always a fresh instance of our own, never a `ray start`
+            # cluster that happens to run (or to have left its address file) on this machine.
+            ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
                      logging_level="WARNING", _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
         return True, runtime_env
 
