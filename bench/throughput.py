@@ -284,6 +284,15 @@ def main() -> int:
     print("\nloss vs torchrun at logged steps, max |diff|: " + ", ".join(
         f"{k} {fmt(v, '.2e')}" for k, v in loss_check.items() if k in runners))
 
+    # Side-by-side pairs cancel the machine's slow drifts (shared hosts); their spread shows
+    # how far one round can be trusted.
+    paired = [ratio(rate("stalwart-ddp", rnd), rate("torchrun-ddp", rnd))
+              for rnd in range(args.rounds)]
+    paired = [p for p in paired if p is not None]
+    if paired:
+        print(f"paired ratios (stalwart DDP / torchrun DDP, same round): median "
+              f"{statistics.median(paired):.3f}, min {min(paired):.3f}, max {max(paired):.3f}")
+
     met = ratio_ddp is not None and ratio_ddp >= TARGET
     if ratio_ddp is None:
         print("\nno comparison: a runner produced no measurement (see the logs above)")
@@ -303,6 +312,7 @@ def main() -> int:
         "target_met": met,
         "ratio_stalwart_ddp_over_torchrun": ratio_ddp,
         "ratio_stalwart_fsdp_over_torchrun": ratio_fsdp,
+        "paired_ratios_stalwart_ddp_over_torchrun": paired,
         "median_tokens_per_s": medians,
         "loss_max_abs_diff_vs_torchrun": loss_check,
         "settings": {
