@@ -1,45 +1,56 @@
-"""Data parallelism on a DeviceMesh: FSDP2 for dp_shard, DDP for dp_replicate alone, HSDP for both.
+"""Data parallelism on a DeviceMesh: FSDP2 for dp_shard (ZeRO-2/3), HSDP with dp_replicate,
+DDP for dp_replicate alone.
 
-The recipe is re-runnable after a resize: it only reads the mesh it is given.
-Order matters and is fixed here: blocks are sharded one by one before the root, so each
-block's parameters are gathered just before it runs and freed after (ZeRO-3) or kept
-until backward (ZeRO-2, reshard_after_forward=False).
+FSDP2 is also used whenever the parameters are DTensors (tensor parallel), or mixed precision
+or CPU offload is asked for: DDP has none of those. Blocks are sharded one by one before the
+root, so each block's parameters are gathered just before it runs and freed after (ZeRO-3)
+or kept until backward (ZeRO-2, reshard_after_forward=False).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-
-def build_mesh(device: torch.device, *, dp_replicate: int, dp_shard: int) -> DeviceMesh:
-    return init_device_mesh(device.type, (dp_replicate, dp_shard),
-                            mesh_dim_names=("dp_replicate", "dp_shard"))
+if TYPE_CHECKING:
+    from stalwart.config import ParallelConfig
 
 
-def apply_data_parallel(model: torch.nn.Module, mesh: DeviceMesh, *,
-                        reshard_after_forward: bool) -> torch.nn.Module:
+def needs_fsdp(mesh: DeviceMesh, config: ParallelConfig) -> bool:
+    return (mesh["dp_shard"].size() > 1 or mesh["tp"].size() > 1
+            or config.mixed_precision != "fp32" or config.cpu_offload)
+
+
+def apply_data_parallel(model: torch.nn.Module, mesh: DeviceMesh, config: ParallelConfig
+                        ) -> torch.nn.Module:
     """Wrap `model` for the mesh's data-parallel layout; returns the module to train."""
-    replicate, shard = mesh["dp_replicate"].size(), mesh["dp_shard"].size()
-    if replicate * shard == 1:
-        return model
-    if shard == 1:
+    replicate = mesh["dp_replicate"].size()
+    if not needs_fsdp(mesh, config):
+        if replicate == 1:
+            return model
         return DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group(),
                                        device_ids=None if mesh.device_type == "cpu" else [0])
     # HSDP when replicate > 1: shard inside each replica group, all-reduce across them.
-    fsdp_mesh = mesh if replicate > 1 else mesh["dp_shard"]
+    fsdp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
+    kwargs: dict = {"mesh": fsdp_mesh}
+    if config.mixed_precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                                   reduce_dtype=torch.float32)
+    if config.cpu_offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy()
     blocks = getattr(model, "layers", None)
     if blocks is not None:
         for block in blocks:
-            fully_shard(block, mesh=fsdp_mesh, reshard_after_forward=reshard_after_forward)
+            fully_shard(block, reshard_after_forward=config.reshard_after_forward, **kwargs)
     # The root holds what is left (embeddings, final norm, a tied output head); it is used
     # last in backward, so resharding it after forward would only regather it at once.
-    fully_shard(model, mesh=fsdp_mesh, reshard_after_forward=False)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
     return model
 
 

@@ -18,6 +18,9 @@ from typing import Any
 
 from stalwart.errors import ConfigError
 
+AC_MODES = ("none", "selective", "full")
+PRECISIONS = ("fp32", "bf16")
+
 
 def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
     if not ok:
@@ -71,6 +74,18 @@ class ParallelConfig:
     """Data-parallel sharding degree with FSDP2; -1 takes every rank dp_replicate leaves."""
     reshard_after_forward: bool = True
     """FSDP2: free the gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
+    tp: int = 1
+    """Tensor-parallel degree: each layer's matrices are split over this many ranks (the task supplies the plan)."""
+    sequence_parallel: bool = True
+    """With tp > 1, also split the norms' activations along the sequence (saves activation memory)."""
+    activation_checkpointing: str = "none"
+    """Recompute activations in backward: none, selective (keep matmul outputs) or full (keep block inputs only)."""
+    compile: bool = False
+    """torch.compile each transformer block (needs a C++ compiler on CPU)."""
+    mixed_precision: str = "fp32"
+    """Parameter dtype for compute with FSDP2: fp32, or bf16 (fp32 master weights and gradient reduction)."""
+    cpu_offload: bool = False
+    """FSDP2: keep sharded parameters, gradients and optimizer state in host memory (ZeRO-Offload)."""
 
     def __post_init__(self) -> None:
         _require(self.dp_replicate == -1 or self.dp_replicate >= 1, "parallel.dp_replicate",
@@ -79,13 +94,23 @@ class ParallelConfig:
                  "must be >= 1, or -1 for every rank that dp_replicate leaves")
         _require(not (self.dp_replicate == -1 and self.dp_shard == -1), "parallel.dp_replicate",
                  self.dp_replicate, "at most one of dp_replicate and dp_shard may be -1")
+        _require(self.tp >= 1, "parallel.tp", self.tp, "must be >= 1")
+        _require(self.activation_checkpointing in AC_MODES, "parallel.activation_checkpointing",
+                 self.activation_checkpointing, f"one of {', '.join(AC_MODES)}")
+        _require(self.mixed_precision in PRECISIONS, "parallel.mixed_precision",
+                 self.mixed_precision, f"one of {', '.join(PRECISIONS)}")
 
     def degrees(self, world_size: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard) for a world of `world_size` ranks, with -1 resolved.
 
         Takes the world size rather than reading scaling.num_workers, because the world a
-        layout is built for can differ from the configured one (a resized world).
+        layout is built for can differ from the configured one (a resized world). The
+        data-parallel dimensions share what tensor parallelism leaves: world / tp ranks.
         """
+        if world_size % self.tp:
+            raise ConfigError(f"parallel.tp = {self.tp} is invalid: must divide the world "
+                              f"size {world_size}")
+        world_size //= self.tp
         fixed = self.dp_shard if self.dp_replicate == -1 else self.dp_replicate
         if world_size % fixed:
             name = "dp_shard" if self.dp_replicate == -1 else "dp_replicate"
@@ -97,8 +122,8 @@ class ParallelConfig:
             return self.dp_replicate, world_size // self.dp_replicate
         if self.dp_replicate * self.dp_shard != world_size:
             raise ConfigError(f"parallel.dp_shard = {self.dp_shard} is invalid: dp_replicate x "
-                              f"dp_shard must equal the world size {world_size} (or set one "
-                              f"of them to -1)")
+                              f"dp_shard must equal the world size / tp = {world_size} (or set "
+                              f"one of them to -1)")
         return self.dp_replicate, self.dp_shard
 
 
@@ -217,18 +242,27 @@ class JobConfig:
     def __post_init__(self) -> None:
         # Cross-section checks: the world must be splittable into the data-parallel layout,
         # and the global batch into micro-batches on each data-parallel rank.
-        world = self.scaling.num_workers
-        self.parallel.degrees(world)  # raises naming the dimension that does not fit
-        per_step = self.train.micro_batch_size * world
+        replicate, shard = self.parallel.degrees(self.scaling.num_workers)
+        dp = replicate * shard
+        _require(not self.parallel.cpu_offload or self.scaling.gpus_per_worker > 0,
+                 "parallel.cpu_offload", self.parallel.cpu_offload,
+                 "needs GPU workers (scaling.gpus_per_worker > 0); on CPU workers the "
+                 "parameters and optimizer state already live in host memory")
+        per_step = self.train.micro_batch_size * dp
         _require(self.train.global_batch_size % per_step == 0, "train.global_batch_size",
                  self.train.global_batch_size,
                  f"must be a multiple of micro_batch_size x data-parallel ranks = "
-                 f"{self.train.micro_batch_size} x {world} = {per_step}")
+                 f"{self.train.micro_batch_size} x {dp} = {per_step}")
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks of the configured world (dp_replicate x dp_shard)."""
+        replicate, shard = self.parallel.degrees(self.scaling.num_workers)
+        return replicate * shard
 
     @property
     def grad_accum_steps(self) -> int:
-        return self.train.global_batch_size // (
-            self.train.micro_batch_size * self.scaling.num_workers)
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.dp_size)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -23,7 +23,10 @@ import torch.nn.functional as F
 from stalwart.errors import TaskError
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from stalwart.config import JobConfig
+    from stalwart.parallel.dims import ParallelDims
 
 
 class Dataset(Protocol):
@@ -47,6 +50,17 @@ class TrainTask:
         """Initialise every parameter from torch's global RNG (seeded by train.seed)."""
         if hasattr(model, "init_weights"):
             model.init_weights()
+
+    def check_layout(self, dims: ParallelDims) -> None:
+        """Refuse a layout this task's model cannot take (runs on the driver, before workers)."""
+        if dims.tp > 1 and type(self).apply_tensor_parallel is TrainTask.apply_tensor_parallel:
+            raise TaskError(f"parallel.tp = {dims.tp}: task {type(self).__name__} has no "
+                            f"tensor-parallel plan (implement apply_tensor_parallel)")
+
+    def apply_tensor_parallel(self, model: torch.nn.Module, tp_mesh: DeviceMesh, *,
+                              sequence_parallel: bool) -> None:
+        """Split the model's layers over `tp_mesh` in place (torch parallelize_module plans)."""
+        raise TaskError(f"task {type(self).__name__} has no tensor-parallel plan")
 
     def train_dataset(self, config: JobConfig) -> Dataset:
         raise TaskError(f"{type(self).__name__} must implement train_dataset(config)")

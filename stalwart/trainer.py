@@ -22,6 +22,7 @@ from stalwart.config import JobConfig, load_config
 from stalwart.errors import ClusterError, ConfigError, RunDirError
 from stalwart.orchestrator.controller import Controller
 from stalwart.orchestrator.states import Failed, Finished, State, Stopped
+from stalwart.parallel.dims import ParallelDims
 from stalwart.progress import ProgressDisplay
 from stalwart.run_dir import RunDir, read_jsonl
 from stalwart.task import build_task
@@ -176,7 +177,9 @@ class Trainer:
         from stalwart.orchestrator.worker_group import GroupFailed, RayWorkerGroup
 
         # Every check first, writing nothing: a refused run leaves the run dir as it was.
-        build_task(self.config.task.path, self.config.task.args)
+        task = build_task(self.config.task.path, self.config.task.args)
+        task.check_layout(ParallelDims.from_config(self.config.parallel,
+                                                   self.config.scaling.num_workers))
         storage_url = self.run_dir.storage_url(self.config)
         self._check_storage(storage_url)
         resume_from, changes, skipped = self._check_run_dir(storage_url)

@@ -15,14 +15,40 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 
-from stalwart.parallel.data_parallel import apply_data_parallel, build_mesh, gradient_sync
+from stalwart.parallel.data_parallel import gradient_sync
+from stalwart.parallel.dims import ParallelDims, dp_coordinates
+from stalwart.parallel.recipe import parallelize
 from stalwart.workers.reports import StepReport
 from stalwart.workers.sampler import GlobalSampler, rank_slice
 
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
     from stalwart.task import TrainTask
+
+
+def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+    """Clip the global gradient norm, for plain tensors and DTensors (FSDP / TP) alike.
+
+    Gradients may live on different meshes (e.g. TP-split matrices on (dp, tp), norms left
+    whole on (dp,)): each mesh's norm is reduced on its own (one collective per mesh), then
+    the per-mesh norms combine into the global one.
+    """
+    params = [p for p in parameters if p.grad is not None]
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None,
+                          []).append(p.grad)
+    norms = []
+    for grads in groups.values():
+        norm = torch.nn.utils.get_total_norm(grads, foreach=False)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
+    with implicit_replication():
+        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
+    return total
 
 
 class TrainEngine:
@@ -33,23 +59,20 @@ class TrainEngine:
         self.rank = rank
         self.world_size = world_size
         self.device = device
-        self.dp_rank, self.dp_size = rank, world_size  # every rank is data-parallel for now
+        self.dims = ParallelDims.from_config(config.parallel, world_size)
+        task.check_layout(self.dims)
+        self.mesh = self.dims.build_mesh(device.type) if dist.is_initialized() else None
+        self.dp_rank, self.dp_size = dp_coordinates(self.mesh) if self.mesh else (0, 1)
         self.accum = config.train.global_batch_size // (config.train.micro_batch_size
                                                         * self.dp_size)
-        distributed = dist.is_initialized()
-        replicate, shard = config.parallel.degrees(world_size)
-        self.mesh = (build_mesh(device, dp_replicate=replicate, dp_shard=shard)
-                     if distributed else None)
 
-        # Initialise the full model identically on every rank from the seed, then shard it:
-        # the initial weights are then the same for any world size (an invariant the dist
-        # tests check). Meta-device init for models too big for one host comes with TP/PP.
+        # Initialise the full model identically on every rank from the seed, then split it:
+        # the initial weights are then the same for any layout (an invariant the dist tests
+        # check). Meta-device init for models too big for one host comes with pipelining.
         torch.manual_seed(config.train.seed)
         model = task.build_model(config).to(device)
         task.init_weights(model)
-        self.model = (apply_data_parallel(model, self.mesh,
-                                          reshard_after_forward=config.parallel.reshard_after_forward)
-                      if self.mesh is not None else model)
+        self.model = parallelize(model, mesh=self.mesh, config=config.parallel, task=task)
         self.optimizer = task.build_optimizer(self.model, config)
         self.scheduler = task.build_lr_scheduler(self.optimizer, config)
 
@@ -81,18 +104,20 @@ class TrainEngine:
                 loss.backward()
             loss_sum += loss.detach()
         if cfg.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.grad_clip)
+            clip_grad_norm(self.model.parameters(), cfg.grad_clip)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
 
         # One all-reduce of two numbers per step: the mean loss for logging and the stop
-        # flag, so that all ranks stop after the same step whoever was asked first.
+        # flag, so that all ranks stop after the same step whoever was asked first. Every
+        # rank holds its data-parallel slice's loss (tensor-parallel peers hold the same
+        # one), so the mean over the world is the mean over the global batch.
         summary = torch.stack([loss_sum, torch.tensor(float(stop_requested), device=self.device)])
         if dist.is_initialized():
             dist.all_reduce(summary)
-        loss_mean, stop_votes = (summary / torch.tensor([self.dp_size, 1.0],
+        loss_mean, stop_votes = (summary / torch.tensor([self.world_size, 1.0],
                                                         device=self.device)).tolist()
         self.step += 1
         self.samples_seen += cfg.global_batch_size

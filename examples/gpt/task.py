@@ -13,10 +13,14 @@ from typing import TYPE_CHECKING, Any
 
 from stalwart.examples.gpt.data import TokenDataset, TokenFiles, build_token_files
 from stalwart.examples.gpt.model import GPT, GPTConfig
+from stalwart.examples.gpt.tensor_parallel import apply_tensor_parallel
 from stalwart.task import TrainTask
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
     from stalwart.config import JobConfig
+    from stalwart.parallel.dims import ParallelDims
 
 
 class GPTTask(TrainTask):
@@ -41,6 +45,13 @@ class GPTTask(TrainTask):
 
     def build_model(self, config: JobConfig) -> GPT:
         return GPT(self.model_config)
+
+    def check_layout(self, dims: ParallelDims) -> None:
+        dims.check_model(n_heads=self.model_config.n_heads)
+
+    def apply_tensor_parallel(self, model: GPT, tp_mesh: DeviceMesh, *,
+                              sequence_parallel: bool) -> None:
+        apply_tensor_parallel(model, tp_mesh, sequence_parallel=sequence_parallel)
 
     def train_dataset(self, config: JobConfig) -> TokenDataset:
         return TokenDataset(self._token_files(config).train, self.model_config.seq_len)

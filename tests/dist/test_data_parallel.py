@@ -1,4 +1,4 @@
-"""Data parallelism is exact: 2 gloo ranks train like 1 process with the same global batch."""
+"""Every parallel layout is exact: its ranks train like 1 process with the same global batch."""
 
 from __future__ import annotations
 
@@ -43,13 +43,41 @@ def single_process_losses(cache_dir) -> list[float]:
     return run_ranks(train_losses, 1, cache_dir, [])[0]
 
 
-@pytest.mark.parametrize("layout", [
-    pytest.param(["parallel.dp_replicate=2", "parallel.dp_shard=1"], id="ddp"),
-    pytest.param(["parallel.dp_shard=2"], id="fsdp-zero3"),
-    pytest.param(["parallel.dp_shard=2", "parallel.reshard_after_forward=false"], id="fsdp-zero2"),
+@pytest.mark.parametrize(("world", "layout"), [
+    pytest.param(2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], id="ddp2"),
+    pytest.param(2, ["parallel.dp_shard=2"], id="fsdp2-zero3"),
+    pytest.param(2, ["parallel.dp_shard=2", "parallel.reshard_after_forward=false"],
+                 id="fsdp2-zero2"),
+    pytest.param(4, ["parallel.dp_shard=4"], id="fsdp4"),
+    pytest.param(4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"], id="hsdp2x2"),
+    pytest.param(2, ["parallel.tp=2", "parallel.dp_shard=1"], id="tp2"),
+    pytest.param(2, ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=false"],
+                 id="tp2-no-sp"),
+    pytest.param(4, ["parallel.tp=2", "parallel.dp_shard=2"], id="fsdp2xtp2"),
+    pytest.param(2, ["parallel.dp_shard=2", "parallel.activation_checkpointing=selective"],
+                 id="fsdp2-selective-ac"),
+    pytest.param(2, ["parallel.tp=2", "parallel.dp_shard=1",
+                     "parallel.activation_checkpointing=full"], id="tp2-full-ac"),
 ])
-def test_two_ranks_match_one_process(cache_dir, single_process_losses, layout):
-    per_rank = run_ranks(train_losses, 2, cache_dir, layout)
-    assert per_rank[0] == per_rank[1], "ranks disagree on the all-reduced loss"
+def test_layout_matches_one_process(cache_dir, single_process_losses, world, layout):
+    per_rank = run_ranks(train_losses, world, cache_dir, layout)
+    assert all(losses == per_rank[0] for losses in per_rank), "ranks disagree on the loss"
     assert single_process_losses[-1] < single_process_losses[0] - 0.5, "the model did not learn"
     assert per_rank[0] == pytest.approx(single_process_losses, rel=1e-5)
+
+
+@pytest.mark.parametrize(("world", "layout", "rel"), [
+    # bf16 compute with fp32 master weights and reduction: close to fp32, not equal.
+    pytest.param(2, ["parallel.dp_shard=2", "parallel.mixed_precision=bf16"], 3e-2,
+                 id="fsdp2-bf16"),
+])
+def test_mixed_precision_trains_close_to_fp32(cache_dir, single_process_losses, world, layout,
+                                             rel):
+    per_rank = run_ranks(train_losses, world, cache_dir, layout)
+    assert per_rank[0] == pytest.approx(single_process_losses, rel=rel)
+
+
+def test_compiled_blocks_match_eager(cache_dir, single_process_losses):
+    # torch.compile (inductor, C++ on CPU) fuses ops, so the float results move slightly.
+    per_rank = run_ranks(train_losses, 2, cache_dir, ["parallel.dp_shard=2", "parallel.compile=true"])
+    assert per_rank[0] == pytest.approx(single_process_losses, rel=1e-3)

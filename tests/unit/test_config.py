@@ -260,7 +260,7 @@ def test_dp_replicate_times_dp_shard_must_equal_the_world() -> None:
         load_config(None, ["scaling.num_workers=4", "parallel.dp_replicate=2",
                            "parallel.dp_shard=4"])
     assert re.match(r"parallel\.dp_shard = 4 is invalid: dp_replicate x dp_shard must equal "
-                    r"(the world size |scaling\.num_workers=)4\b", str(err.value)), str(err.value)
+                    r"the world size / tp = 4\b", str(err.value)), str(err.value)
     for layout in (["parallel.dp_replicate=2", "parallel.dp_shard=2"],
                    ["parallel.dp_replicate=2"], ["parallel.dp_replicate=-1",
                                                  "parallel.dp_shard=2"]):
@@ -341,3 +341,19 @@ def test_set_through_a_value_that_is_not_a_section(tmp_path: Path) -> None:
     path = _write(tmp_path, "[train]\nsteps = 3\n")
     with pytest.raises(ConfigError, match=r"--set 'train\.steps\.x=1': steps is not a section"):
         load_config(path, ["train.steps.x=1"])
+
+
+def test_cpu_offload_needs_gpu_workers() -> None:
+    with pytest.raises(ConfigError, match=r"^parallel\.cpu_offload = True is invalid: needs GPU"):
+        load_config(None, ["parallel.cpu_offload=true"])
+    assert load_config(None, ["parallel.cpu_offload=true", "scaling.gpus_per_worker=1"]
+                       ).parallel.cpu_offload
+
+
+def test_tp_must_divide_the_world_and_leaves_the_rest_to_data_parallel() -> None:
+    with pytest.raises(ConfigError, match=r"^parallel\.tp = 3 is invalid: must divide the world"):
+        load_config(None, ["parallel.tp=3"])
+    config = load_config(None, ["scaling.num_workers=4", "parallel.tp=2",
+                                "train.global_batch_size=16"])
+    assert config.parallel.degrees(4) == (1, 2) and config.dp_size == 2
+    assert config.grad_accum_steps == 16 // (8 * 2)

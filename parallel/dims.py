@@ -1,0 +1,65 @@
+"""ParallelDims: how a world of ranks splits into data-parallel and tensor-parallel dimensions.
+
+`dp_replicate x dp_shard x tp = world`. The mesh is laid out outermost to innermost as
+(dp_replicate, dp_shard, tp), so tensor-parallel peers are adjacent ranks: on a multi-GPU
+host they share the fastest links. Pure data (no process group needed), so layouts can be
+validated on the driver before any worker starts and after every resize.
+
+Resizing keeps tp fixed and changes the data-parallel degree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from stalwart.errors import ConfigError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from stalwart.config import ParallelConfig
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp_replicate: int
+    dp_shard: int
+    tp: int
+
+    @classmethod
+    def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelDims:
+        replicate, shard = parallel.degrees(world_size)
+        return cls(dp_replicate=replicate, dp_shard=shard, tp=parallel.tp)
+
+    @property
+    def world_size(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp
+
+    @property
+    def dp_size(self) -> int:
+        return self.dp_replicate * self.dp_shard
+
+    def check_model(self, *, n_heads: int | None) -> None:
+        """Refuse a tensor-parallel degree the model cannot be split by."""
+        if self.tp > 1 and n_heads is not None and n_heads % self.tp:
+            raise ConfigError(f"parallel.tp = {self.tp} is invalid: must divide the model's "
+                              f"{n_heads} attention heads")
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
+                                mesh_dim_names=MESH_DIMS)
+
+    def describe(self) -> str:
+        return f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp}"
+
+
+def dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:
+    """(data-parallel rank, data-parallel size) of this rank: which slice of the batch it reads."""
+    shard = mesh["dp_shard"]
+    rank = mesh["dp_replicate"].get_local_rank() * shard.size() + shard.get_local_rank()
+    return rank, mesh["dp_replicate"].size() * shard.size()

@@ -1,0 +1,44 @@
+"""parallelize: the one recipe that turns a freshly initialised model into its parallel form.
+
+Read top to bottom; each step's place in the order is a constraint, said where it applies.
+Re-runnable unchanged after a resize: it only reads the mesh and config it is given.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from stalwart.parallel.activation_checkpoint import apply_activation_checkpointing
+from stalwart.parallel.data_parallel import apply_data_parallel
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from stalwart.config import ParallelConfig
+    from stalwart.task import TrainTask
+
+
+def parallelize(model: torch.nn.Module, *, mesh: DeviceMesh | None, config: ParallelConfig,
+                task: TrainTask) -> torch.nn.Module:
+    """`mesh` None: a single process without a process group (only steps 2 and 3 apply)."""
+    # 1. Tensor parallel first: it replaces parameters with DTensors sharded over the tp
+    #    mesh, which FSDP below then shards again over dp (2-D parameters).
+    if mesh is not None and mesh["tp"].size() > 1:
+        task.apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.sequence_parallel)
+
+    blocks = getattr(model, "layers", None)
+    if blocks is not None:
+        # 2. Activation checkpointing wraps whole blocks, after TP so that recomputation
+        #    replays the block's TP collectives too, and before FSDP so that FSDP's hooks sit
+        #    outside the checkpointed region (parameters are gathered once per recompute).
+        apply_activation_checkpointing(blocks, config.activation_checkpointing)
+        # 3. Compile each block on its own: same-shaped blocks reuse one compiled graph, and
+        #    FSDP's per-block communication stays outside the graphs.
+        if config.compile:
+            for block in blocks:
+                block.compile()
+
+    # 4. Data parallel last: FSDP2 / HSDP (with mixed precision and CPU offload) or DDP.
+    return apply_data_parallel(model, mesh, config) if mesh is not None else model
