@@ -1,0 +1,298 @@
+"""Per-rank memory of a training layout, computed from the model's shape: no process group.
+
+`estimate(shape, layout)` counts, for the busiest rank, the bytes of what training keeps:
+parameters, gradients and optimizer state (ZeRO, Rajbhandari et al. 2020), the transient
+buffers of the data-parallel wrapper, and activations (Korthikanti et al. 2022). It models
+stalwart's own recipe (parallel/data_parallel.py): FSDP2 with one unit per transformer block
+plus a root unit, AdamW, and a bf16 compute copy over fp32 master weights.
+
+Contract: an estimate, not a measurement. It leaves out the CUDA context, allocator
+fragmentation and kernel workspaces (keep ~10% headroom). A part it cannot know from the
+shape it was given is None, never a guess, and `complete` says whether the total has it all.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from stalwart.errors import StalwartError
+
+if TYPE_CHECKING:
+    from stalwart.examples.gpt.model import GPTConfig
+
+# The same values as [parallel] in stalwart/config.py accepts.
+PRECISIONS = ("fp32", "bf16")
+AC_MODES = ("none", "selective", "full")
+PP_SCHEDULES = ("1F1B", "GPipe")
+
+
+class PlanError(StalwartError, ValueError):
+    """A model shape or layout that cannot be planned: names the field and the bad value."""
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise PlanError(message)
+
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape:
+    n_params: int
+    """Unique parameters of the whole model (a tied embedding and output head count once)."""
+    n_layers: int | None = None
+    """Transformer blocks; each is one FSDP unit. None: unknown."""
+    d_model: int | None = None
+    """Hidden size (h in the activation formulas)."""
+    n_heads: int | None = None
+    """Attention heads (a); the tensor-parallel degree must divide it."""
+    seq_len: int | None = None
+    """Tokens per sequence (s)."""
+    vocab_size: int | None = None
+    """Size of the logits; None leaves the logits out of the activations."""
+    ffn_hidden: int | None = None
+    """Feed-forward hidden width (used to size a block when block_params is not given)."""
+    block_params: int | None = None
+    """Parameters of one transformer block, the largest FSDP unit. None: unknown."""
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():  # every size is optional but positive
+            _check(value is None or value >= 1, f"{name} must be >= 1, got {value}")
+        _check(None in (self.d_model, self.n_heads) or self.d_model % self.n_heads == 0,
+               f"n_heads = {self.n_heads} must divide d_model = {self.d_model}")
+        if self.block_params is not None and self.n_layers is not None:
+            _check(self.n_layers * self.block_params <= self.n_params,
+                   f"{self.n_layers} blocks of {self.block_params:,} parameters exceed the "
+                   f"parameter count {self.n_params:,}")
+
+    @classmethod
+    def from_gpt_config(cls, cfg: GPTConfig) -> ModelShape:
+        """The exact shape of stalwart.examples.gpt's GPT, counted on the meta device."""
+        import torch
+
+        from stalwart.examples.gpt.model import GPT
+
+        with torch.device("meta"):  # shapes only: no memory, no init cost
+            model = GPT(cfg)
+        return cls(n_params=model.num_params(), n_layers=cfg.n_layers, d_model=cfg.d_model,
+                   n_heads=cfg.n_heads, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
+                   ffn_hidden=cfg.ffn_dim,
+                   block_params=sum(p.numel() for p in model.layers[0].parameters()))
+
+    @classmethod
+    def from_param_count(cls, n_params: int, *, n_layers: int | None = None,
+                         d_model: int | None = None, n_heads: int | None = None,
+                         seq_len: int | None = None, vocab_size: int | None = None,
+                         ffn_hidden: int | None = None) -> ModelShape:
+        """A bare parameter count, with whatever of the shape is known."""
+        shape = cls(n_params=n_params, n_layers=n_layers, d_model=d_model, n_heads=n_heads,
+                    seq_len=seq_len, vocab_size=vocab_size, ffn_hidden=ffn_hidden)
+        if d_model is not None:
+            # The example GPT's block: wq wk wv wo (4h^2), SwiGLU w1 w2 w3 (3hf), two norms.
+            ffn = ffn_hidden or 32 * math.ceil(int(8 * d_model / 3) / 32)  # GPTConfig.ffn_dim
+            block = 4 * d_model * d_model + 3 * d_model * ffn + 2 * d_model
+        elif n_layers is not None:
+            block = n_params // n_layers  # no width: every parameter is in some block
+        else:
+            return shape
+        return dataclasses.replace(shape, block_params=block)  # checks blocks <= n_params
+
+    @property
+    def activations_known(self) -> bool:
+        return None not in (self.n_layers, self.d_model, self.n_heads, self.seq_len)
+
+    @property
+    def root_params(self) -> int | None:
+        """Parameters outside the blocks (embeddings, final norm, head): the FSDP root unit."""
+        if self.block_params is None or self.n_layers is None:
+            return None
+        return self.n_params - self.n_layers * self.block_params
+
+
+@dataclass(frozen=True, kw_only=True)
+class Layout:
+    dp_replicate: int = 1
+    """Data-parallel replicas (DDP alone, the outer dimension of HSDP with dp_shard > 1)."""
+    dp_shard: int = 1
+    """FSDP2 sharding degree: parameters, gradients and optimizer state are split over it."""
+    tp: int = 1
+    """Tensor-parallel degree."""
+    pp: int = 1
+    """Pipeline stages."""
+    zero3: bool = True
+    """FSDP2 reshard_after_forward: free gathered blocks after forward (ZeRO-3), or keep them
+    until backward (what stalwart calls ZeRO-2)."""
+    mixed_precision: str = "fp32"
+    """fp32, or bf16: bf16 compute copies over fp32 master weights, fp32 gradient reduction."""
+    cpu_offload: bool = False
+    """FSDP2 CPUOffloadPolicy: sharded parameters, gradients and optimizer state in host memory."""
+    activation_checkpointing: str = "none"
+    """none, selective (recompute attention) or full (keep only each block's input)."""
+    sequence_parallel: bool = True
+    """With tp > 1, also split the activations outside the matmuls along the sequence."""
+    micro_batch_size: int = 1
+    """Sequences per forward/backward on one rank (b)."""
+    pp_microbatches: int | None = None
+    """Micro-batches per pipeline step; None means pp (the fewest that fill the pipeline)."""
+    pp_schedule: str = "1F1B"
+    """1F1B (the first stage holds pp micro-batches) or GPipe (every stage holds all)."""
+
+    def __post_init__(self) -> None:
+        for name in ("dp_replicate", "dp_shard", "tp", "pp", "micro_batch_size"):
+            _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
+        _check(self.pp_microbatches is None or self.pp_microbatches >= 1,
+               f"pp_microbatches must be >= 1, got {self.pp_microbatches}")
+        for name, allowed in (("mixed_precision", PRECISIONS), ("pp_schedule", PP_SCHEDULES),
+                              ("activation_checkpointing", AC_MODES)):
+            _check(getattr(self, name) in allowed, f"{name} must be one of "
+                   f"{', '.join(allowed)}, got {getattr(self, name)!r}")
+
+    @property
+    def devices(self) -> int:
+        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+
+    @property
+    def uses_fsdp(self) -> bool:
+        # As parallel/data_parallel.py decides: DDP has no sharding, DTensor, mixed-precision
+        # or offload support, so any of those puts FSDP2 in charge (with dp_shard 1 if need be).
+        return (self.dp_shard > 1 or self.tp > 1 or self.mixed_precision != "fp32"
+                or self.cpu_offload)
+
+    @property
+    def zero_stage(self) -> int:
+        """0 when nothing is sharded (DDP or one data-parallel rank), else 3 or 2."""
+        return 0 if self.dp_shard == 1 else 3 if self.zero3 else 2
+
+    def describe(self) -> str:
+        return (f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
+                f"x pp={self.pp}, ZeRO-{self.zero_stage}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryEstimate:
+    params: int
+    """Bytes of the rank's stored parameters: its fp32 shard (the master weights under bf16)."""
+    grads: int
+    """Bytes of the rank's fp32 gradient shard (FSDP2 reduce-scatters into the parameter dtype)."""
+    optimizer: int
+    """Bytes of AdamW's exp_avg and exp_avg_sq for the rank's shard (fp32)."""
+    buffers: int | None
+    """Peak transient bytes of the wrapper: gathered parameters, unsharded gradients, DDP buckets."""
+    activations: int | None
+    """Peak bytes of saved activations (with logits); None when the shape lacks the sizes."""
+    offloaded: bool
+    """params, grads and optimizer live in host memory, not on the device."""
+
+    @property
+    def state(self) -> int:
+        return self.params + self.grads + self.optimizer
+
+    @property
+    def device(self) -> int:
+        """Bytes on the device; a lower bound when not `complete`."""
+        return ((0 if self.offloaded else self.state) + (self.buffers or 0)
+                + (self.activations or 0))
+
+    @property
+    def host(self) -> int:
+        return self.state if self.offloaded else 0
+
+    @property
+    def complete(self) -> bool:
+        return None not in (self.buffers, self.activations)
+
+
+def estimate(shape: ModelShape, layout: Layout) -> MemoryEstimate:
+    """Bytes on the busiest rank of `layout` (the first pipeline stage) for `shape`."""
+    rank_params = _rank_params(shape, layout)
+    # ZeRO (section 3.1, Figure 1): (2 + 2 + K) x params / N_d with K = 12 for mixed-precision Adam (fp32
+    # master, m, v), the same 16 bytes as pure fp32 Adam (4 + 4 + 8). FSDP2 splits the 16
+    # differently: the fp32 sharded parameter IS the master weight and its gradient stays
+    # fp32 (reduce_dtype), so params 4 + grads 4 + optimizer 8 (m, v); the bf16 copies exist
+    # only while a unit is gathered and are counted in `buffers`. Every stored tensor is
+    # sharded over dp_shard under ZeRO-2 and ZeRO-3 alike (FSDP2 never keeps a full copy).
+    shard = math.ceil(rank_params / layout.dp_shard)
+    return MemoryEstimate(params=4 * shard, grads=4 * shard, optimizer=8 * shard,
+                          buffers=_buffers(shape, layout, rank_params),
+                          activations=_activations(shape, layout), offloaded=layout.cpu_offload)
+
+
+def _rank_params(shape: ModelShape, layout: Layout) -> int:
+    """Parameters on one rank of the largest pipeline stage, before data-parallel sharding."""
+    if shape.block_params is not None and shape.n_layers is not None:
+        # Stages split the blocks; the first also holds every non-block parameter (embedding,
+        # and counted there too: norm and head), so it is the largest. Conservative when an
+        # untied head sits on the last stage instead.
+        stage = (math.ceil(shape.n_layers / layout.pp) * shape.block_params
+                 + shape.n_params - shape.n_layers * shape.block_params)
+    else:
+        stage = math.ceil(shape.n_params / layout.pp)
+    return math.ceil(stage / layout.tp)  # Megatron: every matrix is split over tp
+
+
+def _buffers(shape: ModelShape, layout: Layout, rank_params: int) -> int | None:
+    if not layout.uses_fsdp:
+        # DDP copies every gradient into flat all-reduce buckets (gradient_as_bucket_view is
+        # off): a second fp32 gradient set. One rank with no wrapper has none.
+        return 4 * rank_params if layout.dp_replicate * layout.dp_shard > 1 else 0
+    compute = 2 if layout.mixed_precision == "bf16" else 4  # bytes of a gathered parameter
+    if shape.block_params is None:
+        # Without the block size only ZeRO-2's dominant term is known: all of the rank's
+        # parameters gathered (below), less one block's gradient buffer.
+        return None if layout.zero3 else compute * rank_params
+    block = math.ceil(shape.block_params / layout.tp)
+    # One block's unsharded gradient waits for its reduce-scatter; under bf16 FSDP2 upcasts
+    # it into an fp32 buffer to reduce in fp32.
+    grad_buffer = block * (compute + (4 if compute != 4 else 0))
+    if not layout.zero3:
+        # reshard_after_forward=False: each block stays gathered from its forward to its
+        # backward, so after the last forward every parameter of the rank is unsharded.
+        return compute * rank_params + grad_buffer
+    # ZeRO-3: the root unit (embedding, norm, head) stays gathered all step (stalwart shards
+    # it with reshard_after_forward=False); of the blocks, the one computing and the next,
+    # prefetched by FSDP2 while the first runs, are gathered at once.
+    root = math.ceil((shape.root_params or 0) / layout.tp)
+    return compute * (root + 2 * block) + grad_buffer
+
+
+def _activations(shape: ModelShape, layout: Layout) -> int | None:
+    """Peak saved activations on the busiest stage (Korthikanti et al. 2022, Table 2)."""
+    if not shape.activations_known:
+        return None
+    s, b, h, a = shape.seq_len, layout.micro_batch_size, shape.d_model, shape.n_heads
+    t, split = layout.tp, layout.sequence_parallel or layout.tp == 1
+
+    def per_layer(mode: str) -> float:
+        # Bytes per block per micro-batch with 16-bit activations and 1-byte dropout masks:
+        # sbh(34 + 5as/h), from a GPT block with a 4h MLP (a SwiGLU MLP saves ~4sbh more).
+        # Tensor parallel splits the 24 sbh inside the matmul regions over t; sequence
+        # parallel splits the other 10 (norms, dropouts) too. Selective recompute drops the
+        # 5as^2b of attention scores (flash attention never stores them); an upper bound for
+        # stalwart's op-level policy, which also recomputes norms and element-wise ops. Full
+        # recompute keeps only each block's input, 2sbh (split by t with sequence parallel).
+        if mode == "full":
+            return 2 * s * b * h / (t if split else 1)
+        attention = 5 * a * s / (h * t) if mode == "none" else 0.0
+        return s * b * h * ((34 / t if split else 10 + 24 / t) + attention)
+
+    # Convention: bf16 activations are the paper's figure; fp32 ones are twice it (the 1-byte
+    # masks, 2sbh + as^2b, are then doubled too: an overestimate of 3% to at most 10%).
+    scale = 1 if layout.mixed_precision == "bf16" else 2
+    mode = layout.activation_checkpointing
+    stage = math.ceil(shape.n_layers / layout.pp) * per_layer(mode) * scale
+    # Full recompute rebuilds one block's whole set in its backward, on top of the inputs.
+    working = per_layer("none") * scale if mode == "full" else 0.0
+    # The fp32 logits (paper: 4sbv/t, vocab-parallel loss) and the log-softmax output that
+    # cross entropy saves beside them: 8sbV/t, on the last stage only.
+    logits = 8 * s * b * shape.vocab_size / t if shape.vocab_size else 0.0
+    m = layout.pp_microbatches or layout.pp
+    if layout.pp == 1:
+        peak = stage + working + logits  # accumulation frees each micro-batch in its backward
+    elif layout.pp_schedule == "1F1B":
+        # The first stage runs pp forwards before its first backward; the last runs one.
+        peak = max(min(layout.pp, m) * stage, stage + logits) + working
+    else:  # GPipe: every stage holds all m micro-batches until the backwards start
+        peak = m * (stage + logits) + working
+    return math.ceil(peak)

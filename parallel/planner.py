@@ -1,0 +1,182 @@
+"""Which layouts can train a model on N devices of a given memory, and which one to use.
+
+A layout is dp_replicate x dp_shard x tp x pp = devices (TorchTitan's ParallelDims, without
+context parallel). `valid_layouts` enumerates every factorization the model can be split by,
+`plan` estimates each one's per-rank memory (parallel/memory.py), and `recommend` picks one
+by a fixed rule, documented on `preference`. Pure arithmetic: runs on the driver, or on a
+laptop planning for a cluster it is not on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import NamedTuple
+
+from stalwart.parallel.memory import Layout, MemoryEstimate, ModelShape, PlanError, estimate
+
+
+class NoLayoutFits(PlanError):
+    """Every layout's estimate exceeds the device memory; names the smallest estimate."""
+
+
+class Candidate(NamedTuple):
+    layout: Layout
+    estimate: MemoryEstimate
+    fits: bool
+    """The estimate's device bytes are at most the device memory (a lower bound check when
+    the estimate is not complete)."""
+
+
+def divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def valid_layouts(devices: int, shape: ModelShape, options: Layout | None = None, *,
+                  max_tp: int | None = None) -> list[Layout]:
+    """Every (dp_replicate, dp_shard, tp, pp) with product `devices` that `shape` allows.
+
+    tp must divide the attention heads (when known) and stay <= max_tp (the devices of one
+    node: tensor parallelism needs the fastest links); pp must be <= the blocks (when known;
+    uneven stages are allowed). `options` supplies everything but the four degrees.
+    """
+    if devices < 1:
+        raise PlanError(f"devices must be >= 1, got {devices}")
+    options = options or Layout()
+    layouts = []
+    for tp in divisors(devices):
+        if shape.n_heads is not None and shape.n_heads % tp:
+            continue
+        if max_tp is not None and tp > max_tp:
+            continue
+        for pp in divisors(devices // tp):
+            if shape.n_layers is not None and pp > shape.n_layers:
+                continue
+            dp = devices // (tp * pp)
+            for shard in divisors(dp):
+                layouts.append(dataclasses.replace(options, dp_replicate=dp // shard,
+                                                   dp_shard=shard, tp=tp, pp=pp))
+    return layouts
+
+
+def preference(candidate: Candidate) -> tuple[int, ...]:
+    """Sort key of the recommendation rule, best first.
+
+    1. a layout that fits;
+    2. the least model parallelism (tp x pp): it adds communication inside every layer or a
+       pipeline bubble, while data parallelism only adds a gradient reduction per step, so
+       the most data parallel layout usually has the best throughput;
+    3. at the same degree, tensor before pipeline parallelism (lower pp): tp stays inside a
+       node on fast links, pp pays a bubble of (pp - 1) / microbatches;
+    4. the lowest device memory: headroom for a larger micro-batch and for fragmentation
+       (among data-parallel splits this picks the widest sharding, dp_replicate = 1);
+    5. the layout itself, so that the order is total and the same on every run.
+    """
+    layout = candidate.layout
+    return (not candidate.fits, layout.tp * layout.pp, layout.pp, candidate.estimate.device,
+            layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp)
+
+
+def plan(shape: ModelShape, devices: int, memory_bytes: int, options: Layout | None = None, *,
+         max_tp: int | None = None) -> list[Candidate]:
+    """Every valid layout with its estimate and whether it fits, best first (`preference`)."""
+    if memory_bytes <= 0:
+        raise PlanError(f"device memory must be > 0 bytes, got {memory_bytes}")
+    candidates = []
+    for layout in valid_layouts(devices, shape, options, max_tp=max_tp):
+        est = estimate(shape, layout)
+        candidates.append(Candidate(layout, est, est.device <= memory_bytes))
+    return sorted(candidates, key=preference)
+
+
+def recommend(candidates: list[Candidate], memory_bytes: int) -> Candidate:
+    """The best candidate that fits; NoLayoutFits naming the smallest estimate otherwise."""
+    if not candidates:
+        raise PlanError("no layout to choose from")
+    fitting = [c for c in candidates if c.fits]
+    if fitting:
+        return min(fitting, key=preference)
+    smallest = min(candidates, key=lambda c: (c.estimate.device, preference(c)))
+    layout, devices = smallest.layout, smallest.layout.devices
+    # The model state of the whole layout: every shard once (replicas hold copies).
+    state = smallest.estimate.state * (devices // layout.dp_replicate)
+    need = math.ceil(state / memory_bytes)
+    bound = "" if smallest.estimate.complete else " (a lower bound: parts are unknown)"
+    raise NoLayoutFits(
+        f"no layout of {devices} device{'s' if devices != 1 else ''} fits in "
+        f"{format_bytes(memory_bytes)} per device: the smallest estimate is "
+        f"{format_bytes(smallest.estimate.device)} per device{bound} with "
+        f"{layout.describe()}; the parameters, gradients and optimizer state alone "
+        f"take {format_bytes(state)}, at least {need} devices of this size")
+
+
+def format_bytes(n: float) -> str:
+    """Binary units with three significant digits: 512 B, 12.4 MiB, 1.30 GiB, 104 GiB."""
+    value, unit = float(n), "B"
+    for next_unit in ("KiB", "MiB", "GiB", "TiB", "PiB"):
+        if value < 1024:
+            break
+        value, unit = value / 1024, next_unit
+    if unit == "B":
+        return f"{int(value)} B"
+    return f"{value:.2f} {unit}" if value < 10 else (
+        f"{value:.1f} {unit}" if value < 100 else f"{value:.0f} {unit}")
+
+
+def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, devices: int,
+                memory_bytes: int, options: Layout,
+                configured: tuple[int, int, int, int] | None = None) -> str:
+    """The plan as plain aligned text: a header, one row per layout (best first), notes."""
+    o = options
+    sizes = ", ".join(f"{name} {value:,}" for name, value in (
+        ("blocks", shape.n_layers), ("block params", shape.block_params),
+        ("d_model", shape.d_model), ("heads", shape.n_heads), ("seq_len", shape.seq_len),
+        ("vocab", shape.vocab_size)) if value is not None)
+    lines = [
+        f"model: {shape.n_params:,} parameters ({_count(shape.n_params)})"
+        f"{'; ' + sizes if sizes else ''} [{source}]",
+        f"devices: {devices} x {format_bytes(memory_bytes)}",
+        f"options: micro-batch {o.micro_batch_size}, {o.mixed_precision}, "
+        f"reshard_after_forward={o.zero3}, cpu_offload={o.cpu_offload}, "
+        f"activation_checkpointing={o.activation_checkpointing}, pipeline {o.pp_schedule} "
+        f"over {o.pp_microbatches or 'pp'} micro-batches",
+        "",
+    ]
+    head = ["dp_replicate", "dp_shard", "tp", "pp", "ZeRO", "params", "grads", "optimizer",
+            "buffers", "activations", "total"] + (["host"] if o.cpu_offload else []) + [
+            "fits", ""]
+    rows = []
+    for i, (layout, est, fits) in enumerate(candidates):
+        notes = (["recommended"] if i == 0 and fits else []) + (
+            ["config"] if configured == (layout.dp_replicate, layout.dp_shard, layout.tp,
+                                         layout.pp) else [])
+        unknown = "?"
+        rows.append([str(layout.dp_replicate), str(layout.dp_shard), str(layout.tp),
+                     str(layout.pp), str(layout.zero_stage),
+                     *(format_bytes(b) + (" (host)" if est.offloaded else "")
+                       for b in (est.params, est.grads, est.optimizer)),
+                     unknown if est.buffers is None else format_bytes(est.buffers),
+                     unknown if est.activations is None else format_bytes(est.activations),
+                     format_bytes(est.device) + ("" if est.complete else "+")]
+                    + ([format_bytes(est.host)] if o.cpu_offload else [])
+                    + ["yes" if fits else "no", "<- " + ", ".join(notes) if notes else ""])
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+    for r in [head, *rows]:
+        lines.append("  ".join(c.rjust(w) if i < len(head) - 2 else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(r, widths, strict=True))).rstrip())
+    lines.append("")
+    lines += ["total: bytes on the busiest rank (the first pipeline stage); fits: total <= "
+              "device memory,", "  with no headroom for the CUDA context or fragmentation "
+              "(keep ~10% free)"]
+    if not all(c.estimate.complete for c in candidates):
+        lines += ["?: unknown for this shape and left out of total (marked +: a lower bound); "
+                  "activations", "  need --layers, --heads, --d-model and --seq-len; buffers "
+                  "--layers or --d-model"]
+    return "\n".join(lines)
+
+
+def _count(n: int) -> str:
+    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= scale:
+            return f"{n / scale:.3g}{suffix}"
+    return str(n)

@@ -1,0 +1,93 @@
+"""`stalwart plan` exactly as a user types it: the table, the recommendation, the refusals.
+
+Each case runs the installed console script; they only wait on imports, so all of them are
+started together when the first test needs one, and each test then checks its own.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+
+STALWART = str(Path(sys.executable).with_name("stalwart"))
+REFERENCE_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "config.toml"
+ERROR_PREFIX = "stalwart: error: "
+
+CASES: dict[str, tuple[str, ...]] = {
+    "reference": (str(REFERENCE_CONFIG),),
+    "7b": ("--params", "7e9", "--devices", "8", "--memory-gb", "80"),
+    "70b": ("--params", "70e9", "--devices", "2", "--memory-gb", "16"),
+    "no_model": ("--devices", "8"),
+    "no_devices": ("--params", "7e9", "--devices", "0"),
+    "no_memory": ("--params", "7e9", "--memory-gb", "0"),
+}
+_runs: dict[str, Future[subprocess.CompletedProcess[str]]] = {}
+
+
+def run(name: str) -> subprocess.CompletedProcess[str]:
+    if not _runs:
+        pool = ThreadPoolExecutor(max_workers=3)
+        for case, args in CASES.items():
+            _runs[case] = pool.submit(subprocess.run, [STALWART, "plan", *args],
+                                      capture_output=True, text=True, timeout=90)
+        pool.shutdown(wait=False)
+    return _runs[name].result()
+
+
+def table(stdout: str) -> list[list[str]]:
+    """The layout rows: lines that start with the four degrees."""
+    rows = [line.split() for line in stdout.splitlines()]
+    return [r for r in rows if len(r) > 4 and all(c.isdigit() for c in r[:5])]
+
+
+def test_reference_config_lists_every_layout_of_its_two_workers() -> None:
+    proc = run("reference")
+    assert proc.returncode == 0, proc.stderr
+    assert "836,736 parameters" in proc.stdout and "devices: 2 x 80.0 GiB" in proc.stdout
+    rows = table(proc.stdout)
+    degrees = {tuple(int(c) for c in r[:4]) for r in rows}
+    assert degrees == {(1, 2, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)}
+    assert all("yes" in r for r in rows)
+    assert "<- config" in proc.stdout  # the config's DDP layout is marked
+    assert "recommended: dp_replicate=1 x dp_shard=2 x tp=1 x pp=1, ZeRO-3" in proc.stdout
+    assert "--set parallel.dp_replicate=1 --set parallel.dp_shard=2" in proc.stdout
+
+
+def test_7b_on_8_devices_of_80_gb_fits_and_recommends_zero3_over_all() -> None:
+    proc = run("7b")
+    assert proc.returncode == 0, proc.stderr
+    rows = table(proc.stdout)
+    assert all(a * b * c * d == 8 for a, b, c, d in (map(int, r[:4]) for r in rows))
+    fits = [r for r in rows if "yes" in r]
+    assert fits and any("no" in r for r in rows)  # 8 full replicas (DDP) need 130 GiB
+    assert rows[0][:4] == ["1", "8", "1", "1"] and "recommended" in rows[0][-1]
+    assert "GiB+" in rows[0] and "13.0" in rows[0]  # 16 x 7e9 / 8, activations unknown: a lower bound
+    assert "recommended: dp_replicate=1 x dp_shard=8 x tp=1 x pp=1" in proc.stdout
+
+
+def test_70b_on_2_devices_of_16_gb_is_refused_with_the_smallest_estimate() -> None:
+    proc = run("70b")
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(ERROR_PREFIX), proc.stderr
+    assert "the smallest estimate is 522 GiB per device" in lines[0]
+    assert "16.0 GiB" in lines[0] and "at least 66 devices" in lines[0]
+    assert table(proc.stdout) and "recommended" not in proc.stdout
+
+
+@pytest.mark.parametrize(("case", "says"), [("no_model", "CONFIG or --params"),
+                                            ("no_devices", "--devices must be >= 1"),
+                                            ("no_memory", "--memory-gb must be > 0")])
+def test_bad_input_is_one_line_and_exit_2(case: str, says: str) -> None:
+    proc = run(case)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(ERROR_PREFIX) and says in lines[0], (
+        proc.stderr)
+    assert proc.stdout == ""
