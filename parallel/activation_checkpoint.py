@@ -14,6 +14,8 @@ import torch
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from stalwart.parallel.blocks import replace_blocks
+
 _SAVE_OPS = {
     torch.ops.aten.mm.default,
     torch.ops.aten.addmm.default,
@@ -28,7 +30,7 @@ def _policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_SAVE if op in _SAVE_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
-def apply_activation_checkpointing(blocks: torch.nn.ModuleList, mode: str) -> None:
+def apply_activation_checkpointing(model: torch.nn.Module, mode: str) -> None:
     """Wrap every block in place (state-dict names are unchanged: the wrapper strips its prefix)."""
     if mode == "none":
         return
@@ -39,5 +41,4 @@ def apply_activation_checkpointing(blocks: torch.nn.ModuleList, mode: str) -> No
                        context_fn=partial(create_selective_checkpoint_contexts, _policy))
     else:
         raise ValueError(f"unexpected activation checkpointing mode {mode!r}")
-    for i, block in enumerate(blocks):
-        blocks[i] = wrap(block)
+    replace_blocks(model, wrap)

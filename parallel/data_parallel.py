@@ -18,6 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from stalwart.parallel.blocks import blocks_of
+
 if TYPE_CHECKING:
     from stalwart.config import ParallelConfig
 
@@ -44,10 +46,8 @@ def apply_data_parallel(model: torch.nn.Module, mesh: DeviceMesh, config: Parall
                                                    reduce_dtype=torch.float32)
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
-    blocks = getattr(model, "layers", None)
-    if blocks is not None:
-        for block in blocks:
-            fully_shard(block, reshard_after_forward=config.reshard_after_forward, **kwargs)
+    for block in blocks_of(model):
+        fully_shard(block, reshard_after_forward=config.reshard_after_forward, **kwargs)
     # The root holds what is left (embeddings, final norm, a tied output head); it is used
     # last in backward, so resharding it after forward would only regather it at once.
     fully_shard(model, reshard_after_forward=False, **kwargs)

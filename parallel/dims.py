@@ -1,11 +1,12 @@
 """ParallelDims: how a world of ranks splits into data-parallel and tensor-parallel dimensions.
 
-`dp_replicate x dp_shard x tp = world`. The mesh is laid out outermost to innermost as
-(dp_replicate, dp_shard, tp), so tensor-parallel peers are adjacent ranks: on a multi-GPU
-host they share the fastest links. Pure data (no process group needed), so layouts can be
+`pp x dp_replicate x dp_shard x tp = world`. The mesh is laid out outermost to innermost as
+(pp, dp_replicate, dp_shard, tp), so tensor-parallel peers are adjacent ranks (on a multi-GPU
+host they share the fastest links) and pipeline stages, which exchange the least, are furthest
+apart. Pure data (no process group needed), so layouts can be
 validated on the driver before any worker starts and after every resize.
 
-Resizing keeps tp fixed and changes the data-parallel degree.
+Resizing keeps tp x pp fixed and changes the data-parallel degree.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
 
     from stalwart.config import ParallelConfig
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
 @dataclass(frozen=True)
@@ -28,34 +29,45 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     tp: int
+    pp: int = 1
+    stages_per_rank: int = 1
+    """Pipeline stages each pp rank runs: 2 for the interleaved schedules (virtual stages)."""
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelDims:
         replicate, shard = parallel.degrees(world_size)
-        return cls(dp_replicate=replicate, dp_shard=shard, tp=parallel.tp)
+        looped = parallel.pp > 1 and parallel.pp_schedule in ("interleaved_1f1b", "zero_bubble")
+        return cls(dp_replicate=replicate, dp_shard=shard, tp=parallel.tp, pp=parallel.pp,
+                   stages_per_rank=2 if looped else 1)
 
     @property
     def world_size(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.tp
 
     @property
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
-    def check_model(self, *, n_heads: int | None) -> None:
-        """Refuse a tensor-parallel degree the model cannot be split by."""
+    def check_model(self, *, n_heads: int | None, n_layers: int | None = None) -> None:
+        """Refuse a layout the model cannot be split by."""
         if self.tp > 1 and n_heads is not None and n_heads % self.tp:
             raise ConfigError(f"parallel.tp = {self.tp} is invalid: must divide the model's "
                               f"{n_heads} attention heads")
+        stages = self.pp * self.stages_per_rank
+        if self.pp > 1 and n_layers is not None and n_layers < stages:
+            raise ConfigError(f"parallel.pp = {self.pp} is invalid: {stages} pipeline stages "
+                              f"need at least as many blocks, the model has {n_layers}")
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         from torch.distributed.device_mesh import init_device_mesh
 
-        return init_device_mesh(device_type, (self.dp_replicate, self.dp_shard, self.tp),
+        return init_device_mesh(device_type,
+                                (self.pp, self.dp_replicate, self.dp_shard, self.tp),
                                 mesh_dim_names=MESH_DIMS)
 
     def describe(self) -> str:
-        return f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp}"
+        return (f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} "
+                f"x tp={self.tp}")
 
 
 def dp_coordinates(mesh: DeviceMesh) -> tuple[int, int]:

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from stalwart.parallel.activation_checkpoint import apply_activation_checkpointing
+from stalwart.parallel.blocks import blocks_of
 from stalwart.parallel.data_parallel import apply_data_parallel
 
 if TYPE_CHECKING:
@@ -28,17 +29,15 @@ def parallelize(model: torch.nn.Module, *, mesh: DeviceMesh | None, config: Para
     if mesh is not None and mesh["tp"].size() > 1:
         task.apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.sequence_parallel)
 
-    blocks = getattr(model, "layers", None)
-    if blocks is not None:
-        # 2. Activation checkpointing wraps whole blocks, after TP so that recomputation
-        #    replays the block's TP collectives too, and before FSDP so that FSDP's hooks sit
-        #    outside the checkpointed region (parameters are gathered once per recompute).
-        apply_activation_checkpointing(blocks, config.activation_checkpointing)
-        # 3. Compile each block on its own: same-shaped blocks reuse one compiled graph, and
-        #    FSDP's per-block communication stays outside the graphs.
-        if config.compile:
-            for block in blocks:
-                block.compile()
+    # 2. Activation checkpointing wraps whole blocks, after TP so that recomputation
+    #    replays the block's TP collectives too, and before FSDP so that FSDP's hooks sit
+    #    outside the checkpointed region (parameters are gathered once per recompute).
+    apply_activation_checkpointing(model, config.activation_checkpointing)
+    # 3. Compile each block on its own: same-shaped blocks reuse one compiled graph, and
+    #    FSDP's per-block communication stays outside the graphs.
+    if config.compile:
+        for block in blocks_of(model):
+            block.compile()
 
     # 4. Data parallel last: FSDP2 / HSDP (with mixed precision and CPU offload) or DDP.
     return apply_data_parallel(model, mesh, config) if mesh is not None else model

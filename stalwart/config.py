@@ -20,6 +20,7 @@ from stalwart.errors import ConfigError
 
 AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
 
 def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -76,6 +77,10 @@ class ParallelConfig:
     """FSDP2: free the gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
     tp: int = 1
     """Tensor-parallel degree: each layer's matrices are split over this many ranks (the task supplies the plan)."""
+    pp: int = 1
+    """Pipeline-parallel degree: the model's blocks are cut into stages on this many ranks (the task supplies the split)."""
+    pp_schedule: str = "1f1b"
+    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (2 stages per rank) or zero_bubble (interleaved, split backward)."""
     sequence_parallel: bool = True
     """With tp > 1, also split the norms' activations along the sequence (saves activation memory)."""
     activation_checkpointing: str = "none"
@@ -95,6 +100,9 @@ class ParallelConfig:
         _require(not (self.dp_replicate == -1 and self.dp_shard == -1), "parallel.dp_replicate",
                  self.dp_replicate, "at most one of dp_replicate and dp_shard may be -1")
         _require(self.tp >= 1, "parallel.tp", self.tp, "must be >= 1")
+        _require(self.pp >= 1, "parallel.pp", self.pp, "must be >= 1")
+        _require(self.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", self.pp_schedule,
+                 f"one of {', '.join(PP_SCHEDULES)}")
         _require(self.activation_checkpointing in AC_MODES, "parallel.activation_checkpointing",
                  self.activation_checkpointing, f"one of {', '.join(AC_MODES)}")
         _require(self.mixed_precision in PRECISIONS, "parallel.mixed_precision",
@@ -110,7 +118,10 @@ class ParallelConfig:
         if world_size % self.tp:
             raise ConfigError(f"parallel.tp = {self.tp} is invalid: must divide the world "
                               f"size {world_size}")
-        world_size //= self.tp
+        if world_size % (self.tp * self.pp):
+            raise ConfigError(f"parallel.pp = {self.pp} is invalid: tp x pp = "
+                              f"{self.tp * self.pp} must divide the world size {world_size}")
+        world_size //= self.tp * self.pp
         fixed = self.dp_shard if self.dp_replicate == -1 else self.dp_replicate
         if world_size % fixed:
             name = "dp_shard" if self.dp_replicate == -1 else "dp_replicate"
@@ -122,8 +133,8 @@ class ParallelConfig:
             return self.dp_replicate, world_size // self.dp_replicate
         if self.dp_replicate * self.dp_shard != world_size:
             raise ConfigError(f"parallel.dp_shard = {self.dp_shard} is invalid: dp_replicate x "
-                              f"dp_shard must equal the world size / tp = {world_size} (or set "
-                              f"one of them to -1)")
+                              f"dp_shard must equal the world size / (tp x pp) = {world_size} "
+                              f"(or set one of them to -1)")
         return self.dp_replicate, self.dp_shard
 
 
@@ -248,6 +259,13 @@ class JobConfig:
                  "parallel.cpu_offload", self.parallel.cpu_offload,
                  "needs GPU workers (scaling.gpus_per_worker > 0); on CPU workers the "
                  "parameters and optimizer state already live in host memory")
+        if self.parallel.pp > 1:
+            microbatches = self.train.global_batch_size // max(1, self.train.micro_batch_size * dp)
+            _require(microbatches >= self.parallel.pp, "train.global_batch_size",
+                     self.train.global_batch_size,
+                     f"with parallel.pp = {self.parallel.pp} each data-parallel rank needs at "
+                     f"least pp micro-batches per step (global_batch_size >= micro_batch_size x "
+                     f"data-parallel ranks x pp = {self.train.micro_batch_size * dp * self.parallel.pp})")
         per_step = self.train.micro_batch_size * dp
         _require(self.train.global_batch_size % per_step == 0, "train.global_batch_size",
                  self.train.global_batch_size,

@@ -56,11 +56,21 @@ class TrainTask:
         if dims.tp > 1 and type(self).apply_tensor_parallel is TrainTask.apply_tensor_parallel:
             raise TaskError(f"parallel.tp = {dims.tp}: task {type(self).__name__} has no "
                             f"tensor-parallel plan (implement apply_tensor_parallel)")
+        if dims.pp > 1 and type(self).split_pipeline is TrainTask.split_pipeline:
+            raise TaskError(f"parallel.pp = {dims.pp}: task {type(self).__name__} has no "
+                            f"pipeline split (implement split_pipeline)")
 
     def apply_tensor_parallel(self, model: torch.nn.Module, tp_mesh: DeviceMesh, *,
                               sequence_parallel: bool) -> None:
         """Split the model's layers over `tp_mesh` in place (torch parallelize_module plans)."""
         raise TaskError(f"task {type(self).__name__} has no tensor-parallel plan")
+
+    def split_pipeline(self, model: torch.nn.Module, stage_ids: list[int], num_stages: int
+                       ) -> tuple[list[torch.nn.Module], torch.nn.Module]:
+        """Cut the model into `num_stages` pipeline stages and return (the stages `stage_ids`
+        that this rank runs, one module holding all their parameters under the whole model's
+        names, for the optimizer and checkpoints)."""
+        raise TaskError(f"task {type(self).__name__} has no pipeline split")
 
     def train_dataset(self, config: JobConfig) -> Dataset:
         raise TaskError(f"{type(self).__name__} must implement train_dataset(config)")
@@ -71,9 +81,13 @@ class TrainTask:
 
     def loss(self, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
              ) -> torch.Tensor:
-        """Mean loss of one micro-batch; the default is next-token cross entropy."""
-        logits = model(inputs)
-        return F.cross_entropy(logits.flatten(0, -2).float(), targets.flatten())
+        """Mean loss of one micro-batch: `output_loss` of the model's output."""
+        return self.output_loss(model(inputs), targets)
+
+    def output_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean loss of a model output (also what a pipeline's last stage computes); the
+        default is cross entropy (next-token for [B, T, V] logits, classes for [B, C])."""
+        return F.cross_entropy(output.flatten(0, -2).float(), targets.flatten())
 
     def build_optimizer(self, model: torch.nn.Module, config: JobConfig
                         ) -> torch.optim.Optimizer:

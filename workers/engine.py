@@ -20,6 +20,7 @@ from torch.distributed.tensor.experimental import implicit_replication
 
 from stalwart.parallel.data_parallel import gradient_sync
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
+from stalwart.parallel.pipeline import Pipeline, build_pipeline
 from stalwart.parallel.recipe import parallelize
 from stalwart.workers.reports import StepReport
 from stalwart.workers.sampler import GlobalSampler, rank_slice
@@ -29,12 +30,14 @@ if TYPE_CHECKING:
     from stalwart.task import TrainTask
 
 
-def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm(parameters, max_norm: float, *,
+                   pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Clip the global gradient norm, for plain tensors and DTensors (FSDP / TP) alike.
 
     Gradients may live on different meshes (e.g. TP-split matrices on (dp, tp), norms left
     whole on (dp,)): each mesh's norm is reduced on its own (one collective per mesh), then
-    the per-mesh norms combine into the global one.
+    the per-mesh norms combine into the global one. With a pipeline, each pp rank holds other
+    layers: their squared norms add up over the pp group.
     """
     params = [p for p in parameters if p.grad is not None]
     groups: dict[object, list[torch.Tensor]] = {}
@@ -45,7 +48,11 @@ def clip_grad_norm(parameters, max_norm: float) -> torch.Tensor:
     for grads in groups.values():
         norm = torch.nn.utils.get_total_norm(grads, foreach=False)
         norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
+    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
+    if pp_group is not None:
+        squared = total ** 2
+        dist.all_reduce(squared, group=pp_group)
+        total = squared.sqrt()
     with implicit_replication():
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
     return total
@@ -68,11 +75,22 @@ class TrainEngine:
 
         # Initialise the full model identically on every rank from the seed, then split it:
         # the initial weights are then the same for any layout (an invariant the dist tests
-        # check). Meta-device init for models too big for one host comes with pipelining.
+        # check). Meta-device init, for models too big for one host, is still to come.
         torch.manual_seed(config.train.seed)
         model = task.build_model(config).to(device)
         task.init_weights(model)
-        self.model = parallelize(model, mesh=self.mesh, config=config.parallel, task=task)
+        self.pipeline: Pipeline | None = None
+        if self.dims.pp > 1:
+            assert self.mesh is not None, "pipeline parallelism needs a process group"
+            self.pipeline = build_pipeline(
+                model, task=task, dims=self.dims, mesh=self.mesh, config=config.parallel,
+                device=device, n_microbatches=self.accum, loss_fn=task.output_loss)
+            # The optimizer and checkpoints see this rank's stages as one module.
+            self.model = self.pipeline.rank_module
+        else:
+            self.model = parallelize(model, mesh=self.mesh, config=config.parallel, task=task)
+        # Ranks holding the loss: the last pipeline stage (tp peers hold the same one).
+        self.loss_ranks = world_size // self.dims.pp
         self.optimizer = task.build_optimizer(self.model, config)
         self.scheduler = task.build_lr_scheduler(self.optimizer, config)
 
@@ -94,7 +112,14 @@ class TrainEngine:
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
-        for i in range(self.accum):
+        if self.pipeline is not None:
+            # The schedule splits the rank's batch into the accumulation micro-batches.
+            inputs, targets = (t.to(self.device) for t in self.train_data.get_batch(items))
+            tokens = targets.numel()
+            loss = self.pipeline.step(inputs, targets)
+            if loss is not None:
+                loss_sum += loss.detach()
+        for i in range(self.accum if self.pipeline is None else 0):
             mb = items[i * cfg.micro_batch_size:(i + 1) * cfg.micro_batch_size]
             inputs, targets = (t.to(self.device, non_blocking=True)
                                for t in self.train_data.get_batch(mb))
@@ -104,7 +129,8 @@ class TrainEngine:
                 loss.backward()
             loss_sum += loss.detach()
         if cfg.grad_clip > 0:
-            clip_grad_norm(self.model.parameters(), cfg.grad_clip)
+            clip_grad_norm(self.model.parameters(), cfg.grad_clip,
+                           pp_group=self.mesh["pp"].get_group() if self.pipeline else None)
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
         self.scheduler.step()
@@ -113,11 +139,12 @@ class TrainEngine:
         # One all-reduce of two numbers per step: the mean loss for logging and the stop
         # flag, so that all ranks stop after the same step whoever was asked first. Every
         # rank holds its data-parallel slice's loss (tensor-parallel peers hold the same
-        # one), so the mean over the world is the mean over the global batch.
+        # one; with a pipeline only the last stage has it), so the sum over the world divided
+        # by the number of ranks holding a loss is the mean over the global batch.
         summary = torch.stack([loss_sum, torch.tensor(float(stop_requested), device=self.device)])
         if dist.is_initialized():
             dist.all_reduce(summary)
-        loss_mean, stop_votes = (summary / torch.tensor([self.world_size, 1.0],
+        loss_mean, stop_votes = (summary / torch.tensor([self.loss_ranks, 1.0],
                                                         device=self.device)).tolist()
         self.step += 1
         self.samples_seen += cfg.global_batch_size
@@ -138,11 +165,23 @@ class TrainEngine:
         self.model.eval()
         mb = cfg.train.micro_batch_size
         acc = torch.zeros(2, device=self.device)
-        for i in range(0, count, mb):
-            inputs, targets = (t.to(self.device) for t in self.val_data.get_batch(items[i:i + mb]))
-            loss = self.task.loss(self.model, inputs, targets)
-            acc += torch.stack([loss * len(inputs), torch.tensor(float(len(inputs)),
-                                                                 device=self.device)])
+        if self.pipeline is not None:
+            # One step's worth at a time: the schedule splits it into its micro-batches.
+            chunk = count // cfg.data.val_batches
+            for i in range(0, count, chunk):
+                inputs, targets = (t.to(self.device)
+                                   for t in self.val_data.get_batch(items[i:i + chunk]))
+                loss = self.pipeline.eval_loss(inputs, targets)
+                if loss is not None:
+                    acc += torch.stack([loss * len(inputs), torch.tensor(
+                        float(len(inputs)), device=self.device)])
+        else:
+            for i in range(0, count, mb):
+                inputs, targets = (t.to(self.device)
+                                   for t in self.val_data.get_batch(items[i:i + mb]))
+                loss = self.task.loss(self.model, inputs, targets)
+                acc += torch.stack([loss * len(inputs), torch.tensor(float(len(inputs)),
+                                                                     device=self.device)])
         if dist.is_initialized():
             dist.all_reduce(acc)
         return (acc[0] / acc[1]).item()

@@ -37,6 +37,9 @@ class GPTConfig:
     """Epsilon of the RMSNorm layers."""
     init_std: float = 0.02
     """Std of the normal weight init (residual output projections get std / sqrt(2 * n_layers))."""
+    tie_embeddings: bool = True
+    """Use the token embedding as the output head too (one matrix). Pipeline parallelism needs
+    it off: the embedding and the head then live on different stages."""
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
@@ -112,7 +115,9 @@ class Attention(nn.Module):
         q = q.view(B, T, n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
         k = k.view(B, T, n_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, n_heads, self.head_dim).transpose(1, 2)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # The tables cover seq_len; take this sequence's positions (the full sequence here,
+        # even when the residual stream outside attention is split along it).
+        q, k = apply_rotary(q, cos[:T], sin[:T]), apply_rotary(k, cos[:T], sin[:T])
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, hd]
         y = y.transpose(1, 2).reshape(B, T, n_heads * self.head_dim)
         return self.wo(y)  # [B, T, d_model]
@@ -160,7 +165,7 @@ class GPT(nn.Module):
 
     def _tie_weights(self) -> None:
         # One Parameter used twice: the byte embedding doubles as the output head.
-        if self.output.weight is not self.tok_embeddings.weight:
+        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
 
     def _apply(self, fn: Callable[[Tensor], Tensor], recurse: bool = True) -> GPT:
@@ -192,16 +197,17 @@ class GPT(nn.Module):
             nn.init.ones_(layer.attention_norm.weight)
             nn.init.ones_(layer.ffn_norm.weight)
         nn.init.ones_(self.norm.weight)
+        if not cfg.tie_embeddings:  # drawn last, so a tied model's draws are unchanged
+            nn.init.normal_(self.output.weight, std=cfg.init_std)
 
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens [B, T] int64 -> logits [B, T, vocab_size] float32."""
         T = tokens.shape[1]
         if T > self.cfg.seq_len:
             raise ValueError(f"sequence length {T} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
-        cos, sin = self.rope_cos[:T], self.rope_sin[:T]  # [T, hd/2]
         h = self.tok_embeddings(tokens)  # [B, T, d_model]
         for layer in self.layers:
-            h = layer(h, cos, sin)
+            h = layer(h, self.rope_cos, self.rope_sin)  # tables [seq_len, hd/2]
         return self.output(self.norm(h)).float()  # [B, T, vocab_size]
 
     def num_params(self) -> int:

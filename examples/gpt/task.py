@@ -11,8 +11,10 @@ import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stalwart.errors import TaskError
 from stalwart.examples.gpt.data import TokenDataset, TokenFiles, build_token_files
 from stalwart.examples.gpt.model import GPT, GPTConfig
+from stalwart.examples.gpt.pipeline import GPTStage, rank_union, split_stages
 from stalwart.examples.gpt.tensor_parallel import apply_tensor_parallel
 from stalwart.task import TrainTask
 
@@ -47,7 +49,16 @@ class GPTTask(TrainTask):
         return GPT(self.model_config)
 
     def check_layout(self, dims: ParallelDims) -> None:
-        dims.check_model(n_heads=self.model_config.n_heads)
+        super().check_layout(dims)
+        dims.check_model(n_heads=self.model_config.n_heads, n_layers=self.model_config.n_layers)
+        if dims.pp > 1 and self.model_config.tie_embeddings:
+            raise TaskError(f"parallel.pp = {dims.pp} needs task.args.tie_embeddings = false: "
+                            f"the embedding and the output head live on different stages")
+
+    def split_pipeline(self, model: GPT, stage_ids: list[int], num_stages: int
+                       ) -> tuple[list[GPTStage], GPTStage]:
+        return (split_stages(model, stage_ids, num_stages),
+                rank_union(model, stage_ids, num_stages))
 
     def apply_tensor_parallel(self, model: GPT, tp_mesh: DeviceMesh, *,
                               sequence_parallel: bool) -> None:

@@ -22,6 +22,8 @@ from torch.distributed.tensor.parallel import (
     parallelize_module,
 )
 
+from stalwart.parallel.blocks import blocks_of
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -30,15 +32,18 @@ if TYPE_CHECKING:
 
 def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel: bool) -> None:
     stream = Shard(1) if sequence_parallel else Replicate()  # layout of the residual stream
-    top = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=stream),
-        "output": ColwiseParallel(input_layouts=stream, output_layouts=Replicate()),
-    }
-    if sequence_parallel:
-        top["norm"] = SequenceParallel()
-    parallelize_module(model, tp_mesh, top)
+    # A pipeline stage holds only some of these (examples/gpt/pipeline.py): plan what is there.
+    top = {}
+    if model.tok_embeddings is not None:
+        top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=stream)
+    if model.output is not None:
+        top["output"] = ColwiseParallel(input_layouts=stream, output_layouts=Replicate())
+        if sequence_parallel:
+            top["norm"] = SequenceParallel()
+    if top:
+        parallelize_module(model, tp_mesh, top)
 
-    for block in model.layers:
+    for block in blocks_of(model):
         plan = {
             # Attention and feed-forward need the whole sequence: gather it on the way in.
             "attention": PrepareModuleInput(input_layouts=(stream, None, None),
@@ -59,4 +64,5 @@ def apply_tensor_parallel(model: GPT, tp_mesh: DeviceMesh, *, sequence_parallel:
         parallelize_module(block, tp_mesh, plan)
 
     # parallelize_module gave the embedding and the head a DTensor each; tie them again.
-    model.output.weight = model.tok_embeddings.weight
+    if model.cfg.tie_embeddings and model.output is not None and model.tok_embeddings is not None:
+        model.output.weight = model.tok_embeddings.weight

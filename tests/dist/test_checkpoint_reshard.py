@@ -17,10 +17,13 @@ from tests.dist.test_data_parallel import cache_dir, tiny_config  # noqa: F401 (
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 SAVE_AT, CONTINUE = 4, 3
+UNTIED = ["task.args.n_layers=4", "task.args.tie_embeddings=false"]
 
 
 def full_weights(engine: TrainEngine) -> dict[str, torch.Tensor]:
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    # cpu_offload=False: with True only global rank 0 gets the tensors, and with a pipeline
+    # every pp rank holds other layers.
+    options = StateDictOptions(full_state_dict=True, cpu_offload=False)
     return {k: v.clone() for k, v in get_model_state_dict(engine.model, options=options).items()}
 
 
@@ -64,13 +67,21 @@ def load_then_continue(rank, world, cache, layout, storage):
                  id="tp2-to-fsdp2"),
     pytest.param((2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"]), (1, []),
                  id="ddp2-to-one-process"),
+    pytest.param((2, [*UNTIED, "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"]),
+                 (4, [*UNTIED, "parallel.tp=2", "parallel.dp_shard=2"]),
+                 id="pp2-interleaved-to-fsdp2xtp2"),
+    pytest.param((4, [*UNTIED, "parallel.dp_shard=4"]), (4, [*UNTIED, "parallel.pp=2",
+                                                               "parallel.tp=2"]),
+                 id="fsdp4-to-tp2xpp2"),
 ])
 def test_checkpoint_loads_into_another_layout(tmp_path, cache_dir, source, target):  # noqa: F811
     storage = str(tmp_path / "ckpt")
     saved = run_ranks(save_then_continue, source[0], cache_dir, source[1], storage)
     loaded = run_ranks(load_then_continue, target[0], cache_dir, target[1], storage)
-    saved_weights, saved_losses = saved[0]
-    loaded_weights, loaded_losses = loaded[0]
+    # With a pipeline each rank holds only its stages' weights: merge what all ranks hold.
+    saved_weights = {k: v for weights, _ in saved for k, v in weights.items()}
+    loaded_weights = {k: v for weights, _ in loaded for k, v in weights.items()}
+    saved_losses, loaded_losses = saved[0][1], loaded[0][1]
     assert saved_weights.keys() == loaded_weights.keys()
     for key, value in saved_weights.items():
         assert torch.equal(value, loaded_weights[key]), f"{key} differs after resharding"

@@ -260,7 +260,7 @@ def test_dp_replicate_times_dp_shard_must_equal_the_world() -> None:
         load_config(None, ["scaling.num_workers=4", "parallel.dp_replicate=2",
                            "parallel.dp_shard=4"])
     assert re.match(r"parallel\.dp_shard = 4 is invalid: dp_replicate x dp_shard must equal "
-                    r"the world size / tp = 4\b", str(err.value)), str(err.value)
+                    r"the world size / \(tp x pp\) = 4\b", str(err.value)), str(err.value)
     for layout in (["parallel.dp_replicate=2", "parallel.dp_shard=2"],
                    ["parallel.dp_replicate=2"], ["parallel.dp_replicate=-1",
                                                  "parallel.dp_shard=2"]):
@@ -357,3 +357,32 @@ def test_tp_must_divide_the_world_and_leaves_the_rest_to_data_parallel() -> None
                                 "train.global_batch_size=16"])
     assert config.parallel.degrees(4) == (1, 2) and config.dp_size == 2
     assert config.grad_accum_steps == 16 // (8 * 2)
+
+
+def test_pipeline_keys_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"^parallel\.pp = 3 is invalid: tp x pp = 3 must divide"):
+        load_config(None, ["parallel.pp=3"])
+    with pytest.raises(ConfigError, match=r"^parallel\.pp_schedule = 'zb' is invalid: one of "):
+        load_config(None, ["parallel.pp=2", "parallel.pp_schedule=zb"])
+    # 2 ranks, pp=2: one data-parallel rank, 16 / 8 = 2 micro-batches >= pp: fine; 8 / 8 is not.
+    assert load_config(None, ["parallel.pp=2", "train.global_batch_size=16"]).dp_size == 1
+    with pytest.raises(ConfigError, match=r"needs at least pp micro-batches per step"):
+        load_config(None, ["parallel.pp=2", "train.global_batch_size=8"])
+
+
+def test_the_gpt_refuses_layouts_it_cannot_take() -> None:
+    from stalwart.errors import TaskError
+    from stalwart.parallel.dims import ParallelDims
+    from stalwart.task import build_task
+
+    path = "stalwart.examples.gpt.task:GPTTask"
+    tied = build_task(path, {"n_layers": 4})
+    with pytest.raises(TaskError, match=r"parallel\.pp = 2 needs task\.args\.tie_embeddings"):
+        tied.check_layout(ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=2))
+    untied = build_task(path, {"n_layers": 2, "tie_embeddings": False})
+    untied.check_layout(ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=2))
+    with pytest.raises(ConfigError, match=r"4 pipeline stages need at least as many blocks"):
+        untied.check_layout(ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=2,
+                                         stages_per_rank=2))
+    with pytest.raises(ConfigError, match=r"parallel\.tp = 3 is invalid: must divide the model's 4"):
+        tied.check_layout(ParallelDims(dp_replicate=1, dp_shard=1, tp=3))
