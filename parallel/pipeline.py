@@ -50,22 +50,19 @@ class Pipeline:
 
     def step(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
         """Forward and backward of all micro-batches; the mean loss on the last stage."""
-        losses: list[torch.Tensor] = []
-        target = targets if self.has_last else None
-        if self.has_first:
-            self.schedule.step(inputs, target=target, losses=losses)
-        else:
-            self.schedule.step(target=target, losses=losses)
-        return torch.stack(losses).mean() if self.has_last else None
+        return self._run(self.schedule.step, inputs, targets)
 
     @torch.no_grad()
     def eval_loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor | None:
+        """Forward only; the mean loss on the last stage."""
+        return self._run(self.schedule.eval, inputs, targets)
+
+    def _run(self, run: Callable, inputs: torch.Tensor, targets: torch.Tensor
+             ) -> torch.Tensor | None:
+        # Only the first stage feeds inputs and only the last has targets and losses.
         losses: list[torch.Tensor] = []
-        target = targets if self.has_last else None
-        if self.has_first:
-            self.schedule.eval(inputs, target=target, losses=losses)
-        else:
-            self.schedule.eval(target=target, losses=losses)
+        args = (inputs,) if self.has_first else ()
+        run(*args, target=targets if self.has_last else None, losses=losses)
         return torch.stack(losses).mean() if self.has_last else None
 
 
