@@ -2,8 +2,9 @@
 
 The Ray actor (workers/actor.py) drives it from a thread; the dist tests drive it directly
 in plain processes. A step reads the rank's slice of the global batch (workers/sampler.py),
-accumulates micro-batches, syncs gradients once, steps the optimizer and all-reduces a tiny
-tensor holding the loss and a stop flag, so every rank agrees on the loss and on when to stop.
+accumulates micro-batches (or hands them to the pipeline schedule), syncs gradients once,
+steps the optimizer and all-reduces a tiny tensor holding the loss and a stop flag, so every
+rank agrees on the loss and on when to stop.
 """
 
 from __future__ import annotations
@@ -15,11 +16,10 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.experimental import implicit_replication
 
 from stalwart.parallel.data_parallel import gradient_sync
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
+from stalwart.parallel.grad_norm import clip_grad_norm
 from stalwart.parallel.pipeline import Pipeline, build_pipeline
 from stalwart.parallel.recipe import parallelize
 from stalwart.workers.reports import StepReport
@@ -28,34 +28,6 @@ from stalwart.workers.sampler import GlobalSampler, rank_slice
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
     from stalwart.task import TrainTask
-
-
-def clip_grad_norm(parameters, max_norm: float, *,
-                   pp_group: dist.ProcessGroup | None = None) -> torch.Tensor:
-    """Clip the global gradient norm, for plain tensors and DTensors (FSDP / TP) alike.
-
-    Gradients may live on different meshes (e.g. TP-split matrices on (dp, tp), norms left
-    whole on (dp,)): each mesh's norm is reduced on its own (one collective per mesh), then
-    the per-mesh norms combine into the global one. With a pipeline, each pp rank holds other
-    layers: their squared norms add up over the pp group.
-    """
-    params = [p for p in parameters if p.grad is not None]
-    groups: dict[object, list[torch.Tensor]] = {}
-    for p in params:
-        groups.setdefault(p.grad.device_mesh if isinstance(p.grad, DTensor) else None,
-                          []).append(p.grad)
-    norms = []
-    for grads in groups.values():
-        norm = torch.nn.utils.get_total_norm(grads, foreach=False)
-        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms)) if norms else torch.zeros(())
-    if pp_group is not None:
-        squared = total ** 2
-        dist.all_reduce(squared, group=pp_group)
-        total = squared.sqrt()
-    with implicit_replication():
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach=False)
-    return total
 
 
 class TrainEngine:
