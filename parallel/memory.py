@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 # The same values as [parallel] in stalwart/config.py accepts.
 PRECISIONS = ("fp32", "bf16")
 AC_MODES = ("none", "selective", "full")
-PP_SCHEDULES = ("1F1B", "GPipe")
+PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")  # as parallel.pp_schedule
 
 
 class PlanError(StalwartError, ValueError):
@@ -136,8 +136,9 @@ class Layout:
     """Sequences per forward/backward on one rank (b)."""
     pp_microbatches: int | None = None
     """Micro-batches per pipeline step; None means pp (the fewest that fill the pipeline)."""
-    pp_schedule: str = "1F1B"
-    """1F1B (the first stage holds pp micro-batches) or GPipe (every stage holds all)."""
+    pp_schedule: str = "1f1b"
+    """As parallel.pp_schedule: gpipe holds every micro-batch; the 1F1B family (1f1b,
+    interleaved_1f1b, zero_bubble) holds about pp on the first stage."""
 
     def __post_init__(self) -> None:
         for name in ("dp_replicate", "dp_shard", "tp", "pp", "micro_batch_size"):
@@ -290,8 +291,9 @@ def _activations(shape: ModelShape, layout: Layout) -> int | None:
     m = layout.pp_microbatches or layout.pp
     if layout.pp == 1:
         peak = stage + working + logits  # accumulation frees each micro-batch in its backward
-    elif layout.pp_schedule == "1F1B":
+    elif layout.pp_schedule != "gpipe":
         # The first stage runs pp forwards before its first backward; the last runs one.
+        # (Interleaved and zero-bubble schedules hold about as many: modelled the same.)
         peak = max(min(layout.pp, m) * stage, stage + logits) + working
     else:  # GPipe: every stage holds all m micro-batches until the backwards start
         peak = m * (stage + logits) + working

@@ -79,7 +79,7 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
                     help="parameters, gradients and optimizer state in host memory")
     pl.add_argument("--ac", choices=AC_MODES, help="parallel.activation_checkpointing")
     pl.add_argument("--pp-schedule", choices=PP_SCHEDULES, help="pipeline schedule "
-                    "(default 1F1B)")
+                    "(default 1f1b)")
     pl.add_argument("--pp-microbatches", type=int, metavar="M", help="micro-batches per pipeline step "
                     "(default: pp)")
     pl.add_argument("--devices-per-node", type=int, metavar="N", help="caps tp: tensor parallelism stays "
@@ -206,7 +206,7 @@ def _cmd_plan(args: argparse.Namespace) -> int:
         sequence_parallel=bool(pick(None, "sequence_parallel", True)),
         micro_batch_size=args.micro_batch or (train.micro_batch_size if train else 1),
         pp_microbatches=pick(args.pp_microbatches, "pp_microbatches", None),
-        pp_schedule=pick(args.pp_schedule, "pp_schedule", "1F1B"))
+        pp_schedule=pick(args.pp_schedule, "pp_schedule", "1f1b"))
     memory = round(args.memory_gb * 2**30)
     candidates = plan(shape, devices, memory, options, max_tp=args.devices_per_node)
     configured = None

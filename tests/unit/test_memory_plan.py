@@ -132,7 +132,7 @@ def test_logits_and_pipeline_microbatches() -> None:
     # 1F1B, pp=2 with 1 block per stage: the first stage holds 2 micro-batches.
     one_f_one_b = estimate(shape, Layout(pp=2, mixed_precision="bf16")).activations
     assert one_f_one_b == max(2 * 6912, 6912 + logits)
-    gpipe = Layout(pp=2, mixed_precision="bf16", pp_schedule="GPipe", pp_microbatches=4)
+    gpipe = Layout(pp=2, mixed_precision="bf16", pp_schedule="gpipe", pp_microbatches=4)
     assert estimate(shape, gpipe).activations == 4 * (6912 + logits)
 
 
