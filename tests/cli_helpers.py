@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +21,28 @@ TINY = [
     "task.args.n_heads=2", "train.global_batch_size=8", "train.micro_batch_size=2",
     "train.warmup_steps=5", "data.val_batches=1",
 ]
+
+
+_SPAWN_LOCK = threading.Lock()
+
+
+def run_from_thread(cmd: list[str], *, timeout: float, **popen_kwargs
+                    ) -> subprocess.CompletedProcess[str]:
+    """subprocess.run for tests that run several CLIs at once from threads.
+
+    Only the spawn is serialised: concurrent fork/exec from threads failed once here with
+    EFAULT ('Bad address') in CI. The processes themselves still run side by side.
+    """
+    with _SPAWN_LOCK:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                **popen_kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        out, err = proc.communicate()
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def sets(*overrides: str) -> list[str]:

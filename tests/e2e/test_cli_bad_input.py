@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
@@ -22,6 +21,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+
+from tests.cli_helpers import run_from_thread
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
@@ -134,8 +135,7 @@ class Outcome:
 def _run(case: Case, cwd: Path, before: dict[str, bytes | None], ray_tmp: Path) -> Outcome:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["RAY_TMPDIR"] = str(ray_tmp)
-    proc = subprocess.run([str(STALWART), *case.args], cwd=cwd, env=env, text=True,
-                          capture_output=True, timeout=TIMEOUT_S)
+    proc = run_from_thread([str(STALWART), *case.args], cwd=cwd, env=env, timeout=TIMEOUT_S)
     return Outcome(case.args, cwd, before, ray_tmp, proc.returncode, proc.stdout, proc.stderr)
 
 

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli_helpers import run_from_thread
+
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
 
 STALWART = str(Path(sys.executable).with_name("stalwart"))
@@ -34,8 +36,7 @@ def run(name: str) -> subprocess.CompletedProcess[str]:
     if not _runs:
         pool = ThreadPoolExecutor(max_workers=3)
         for case, args in CASES.items():
-            _runs[case] = pool.submit(subprocess.run, [STALWART, "plan", *args],
-                                      capture_output=True, text=True, timeout=90)
+            _runs[case] = pool.submit(run_from_thread, [STALWART, "plan", *args], timeout=90)
         pool.shutdown(wait=False)
     return _runs[name].result()
 
