@@ -77,7 +77,6 @@ class StorageCheckpointer:
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
         self._pending: Future[CommitReport | None] | None = None
-        self.last_saved_step: int | None = None
 
     def save(self, step: int, state: dict[str, Any]) -> list[CommitReport]:
         """Start writing `state` as step `step`; returns commits that completed meanwhile."""
@@ -95,7 +94,6 @@ class StorageCheckpointer:
             report = self._commit(step, t0, None)
             if report is not None:
                 done.append(report)
-        self.last_saved_step = step
         return done
 
     def _commit(self, step: int, t0: float, fut: Future | None) -> CommitReport | None:

@@ -65,7 +65,3 @@ def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
             yield
     else:
         yield
-
-
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    return model.module if isinstance(model, DistributedDataParallel) else model

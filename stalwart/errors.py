@@ -21,11 +21,3 @@ class RunDirError(StalwartError):
 
 class ClusterError(StalwartError):
     """The Ray cluster cannot be reached or cannot hold the requested workers."""
-
-
-class TrainingFailed(StalwartError):
-    """The run ended in the FAILED state; the message names the failure."""
-
-
-class TrainingInterrupted(StalwartError):
-    """The user stopped the run (Ctrl-C); the last completed step was checkpointed."""

@@ -81,9 +81,6 @@ class RunDir:
             raise RunDirError(f"run dir {self.path} holds no config.toml, so no "
                               f"run to resume")
 
-    def saved_config_text(self) -> str:
-        return self.config_file.read_text()
-
     def write_config(self, config: JobConfig) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
         tmp = self.config_file.with_suffix(".toml.tmp")

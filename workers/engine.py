@@ -91,15 +91,16 @@ class TrainEngine:
             loss = self.pipeline.step(inputs, targets)
             if loss is not None:
                 loss_sum += loss.detach()
-        for i in range(self.accum if self.pipeline is None else 0):
-            mb = items[i * cfg.micro_batch_size:(i + 1) * cfg.micro_batch_size]
-            inputs, targets = (t.to(self.device, non_blocking=True)
-                               for t in self.train_data.get_batch(mb))
-            tokens += targets.numel()
-            with gradient_sync(self.model, i == self.accum - 1):
-                loss = self.task.loss(self.model, inputs, targets) / self.accum
-                loss.backward()
-            loss_sum += loss.detach()
+        else:
+            for i in range(self.accum):
+                mb = items[i * cfg.micro_batch_size:(i + 1) * cfg.micro_batch_size]
+                inputs, targets = (t.to(self.device, non_blocking=True)
+                                   for t in self.train_data.get_batch(mb))
+                tokens += targets.numel()
+                with gradient_sync(self.model, i == self.accum - 1):
+                    loss = self.task.loss(self.model, inputs, targets) / self.accum
+                    loss.backward()
+                loss_sum += loss.detach()
         if cfg.grad_clip > 0:
             clip_grad_norm(self.model.parameters(), cfg.grad_clip,
                            pp_group=self.mesh["pp"].get_group() if self.pipeline else None)
