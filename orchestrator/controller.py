@@ -1,8 +1,12 @@
 """The controller: a synchronous state machine on the driver that carries out decisions.
 
 Each `_on_<state>` handler does that state's work and returns the next state; `run` checks
-every change against the transition table (orchestrator/states.py) and logs it. The worker
-group is behind a small interface, so tests can drive the controller with a fake group.
+every change against the transition table (orchestrator/states.py). The worker group is
+behind a small interface, so tests can drive the controller with a fake group.
+
+Recovery is in place: failed ranks are killed, survivors leave their process group and
+keep their processes, the next world forms from survivors, warm spares and new actors (or
+shrinks to what the cluster can hold) and restores from the newest complete checkpoint.
 """
 
 from __future__ import annotations
@@ -14,12 +18,20 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stalwart.checkpointing.catalog import CheckpointInfo, newest_valid
-from stalwart.orchestrator.failures import FailDecision, FailurePolicy, WorkerFailure
+from stalwart.orchestrator.failures import (
+    FailDecision,
+    FailureKind,
+    FailurePolicy,
+    WorkerFailure,
+)
+from stalwart.orchestrator.faults import FaultPlan
+from stalwart.orchestrator.health import HangDetector
 from stalwart.orchestrator.states import (
     Failed,
     Finished,
     Recovering,
     Rendezvous,
+    Resizing,
     Restoring,
     Running,
     Scheduling,
@@ -35,18 +47,29 @@ if TYPE_CHECKING:
 
 
 class WorkerGroup(Protocol):
-    def start(self) -> None: ...
-    def rendezvous(self) -> None: ...
+    world_size: int
+    driver_node_id: str
+    members: list[Any]
+    starting: list[Any]
+
+    def top_up(self) -> None: ...
+    def nodes_alive(self, node_ids: set[str]) -> bool: ...
+    def refresh(self, timeout: float = 0.0) -> None: ...
+    def placed_starting(self) -> int: ...
+    def available(self) -> int: ...
+    def best_world(self, up_to: int | None = None) -> int: ...
+    def form(self, world_size: int, generation: int,
+             arm: Callable[[list[dict[str, Any]]], dict[int, list[tuple[int, str, str]]]]
+             ) -> list[dict[str, Any]]: ...
     def restore(self, path: str) -> int: ...
     def launch(self) -> None: ...
-    def describe(self) -> list[dict[str, Any]]: ...
-    def poll(self, timeout: float) -> list[WorkerStatus]: ...
+    def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]: ...
     def request_stop(self) -> None: ...
+    def ack_faults(self, rank: int) -> None: ...
+    def remove(self, ranks: tuple[int, ...]) -> None: ...
+    def disband(self) -> list[int]: ...
+    def describe(self) -> list[dict[str, Any]]: ...
     def shutdown(self, *, graceful: bool) -> None: ...
-
-
-class GroupError(Protocol):
-    failure: WorkerFailure
 
 
 class Display(Protocol):
@@ -57,27 +80,38 @@ class Display(Protocol):
 class Controller:
     # Heartbeats are drained in batches; a poll costs an RPC per worker, so not faster.
     POLL_INTERVAL_S = 0.5
+    # A failed collective means some peer failed: give its death this long to show up, so
+    # the rank that died is blamed (and replaced) rather than the ranks that noticed.
+    COLLECTIVE_GRACE_S = 3.0
 
-    def __init__(self, config: JobConfig, *, storage_url: str,
-                 group_factory: Callable[[int], WorkerGroup], group_error: type[Exception],
-                 events: EventLog, metrics: JsonlWriter, display: Display,
-                 resume_from: CheckpointInfo | None) -> None:
+    def __init__(self, config: JobConfig, *, storage_url: str, group: WorkerGroup,
+                 group_error: type[Exception], events: EventLog, metrics: JsonlWriter,
+                 display: Display, resume_from: CheckpointInfo | None,
+                 draining_nodes: Callable[[], set[str]] | None = None) -> None:
         self.config = config
         self.storage_url = storage_url
-        self.group_factory = group_factory
+        self.group = group
         self.group_error = group_error
         self.events = events
         self.metrics = metrics
         self.display = display
         self.resume_from = resume_from
-        self.policy = FailurePolicy(config.failure.max_failures)
-        self.group: WorkerGroup | None = None
-        self.state: State = Scheduling(generation=0)
+        self.draining_nodes = draining_nodes or (lambda: set())
+        fc = config.failure
+        self.policy = FailurePolicy(fc.max_failures, retry_user_errors=fc.retry_user_errors,
+                                    backoff_s=fc.backoff_s)
+        self.hangs = HangDetector(floor_s=fc.hang_timeout_floor_s, factor=fc.hang_factor,
+                                  start_timeout_s=config.scaling.start_timeout_s)
+        self.faults = FaultPlan(config.faults)
+        self.state: State = Scheduling(generation=0, since=time.time())
         self.last_step = resume_from.step if resume_from else 0
         self.last_loss: float | None = None
         self.last_val_loss: float | None = None
+        self.world_size = 0
+        self.layout: dict[str, int] = {}
+        self.workers: list[dict[str, Any]] = []
         # Metrics windows run on the workers' clock: from the end of the step of the last
-        # row (or the start of a group's first step) to the end of the current step.
+        # row (or the start of a world's first step) to the end of the current step.
         self._last_log_time: float | None = None
         self._last_step_end: float | None = None
         self._tokens_since_log = 0
@@ -87,9 +121,19 @@ class Controller:
         self.train_time_s = 0.0
         # (failure, step restored from, steps lost) until the first step after a recovery
         self._pending_recovery: tuple[WorkerFailure, int, int] | None = None
+        self._failure_steps: list[int] = []  # engine steps of the survivors of a failure
+        # time.time() at each phase of the recovery in flight, for the `recovered` event
+        self._phases: dict[str, float] = {}
+        self._recovering_from: WorkerFailure | None = None
         self._stop_requested = False  # set by the SIGINT handler
         self._stop_sent = False
+        # A planned resize waiting for every rank to stop: (reason, ranks that must go).
+        self._planned: tuple[str, tuple[int, ...]] | None = None
         self._started_emitted = False
+        self._done: dict[int, WorkerStatus] = {}
+        self._collective_error_since: float | None = None
+        self._fault_times: dict[int, float] = {}  # rank -> when an injected fault hit it
+        self._next_resize_check = 0.0
 
     # ------------------------------------------------------------------ driver loop
 
@@ -103,10 +147,8 @@ class Controller:
                     new = self._on_failure(exc.failure)  # type: ignore[attr-defined]
                 self._transition(new)
         finally:
-            if self.group is not None:
-                graceful = isinstance(self.state, Finished | Stopped)
-                self.group.shutdown(graceful=graceful)
-                self.group = None
+            graceful = isinstance(self.state, Finished | Stopped)
+            self.group.shutdown(graceful=graceful)
             if previous_handler is not None:
                 signal.signal(signal.SIGINT, previous_handler)
         return self.state
@@ -144,100 +186,292 @@ class Controller:
             return self._on_running(state)
         if isinstance(state, Recovering):
             return self._on_recovering(state)
+        if isinstance(state, Resizing):
+            return self._on_resizing(state)
         raise ValueError(f"unexpected state {state!r}")
 
-    # ------------------------------------------------------------------ states
+    # ------------------------------------------------------------------ forming a world
 
     def _on_scheduling(self, state: Scheduling) -> State:
-        self.group = self.group_factory(state.generation)
-        self.group.start()
-        return Rendezvous(generation=state.generation)
+        """Wait for warm workers: all that Ray has placed, then form the largest valid world."""
+        sc = self.config.scaling
+        self.group.top_up()
+        want = max(self.world_size or sc.num_workers, sc.floor)  # back to the size we had
+        self.group.refresh()
+        if self.group.best_world() < want:  # wait a little for actors still warming up
+            self.group.refresh(timeout=self.POLL_INTERVAL_S)
+        waited = time.time() - state.since
+        best = self.group.best_world()
+        # Workers Ray has placed are coming; the rest wait for room that may never come.
+        enough = best >= want or (best >= sc.floor and (
+            self.group.placed_starting() == 0 or waited > sc.start_timeout_s))
+        if self._stop_requested:
+            self.events.emit("stopped", step=self.last_step)
+            return Stopped(step=self.last_step)
+        if enough:
+            return Rendezvous(generation=state.generation, world_size=best)
+        limit = sc.start_timeout_s if state.generation == 0 else sc.wait_for_workers_s
+        if waited > limit:
+            return Failed(reason=(
+                f"only {self.group.available()} of the scaling.min_workers={sc.floor} workers "
+                f"needed could be started within {limit:.0f}s "
+                f"({'scaling.start_timeout_s' if state.generation == 0 else 'scaling.wait_for_workers_s'}); "
+                f"checkpoints are intact under {self.storage_url}"))
+        return state
 
     def _on_rendezvous(self, state: Rendezvous) -> State:
-        assert self.group is not None
-        self.group.rendezvous()
-        checkpoint = self.resume_from if state.generation == 0 else newest_valid(
-            self.storage_url, on_skip=self._on_damaged_checkpoint)
+        old_world, old_layout = self.world_size, self.layout
+        self._phases["scheduled"] = time.time()
+        self.workers = self.group.form(state.world_size, state.generation, self._arm_faults)
+        self._phases["joined"] = time.time()
+        self.world_size = state.world_size
+        replicate, shard = self.config.parallel.degrees(self.world_size)
+        self.layout = {"dp_replicate": replicate, "dp_shard": shard,
+                       "tp": self.config.parallel.tp, "pp": self.config.parallel.pp}
+        if old_world and old_world != self.world_size:
+            reason = self._planned[0] if self._planned else "shrink" \
+                if self.world_size < old_world else "grow"
+            self.events.emit("resized", old_world_size=old_world, new_world_size=self.world_size,
+                             old_layout=old_layout, new_layout=self.layout, reason=reason,
+                             step=self.last_step, generation=state.generation)
+            self.display.log(f"world resized {old_world} -> {self.world_size} ({reason})")
+        self._planned = None
+        if state.generation == 0:
+            checkpoint = self.resume_from
+        else:
+            checkpoint = newest_valid(self.storage_url, on_skip=self._on_damaged_checkpoint)
         return Restoring(generation=state.generation, checkpoint=checkpoint)
 
+    def _arm_faults(self, workers: list[dict[str, Any]]) -> dict[int, list[tuple[int, str, str]]]:
+        armed, unresolved = self.faults.arm(workers, self.group.driver_node_id)
+        for message in unresolved:
+            self.events.emit("fault_skipped", message=message)
+        return armed
+
     def _on_restoring(self, state: Restoring) -> State:
-        assert self.group is not None
         start_step = 0
         if state.checkpoint is not None:
             start_step = self.group.restore(state.checkpoint.path)
+        if self._recovering_from is not None:
+            failure, self._recovering_from = self._recovering_from, None
+            done = max([self.last_step, *self._failure_steps])
+            self._pending_recovery = (failure, start_step, max(0, done - start_step))
         self.last_step = start_step
+        self._phases["restored"] = time.time()
         self.group.launch()
+        now = time.time()
+        self.hangs.reset(range(self.world_size), now)
+        self._done = {}
+        self._collective_error_since = None
+        self._stop_sent = False
+        self._next_resize_check = now + self.config.scaling.resize_check_s
         self._last_log_time = self._last_step_end = None
         self._tokens_since_log = 0
-        if not self._started_emitted:  # once, even if the first group never launched
+        if not self._started_emitted:  # once, even if the first world never launched
             self._started_emitted = True
-            self.events.emit("started", world_size=self.config.scaling.num_workers,
+            self.events.emit("started", world_size=self.world_size,
                              steps=self.config.train.steps, start_step=start_step,
                              task=self.config.task.path)
         self.events.emit("workers_started", generation=state.generation,
-                         workers=self.group.describe())
+                         world_size=self.world_size, workers=self.workers)
         return Running(generation=state.generation, start_step=start_step)
 
+    # ------------------------------------------------------------------ running
+
     def _on_running(self, state: Running) -> State:
-        assert self.group is not None
         if self._stop_requested and not self._stop_sent:
             self._stop_sent = True
             self.display.log("stopping after the step in flight and checkpointing it "
                              "(Ctrl-C again to abandon the checkpoint)")
             self.group.request_stop()
-        time.sleep(self.POLL_INTERVAL_S)
-        statuses = self.group.poll(timeout=self.config.scaling.start_timeout_s)
-        self._absorb(statuses)
-        if all(st.done for st in statuses):
-            if any(st.stopped_early for st in statuses):
-                self.events.emit("stopped", step=self.last_step)
-                return Stopped(step=self.last_step)
+        answered, dead = self.group.poll(wait_s=self.POLL_INTERVAL_S)
+        now = time.time()
+        for rank, st in answered.items():
+            self._absorb(rank, st, now)
+        failure = self._find_failure(answered, dead, now)
+        if failure is not None:
+            return self._on_failure(failure)
+        if len(self._done) == self.world_size:
+            return self._on_all_done()
+        self._check_resize(now)
+        return state
+
+    def _absorb(self, rank: int, st: WorkerStatus, now: float) -> None:
+        for fired in st.faults:
+            self.faults.fired(fired.fault)
+            self._fault_times[fired.rank] = now  # the fault happens when it is acknowledged
+            self.events.emit("fault_injected", fault=fired.fault, rank=fired.rank,
+                             step=fired.step)
+        if st.faults:
+            self.group.ack_faults(rank)
+        if rank == 0:  # rank 0 commits for everyone; the loss is the global mean on every rank
+            for commit in st.commits:
+                self.events.emit("checkpoint_committed", step=commit.step, path=commit.path,
+                                 save_s=round(commit.save_s, 3))
+            for report in st.steps:
+                self._on_step(report)
+        self.hangs.answered(rank, now, progressed=bool(st.steps or st.commits or st.done))
+        if st.done:
+            self._done[rank] = st
+        if st.preempted and self._planned is None and not self._stop_requested:
+            self._plan("preempted", ranks=(rank,))
+
+    def _find_failure(self, answered: dict[int, WorkerStatus], dead: list[WorkerFailure],
+                      now: float) -> WorkerFailure | None:
+        """The failure to act on, if any: a dead rank outranks a silent one, which outranks
+        an exception, which outranks a failed collective (that is a symptom of the others)."""
+        if dead:
+            ranks = tuple(sorted({r for f in dead for r in f.failed_ranks}))
+            first = dead[0]
+            node_ids = {self.workers[r]["node_id"] for r in ranks if r < len(self.workers)}
+            lost_node = not self.group.nodes_alive(node_ids)
+            return WorkerFailure(
+                kind=FailureKind.NODE_DIED if lost_node else FailureKind.WORKER_DIED,
+                rank=ranks[0], ranks=ranks, message=first.message if len(dead) == 1 else
+                f"worker ranks {list(ranks)} died (node(s) {sorted(node_ids)}): {first.message}",
+                detected_at=now, last_seen=self._last_seen(ranks))
+        hang = self.hangs.check(now)
+        if hang is not None:
+            blame = () if hang.answering else hang.ranks
+            what = ("no rank completed a step" if hang.answering else
+                    f"worker rank(s) {list(hang.ranks)} stopped answering")
+            return WorkerFailure(
+                kind=FailureKind.HANG, rank=blame[0] if blame else None, ranks=blame,
+                message=f"hang: {what} for {hang.silent_s:.1f}s (limit {hang.limit_s:.1f}s = "
+                        f"max(failure.hang_timeout_floor_s, failure.hang_factor x median "
+                        f"step time))",
+                detected_at=now, last_seen=self._last_seen(hang.ranks, hang.last_heartbeat))
+        errors = {r: st for r, st in answered.items() if st.error is not None}
+        user = {r: st for r, st in errors.items() if st.error_kind != "collective"}
+        if user:
+            rank, st = min(user.items())
+            # The rank that raised is replaced: its peers are stuck in the next collective
+            # waiting for it, and only its exit releases them.
+            return WorkerFailure(kind=FailureKind.USER_ERROR, rank=rank, ranks=(rank,),
+                                 message=st.error or "", detected_at=now,
+                                 last_seen=self._last_seen((rank,)))
+        if errors:
+            self._collective_error_since = self._collective_error_since or now
+            if now - self._collective_error_since >= self.COLLECTIVE_GRACE_S:
+                rank, st = min(errors.items())
+                return WorkerFailure(kind=FailureKind.COLLECTIVE_ERROR, rank=None,
+                                     message=f"worker rank {rank}: a collective failed with "
+                                             f"no rank to blame:\n{st.error}",
+                                     detected_at=now, last_seen=self._last_seen(()))
+        return None
+
+    def _last_seen(self, ranks: tuple[int, ...], heartbeat: float | None = None) -> float | None:
+        """The moment the failure happened, as well as we know it: an injected fault's own
+        time, else the last heartbeat."""
+        times = [self._fault_times[r] for r in ranks if r in self._fault_times]
+        if times:
+            return max(times)
+        if heartbeat is not None:
+            return heartbeat
+        return self._last_step_end
+
+    def _on_all_done(self) -> State:
+        statuses = self._done.values()
+        if not any(st.stopped_early for st in statuses):
             self.events.emit("finished", step=self.last_step, loss=self.last_loss,
                              val_loss=self.last_val_loss)
             return Finished(step=self.last_step)
-        return state
+        if self._stop_requested:
+            self.events.emit("stopped", step=self.last_step)
+            return Stopped(step=self.last_step)
+        if self._planned is None:  # a preempted rank stopped the world on its own
+            ranks = tuple(r for r, st in self._done.items() if st.preempted)
+            self._planned = ("preempted", ranks)
+        reason, leaving = self._planned
+        return Resizing(generation=getattr(self.state, "generation", 0), reason=reason,
+                        leaving=leaving)
+
+    def _plan(self, reason: str, ranks: tuple[int, ...] = ()) -> None:
+        """Stop every rank after the same step, checkpoint it, then form a new world."""
+        self._planned = (reason, ranks)
+        what = f"rank(s) {list(ranks)} leaving" if ranks else "room for more workers"
+        self.display.log(f"planned resize ({reason}, {what}): checkpointing the next step")
+        self.group.request_stop()
+
+    def _check_resize(self, now: float) -> None:
+        """Every scaling.resize_check_s: a node being drained, or room to grow."""
+        if now < self._next_resize_check or self._planned is not None or self._stop_requested:
+            return
+        self._next_resize_check = now + self.config.scaling.resize_check_s
+        draining = self.draining_nodes()
+        leaving = tuple(r for r, w in enumerate(self.workers) if w["node_id"] in draining)
+        if leaving:
+            self._plan("drain", ranks=leaving)
+            return
+        if self.world_size < self.config.scaling.ceiling:
+            self.group.top_up()
+            self.group.refresh()
+            if self.group.best_world() > self.world_size:
+                self._plan("grow")
+
+    # ------------------------------------------------------------------ failures
 
     def _on_failure(self, failure: WorkerFailure) -> State:
         decision = self.policy.make_decision(failure)
+        detection = (None if failure.last_seen is None else
+                     round(max(0.0, failure.detected_at - failure.last_seen), 3))
+        nodes = sorted({self.workers[r]["node_ip"] for r in failure.failed_ranks
+                        if r < len(self.workers)})
         self.events.emit("failure", failure_kind=failure.kind.value, rank=failure.rank,
+                         ranks=list(failure.failed_ranks), nodes=nodes,
                          message=failure.message, step=self.last_step,
-                         retry=not isinstance(decision, FailDecision))
+                         retry=not isinstance(decision, FailDecision),
+                         detection_s=detection, attempt=self.policy.failures)
         if isinstance(decision, FailDecision):
             return Failed(reason=f"{decision.reason}: {failure.message}")
         generation = getattr(self.state, "generation", 0)
+        if decision.delay_s:
+            self.display.log(f"backing off {decision.delay_s:.1f}s before recovering")
+            time.sleep(decision.delay_s)
         return Recovering(generation=generation, failure=failure)
 
     def _on_recovering(self, state: Recovering) -> State:
-        # The skeleton's recovery: replace the whole group and restore from storage.
-        self.display.log(f"recovering from: {state.failure.message.splitlines()[-1]}")
-        if self.group is not None:  # None when creating the group itself failed
-            self.group.shutdown(graceful=False)
-            self.group = None
-        restored = newest_valid(self.storage_url)
-        from_step = restored.step if restored else 0
-        self._pending_recovery = (state.failure, from_step, self.last_step - from_step)
-        return Scheduling(generation=state.generation + 1)
+        """Kill what failed, let the survivors leave their world (keeping their processes)."""
+        self.display.log(f"recovering from: {state.failure.message.strip().splitlines()[-1]}")
+        self._phases = {"detected": state.failure.detected_at}
+        self.group.remove(state.failure.failed_ranks)
+        self._failure_steps = self.group.disband()
+        self._phases["left"] = time.time()
+        self._recovering_from = state.failure
+        self._planned = None  # a failure during a planned resize: the recovery replaces it
+        return Scheduling(generation=state.generation + 1, since=time.time())
+
+    def _on_resizing(self, state: Resizing) -> State:
+        self.group.remove(state.leaving)
+        self.group.disband()
+        return Scheduling(generation=state.generation + 1, since=time.time())
 
     # ------------------------------------------------------------------ reports
 
-    def _absorb(self, statuses: list[WorkerStatus]) -> None:
-        for commit in statuses[0].commits:  # rank 0 commits for everyone
-            self.events.emit("checkpoint_committed", step=commit.step, path=commit.path,
-                             save_s=round(commit.save_s, 3))
-        for report in statuses[0].steps:  # the loss is already the global mean on every rank
-            self._on_step(report)
-
     def _on_step(self, r: StepReport) -> None:
         self.last_step, self.last_loss = r.step, r.loss
+        self.hangs.step_time(r.step_time_s)
+        self.policy.made_progress()
         if r.val_loss is not None:
             self.last_val_loss = r.val_loss
         if self._pending_recovery is not None:
             failure, from_step, lost = self._pending_recovery
             self._pending_recovery = None
-            self.events.emit("recovered", from_step=from_step, source="storage",
-                             world_size=self.config.scaling.num_workers, lost_steps=lost,
-                             recovery_s=round(r.time - failure.detected_at, 3))
-        if self._last_log_time is None:  # first step of a group: its window starts on its clock
+            since = failure.last_seen or failure.detected_at
+            marks = [("detect", since), *self._phases.items(), ("first_step", r.time)]
+            # Seconds spent in each phase: detect (failure -> noticed), teardown (kill the
+            # failed, survivors leave), wait (warm workers), join (process group, model),
+            # restore (checkpoint load), first_step.
+            names = {"detected": "detect", "left": "teardown", "scheduled": "wait",
+                     "joined": "join", "restored": "restore", "first_step": "first_step"}
+            phases = {names[b[0]]: round(b[1] - a[1], 3) for a, b in zip(marks, marks[1:])
+                      if b[0] in names}
+            self.events.emit("recovered", from_step=from_step,
+                             source="storage" if from_step else "none",
+                             world_size=self.world_size, lost_steps=lost,
+                             recovery_s=round(r.time - since, 3), phases=phases,
+                             generation=getattr(self.state, "generation", 0))
+        if self._last_log_time is None:  # first step of a world: its window starts on its clock
             self._last_log_time = r.time - r.step_time_s
         self.train_time_s += r.time - (self._last_step_end or self._last_log_time)
         self._last_step_end = r.time
@@ -250,8 +484,7 @@ class Controller:
             tokens_per_s = self._tokens_since_log / elapsed
             row: dict[str, Any] = {"step": r.step, "loss": r.loss, "lr": r.lr,
                                    "tokens_per_s": round(tokens_per_s, 1),
-                                   "world_size": self.config.scaling.num_workers,
-                                   "time": r.time}
+                                   "world_size": self.world_size, "time": r.time}
             if r.val_loss is not None:
                 row["val_loss"] = r.val_loss
             self.metrics.write(row)

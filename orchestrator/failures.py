@@ -11,21 +11,43 @@ from enum import StrEnum
 
 class FailureKind(StrEnum):
     WORKER_DIED = "worker_died"
-    """The actor's process or node is gone (Ray actor error)."""
+    """The actor's process is gone (Ray actor error)."""
+    NODE_DIED = "node_died"
+    """The node under the actor is gone (Ray marked it dead, or its raylet vanished)."""
+    HANG = "hang"
+    """No heartbeat for longer than the hang limit (stopped process, stuck collective...)."""
     USER_ERROR = "user_error"
-    """An exception in the training thread: the task's code, or a failed collective."""
+    """An exception raised by the task's code on a worker."""
+    COLLECTIVE_ERROR = "collective_error"
+    """A collective failed or timed out with no dead or silent rank to blame."""
     START_ERROR = "start_error"
-    """A worker could not be placed, joined or set up."""
+    """Workers could not be placed, joined or set up."""
+
+    @property
+    def retryable(self) -> bool:
+        return self is not FailureKind.USER_ERROR
 
 
 @dataclass(frozen=True)
 class WorkerFailure:
     kind: FailureKind
     rank: int | None
+    """The rank to blame first (None: the group as a whole)."""
     message: str
     """One line for humans; for USER_ERROR the full traceback."""
     detected_at: float
     """time.time() when the controller noticed."""
+    ranks: tuple[int, ...] = ()
+    """Every rank that must be replaced (dead, silent or on a lost node)."""
+    last_seen: float | None = None
+    """time.time() of the last sign of life before the failure (heartbeat or injected fault):
+    detected_at - last_seen bounds the detection latency."""
+
+    @property
+    def failed_ranks(self) -> tuple[int, ...]:
+        if self.ranks:
+            return self.ranks
+        return () if self.rank is None else (self.rank,)
 
 
 @dataclass(frozen=True)
@@ -33,6 +55,8 @@ class RetryDecision:
     failure: WorkerFailure
     attempt: int
     """1 for the first recovery."""
+    delay_s: float
+    """Backoff to wait before recovering."""
 
 
 @dataclass(frozen=True)
@@ -42,20 +66,40 @@ class FailDecision:
 
 
 class FailurePolicy:
-    """Restart from the newest checkpoint while the budget lasts; an exception raised by the
-    task's code is not retried (it would fail the same way again) and ends the run at once."""
+    """Recover in place while the budget lasts, backing off when failures come back to back.
 
-    def __init__(self, max_failures: int) -> None:
+    An exception raised by the task's code is not retried unless configured (it would most
+    likely fail the same way again) and ends the run at once.
+    """
+
+    MAX_DELAY_S = 60.0
+
+    def __init__(self, max_failures: int, *, retry_user_errors: bool = False,
+                 backoff_s: float = 0.0) -> None:
         self.max_failures = max_failures
+        self.retry_user_errors = retry_user_errors
+        self.backoff_s = backoff_s
         self.failures = 0
+        self.consecutive = 0
+        self.history: list[WorkerFailure] = []
+
+    def made_progress(self) -> None:
+        """A step completed after the last recovery: the next failure starts a new streak."""
+        self.consecutive = 0
 
     def make_decision(self, failure: WorkerFailure) -> RetryDecision | FailDecision:
         self.failures += 1
-        if failure.kind is FailureKind.USER_ERROR:
-            return FailDecision(failure, "an exception in the training code is not retried")
-        if failure.kind is FailureKind.START_ERROR and self.failures > self.max_failures:
-            return FailDecision(failure, "the workers could not be started")
-        if self.failures > self.max_failures:
+        self.consecutive += 1
+        self.history.append(failure)
+        if failure.kind is FailureKind.USER_ERROR and not self.retry_user_errors:
+            return FailDecision(failure, "an exception in the training code is not retried "
+                                         "(failure.retry_user_errors=false)")
+        if self.max_failures >= 0 and self.failures > self.max_failures:
+            kinds = ", ".join(f.kind.value for f in self.history)
             return FailDecision(failure, f"failure budget exhausted "
-                                         f"(failure.max_failures={self.max_failures})")
-        return RetryDecision(failure, attempt=self.failures)
+                                         f"(failure.max_failures={self.max_failures}; "
+                                         f"failures: {kinds})")
+        delay = 0.0
+        if self.backoff_s > 0:
+            delay = min(self.MAX_DELAY_S, self.backoff_s * 2 ** (self.consecutive - 1))
+        return RetryDecision(failure, attempt=self.failures, delay_s=delay)

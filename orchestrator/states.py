@@ -1,9 +1,11 @@
 """Controller states: small classes that carry their data, and the one table of transitions.
 
     SCHEDULING -> RENDEZVOUS -> RESTORING -> RUNNING -> FINISHED
-                                               |  \\-> STOPPED   (user asked; step checkpointed)
-                                               v
-    (any live state) -> RECOVERING -> SCHEDULING ...   or -> FAILED
+        ^                                      |  \\-> STOPPED   (user asked; step checkpointed)
+        |                                      |--> RESIZING    (planned: grow, preemption)
+        |                                      v
+        +---- RECOVERING <---------- (any live state)            or -> FAILED
+        +---- RESIZING
 
 Every change goes through `check_transition`, so a transition the table does not list is a
 bug that surfaces at once rather than a run in a state nobody designed for.
@@ -32,12 +34,15 @@ class State:
 @dataclass(frozen=True)
 class Scheduling(State):
     generation: int
-    """Counts worker groups: 0 for the first, +1 for each recovery."""
+    """Counts worlds: 0 for the first, +1 for each recovery or resize."""
+    since: float = 0.0
+    """time.time() when the wait for workers began."""
 
 
 @dataclass(frozen=True)
 class Rendezvous(State):
     generation: int
+    world_size: int
 
 
 @dataclass(frozen=True)
@@ -60,6 +65,17 @@ class Recovering(State):
 
 
 @dataclass(frozen=True)
+class Resizing(State):
+    """A planned change of world: every rank stopped after the same step and checkpointed it."""
+
+    generation: int
+    reason: str
+    """grow, preempted (SIGTERM) or drain (Ray is draining a node)."""
+    leaving: tuple[int, ...] = ()
+    """Ranks that must go (their node is being preempted)."""
+
+
+@dataclass(frozen=True)
 class Finished(State):
     step: int
 
@@ -76,11 +92,12 @@ class Failed(State):
 
 
 TRANSITIONS: dict[type[State], frozenset[type[State]]] = {
-    Scheduling: frozenset({Rendezvous, Recovering, Failed}),
+    Scheduling: frozenset({Rendezvous, Recovering, Stopped, Failed}),
     Rendezvous: frozenset({Restoring, Recovering, Failed}),
     Restoring: frozenset({Running, Recovering, Failed}),
-    Running: frozenset({Finished, Stopped, Recovering, Failed}),
+    Running: frozenset({Finished, Stopped, Recovering, Resizing, Failed}),
     Recovering: frozenset({Scheduling, Failed}),
+    Resizing: frozenset({Scheduling, Recovering, Failed}),
     Finished: frozenset(),
     Stopped: frozenset(),
     Failed: frozenset(),

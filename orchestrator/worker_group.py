@@ -1,22 +1,36 @@
-"""RayWorkerGroup: one generation of worker actors in a placement group.
+"""ElasticGroup: the run's worker actors, across every generation of the world.
 
-The controller sees only this small interface (start, rendezvous, restore, launch, poll,
-request_stop, shutdown), so it can be tested step by step with a fake group. Every method
-turns Ray's errors into a WorkerFailure naming the rank, rather than letting them escape.
+The controller sees a small interface (top_up, refresh, form, restore, launch, poll,
+request_stop, remove, disband, shutdown), so it can be tested step by step with a fake
+group. Actors are placed one at a time, not as one placement group: a world that loses a
+node must keep the rest and shrink, and an actor that cannot be placed yet (its node is
+gone) simply waits in Ray's queue until the cluster has room again: that is how a run grows
+back. Actors are in one of three pools:
+
+  starting  created, warming up (importing the task, preparing data) or waiting for room
+  idle      warm and ready to join a world: warm spares, survivors between generations
+  members   the ranks of the current world, in rank order
+
+Every method turns Ray's errors into a WorkerFailure naming the rank, rather than letting
+them escape.
 """
 
 from __future__ import annotations
 
 import os
+import signal
+import socket
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from stalwart.config import JobConfig
+from stalwart.errors import ConfigError
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.workers.actor import TrainWorker
 from stalwart.workers.reports import WorkerStatus
@@ -28,6 +42,22 @@ class GroupFailed(Exception):
         self.failure = failure
 
 
+@dataclass
+class Worker:
+    actor: Any
+    warm: Any
+    """ObjectRef of warm_up(): ready when the actor can join a world."""
+    info: dict[str, Any] = field(default_factory=dict)
+    """pid, node_ip, node_id (from describe) once warm."""
+    poll_ref: Any = None
+    """The poll in flight: a rank that has not answered its last poll is not asked again."""
+
+
+@ray.remote(num_cpus=0)
+def _sigkill(pid: int) -> None:
+    os.kill(pid, signal.SIGKILL)
+
+
 def _failure_from(exc: BaseException, rank: int | None, default: FailureKind) -> WorkerFailure:
     if isinstance(exc, RayActorError):
         kind, msg = FailureKind.WORKER_DIED, f"worker rank {rank} died: {exc}"
@@ -35,19 +65,257 @@ def _failure_from(exc: BaseException, rank: int | None, default: FailureKind) ->
         kind, msg = default, f"worker rank {rank}: {exc.cause if exc.cause else exc}"
     else:
         kind, msg = default, f"worker rank {rank}: {type(exc).__name__}: {exc}"
-    return WorkerFailure(kind=kind, rank=rank, message=msg.strip(), detected_at=time.time())
+    return WorkerFailure(kind=kind, rank=rank, message=msg.strip(), detected_at=time.time(),
+                         ranks=() if rank is None else (rank,))
 
 
-class RayWorkerGroup:
-    def __init__(self, config: JobConfig, storage_url: str, *, generation: int,
+def valid_world_sizes(config: JobConfig, up_to: int) -> list[int]:
+    """World sizes <= up_to that the layout and the global batch can be split over."""
+    out = []
+    for n in range(1, up_to + 1):
+        try:
+            config._check_world(n)
+        except ConfigError:
+            continue
+        out.append(n)
+    return out
+
+
+class ElasticGroup:
+    # How long a survivor may take to unwind its training thread and leave its world.
+    LEAVE_TIMEOUT_S = 10.0
+
+    def __init__(self, config: JobConfig, storage_url: str, *,
                  runtime_env: dict[str, Any] | None = None) -> None:
         self.config = config
         self.storage_url = storage_url
-        self.generation = generation
         self.runtime_env = runtime_env
-        self.world_size = config.scaling.num_workers
-        self.pg = None
-        self.actors: list[Any] = []
+        self.driver_node_id = ray.get_runtime_context().get_node_id()
+        self.members: list[Worker] = []
+        self.idle: list[Worker] = []
+        self.starting: list[Worker] = []
+        self.generation = -1
+        self._created = 0
+        self._config_dict = config.to_dict()
+
+    # ------------------------------------------------------------------ the pool
+
+    @property
+    def world_size(self) -> int:
+        return len(self.members)
+
+    def top_up(self) -> None:
+        """Ask Ray for actors until there are enough for the largest world plus the spares."""
+        sc = self.config.scaling
+        want = sc.ceiling + sc.spare_workers
+        while len(self.members) + len(self.idle) + len(self.starting) < want:
+            self.starting.append(self._create())
+
+    def _create(self) -> Worker:
+        sc = self.config.scaling
+        self._created += 1
+        options: dict[str, Any] = dict(
+            num_cpus=sc.cpus_per_worker, num_gpus=sc.gpus_per_worker, max_restarts=0,
+            name=f"stalwart-worker-{self._created}-{os.getpid()}",
+            scheduling_strategy="SPREAD" if sc.placement_strategy == "SPREAD" else "DEFAULT",
+        )
+        if self.runtime_env:
+            options["runtime_env"] = self.runtime_env
+        actor = ray.remote(TrainWorker).options(**options).remote(self._config_dict,
+                                                                  self.storage_url)
+        return Worker(actor=actor, warm=actor.warm_up.remote())
+
+    def refresh(self, timeout: float = 0.0) -> None:
+        """Move actors that finished warming up to the idle pool; drop those that died."""
+        if not self.starting:
+            return
+        refs = [w.warm for w in self.starting]
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
+        done_set = set(done)
+        still = []
+        for w in self.starting:
+            if w.warm not in done_set:
+                still.append(w)
+                continue
+            try:
+                w.info = ray.get(w.warm)
+                self.idle.append(w)
+            except RayActorError:
+                pass  # its node went away while it started; top_up asks for another
+            except RayTaskError as exc:  # the task cannot load on this worker: not transient
+                self._kill(w)
+                self.starting = [s for s in self.starting if s is not w]
+                raise GroupFailed(WorkerFailure(
+                    kind=FailureKind.START_ERROR, rank=None, detected_at=time.time(),
+                    message=f"a worker could not load the task: "
+                            f"{exc.cause if exc.cause else exc}")) from exc
+        self.starting = still
+
+    def placed_starting(self) -> int:
+        """Starting actors that Ray has placed on a node (the rest wait for resources)."""
+        # ray._private.state is the GCS actor table: the only way to tell an actor that is
+        # starting from one that waits for room, without the dashboard's state API.
+        from ray._private import state
+
+        placed = 0
+        for w in self.starting:
+            try:
+                address = state.actors(w.actor._actor_id.hex()).get("Address") or {}
+            except Exception:
+                placed += 1  # cannot tell: assume it is coming
+                continue
+            placed += bool(address.get("IPAddress")) and int(address.get("Port", 0)) > 0
+        return placed
+
+    def nodes_alive(self, node_ids: set[str]) -> bool:
+        """Whether every one of these nodes is up: its raylet accepts a connection.
+
+        Asked when workers die: Ray's GCS takes seconds to declare a node dead, while a
+        raylet that is gone refuses connections at once.
+        """
+        nodes = {n["NodeID"]: n for n in ray.nodes()}
+        for node_id in node_ids:
+            node = nodes.get(node_id)
+            if node is None or not node.get("Alive"):
+                return False
+            try:
+                socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]),
+                                         timeout=1.0).close()
+            except OSError:
+                return False
+        return True
+
+    def available(self) -> int:
+        return len(self.members) + len(self.idle)
+
+    def best_world(self, up_to: int | None = None) -> int:
+        """The largest valid world size the warm actors can make (0 if none)."""
+        n = min(self.config.scaling.ceiling, self.available() if up_to is None else up_to)
+        sizes = valid_world_sizes(self.config, n)
+        return sizes[-1] if sizes else 0
+
+    # ------------------------------------------------------------------ one generation
+
+    def form(self, world_size: int, generation: int,
+             arm: Callable[[list[dict[str, Any]]], dict[int, list[tuple[int, str, str]]]]
+             ) -> list[dict[str, Any]]:
+        """Make a world of `world_size` ranks: survivors keep their order, then idle actors.
+
+        Returns the members' descriptions in rank order; `arm` maps them to the faults each
+        rank must inject in this generation.
+        """
+        pool = self.members + self.idle
+        self.members, self.idle = pool[:world_size], pool[world_size:]
+        self.generation = generation
+        workers = [dict(w.info, rank=r) for r, w in enumerate(self.members)]
+        armed = arm(workers)
+        timeout = self.config.scaling.start_timeout_s
+        (rdzv,) = self._get([self.members[0].actor.rendezvous_address.remote()],
+                            timeout=timeout)
+        self._get([w.actor.setup.remote(rank, world_size, rdzv, generation, armed.get(rank, []))
+                   for rank, w in enumerate(self.members)], timeout=timeout)
+        return workers
+
+    def restore(self, path: str) -> int:
+        steps = self._get([w.actor.restore.remote(path) for w in self.members])
+        return steps[0]
+
+    def launch(self) -> None:
+        self._get([w.actor.start.remote() for w in self.members])
+
+    def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
+        """Statuses of the ranks that answered within `wait_s`, and the ranks found dead."""
+        for w in self.members:
+            if w.poll_ref is None:
+                w.poll_ref = w.actor.poll.remote()
+        refs = [w.poll_ref for w in self.members]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        ready_set = set(ready)
+        answered: dict[int, WorkerStatus] = {}
+        dead: list[WorkerFailure] = []
+        for rank, w in enumerate(self.members):
+            if w.poll_ref not in ready_set:
+                continue
+            ref, w.poll_ref = w.poll_ref, None
+            try:
+                answered[rank] = ray.get(ref)
+            except Exception as exc:
+                dead.append(_failure_from(exc, rank, FailureKind.WORKER_DIED))
+        return answered, dead
+
+    def ack_faults(self, rank: int) -> None:
+        self.members[rank].actor.ack_faults.remote()
+
+    def request_stop(self) -> None:
+        for w in self.members:
+            w.actor.request_stop.remote()
+
+    def remove(self, ranks: tuple[int, ...]) -> None:
+        """Kill these members (dead, hung or on a lost node) and drop them from the world."""
+        for rank in ranks:
+            if 0 <= rank < len(self.members):
+                self._kill(self.members[rank])
+        self.members = [w for r, w in enumerate(self.members) if r not in set(ranks)]
+
+    def disband(self) -> list[int]:
+        """Every member leaves its world; survivors go back to the idle pool.
+
+        Returns the engine steps the survivors had completed. A member that cannot leave
+        (stuck thread, dead process) is killed.
+        """
+        refs = [w.actor.leave.remote(self.LEAVE_TIMEOUT_S) for w in self.members]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.LEAVE_TIMEOUT_S + 5)
+        steps, survivors = [], []
+        for w, ref in zip(self.members, refs, strict=True):
+            w.poll_ref = None
+            ok = None
+            if ref in ready:
+                try:
+                    ok = ray.get(ref)
+                except Exception:
+                    ok = None
+            if ok is not None and ok["left"]:
+                survivors.append(w)
+                steps.append(ok["step"])
+            else:
+                self._kill(w)
+        # Survivors first, in their old rank order: rank 0 usually stays rank 0.
+        self.members, self.idle = [], survivors + self.idle
+        return steps
+
+    def describe(self) -> list[dict[str, Any]]:
+        return [dict(w.info, rank=r) for r, w in enumerate(self.members)]
+
+    # ------------------------------------------------------------------ teardown
+
+    def _kill(self, w: Worker) -> None:
+        """SIGKILL the actor's process (at once, even when SIGSTOPped), then forget the actor.
+
+        ray.kill alone waits for a stopped process to answer before it escalates (5 s here);
+        a process that is gone also closes its sockets, so its peers' collectives fail now.
+        """
+        pid, node_id = w.info.get("pid"), w.info.get("node_id")
+        if pid is not None:
+            try:
+                if node_id == self.driver_node_id:
+                    os.kill(pid, signal.SIGKILL)
+                else:
+                    ray.get(_sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                        node_id, soft=False)).remote(pid), timeout=5)
+            except Exception:
+                pass  # already gone, or its node is: ray.kill below covers the rest
+        ray.kill(w.actor, no_restart=True)
+
+    def shutdown(self, *, graceful: bool) -> None:
+        """Leave the process group cleanly when asked and able; then kill every actor."""
+        if graceful and self.members:
+            try:
+                self._get([w.actor.shutdown.remote() for w in self.members], timeout=60)
+            except GroupFailed:
+                pass  # the actors are killed below either way
+        for w in self.members + self.idle + self.starting:
+            ray.kill(w.actor, no_restart=True)
+        self.members, self.idle, self.starting = [], [], []
 
     def _get(self, refs: list[Any], *, timeout: float | None = None,
              kind: FailureKind = FailureKind.START_ERROR) -> list[Any]:
@@ -60,97 +328,8 @@ class RayWorkerGroup:
                 out.append(ray.get(ref, timeout=left))
             except GetTimeoutError:
                 raise GroupFailed(WorkerFailure(
-                    kind=FailureKind.START_ERROR, rank=rank, detected_at=time.time(),
+                    kind=FailureKind.HANG, rank=rank, detected_at=time.time(), ranks=(rank,),
                     message=f"worker rank {rank} did not answer within {timeout:.0f}s")) from None
             except Exception as exc:
                 raise GroupFailed(_failure_from(exc, rank, kind)) from exc
         return out
-
-    def start(self) -> None:
-        """Reserve resources in a placement group and start one actor per rank."""
-        sc = self.config.scaling
-        bundle = {"CPU": sc.cpus_per_worker}
-        if sc.gpus_per_worker:
-            bundle["GPU"] = sc.gpus_per_worker
-        self.pg = placement_group([dict(bundle) for _ in range(self.world_size)],
-                                  strategy=sc.placement_strategy)
-        if not self.pg.wait(timeout_seconds=sc.start_timeout_s):
-            raise GroupFailed(WorkerFailure(
-                kind=FailureKind.START_ERROR, rank=None, detected_at=time.time(),
-                message=f"the cluster could not place {self.world_size} workers of {bundle} "
-                        f"within scaling.start_timeout_s={sc.start_timeout_s:.0f}s "
-                        f"(cluster resources: {ray.cluster_resources()})"))
-        cls = ray.remote(TrainWorker)
-        config = self.config.to_dict()
-        for rank in range(self.world_size):
-            options: dict[str, Any] = dict(
-                num_cpus=sc.cpus_per_worker, num_gpus=sc.gpus_per_worker, max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    placement_group=self.pg, placement_group_bundle_index=rank),
-                name=f"stalwart-worker-r{rank}-g{self.generation}-{os.getpid()}",
-            )
-            if self.runtime_env:
-                options["runtime_env"] = self.runtime_env
-            self.actors.append(cls.options(**options).remote(config, self.storage_url))
-
-    def rendezvous(self) -> None:
-        """Rank 0 names an address; every rank joins the process group and builds its model."""
-        timeout = self.config.scaling.start_timeout_s
-        (rdzv,) = self._get([self.actors[0].rendezvous_address.remote()], timeout=timeout)
-        self._get([a.setup.remote(rank, self.world_size, rdzv)
-                   for rank, a in enumerate(self.actors)], timeout=timeout)
-
-    def restore(self, path: str) -> int:
-        steps = self._get([a.restore.remote(path) for a in self.actors])
-        return steps[0]
-
-    def launch(self) -> None:
-        self._get([a.start.remote() for a in self.actors])
-
-    def poll(self, timeout: float) -> list[WorkerStatus]:
-        """Every rank's status; raises GroupFailed for a dead worker or a failed step.
-
-        A dead rank outranks errors on the others: when a process dies, its peers' next
-        collective fails too, and blaming them (as a user error) would hide the real cause.
-        """
-        refs = [a.poll.remote() for a in self.actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout)
-        statuses: list[WorkerStatus] = []
-        died: WorkerFailure | None = None
-        for rank, ref in enumerate(refs):
-            if ref not in ready:
-                raise GroupFailed(WorkerFailure(
-                    kind=FailureKind.WORKER_DIED, rank=rank, detected_at=time.time(),
-                    message=f"worker rank {rank} did not answer a poll within {timeout:.0f}s"))
-            try:
-                statuses.append(ray.get(ref))
-            except Exception as exc:
-                died = died or _failure_from(exc, rank, FailureKind.WORKER_DIED)
-        if died is not None:
-            raise GroupFailed(died)
-        for st in statuses:
-            if st.error is not None:
-                raise GroupFailed(WorkerFailure(kind=FailureKind.USER_ERROR, rank=st.rank,
-                                                message=st.error, detected_at=time.time()))
-        return statuses
-
-    def request_stop(self) -> None:
-        for a in self.actors:
-            a.request_stop.remote()
-
-    def describe(self) -> list[dict[str, Any]]:
-        return self._get([a.describe.remote() for a in self.actors])
-
-    def shutdown(self, *, graceful: bool) -> None:
-        """Leave the process group cleanly when asked and able; then kill actors, free resources."""
-        if graceful and self.actors:
-            try:
-                self._get([a.shutdown.remote() for a in self.actors], timeout=60)
-            except GroupFailed:
-                pass  # the actors are killed below either way
-        for a in self.actors:
-            ray.kill(a, no_restart=True)
-        self.actors = []
-        if self.pg is not None:
-            remove_placement_group(self.pg)
-            self.pg = None

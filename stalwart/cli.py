@@ -40,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
                      " (repeatable)")
     run.add_argument("--run-dir", help="run directory (default runs/<run.name>-<timestamp>)")
     run.add_argument("--address", help="Ray cluster to join (default: start Ray on this machine)")
+    run.add_argument("--inject", action="append", default=[], metavar="FAULT",
+                     help="inject a fault, e.g. kill:rank=1,step=20, hang:rank=0,step=40, "
+                          "raise:rank=1,step=60, term:rank=1,step=30, kill-node:node=1,step=80, "
+                          "drain:node=1,step=50 (repeatable; adds to the config's [[faults]])")
     run.add_argument("--resume", action="store_true",
                      help="continue the run in --run-dir from its newest committed checkpoint")
 
@@ -87,13 +91,18 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    from stalwart.config import load_config
+    import dataclasses
+
+    from stalwart.config import load_config, parse_fault
     from stalwart.errors import RunDirError
     from stalwart.trainer import Trainer, summarize
 
     if args.resume and not args.run_dir:
         raise RunDirError("--resume needs --run-dir: the run directory to continue")
     config = load_config(args.config, args.overrides)
+    if args.inject:
+        config = dataclasses.replace(config, faults=(
+            *config.faults, *(parse_fault(text) for text in args.inject)))
     result = Trainer(config, run_dir=args.run_dir, address=args.address,
                      resume=args.resume).fit()
     print(summarize(result))

@@ -44,27 +44,56 @@ class TaskConfig:
 @dataclass(frozen=True, kw_only=True)
 class ScalingConfig:
     num_workers: int = 2
-    """Number of worker actors (= ranks = the world size)."""
+    """Worker actors (= ranks) the run starts with and returns to after a failure."""
+    min_workers: int = 0
+    """Fewest workers to keep training on after losing some; 0 means num_workers (no shrinking)."""
+    max_workers: int = 0
+    """Most workers to grow to when the cluster has room; 0 means num_workers (no growing)."""
+    spare_workers: int = 0
+    """Warm spares: idle actors started ahead with the task loaded, to replace a lost worker."""
     cpus_per_worker: float = 1.0
-    """Ray CPUs reserved for each worker in the placement group."""
+    """Ray CPUs reserved for each worker actor."""
     gpus_per_worker: float = 0.0
     """Ray GPUs reserved for each worker; > 0 trains on CUDA with NCCL, 0 on CPU with gloo."""
     placement_strategy: str = "PACK"
-    """Ray placement group strategy: PACK, SPREAD, STRICT_PACK or STRICT_SPREAD."""
+    """PACK (fill nodes one by one) or SPREAD (one worker per node where possible)."""
     start_timeout_s: float = 120.0
-    """How long to wait for the cluster to place all workers before failing."""
+    """How long to wait for the cluster to place and start the workers before failing."""
+    resize_check_s: float = 10.0
+    """How often a run below max_workers checks whether the cluster has room to grow."""
+    wait_for_workers_s: float = 300.0
+    """How long a run below min_workers waits for workers to come back before failing."""
+
+    @property
+    def floor(self) -> int:
+        return self.min_workers or self.num_workers
+
+    @property
+    def ceiling(self) -> int:
+        return self.max_workers or self.num_workers
 
     def __post_init__(self) -> None:
         _require(self.num_workers >= 1, "scaling.num_workers", self.num_workers, "must be >= 1")
+        _require(0 <= self.min_workers <= self.num_workers, "scaling.min_workers",
+                 self.min_workers, f"must be between 1 and scaling.num_workers = "
+                                   f"{self.num_workers} (0: no shrinking)")
+        _require(self.max_workers == 0 or self.max_workers >= self.num_workers,
+                 "scaling.max_workers", self.max_workers,
+                 f"must be >= scaling.num_workers = {self.num_workers} (0: no growing)")
+        _require(self.spare_workers >= 0, "scaling.spare_workers", self.spare_workers,
+                 "must be >= 0")
         _require(self.cpus_per_worker > 0, "scaling.cpus_per_worker", self.cpus_per_worker,
                  "must be > 0")
         _require(self.gpus_per_worker >= 0, "scaling.gpus_per_worker", self.gpus_per_worker,
                  "must be >= 0")
-        strategies = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+        # Workers are placed one actor at a time (an elastic world must be able to lose or
+        # gain one), so the gang strategies of a placement group do not apply.
+        strategies = ("PACK", "SPREAD")
         _require(self.placement_strategy in strategies, "scaling.placement_strategy",
                  self.placement_strategy, f"one of {', '.join(strategies)}")
-        _require(self.start_timeout_s > 0, "scaling.start_timeout_s", self.start_timeout_s,
-                 "must be > 0")
+        for name in ("start_timeout_s", "resize_check_s", "wait_for_workers_s"):
+            _require(getattr(self, name) > 0, f"scaling.{name}", getattr(self, name),
+                     "must be > 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -199,15 +228,25 @@ class CheckpointConfig:
 @dataclass(frozen=True, kw_only=True)
 class FailureConfig:
     max_failures: int = 0
-    """Worker failures to recover from (restart from the newest checkpoint) before the run fails."""
+    """Failures to recover from in place before the run fails (-1: no limit)."""
+    retry_user_errors: bool = False
+    """Also recover from exceptions raised by the task's code (by default they fail the run)."""
+    backoff_s: float = 0.0
+    """Pause before the n-th consecutive recovery: backoff_s x 2^(n-1), at most 60 s."""
+    hang_timeout_floor_s: float = 5.0
+    """A rank is hung after max(this, hang_factor x median step time) without a heartbeat."""
+    hang_factor: float = 10.0
+    """Multiple of the median step time a rank may go without a heartbeat (see the floor)."""
     collective_timeout_s: float = 300.0
     """Process-group timeout: a collective stuck longer than this raises on the workers."""
 
     def __post_init__(self) -> None:
-        _require(self.max_failures >= 0, "failure.max_failures", self.max_failures,
-                 "must be >= 0")
-        _require(self.collective_timeout_s > 0, "failure.collective_timeout_s",
-                 self.collective_timeout_s, "must be > 0")
+        _require(self.max_failures >= -1, "failure.max_failures", self.max_failures,
+                 "must be >= 0, or -1 for no limit")
+        for name in ("hang_timeout_floor_s", "hang_factor", "collective_timeout_s"):
+            _require(getattr(self, name) > 0, f"failure.{name}", getattr(self, name),
+                     "must be > 0")
+        _require(self.backoff_s >= 0, "failure.backoff_s", self.backoff_s, "must be >= 0")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,6 +278,70 @@ class RunConfig:
         _require(self.log_every >= 1, "run.log_every", self.log_every, "must be >= 1")
 
 
+FAULT_KINDS = {
+    "kill": "rank",       # SIGKILL the rank's process
+    "hang": "rank",       # SIGSTOP the rank's process: alive, silent, holding its peers
+    "raise": "rank",      # raise an exception in the rank's training loop (like a user bug)
+    "term": "rank",       # SIGTERM the rank's process: a preemption notice
+    "kill-node": "node",  # SIGKILL the raylet of a node: the node and its workers are gone
+    "drain": "node",      # ask Ray to drain a node for preemption (it stays up, unschedulable)
+}
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSpec:
+    """A fault to inject (`--inject kill:rank=1,step=20` or a `[[faults]]` table).
+
+    It fires once, when its target reaches the start of `step`. Nodes are numbered as the
+    run sees them: 0 is the driver's node, 1, 2, ... the others in the order of their lowest
+    rank; node 0 cannot be killed (the run would kill itself).
+    """
+
+    kind: str
+    step: int
+    rank: int = -1
+    node: int = -1
+
+    def __post_init__(self) -> None:
+        _require(self.kind in FAULT_KINDS, "faults.kind", self.kind,
+                 f"one of {', '.join(FAULT_KINDS)}")
+        _require(self.step >= 1, "faults.step", self.step, "must be >= 1")
+        target = FAULT_KINDS[self.kind]
+        other = "node" if target == "rank" else "rank"
+        _require(getattr(self, other) == -1, f"faults.{other}", getattr(self, other),
+                 f"a {self.kind} fault targets a {target}, not a {other}")
+        _require(getattr(self, target) >= (1 if target == "node" else 0), f"faults.{target}",
+                 getattr(self, target),
+                 f"a {self.kind} fault needs {target}=N" + (
+                     " with N >= 1 (node 0 is the driver's node)" if target == "node" else
+                     " with N >= 0"))
+
+    def __str__(self) -> str:
+        target = FAULT_KINDS[self.kind]
+        return f"{self.kind}:{target}={getattr(self, target)},step={self.step}"
+
+
+def parse_fault(text: str) -> FaultSpec:
+    """`kill:rank=1,step=20` -> FaultSpec (the --inject syntax)."""
+    syntax = ("expected KIND:TARGET=N,step=S, e.g. kill:rank=1,step=20 or "
+              f"kill-node:node=1,step=80; KIND is one of {', '.join(FAULT_KINDS)}")
+    kind, sep, rest = text.strip().partition(":")
+    fields: dict[str, Any] = {"kind": kind}
+    for item in rest.split(",") if sep else []:
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or key not in ("rank", "node", "step") or key in fields \
+                or not value.strip().isdigit():
+            raise ConfigError(f"--inject {text!r} is invalid: {syntax}")
+        fields[key] = int(value)
+    if "step" not in fields:
+        raise ConfigError(f"--inject {text!r} is invalid: {syntax}")
+    try:
+        return FaultSpec(**fields)
+    except ConfigError as exc:
+        raise ConfigError(f"--inject {text!r}: {exc}") from None
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -249,11 +352,24 @@ class JobConfig:
     failure: FailureConfig = field(default_factory=FailureConfig)
     data: DataConfig = field(default_factory=DataConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    faults: tuple[FaultSpec, ...] = ()
+    """Faults to inject, as [[faults]] tables (kind, step, rank or node); see FaultSpec."""
 
     def __post_init__(self) -> None:
+        for fault in self.faults:
+            _require(fault.step <= self.train.steps, "faults.step", fault.step,
+                     f"must be <= train.steps = {self.train.steps} ({fault})")
+            _require(fault.rank < self.scaling.num_workers, "faults.rank", fault.rank,
+                     f"must be < scaling.num_workers = {self.scaling.num_workers} ({fault})")
+        for name in ("floor", "ceiling"):
+            # Every world size the run may take must split into the layout and the batch.
+            self._check_world(getattr(self.scaling, name))
         # Cross-section checks: the world must be splittable into the data-parallel layout,
         # and the global batch into micro-batches on each data-parallel rank.
-        replicate, shard = self.parallel.degrees(self.scaling.num_workers)
+        self._check_world(self.scaling.num_workers)
+
+    def _check_world(self, world: int) -> None:
+        replicate, shard = self.parallel.degrees(world)
         dp = replicate * shard
         _require(not self.parallel.cpu_offload or self.scaling.gpus_per_worker > 0,
                  "parallel.cpu_offload", self.parallel.cpu_offload,
@@ -326,7 +442,14 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     for key, value in data.items():
         name = f"{prefix}.{key}" if prefix else key
         hint = hints[key]
-        if dataclasses.is_dataclass(hint):
+        if typing.get_origin(hint) is tuple:  # [[faults]]: an array of tables
+            (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
+            if not isinstance(value, list | tuple) or not all(isinstance(v, dict)
+                                                                for v in value):
+                raise ConfigError(f"{name} must be an array of tables ([[{name}]]), "
+                                  f"got {value!r}")
+            kwargs[key] = tuple(_build(item, v, name) for v in value)
+        elif dataclasses.is_dataclass(hint):
             if not isinstance(value, dict):
                 raise ConfigError(f"{name} must be a table ([{name}]), got {value!r}")
             kwargs[key] = _build(hint, value, name)

@@ -160,12 +160,13 @@ class Trainer:
         import ray
 
         sc = self.config.scaling
-        need_cpu = sc.num_workers * sc.cpus_per_worker
-        need_gpu = sc.num_workers * sc.gpus_per_worker
+        # The fewest workers the run may train on must fit; more come when there is room.
+        need_cpu = sc.floor * sc.cpus_per_worker
+        need_gpu = sc.floor * sc.gpus_per_worker
         have = ray.cluster_resources()
         if need_cpu > have.get("CPU", 0) or need_gpu > have.get("GPU", 0):
             raise ClusterError(
-                f"scaling.num_workers={sc.num_workers} x (cpus_per_worker={sc.cpus_per_worker}, "
+                f"scaling.min_workers={sc.floor} x (cpus_per_worker={sc.cpus_per_worker}, "
                 f"gpus_per_worker={sc.gpus_per_worker}) needs {need_cpu:g} CPUs and "
                 f"{need_gpu:g} GPUs; the Ray cluster has {have.get('CPU', 0):g} CPUs and "
                 f"{have.get('GPU', 0):g} GPUs (lower scaling.num_workers or "
@@ -174,7 +175,7 @@ class Trainer:
     # ------------------------------------------------------------------ run
 
     def fit(self) -> RunResult:
-        from stalwart.orchestrator.worker_group import GroupFailed, RayWorkerGroup
+        from stalwart.orchestrator.worker_group import ElasticGroup, GroupFailed
 
         # Every check first, writing nothing: a refused run leaves the run dir as it was.
         task = build_task(self.config.task.path, self.config.task.args)
@@ -202,11 +203,10 @@ class Trainer:
                 live=self.live_progress if self.config.run.progress else False)
             controller = Controller(
                 self.config, storage_url=storage_url,
-                group_factory=lambda gen: RayWorkerGroup(self.config, storage_url,
-                                                         generation=gen,
-                                                         runtime_env=runtime_env),
+                group=ElasticGroup(self.config, storage_url, runtime_env=runtime_env),
                 group_error=GroupFailed, events=self.run_dir.events,
-                metrics=self.run_dir.metrics, display=display, resume_from=resume_from)
+                metrics=self.run_dir.metrics, display=display, resume_from=resume_from,
+                draining_nodes=draining_nodes)
             final = controller.run()
         finally:
             if display is not None:
@@ -229,6 +229,16 @@ class Trainer:
                          wall_s=wall_s, reason=reason,
                          tokens_per_s=(controller.tokens_total / controller.train_time_s
                                        if controller.train_time_s > 0 else None))
+
+
+def draining_nodes() -> set[str]:
+    """Ids of the nodes Ray is draining (preemption, autoscaler scale-down): leave them."""
+    from ray._private import state
+
+    try:
+        return set(state.state.get_draining_nodes())
+    except Exception:  # a private API: if it moves, drains are noticed as node deaths instead
+        return set()
 
 
 def _check_reachable(address: str) -> None:

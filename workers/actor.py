@@ -1,15 +1,22 @@
 """TrainWorker: the Ray actor of one rank. The loop runs on a thread; the actor keeps answering.
 
-The controller drives each worker through setup -> restore -> start, then polls it: a poll
-drains the step reports (the heartbeat) and checkpoint commits gathered since the last one.
+One actor lives through many generations of the world. The controller drives it through
+warm_up (once: import and load the task, prepare the data) and then, per generation,
+setup -> restore -> start, polling it meanwhile; a poll drains the step reports (the
+heartbeat), checkpoint commits and injected faults gathered since the last one. After a
+failure or a resize, a surviving worker leaves its process group and joins the next one with
+its process, imports, task and data intact: no restart and no re-import.
 Because training runs on its own thread, the actor answers polls and stop requests even in
 the middle of a long step or a stuck collective.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import signal
 import threading
+import time
 import traceback
 from collections import deque
 from dataclasses import replace
@@ -26,9 +33,14 @@ from stalwart.parallel.distributed import (
     init_process_group,
     pick_device,
 )
-from stalwart.task import build_task
+from stalwart.task import TrainTask, build_task
 from stalwart.workers.engine import TrainEngine
+from stalwart.workers.errors import classify_exception
+from stalwart.workers.faults import FaultFired, carry_out
 from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
+
+# How long a fault waits for the controller to hear of it before it is carried out.
+FAULT_NOTICE_TIMEOUT_S = 5.0
 
 
 class TrainWorker:
@@ -38,44 +50,85 @@ class TrainWorker:
         # Never more compute threads than the CPUs Ray reserved for this actor.
         torch.set_num_threads(max(1, int(self.config.scaling.cpus_per_worker)))
         self.rank = -1
+        self.generation = -1
+        self.task: TrainTask | None = None
         self.engine: TrainEngine | None = None
         self.checkpointer: StorageCheckpointer | None = None
         self._steps: deque[StepReport] = deque()
         self._commits: deque[CommitReport] = deque()
+        self._faults_fired: deque[FaultFired] = deque()
+        self._fault_heard = threading.Event()
+        self._armed: dict[int, tuple[str, str]] = {}  # step -> (kind, fault text)
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._done = False
         self._stopped_early = False
         self._error: str | None = None
+        self._error_kind: str | None = None
+        self._preempted = False
+        self._install_sigterm_handler()
+
+    def _install_sigterm_handler(self) -> None:
+        """SIGTERM is a preemption notice: tell the controller, which checkpoints and resizes
+        without this worker. (Ray's default handler would exit at once and lose the steps.)"""
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self._preempted = True
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_sigterm)
 
     # ------------------------------------------------------------------ set-up
 
+    def warm_up(self) -> dict[str, Any]:
+        """Once per actor: import the task and prepare its data, so joining a world is fast.
+
+        Warm spares stop here and wait; the heavy imports (torch, the task, its data) are
+        done by then.
+        """
+        if self.task is None:
+            self.task = build_task(self.config.task.path, self.config.task.args)
+            self.task.prepare_data(self.config)
+        return self.describe()
+
     def rendezvous_address(self) -> Rendezvous:
-        """Called on rank 0 only: this node's address and a port free on it right now."""
+        """Called on the next rank 0 only: this node's address and a port free on it now."""
         import ray
 
         return Rendezvous(host=ray.util.get_node_ip_address(), port=free_port())
 
     def describe(self) -> dict[str, Any]:
-        """Where this rank runs, for the event log (and for tests that kill it)."""
+        """Where this worker runs, for the event log, fault injection and tests that kill it."""
         import ray
 
-        return {"rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address()}
+        return {"rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
+                "node_id": ray.get_runtime_context().get_node_id()}
 
-    def setup(self, rank: int, world_size: int, rdzv: Rendezvous) -> None:
-        """Join the process group, then build the task, model, optimizer and data."""
-        self.rank = rank
+    def setup(self, rank: int, world_size: int, rdzv: Rendezvous, generation: int,
+              faults: list[tuple[int, str, str]]) -> None:
+        """Join generation `generation`'s process group, then build the model and optimizer."""
+        self.warm_up()
+        assert self.task is not None
+        self.rank, self.generation = rank, generation
+        self._armed = {step: (kind, text) for step, kind, text in faults}
+        self._reset_run_state()
         device = pick_device(self.config.scaling.gpus_per_worker > 0)
         init_process_group(rdzv, rank=rank, world_size=world_size, device=device,
                            timeout_s=self.config.failure.collective_timeout_s)
-        task = build_task(self.config.task.path, self.config.task.args)
-        task.prepare_data(self.config)
-        self.engine = TrainEngine(self.config, task, rank=rank, world_size=world_size,
+        self.engine = TrainEngine(self.config, self.task, rank=rank, world_size=world_size,
                                   device=device)
         self.checkpointer = StorageCheckpointer(
             self.storage_url, rank=rank, keep_last=self.config.checkpoint.keep_last,
             async_save=self.config.checkpoint.async_save,
             manifest_extra={"world_size": world_size, "task": self.config.task.path})
+
+    def _reset_run_state(self) -> None:
+        self._steps.clear()
+        self._commits.clear()
+        self._faults_fired.clear()
+        self._stop.clear()
+        self._done = self._stopped_early = False
+        self._error = self._error_kind = None
+        self._thread = None
 
     def restore(self, path: str) -> int:
         """Load a committed checkpoint (resharded to this world); returns its step."""
@@ -96,7 +149,9 @@ class TrainWorker:
         assert engine is not None and ckpt is not None
         try:
             while engine.step < cfg.train.steps:
-                report, stop = engine.train_step(stop_requested=self._stop.is_set())
+                self._maybe_inject(engine.step + 1)
+                report, stop = engine.train_step(stop_requested=self._stop.is_set()
+                                                 or self._preempted)
                 step = engine.step
                 last = step == cfg.train.steps
                 if cfg.data.val_every and (step % cfg.data.val_every == 0 or last):
@@ -110,8 +165,29 @@ class TrainWorker:
                     break
             self._commits.extend(ckpt.wait())
             self._done = True
-        except BaseException:  # reported to the controller by poll(); the thread just ends
+        except BaseException as exc:  # reported to the controller by poll(); the thread ends
+            self._error_kind = classify_exception(exc)
             self._error = traceback.format_exc()
+
+    def _maybe_inject(self, step: int) -> None:
+        armed = self._armed.pop(step, None)
+        if armed is None:
+            return
+        kind, text = armed
+        # The controller hears of the fault first (its exact time), then it happens.
+        self._fault_heard.clear()
+        self._faults_fired.append(FaultFired(fault=text, kind=kind, rank=self.rank, step=step,
+                                             time=time.time()))
+        self._fault_heard.wait(FAULT_NOTICE_TIMEOUT_S)
+        carry_out(kind, text)
+
+    def ack_faults(self) -> None:
+        """The controller has the poll that reported the faults: carry them out now.
+
+        Not when poll() returns: its reply could still be on its way when the process dies,
+        and the fault would then be armed again in the next world.
+        """
+        self._fault_heard.set()
 
     def request_stop(self) -> None:
         """Stop after the step in flight (all ranks agree on which) and checkpoint it."""
@@ -120,8 +196,41 @@ class TrainWorker:
     def poll(self) -> WorkerStatus:
         steps = [self._steps.popleft() for _ in range(len(self._steps))]
         commits = [self._commits.popleft() for _ in range(len(self._commits))]
-        return WorkerStatus(rank=self.rank, steps=steps, commits=commits, done=self._done,
-                            stopped_early=self._stopped_early, error=self._error)
+        faults = [self._faults_fired.popleft() for _ in range(len(self._faults_fired))]
+        return WorkerStatus(rank=self.rank, generation=self.generation, steps=steps,
+                            commits=commits, done=self._done, stopped_early=self._stopped_early,
+                            error=self._error, error_kind=self._error_kind, faults=faults,
+                            preempted=self._preempted)
+
+    # ------------------------------------------------------------------ leaving
+
+    def leave(self, timeout_s: float) -> dict[str, Any]:
+        """Leave this generation's world and keep the process for the next one.
+
+        The training thread has ended by now or soon will: a failed peer's collectives
+        fail on every rank (the controller kills failed ranks before asking survivors to
+        leave). Returns {"left": False} if the thread is still stuck after `timeout_s`: the
+        process is then not reusable and the controller replaces it. "step" is the last step
+        this rank completed, so the controller can count the steps a failure cost.
+        """
+        step = self.engine.step if self.engine is not None else 0
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                return {"left": False, "step": step}
+            step = self.engine.step if self.engine is not None else step
+        if self.checkpointer is not None:
+            try:
+                self.checkpointer.close()
+            except Exception:
+                pass  # a save that failed with its world; the last commit stays valid
+            self.checkpointer = None
+        self.engine = None
+        destroy_process_group()
+        gc.collect()
+        self._reset_run_state()
+        self.rank, self._armed = -1, {}
+        return {"left": True, "step": step}
 
     def shutdown(self) -> None:
         """Leave the world cleanly (the controller kills the actor if this does not return)."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from stalwart.workers.faults import FaultFired
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,7 @@ class WorkerStatus:
     """Everything a worker has to say since the last poll."""
 
     rank: int
+    generation: int
     steps: list[StepReport]
     commits: list[CommitReport]
     done: bool
@@ -43,3 +46,8 @@ class WorkerStatus:
     stopped_early: bool = False
     error: str | None = None
     """Formatted traceback of an exception in the training thread (user code or ours)."""
+    error_kind: str | None = None
+    """"user" for the task's code, "collective" for a failed or timed-out collective."""
+    faults: list[FaultFired] = field(default_factory=list)
+    preempted: bool = False
+    """The process got SIGTERM: its machine is going away."""

@@ -1,0 +1,689 @@
+"""Ray Train's side of the recovery benchmark: the reference task under Ray Train's TorchTrainer.
+
+bench/recovery.py compares how stalwart and Ray Train recover from a fault; this module is the
+Ray Train half. One call of `run_raytrain(fault, ...)` starts its own Ray (or, for "node", its
+own local multi-node cluster), trains the reference task with `TorchTrainer` on 2 workers
+(DDP over gloo on CPU), injects one fault on rank 1 at the start of step `fault_step`, lets Ray
+Train recover (or not), and returns when and how it recovered. Everything that decides what is
+trained comes from stalwart itself, as in bench/torchrun_ddp.py: the JobConfig (the same TOML +
+`--set` overrides, by default the tiny model of tests/cli_helpers.py), the GPTTask's model,
+init, loss, optimizer and schedule, the same token files and the same global sample order
+(GlobalSampler, restored from `samples_seen`).
+
+The train loop is a plain user loop: torch DistributedDataParallel, gradient accumulation with
+no_sync(), clip_grad_norm_, AdamW + LR schedule. Every `checkpoint_every` steps (and at the last
+step) all ranks call `ray.train.report(...)`, rank 0 with a `Checkpoint` holding model,
+optimizer and scheduler state, the step and samples_seen; a (re)started attempt restores from
+`ray.train.get_checkpoint()`. Ray Train retries the run up to FailureConfig(max_failures=3).
+
+Faults, injected on rank 1 in the first attempt only (an O_EXCL marker file in workdir):
+
+  kill   the worker process SIGKILLs itself.
+  hang   the worker process SIGSTOPs itself. Ray Train's only ways to notice: its controller's
+         worker health check (RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S, default 600 s) and the
+         torch process-group timeout (TorchConfig.timeout_s, default 1800 s; rank 0 waits that
+         long in the all-reduce). If no new attempt starts within `hang_wait_s`, the harness
+         records detected=False, writes a stop file (every later attempt returns at once),
+         SIGKILLs the stopped pid and lets the run end.
+  node   a local cluster (ray.cluster_utils.Cluster): a head node with 0 CPUs (driver and Ray
+         Train controller) and one 1-CPU node per worker, so rank 0 and rank 1 are on different
+         nodes (checked from the node ids the workers record). Rank 1 checks that its parent is
+         its node's raylet, then SIGKILLs the raylet, every other child of that raylet (agents,
+         idle workers) and itself: the whole node goes at once, as when a machine dies. Ray
+         Train then needs a 1-CPU node again: by default the driver adds a replacement node as
+         soon as the GCS reports the killed node dead (`replace_node_after="dead"`: what an
+         autoscaler could do at the earliest), or a fixed number of seconds after the fault.
+
+Timestamps (time.time(), one machine, so comparable across processes) go to jsonl files in
+workdir: rank 0 appends one line per completed step (steps.jsonl), every rank one line when an
+attempt's train loop starts and one when it has restored (attempts.jsonl), rank 1 the fault
+(fault.json). From them:
+
+  detection_s     fault -> the first train-loop start of a new attempt on any worker. An upper
+                  bound of detection: it includes tearing down the old worker group and starting
+                  the new one (actors, process group).
+  recovery_s      fault -> the first step completed after the fault.
+  lost_steps      steps completed before the fault - the step the new attempt restored from.
+
+    python bench/raytrain_recovery.py --fault kill [--steps 40 --fault-step 25] [--keep]
+
+prints the result as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from stalwart.config import load_config
+from stalwart.examples.gpt.data import TokenDataset, build_token_files
+from stalwart.task import build_task
+from stalwart.workers.sampler import GlobalSampler, rank_slice
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = ROOT / "examples" / "gpt" / "config.toml"
+FAULTS = ("kill", "hang", "node")
+NUM_WORKERS = 2
+
+# The tiny GPT of tests/cli_helpers.py TINY (seconds per run on 2 CPU cores).
+TINY = [
+    "task.args.seq_len=64", "task.args.d_model=64", "task.args.n_layers=2",
+    "task.args.n_heads=2", "train.global_batch_size=8", "train.micro_batch_size=2",
+    "train.warmup_steps=5", "data.val_batches=1",
+]
+
+# Files in workdir.
+STEPS_FILE = "steps.jsonl"        # rank 0: {"step", "time", "loss", "pid"} per completed step
+ATTEMPTS_FILE = "attempts.jsonl"  # every rank: {"event": "start"|"ready", "time", "rank", ...}
+FAULT_FILE = "fault.json"         # rank 1: {"fault", "time", "pid", ...}, written before the fault
+MARKER_FILE = "fault.injected"    # created with O_EXCL: a restarted attempt injects nothing
+STOP_FILE = "stop"                # harness: every train loop that sees it returns at once
+CHECKPOINTS_FILE = "checkpoints.jsonl"  # rank 0: {"step", "time", "pid"} after report()
+STATE_FILE = "state.pt"           # inside each Ray Train checkpoint
+
+
+# ----------------------------------------------------------------------------------------------
+# Worker side
+# ----------------------------------------------------------------------------------------------
+
+def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    # One small write with O_APPEND: lines from different processes never interleave.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (json.dumps(row) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def _write_json_atomic(path: Path, row: dict[str, Any]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(row, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _ppid_of(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])  # fields after "(comm)": state ppid ...
+
+
+def _children_of(ppid: int) -> list[int]:
+    return [int(d) for d in os.listdir("/proc") if d.isdigit() and _ppid_of(int(d)) == ppid]
+
+
+def _pg_timeout_s() -> float | None:
+    """The timeout of the default process group Ray Train set up (best effort)."""
+    try:
+        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+        return backend.options._timeout.total_seconds()
+    except Exception:
+        return None
+
+
+def _inject(fault: str, workdir: Path) -> None:
+    """Rank 1, first attempt, start of step fault_step: record the time, then the fault."""
+    import ray
+
+    me = os.getpid()
+    row: dict[str, Any] = {"fault": fault, "pid": me,
+                           "node_id": ray.get_runtime_context().get_node_id()}
+    if fault == "node":
+        raylet = os.getppid()
+        comm = Path(f"/proc/{raylet}/comm").read_text().strip()
+        if comm != "raylet":
+            raise RuntimeError(f"the worker's parent {raylet} is {comm!r}, not the raylet")
+        # Snapshot the node's processes now: once the raylet is gone they are reparented.
+        victims = [p for p in _children_of(raylet) if p != me]
+        row.update(raylet_pid=raylet, other_node_pids=victims)
+    row["time"] = time.time()
+    _write_json_atomic(workdir / FAULT_FILE, row)
+    if fault == "kill":
+        os.kill(me, signal.SIGKILL)
+    elif fault == "hang":
+        os.kill(me, signal.SIGSTOP)
+    elif fault == "node":
+        os.kill(row["raylet_pid"], signal.SIGKILL)
+        for pid in row["other_node_pids"]:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        os.kill(me, signal.SIGKILL)
+    else:
+        raise ValueError(f"unknown fault {fault!r}")
+
+
+def train_loop_per_worker(cfg: dict[str, Any]) -> None:
+    """Ray Train's train_loop_per_worker: the reference task, as bench/torchrun_ddp.py."""
+    import ray.train
+    from ray.train import Checkpoint
+
+    torch.set_num_threads(1)
+    workdir = Path(cfg["workdir"])
+    ctx = ray.train.get_context()
+    rank, world = ctx.get_world_rank(), ctx.get_world_size()
+    node_id = ray.get_runtime_context().get_node_id()
+    stopping = (workdir / STOP_FILE).exists()
+    _append_jsonl(workdir / ATTEMPTS_FILE, {
+        "event": "start", "time": time.time(), "rank": rank, "world": world, "pid": os.getpid(),
+        "ppid": os.getppid(), "node_id": node_id, "stopping": stopping})
+    if stopping:
+        return
+
+    config = load_config(cfg["config"], cfg["overrides"])
+    t = config.train
+    task = build_task(config.task.path, config.task.args)
+    accum = t.global_batch_size // (t.micro_batch_size * world)
+    files = build_token_files(Path(config.data.cache_dir).expanduser() / "gpt-stdlib",
+                              val_fraction=task.val_fraction)
+    data = TokenDataset(files.train, task.model_config.seq_len)
+    sampler = GlobalSampler(len(data), seed=t.seed)
+
+    torch.manual_seed(t.seed)
+    model = task.build_model(config)
+    task.init_weights(model)
+    ddp = DistributedDataParallel(model)
+    optimizer = task.build_optimizer(ddp, config)
+    scheduler = task.build_lr_scheduler(optimizer, config)
+
+    step, samples_seen = 0, 0
+    checkpoint = ray.train.get_checkpoint()
+    if checkpoint is not None:
+        with checkpoint.as_directory() as d:
+            state = torch.load(Path(d) / STATE_FILE, weights_only=False)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, samples_seen = state["step"], state["samples_seen"]
+    _append_jsonl(workdir / ATTEMPTS_FILE, {
+        "event": "ready", "time": time.time(), "rank": rank, "pid": os.getpid(),
+        "node_id": node_id, "restored_from": step if checkpoint is not None else None,
+        "pg_timeout_s": _pg_timeout_s()})
+
+    while step < t.steps:
+        if (workdir / STOP_FILE).exists():
+            return
+        if (step + 1 == cfg["fault_step"] and rank == 1
+                and not (workdir / FAULT_FILE).exists()):
+            try:
+                os.close(os.open(workdir / MARKER_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                pass  # injected by an earlier attempt
+            else:
+                _inject(cfg["fault"], workdir)
+        start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
+        items = sampler.items(start, count)
+        ddp.train()
+        loss_sum = torch.zeros(())
+        for i in range(accum):
+            inputs, targets = data.get_batch(items[i * t.micro_batch_size:
+                                                   (i + 1) * t.micro_batch_size])
+            if i < accum - 1:
+                with ddp.no_sync():
+                    loss = task.loss(ddp, inputs, targets) / accum
+                    loss.backward()
+            else:
+                loss = task.loss(ddp, inputs, targets) / accum
+                loss.backward()
+            loss_sum += loss.detach()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), t.grad_clip)
+        optimizer.step()
+        scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)  # the global mean loss, for logging
+        step += 1
+        samples_seen += t.global_batch_size
+        loss_value = loss_sum.item() / world
+        if rank == 0:
+            _append_jsonl(workdir / STEPS_FILE, {"step": step, "time": time.time(),
+                                                 "loss": loss_value, "pid": os.getpid()})
+        if step % cfg["checkpoint_every"] == 0 or step == t.steps:
+            metrics = {"step": step, "loss": loss_value}
+            if rank == 0:
+                with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as tmp:
+                    torch.save({"model": model.state_dict(),
+                                "optimizer": optimizer.state_dict(),
+                                "scheduler": scheduler.state_dict(),
+                                "step": step, "samples_seen": samples_seen},
+                               Path(tmp) / STATE_FILE)
+                    ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
+                if cfg["commit_checkpoints"]:
+                    # Block until the controller has registered it (see run_raytrain).
+                    from ray.train import CheckpointConsistencyMode
+
+                    ray.train.get_all_reported_checkpoints(
+                        consistency_mode=CheckpointConsistencyMode.COMMITTED)
+                _append_jsonl(workdir / CHECKPOINTS_FILE, {"step": step, "time": time.time(),
+                                                            "pid": os.getpid()})
+            else:
+                ray.train.report(metrics)
+
+
+# ----------------------------------------------------------------------------------------------
+# Driver side
+# ----------------------------------------------------------------------------------------------
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _read_fault(workdir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((workdir / FAULT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def _proc_state(pid: int) -> str | None:
+    """The state letter of a live process (R, S, T, Z, ...), None if there is no such pid."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2]
+
+
+def _sigkill(pid: int) -> bool:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _node_alive(node_id: str) -> bool | None:
+    import ray
+
+    for n in ray.nodes():
+        if n["NodeID"] == node_id:
+            return bool(n["Alive"])
+    return None
+
+
+def _health_settings() -> dict[str, Any]:
+    from ray.train.v2._internal import constants as c
+
+    return {
+        "health_check_interval_s": float(os.environ.get(
+            c.HEALTH_CHECK_INTERVAL_S_ENV_VAR, c.DEFAULT_HEALTH_CHECK_INTERVAL_S)),
+        "worker_health_check_timeout_s": float(os.environ.get(
+            c.WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR, c.DEFAULT_WORKER_HEALTH_CHECK_TIMEOUT_S)),
+        "worker_group_start_timeout_s": float(os.environ.get(
+            c.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR, c.DEFAULT_WORKER_GROUP_START_TIMEOUT_S)),
+    }
+
+
+def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: int = 10,
+                 workdir: Path, timeout_s: float, hang_wait_s: float = 120,
+                 num_cpus: int = NUM_WORKERS, config: str | Path = DEFAULT_CONFIG,
+                 overrides: list[str] | None = None,
+                 replace_node_after: str | float = "dead",
+                 health_check_timeout_s: float | None = None,
+                 commit_checkpoints: bool = False) -> dict[str, Any]:
+    """One Ray Train run of `steps` steps with one fault on rank 1 at the start of `fault_step`.
+
+    workdir must not exist or be empty; it holds Ray Train's storage (workdir/storage) and the
+    timestamp files. num_cpus: the CPUs of the local Ray started for "kill" and "hang" (the
+    controller takes 0, each worker 1); "node" ignores it (head 0 CPUs, 1 per worker node).
+    overrides: `--set` overrides of config (default TINY); train.steps and
+    scaling.num_workers are added. replace_node_after ("node" only): "dead" adds the
+    replacement node once the GCS reports the killed node dead, a number that many seconds
+    after the fault. health_check_timeout_s: sets RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S for
+    this run (default: Ray Train's own, 600 s). commit_checkpoints: after each checkpoint
+    report rank 0 also waits in `ray.train.get_all_reported_checkpoints(COMMITTED)` until the
+    controller has registered it. Without it (the default, the plain loop of Ray Train's
+    docs) a checkpoint counts only once the controller's next poll of the workers (every
+    health_check_interval_s = 2 s) has taken it from the worker's queue: a worker that dies
+    before that poll loses it, though its files are already in storage.
+    """
+    if fault not in FAULTS:
+        raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
+    if not 1 <= fault_step <= steps:
+        raise ValueError(f"fault_step={fault_step} must be in [1, steps={steps}]")
+    if checkpoint_every < 1:
+        raise ValueError("checkpoint_every must be >= 1")
+    if replace_node_after != "dead" and not isinstance(replace_node_after, int | float):
+        raise ValueError('replace_node_after must be "dead" or a number of seconds')
+
+    import ray
+    import ray.cloudpickle
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.v2._internal.constants import is_v2_enabled
+
+    if ray.is_initialized():
+        raise RuntimeError("run_raytrain starts its own Ray: call it with no Ray initialised")
+    workdir = Path(workdir).resolve()
+    if workdir.exists() and any(workdir.iterdir()):
+        raise ValueError(f"workdir {workdir} is not empty")
+    workdir.mkdir(parents=True, exist_ok=True)
+
+    overrides = list(TINY if overrides is None else overrides)
+    overrides += [f"train.steps={steps}", f"scaling.num_workers={NUM_WORKERS}"]
+    job = load_config(config, overrides)
+    task = build_task(job.task.path, job.task.args)
+    task.prepare_data(job)  # tokenize once here, not in the timed run
+    torch_config = TorchConfig()  # Ray Train's defaults: gloo on CPU, timeout_s=1800
+
+    saved_env = os.environ.get("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S")
+    if health_check_timeout_s is not None:
+        os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(health_check_timeout_s)
+    v2 = is_v2_enabled()
+    result: dict[str, Any] = {
+        "fault": fault, "ray_train_version": ray.__version__, "v2": v2,
+        "steps": steps, "fault_step": fault_step, "checkpoint_every": checkpoint_every,
+        "num_workers": NUM_WORKERS, "overrides": overrides,
+        "commit_checkpoints": commit_checkpoints,
+        "torch_config_timeout_s": torch_config.timeout_s, "torch_backend": "gloo",
+        **_health_settings(),
+    }
+
+    # The train loop must reach the workers by value: they cannot import this script's folder.
+    this = sys.modules[__name__]
+    if __name__ != "__main__":
+        ray.cloudpickle.register_pickle_by_value(this)
+
+    cluster = None
+    session_dir: str | None = None
+    abort_time: float | None = None
+    node_info: dict[str, Any] = {}
+    fit_out: dict[str, Any] = {}
+    t_start = time.time()
+    try:
+        if fault == "node":
+            from ray.cluster_utils import Cluster
+
+            cluster = Cluster(initialize_head=True,
+                              head_node_args={"num_cpus": 0, "include_dashboard": False})
+            for _ in range(NUM_WORKERS):
+                cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            ray.init(address=cluster.address, include_dashboard=False)
+            node_info["replace_node_after"] = replace_node_after
+        else:
+            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+
+        trainer = TorchTrainer(
+            train_loop_per_worker,
+            train_loop_config={
+                "workdir": str(workdir), "config": str(config), "overrides": overrides,
+                "fault": fault, "fault_step": fault_step, "checkpoint_every": checkpoint_every,
+                "commit_checkpoints": commit_checkpoints,
+            },
+            torch_config=torch_config,
+            scaling_config=ScalingConfig(num_workers=NUM_WORKERS, use_gpu=False,
+                                         resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(name=f"raytrain-{fault}", storage_path=str(workdir / "storage"),
+                                 failure_config=FailureConfig(max_failures=3)),
+        )
+
+        def fit() -> None:
+            try:
+                res = trainer.fit()
+                fit_out["error"] = None if res.error is None else repr(res.error)
+            except BaseException as e:  # reported, not raised
+                fit_out["error"] = repr(e)
+
+        thread = threading.Thread(target=fit, name="raytrain-fit", daemon=True)
+        thread.start()
+        deadline = t_start + timeout_s
+        aborted: str | None = None
+        killed_pids: list[int] = []
+        while thread.is_alive():
+            thread.join(0.2)
+            now = time.time()
+            info = _read_fault(workdir)
+            if info is not None and fault == "node":
+                if "dead_time" not in node_info and _node_alive(info["node_id"]) is False:
+                    node_info["dead_time"] = time.time()  # the GCS has noticed
+                due = ("dead_time" in node_info if replace_node_after == "dead"
+                       else now >= info["time"] + float(replace_node_after))
+                if due and "replacement_added" not in node_info:
+                    cluster.add_node(num_cpus=1)
+                    node_info["replacement_added"] = time.time()
+            if info is not None and fault == "hang" and now > info["time"] + hang_wait_s:
+                restarted = any(a["event"] == "start" and a["time"] > info["time"]
+                                for a in _read_jsonl(workdir / ATTEMPTS_FILE))
+                if not restarted and aborted is None:
+                    aborted = f"hang not detected within hang_wait_s={hang_wait_s:g}"
+            if aborted is None and now > deadline:
+                aborted = f"timeout_s={timeout_s:g} reached"
+            if aborted is not None and not (workdir / STOP_FILE).exists():
+                # Stop the run: every train loop that sees the stop file returns; the stopped
+                # (or stuck) rank gets SIGKILLed so that Ray Train tears the group down.
+                abort_time = time.time()
+                (workdir / STOP_FILE).write_text(json.dumps({"time": abort_time,
+                                                             "reason": aborted}))
+                if info is not None and _proc_state(info["pid"]) == "T":
+                    if _sigkill(info["pid"]):
+                        killed_pids.append(info["pid"])
+                deadline = time.time() + 120  # for the teardown itself
+            elif aborted is not None and now > deadline:
+                break  # teardown stuck: ray.shutdown() below ends it
+        session_dir = _session_dir()
+        result["fit_error"] = fit_out.get("error", "fit did not return")
+        result["aborted"] = aborted
+        result["harness_killed_pids"] = killed_pids
+    finally:
+        try:
+            ray.shutdown()
+        finally:
+            if cluster is not None:
+                cluster.shutdown()
+            if health_check_timeout_s is not None:
+                if saved_env is None:
+                    os.environ.pop("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S", None)
+                else:
+                    os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = saved_env
+    result["wall_s"] = time.time() - t_start
+
+    # Any process the run started that outlived the shutdown (a stopped one would): kill it.
+    attempts = _read_jsonl(workdir / ATTEMPTS_FILE)
+    info = _read_fault(workdir)
+    pids = {a["pid"] for a in attempts} | set((info or {}).get("other_node_pids", []))
+    time.sleep(1.0)
+    leftover = sorted(p for p in pids if _proc_state(p) not in (None, "Z"))
+    for p in leftover:
+        _sigkill(p)
+    result["leftover_pids_killed"] = leftover
+
+    result.update(_analyse(workdir, attempts, info, fault, steps, node_info))
+    result.update(_controller_events(session_dir, info["time"] if info else None,
+                                     abort_time))
+    result["abort_s"] = None if abort_time is None or info is None else abort_time - info["time"]
+    if fault == "hang":
+        result["notes"].append(
+            f"hang: Ray Train has no hang detection besides its controller's worker health "
+            f"check ({result['worker_health_check_timeout_s']:g} s; the stopped actor cannot "
+            f"answer) and the torch process-group timeout ({result['torch_pg_timeout_s']} s, "
+            f"rank 0 waits that long in the all-reduce); the harness waited "
+            f"hang_wait_s={hang_wait_s:g} s.")
+    if fault == "node":
+        result["notes"].append(
+            "node: rank 1 SIGKILLed its raylet, the raylet's other children and itself; the "
+            "driver added a replacement 1-CPU node "
+            + ("once the GCS reported the node dead." if replace_node_after == "dead"
+               else f"{float(replace_node_after):g} s after the fault."))
+    lost_ckpt = result.get("last_checkpoint_before_fault")
+    if (result["restored_from_step"] is not None and lost_ckpt is not None
+            and result["restored_from_step"] < lost_ckpt):
+        result["notes"].append(
+            f"the checkpoint of step {lost_ckpt} was reported (and written to storage) before "
+            f"the fault but never registered: the controller had not yet polled it from the "
+            f"worker's queue (poll every {result['health_check_interval_s']:g} s), so the run "
+            f"restored from step {result['restored_from_step']}.")
+    result["completed"] = (result["fit_error"] is None and result["aborted"] is None
+                           and result["final_step"] == steps)
+    return result
+
+
+def _session_dir() -> str | None:
+    try:
+        import ray
+
+        return ray._private.worker._global_node.get_session_dir_path()
+    except Exception:
+        return None
+
+
+def _controller_events(session_dir: str | None, fault_time: float | None,
+                       abort_time: float | None) -> dict[str, Any]:
+    """From Ray Train's controller log: when it decided on the failure, and what came after.
+
+    controller_failure_s: fault -> the controller's FailurePolicy decision (Ray Train's own
+    detection, including the up to health_check_interval_s until its next poll); only a
+    decision before the harness aborted the run (abort_time) counts.
+    """
+    out: dict[str, Any] = {"controller_failure_s": None, "controller_events": []}
+    if session_dir is None or fault_time is None:
+        return out
+    for log in sorted(Path(session_dir, "logs", "train").glob("ray-train-sys-controller-*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+                t = row["timestamp_ns"] / 1e9
+            except (ValueError, KeyError, TypeError):
+                continue
+            if t < fault_time:
+                continue
+            msg = row.get("message", "").splitlines()
+            first = " ".join(m.strip() for m in msg[:2]) if msg else ""
+            out["controller_events"].append([round(t - fault_time, 3), first[:140]])
+            if (out["controller_failure_s"] is None and first.startswith("[FailurePolicy]")
+                    and (abort_time is None or t < abort_time)):
+                out["controller_failure_s"] = t - fault_time
+    out["controller_events"].sort()
+    return out
+
+
+def _analyse(workdir: Path, attempts: list[dict[str, Any]], info: dict[str, Any] | None,
+             fault: str, steps: int, node_info: dict[str, Any]) -> dict[str, Any]:
+    rows = _read_jsonl(workdir / STEPS_FILE)
+    ckpts = _read_jsonl(workdir / CHECKPOINTS_FILE)
+    starts = [a for a in attempts if a["event"] == "start" and not a["stopping"]]
+    readies = [a for a in attempts if a["event"] == "ready"]
+    out: dict[str, Any] = {
+        "fault_time": None, "detection_s": None, "recovery_s": None, "lost_steps": None,
+        "restored_from_step": None, "completed": False,
+        "final_step": max((r["step"] for r in rows), default=0),
+        "steps_before_fault": None, "attempt_starts": sorted({round(a["time"], 3)
+                                                              for a in starts}),
+        "torch_pg_timeout_s": next((a["pg_timeout_s"] for a in readies), None),
+        "step_times": [[r["step"], r["time"]] for r in rows],
+        "notes": ["detection_s is an upper bound of detection: fault -> the first train-loop "
+                  "start of a new attempt, so it includes tearing down the old worker group "
+                  "and starting the new one (actors and process group).",
+                  "recovery_s: fault -> the first step completed after the fault (rank 0)."],
+    }
+    ft = info["time"] if info is not None else float("inf")
+    # Before/after the fault by process, not by clock: rank 0 of the faulty attempt may log
+    # its last step a few ms after rank 1 has already started the next one and faulted.
+    old = {a["pid"] for a in starts if a["time"] < ft}
+    first_nodes = {a["rank"]: a["node_id"] for a in starts if a["pid"] in old}
+    out["first_attempt_nodes"] = first_nodes
+    if info is None:
+        out["notes"].append("the fault was never injected")
+        return out
+    out["fault_time"] = ft
+    out["steps_before_fault"] = max((r["step"] for r in rows if r["pid"] in old), default=0)
+    out["last_checkpoint_before_fault"] = max((c["step"] for c in ckpts if c["pid"] in old),
+                                              default=None)
+    later = [a for a in starts if a["pid"] not in old]
+    if later:
+        out["detection_s"] = min(a["time"] for a in later) - ft
+    restored = [a for a in readies if a["pid"] not in old and a["rank"] == 0]
+    if restored:
+        first = min(restored, key=lambda a: a["time"])
+        out["restored_from_step"] = first["restored_from"] or 0
+        out["lost_steps"] = out["steps_before_fault"] - out["restored_from_step"]
+    after = [r for r in rows if r["pid"] not in old]
+    if after:
+        first_row = min(after, key=lambda r: r["time"])
+        out["recovery_s"] = first_row["time"] - ft
+        out["first_step_after_fault"] = first_row["step"]
+    if fault == "node":
+        out["ranks_on_distinct_nodes"] = len(set(first_nodes.values())) == len(first_nodes) > 1
+        out["killed_node_id"] = info.get("node_id")
+        out["node_dead_s"] = (node_info["dead_time"] - ft) if "dead_time" in node_info else None
+        out["replacement_added_s"] = (node_info["replacement_added"] - ft
+                                      if "replacement_added" in node_info else None)
+        out["replace_node_after"] = node_info.get("replace_node_after")
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--fault", choices=FAULTS, required=True)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--fault-step", type=int, default=25)
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for the run")
+    p.add_argument("--hang-wait", type=float, default=120.0,
+                   help="hang: seconds to wait for Ray Train to notice before giving up")
+    p.add_argument("--num-cpus", type=int, default=NUM_WORKERS)
+    p.add_argument("--replace-node-after", default="dead",
+                   help='node: "dead" (when the GCS reports the node dead) or seconds')
+    p.add_argument("--health-check-timeout", type=float, default=None,
+                   help="RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S for this run (default 600)")
+    p.add_argument("--commit-checkpoints", action="store_true",
+                   help="rank 0 waits until each checkpoint is registered (see run_raytrain)")
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="stalwart TOML config")
+    p.add_argument("--set", dest="overrides", action="append", default=None,
+                   metavar="KEY=VALUE", help="config override (repeatable; default: TINY)")
+    p.add_argument("--workdir", default=None, help="default: a fresh temporary folder")
+    p.add_argument("--keep", action="store_true", help="keep the temporary workdir")
+    p.add_argument("--step-times", action="store_true", help="keep step_times in the output")
+    p.add_argument("--out", default=None,
+                   help="also write the JSON here (stdout carries Ray's worker logs too)")
+    args = p.parse_args()
+    replace = args.replace_node_after
+    replace = replace if replace == "dead" else float(replace)
+    tmp = None
+    if args.workdir is None:
+        tmp = tempfile.mkdtemp(prefix=f"raytrain-{args.fault}-")
+    workdir = Path(args.workdir or tmp)
+    try:
+        out = run_raytrain(args.fault, steps=args.steps, fault_step=args.fault_step,
+                           checkpoint_every=args.checkpoint_every, workdir=workdir,
+                           timeout_s=args.timeout, hang_wait_s=args.hang_wait,
+                           num_cpus=args.num_cpus, config=args.config,
+                           overrides=args.overrides, replace_node_after=replace,
+                           health_check_timeout_s=args.health_check_timeout,
+                           commit_checkpoints=args.commit_checkpoints)
+    finally:
+        if tmp is not None and not args.keep:
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    if not args.step_times:
+        out.pop("step_times", None)
+    out["workdir"] = str(workdir) if (args.keep or args.workdir) else None
+    text = json.dumps(out, indent=1)
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
