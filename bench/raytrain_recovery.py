@@ -41,9 +41,17 @@ attempt's train loop starts and one when it has restored (attempts.jsonl), rank 
 
   detection_s     fault -> the first train-loop start of a new attempt on any worker. An upper
                   bound of detection: it includes tearing down the old worker group and starting
-                  the new one (actors, process group).
+                  the new one (actors, process group). None (detected=False) if none started.
+  controller_failure_s  fault -> the FailurePolicy decision in Ray Train's controller log: its
+                  own detection (it polls the workers every 2 s).
   recovery_s      fault -> the first step completed after the fault.
   lost_steps      steps completed before the fault - the step the new attempt restored from.
+
+Pitfall (Ray Train V2): `ray.train.report(..., checkpoint=...)` writes the checkpoint to storage
+at once, but it only counts once the controller's next poll (every 2 s) has taken the report
+from the worker's queue; a worker that dies before that poll loses it, and the run restores an
+older one. With this tiny model (~50 ms a step) the checkpoint of step 20 is routinely lost at
+a fault at step 25. `commit_checkpoints=True` makes rank 0 wait for the registration.
 
     python bench/raytrain_recovery.py --fault kill [--steps 40 --fault-step 25] [--keep]
 
@@ -391,6 +399,7 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
     v2 = is_v2_enabled()
     result: dict[str, Any] = {
         "fault": fault, "ray_train_version": ray.__version__, "v2": v2,
+        "ray_train_v2_enabled_env": os.environ.get("RAY_TRAIN_V2_ENABLED"),  # None: default
         "steps": steps, "fault_step": fault_step, "checkpoint_every": checkpoint_every,
         "num_workers": NUM_WORKERS, "overrides": overrides,
         "commit_checkpoints": commit_checkpoints,
@@ -410,18 +419,23 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
     fit_out: dict[str, Any] = {}
     t_start = time.time()
     try:
-        if fault == "node":
-            from ray.cluster_utils import Cluster
+        # A Cluster for every fault, so that the address is known before ray.init: Ray Train's
+        # PlacementGroupCleaner queries the State API with no address, which otherwise picks
+        # "the latest" of all Ray instances on the machine (another test's, say) and removes
+        # this run's placement group if the controller is not found there. RAY_ADDRESS in the
+        # job's runtime env pins it to this cluster (no dashboard: the query fails, harmlessly).
+        from ray.cluster_utils import Cluster
 
-            cluster = Cluster(initialize_head=True,
-                              head_node_args={"num_cpus": 0, "include_dashboard": False})
+        head_cpus = 0 if fault == "node" else num_cpus
+        cluster = Cluster(initialize_head=True,
+                          head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
+        if fault == "node":
             for _ in range(NUM_WORKERS):
                 cluster.add_node(num_cpus=1)
             cluster.wait_for_nodes()
-            ray.init(address=cluster.address, include_dashboard=False)
             node_info["replace_node_after"] = replace_node_after
-        else:
-            ray.init(address="local", num_cpus=num_cpus, include_dashboard=False)
+        ray.init(address=cluster.address,
+                 runtime_env={"env_vars": {"RAY_ADDRESS": cluster.address}})
 
         trainer = TorchTrainer(
             train_loop_per_worker,
@@ -532,6 +546,7 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
             f"the fault but never registered: the controller had not yet polled it from the "
             f"worker's queue (poll every {result['health_check_interval_s']:g} s), so the run "
             f"restored from step {result['restored_from_step']}.")
+    result["detected"] = result["detection_s"] is not None
     result["completed"] = (result["fit_error"] is None and result["aborted"] is None
                            and result["final_step"] == steps)
     return result

@@ -205,18 +205,22 @@ class Controller:
         # Workers Ray has placed are coming; the rest wait for room that may never come.
         enough = best >= want or (best >= sc.floor and (
             self.group.placed_starting() == 0 or waited > sc.start_timeout_s))
-        if self._stop_requested:
-            self.events.emit("stopped", step=self.last_step)
-            return Stopped(step=self.last_step)
+        if self._stop_requested:  # between worlds: the newest checkpoint is where a resume starts
+            newest = newest_valid(self.storage_url)
+            step = newest.step if newest else 0
+            self.events.emit("stopped", step=step)
+            return Stopped(step=step)
         if enough:
             return Rendezvous(generation=state.generation, world_size=best)
-        limit = sc.start_timeout_s if state.generation == 0 else sc.wait_for_workers_s
+        key = "start_timeout_s" if state.generation == 0 else "wait_for_workers_s"
+        limit = getattr(sc, key)
         if waited > limit:
+            floor = (f"scaling.min_workers={sc.min_workers}" if sc.min_workers else
+                     f"scaling.num_workers={sc.num_workers} (no scaling.min_workers set)")
             return Failed(reason=(
-                f"only {self.group.available()} of the scaling.min_workers={sc.floor} workers "
-                f"needed could be started within {limit:.0f}s "
-                f"({'scaling.start_timeout_s' if state.generation == 0 else 'scaling.wait_for_workers_s'}); "
-                f"checkpoints are intact under {self.storage_url}"))
+                f"only {self.group.available()} workers could be started, {floor} are needed; "
+                f"waited {waited:.1f}s (scaling.{key}={limit:g}); checkpoints are intact "
+                f"under {self.storage_url}"))
         return state
 
     def _on_rendezvous(self, state: Rendezvous) -> State:
@@ -228,7 +232,7 @@ class Controller:
         replicate, shard = self.config.parallel.degrees(self.world_size)
         self.layout = {"dp_replicate": replicate, "dp_shard": shard,
                        "tp": self.config.parallel.tp, "pp": self.config.parallel.pp}
-        if old_world and old_world != self.world_size:
+        if old_world and (old_world != self.world_size or self._planned):
             reason = self._planned[0] if self._planned else "shrink" \
                 if self.world_size < old_world else "grow"
             self.events.emit("resized", old_world_size=old_world, new_world_size=self.world_size,
@@ -262,6 +266,7 @@ class Controller:
         now = time.time()
         self.hangs.reset(range(self.world_size), now)
         self._done = {}
+        self._fault_times = {}  # ranks are renumbered: an old fault dates nothing new
         self._collective_error_since = None
         self._stop_sent = False
         self._next_resize_check = now + self.config.scaling.resize_check_s
@@ -310,11 +315,12 @@ class Controller:
                                  save_s=round(commit.save_s, 3))
             for report in st.steps:
                 self._on_step(report)
-        self.hangs.answered(rank, now, progressed=bool(st.steps or st.commits or st.done))
+        self.hangs.answered(rank, now, progressed=bool(st.steps or st.commits))
         if st.done:
             self._done[rank] = st
-        if st.preempted and self._planned is None and not self._stop_requested:
-            self._plan("preempted", ranks=(rank,))
+            self.hangs.finished(rank)  # done ranks wait for their peers: not a stall
+        if st.preempted and not self._stop_requested:
+            self._plan_preemption(rank)
 
     def _find_failure(self, answered: dict[int, WorkerStatus], dead: list[WorkerFailure],
                       now: float) -> WorkerFailure | None:
@@ -379,12 +385,20 @@ class Controller:
         if self._stop_requested:
             self.events.emit("stopped", step=self.last_step)
             return Stopped(step=self.last_step)
-        if self._planned is None:  # a preempted rank stopped the world on its own
-            ranks = tuple(r for r, st in self._done.items() if st.preempted)
-            self._planned = ("preempted", ranks)
+        for rank, st in self._done.items():  # a preempted rank may stop the world on its own
+            if st.preempted:
+                self._plan_preemption(rank)
+        assert self._planned is not None
         reason, leaving = self._planned
         return Resizing(generation=getattr(self.state, "generation", 0), reason=reason,
                         leaving=leaving)
+
+    def _plan_preemption(self, rank: int) -> None:
+        """Every preempted rank leaves, also one preempted during another planned resize."""
+        if self._planned is None:
+            self._plan("preempted", ranks=(rank,))
+        elif rank not in self._planned[1]:
+            self._planned = ("preempted", (*self._planned[1], rank))
 
     def _plan(self, reason: str, ranks: tuple[int, ...] = ()) -> None:
         """Stop every rank after the same step, checkpoint it, then form a new world."""
@@ -484,7 +498,8 @@ class Controller:
             tokens_per_s = self._tokens_since_log / elapsed
             row: dict[str, Any] = {"step": r.step, "loss": r.loss, "lr": r.lr,
                                    "tokens_per_s": round(tokens_per_s, 1),
-                                   "world_size": self.world_size, "time": r.time}
+                                   "world_size": self.world_size,
+                                   "samples_seen": r.samples_seen, "time": r.time}
             if r.val_loss is not None:
                 row["val_loss"] = r.val_loss
             self.metrics.write(row)

@@ -101,5 +101,6 @@ class FailurePolicy:
                                          f"failures: {kinds})")
         delay = 0.0
         if self.backoff_s > 0:
-            delay = min(self.MAX_DELAY_S, self.backoff_s * 2 ** (self.consecutive - 1))
+            # The exponent is capped first: 2 ** 1024 overflows a float on a long streak.
+            delay = min(self.MAX_DELAY_S, self.backoff_s * 2.0 ** min(self.consecutive - 1, 64))
         return RetryDecision(failure, attempt=self.failures, delay_s=delay)

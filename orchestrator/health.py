@@ -60,6 +60,10 @@ class HangDetector:
         if progressed:
             self._progress[rank] = now
 
+    def finished(self, rank: int) -> None:
+        """The rank's loop has ended: it waits for its peers and makes no progress of its own."""
+        self._progress.pop(rank, None)
+
     def limit_s(self) -> float:
         limit = self.floor_s
         if self._step_times:

@@ -152,7 +152,7 @@ class ElasticGroup:
         self.starting = still
 
     def placed_starting(self) -> int:
-        """Starting actors that Ray has placed on a node (the rest wait for resources)."""
+        """Starting actors that Ray has placed on a live node (the rest wait for room)."""
         # ray._private.state is the GCS actor table: the only way to tell an actor that is
         # starting from one that waits for room, without the dashboard's state API.
         from ray._private import state
@@ -160,11 +160,16 @@ class ElasticGroup:
         placed = 0
         for w in self.starting:
             try:
-                address = state.actors(w.actor._actor_id.hex()).get("Address") or {}
+                row = state.actors(w.actor._actor_id.hex())
             except Exception:
                 placed += 1  # cannot tell: assume it is coming
                 continue
-            placed += bool(address.get("IPAddress")) and int(address.get("Port", 0)) > 0
+            # A worker process is leased to the actor once Ray has found it room.
+            if int(row.get("Pid") or 0) > 0:
+                # Placed just before its node died (Ray notices seconds after us): it is
+                # not coming; Ray reports it dead soon and top_up asks for another.
+                node = (row.get("Address") or {}).get("NodeID")
+                placed += not node or self.nodes_alive({node})
         return placed
 
     def nodes_alive(self, node_ids: set[str]) -> bool:

@@ -34,7 +34,7 @@ def apply_data_parallel(model: torch.nn.Module, mesh: DeviceMesh, config: Parall
     """Wrap `model` for the mesh's data-parallel layout; returns the module to train."""
     replicate = mesh["dp_replicate"].size()
     if not needs_fsdp(mesh, config):
-        if replicate == 1:
+        if replicate == 1 or config.invariant_reduction:  # the engine reduces (invariant_reduce)
             return model
         return DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group(),
                                        device_ids=None if mesh.device_type == "cpu" else [0])

@@ -120,6 +120,9 @@ class ParallelConfig:
     """Parameter dtype for compute with FSDP2: fp32, or bf16 (fp32 master weights and gradient reduction)."""
     cpu_offload: bool = False
     """FSDP2: keep sharded parameters, gradients and optimizer state in host memory (ZeRO-Offload)."""
+    invariant_reduction: bool = False
+    """Sum gradients in one fixed order whatever the data-parallel degree, so a run that
+    shrinks and grows back ends bit-identical to one that never resized (replicated DP only)."""
 
     def __post_init__(self) -> None:
         _require(self.dp_replicate == -1 or self.dp_replicate >= 1, "parallel.dp_replicate",
@@ -136,6 +139,12 @@ class ParallelConfig:
                  self.activation_checkpointing, f"one of {', '.join(AC_MODES)}")
         _require(self.mixed_precision in PRECISIONS, "parallel.mixed_precision",
                  self.mixed_precision, f"one of {', '.join(PRECISIONS)}")
+        _require(not self.invariant_reduction or (
+            self.dp_shard == 1 and self.tp == 1 and self.pp == 1
+            and self.mixed_precision == "fp32" and not self.cpu_offload),
+            "parallel.invariant_reduction", self.invariant_reduction,
+            "needs replicated data parallelism only: dp_shard = 1, tp = 1, pp = 1, "
+            "mixed_precision = fp32, no cpu_offload")
 
     def degrees(self, world_size: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard) for a world of `world_size` ranks, with -1 resolved.
@@ -331,7 +340,7 @@ def parse_fault(text: str) -> FaultSpec:
         key, eq, value = item.partition("=")
         key = key.strip()
         if not eq or key not in ("rank", "node", "step") or key in fields \
-                or not value.strip().isdigit():
+                or not value.strip().isdecimal() or not value.strip().isascii():
             raise ConfigError(f"--inject {text!r} is invalid: {syntax}")
         fields[key] = int(value)
     if "step" not in fields:

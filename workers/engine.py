@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from stalwart.parallel.data_parallel import gradient_sync
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
 from stalwart.parallel.grad_norm import clip_grad_norm
+from stalwart.parallel.invariant_reduce import PairwiseAccumulator
 from stalwart.parallel.pipeline import Pipeline, build_pipeline
 from stalwart.parallel.recipe import parallelize
 from stalwart.workers.reports import StepReport
@@ -63,6 +64,12 @@ class TrainEngine:
             self.model = parallelize(model, mesh=self.mesh, config=config.parallel, task=task)
         # Ranks holding the loss: the last pipeline stage (tp peers hold the same one).
         self.loss_ranks = world_size // self.dims.pp
+        # Gradients summed in one order for any dp degree (parallel/invariant_reduce.py).
+        self.invariant: PairwiseAccumulator | None = None
+        if config.parallel.invariant_reduction:
+            self.invariant = PairwiseAccumulator(self.model.parameters())
+            self.dp_group = (self.mesh["dp_replicate"].get_group()
+                             if self.mesh is not None and self.dp_size > 1 else None)
         self.optimizer = task.build_optimizer(self.model, config)
         self.scheduler = task.build_lr_scheduler(self.optimizer, config)
 
@@ -97,10 +104,20 @@ class TrainEngine:
                 inputs, targets = (t.to(self.device, non_blocking=True)
                                    for t in self.train_data.get_batch(mb))
                 tokens += targets.numel()
+                if self.invariant is not None:
+                    # Each micro-batch is a leaf of the global sum: scaled by 1 / (all the
+                    # global batch's micro-batches), the same factor for any dp degree.
+                    loss = self.task.loss(self.model, inputs, targets)
+                    (loss / (self.accum * self.dp_size)).backward()
+                    self.invariant.add()
+                    loss_sum += loss.detach() / self.accum
+                    continue
                 with gradient_sync(self.model, i == self.accum - 1):
                     loss = self.task.loss(self.model, inputs, targets) / self.accum
                     loss.backward()
                 loss_sum += loss.detach()
+            if self.invariant is not None:
+                self.invariant.reduce_into_grads(self.dp_group)
         if cfg.grad_clip > 0:
             clip_grad_norm(self.model.parameters(), cfg.grad_clip,
                            pp_group=self.mesh["pp"].get_group() if self.pipeline else None)
@@ -123,7 +140,7 @@ class TrainEngine:
         self.samples_seen += cfg.global_batch_size
         report = StepReport(rank=self.rank, step=self.step, loss=loss_mean, lr=lr,
                             tokens=tokens * self.dp_size, step_time_s=time.perf_counter() - t0,
-                            time=time.time())
+                            time=time.time(), samples_seen=self.samples_seen)
         return report, stop_votes > 0
 
     @torch.no_grad()

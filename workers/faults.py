@@ -2,8 +2,8 @@
 
 `kill` and `hang` signal this process (SIGKILL, SIGSTOP), `term` sends it the SIGTERM a
 preempted machine gets, `raise` throws from the training loop like a bug in user code,
-`kill-node` SIGKILLs this node's raylet (Ray's per-node daemon: every worker on the node goes
-with it, exactly as when a machine is lost) and `drain` asks Ray to drain this node for
+`kill-node` SIGKILLs this node's raylet (Ray's per-node daemon) and every process it started,
+exactly as when a machine is lost, and `drain` asks Ray to drain this node for
 preemption. The controller decides which rank carries out each fault (see
 orchestrator/faults.py); this module only does it.
 """
@@ -43,6 +43,37 @@ def raylet_pid() -> int:
     return ppid
 
 
+def children_of(pid: int) -> list[int]:
+    """PIDs whose parent is `pid` (from /proc; Linux only, as Ray's raylet is)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                # "pid (comm) state ppid ...": comm may hold spaces, so split after ")".
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        if ppid == pid:
+            out.append(int(entry))
+    return out
+
+
+def kill_this_node() -> None:
+    """What losing the machine does to Ray: the raylet and every process it started go at
+    once (its workers would otherwise live on for a while as orphans, still answering)."""
+    raylet = raylet_pid()
+    doomed = [p for p in children_of(raylet) if p != os.getpid()]
+    os.kill(raylet, signal.SIGKILL)
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def drain_this_node(deadline_s: float = 60.0) -> None:
     """Ask the GCS to drain this node for preemption, as a cloud provider's notice would."""
     import ray
@@ -67,8 +98,7 @@ def carry_out(kind: str, fault: str) -> None:
     elif kind == "raise":
         raise InjectedFault(f"injected fault {fault}")
     elif kind == "kill-node":
-        os.kill(raylet_pid(), signal.SIGKILL)
-        time.sleep(60)  # this process dies with its raylet; never train on meanwhile
+        kill_this_node()
     elif kind == "drain":
         drain_this_node()
     else:

@@ -21,6 +21,8 @@ class StepReport:
     time: float
     """Wall-clock time (time.time()) at the end of the step."""
     val_loss: float | None = None
+    samples_seen: int = 0
+    """Global sample index after this step: the step trained samples [this - batch, this)."""
 
 
 @dataclass(frozen=True)

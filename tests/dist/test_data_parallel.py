@@ -81,3 +81,34 @@ def test_compiled_blocks_match_eager(cache_dir, single_process_losses):
     # torch.compile (inductor, C++ on CPU) fuses ops, so the float results move slightly.
     per_rank = run_ranks(train_losses, 2, cache_dir, ["parallel.dp_shard=2", "parallel.compile=true"])
     assert per_rank[0] == pytest.approx(single_process_losses, rel=1e-3)
+
+
+def train_weights(rank: int, world: int, cache_dir: str, layout: list[str]
+                  ) -> dict[str, torch.Tensor]:
+    config = tiny_config(world, cache_dir, layout)
+    task = build_task(config.task.path, config.task.args)
+    engine = TrainEngine(config, task, rank=rank, world_size=world, device=torch.device("cpu"))
+    for _ in range(STEPS):
+        engine.train_step()
+    model = getattr(engine.model, "module", engine.model)  # DDP wraps the model
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+INVARIANT = ["parallel.dp_replicate=-1", "parallel.dp_shard=1", "parallel.invariant_reduction=true"]
+
+
+def test_invariant_reduction_gives_the_same_bits_for_any_dp_degree(cache_dir):
+    # 4 micro-batches per global batch: 1, 2 and 4 data-parallel ranks sum them in one order.
+    weights = {world: run_ranks(train_weights, world, cache_dir, INVARIANT)[0]
+               for world in (1, 2, 4)}
+    for world in (2, 4):
+        for key, value in weights[1].items():
+            assert torch.equal(value, weights[world][key]), f"{key} differs at dp={world}"
+
+
+def test_plain_ddp_is_not_bitwise_invariant(cache_dir):
+    # The control: DDP's all-reduce sums in another order for another world size.
+    one = run_ranks(train_weights, 1, cache_dir, ["parallel.dp_shard=1"])[0]
+    four = run_ranks(train_weights, 4, cache_dir, ["parallel.dp_replicate=4",
+                                                   "parallel.dp_shard=1"])[0]
+    assert any(not torch.equal(v, four[k]) for k, v in one.items())

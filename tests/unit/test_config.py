@@ -11,7 +11,7 @@ import pytest
 from stalwart.config import JobConfig, dump_config, load_config
 from stalwart.errors import ConfigError
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 REFERENCE_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "config.toml"
 
@@ -36,6 +36,14 @@ def test_defaults_load_without_a_file() -> None:
     assert config.grad_accum_steps == 2  # 32 / (8 x 2)
     assert config.checkpoint.storage == "" and config.checkpoint.keep_last == 3
     assert config.failure.max_failures == 0
+    # elasticity is off unless asked for: the floor and the ceiling are num_workers
+    assert (config.scaling.min_workers, config.scaling.max_workers) == (0, 0)
+    assert (config.scaling.floor, config.scaling.ceiling) == (2, 2)
+    assert config.scaling.spare_workers == 0
+    assert config.scaling.resize_check_s == 10.0 and config.scaling.wait_for_workers_s == 300.0
+    assert config.failure.retry_user_errors is False and config.failure.backoff_s == 0.0
+    assert config.failure.hang_timeout_floor_s == 5.0 and config.failure.hang_factor == 10.0
+    assert config.faults == ()
 
 
 def test_toml_file_load(tmp_path: Path) -> None:
@@ -132,7 +140,8 @@ def test_unknown_top_level_key_names_it_and_lists_allowed() -> None:
         load_config(None, ["bogus=1"])
     msg = str(err.value)
     assert "unknown key bogus in the top level" in msg
-    assert "allowed: task, scaling, parallel, train, checkpoint, failure, data, run" in msg
+    assert ("allowed: task, scaling, parallel, train, checkpoint, failure, data, run, "
+            "faults") in msg
 
 
 def test_unknown_key_in_a_section_names_it_and_lists_allowed() -> None:
@@ -164,6 +173,8 @@ def test_unknown_section_from_a_file(tmp_path: Path) -> None:
     ("train.lr=fast", "train.lr = 'fast' is invalid: expected a float"),
     ("train.lr=true", "train.lr = True is invalid: expected a float"),
     ("run.progress=1", "run.progress = 1 is invalid: expected a bool"),
+    ("failure.retry_user_errors=1", "failure.retry_user_errors = 1 is invalid: expected a bool"),
+    ("scaling.min_workers=1.5", "scaling.min_workers = 1.5 is invalid: expected a int"),
     ("run.name=3", "run.name = 3 is invalid: expected a str"),
     ("task.args=3", "task.args = 3 is invalid: expected a dict"),
     ("train=3", "train must be a table ([train]), got 3"),
@@ -185,9 +196,25 @@ def test_wrong_types_name_the_field(override: str, expected: str) -> None:
     ("scaling.cpus_per_worker=0", "scaling.cpus_per_worker = 0.0 is invalid: must be > 0"),
     ("scaling.gpus_per_worker=-1", "scaling.gpus_per_worker = -1.0 is invalid: must be >= 0"),
     ("scaling.placement_strategy=RANDOM",
-     "scaling.placement_strategy = 'RANDOM' is invalid: one of PACK, SPREAD, STRICT_PACK, "
-     "STRICT_SPREAD"),
+     "scaling.placement_strategy = 'RANDOM' is invalid: one of PACK, SPREAD"),
+    # workers are placed one actor at a time: the placement-group gang strategies are gone
+    ("scaling.placement_strategy=STRICT_SPREAD",
+     "scaling.placement_strategy = 'STRICT_SPREAD' is invalid: one of PACK, SPREAD"),
+    ("scaling.placement_strategy=STRICT_PACK",
+     "scaling.placement_strategy = 'STRICT_PACK' is invalid: one of PACK, SPREAD"),
     ("scaling.start_timeout_s=0", "scaling.start_timeout_s = 0.0 is invalid: must be > 0"),
+    ("scaling.min_workers=-1", "scaling.min_workers = -1 is invalid: must be between 1 and "
+                               "scaling.num_workers = 2 (0: no shrinking)"),
+    ("scaling.min_workers=3", "scaling.min_workers = 3 is invalid: must be between 1 and "
+                              "scaling.num_workers = 2 (0: no shrinking)"),
+    ("scaling.max_workers=1", "scaling.max_workers = 1 is invalid: must be >= "
+                              "scaling.num_workers = 2 (0: no growing)"),
+    ("scaling.max_workers=-1", "scaling.max_workers = -1 is invalid: must be >= "
+                               "scaling.num_workers = 2 (0: no growing)"),
+    ("scaling.spare_workers=-1", "scaling.spare_workers = -1 is invalid: must be >= 0"),
+    ("scaling.resize_check_s=0", "scaling.resize_check_s = 0.0 is invalid: must be > 0"),
+    ("scaling.wait_for_workers_s=-5",
+     "scaling.wait_for_workers_s = -5.0 is invalid: must be > 0"),
     ("parallel.dp_replicate=0", "parallel.dp_replicate = 0 is invalid: must be >= 1"),
     ("parallel.dp_replicate=-2", "parallel.dp_replicate = -2 is invalid: must be >= 1, or -1"),
     ("parallel.dp_shard=0", "parallel.dp_shard = 0 is invalid: must be >= 1, or -1"),
@@ -209,7 +236,12 @@ def test_wrong_types_name_the_field(override: str, expected: str) -> None:
     ("train.seed=-1", "train.seed = -1 is invalid: must be >= 0"),
     ("checkpoint.persist_every=0", "checkpoint.persist_every = 0 is invalid: must be >= 1"),
     ("checkpoint.keep_last=-1", "checkpoint.keep_last = -1 is invalid: must be >= 0 (0 keeps all)"),
-    ("failure.max_failures=-1", "failure.max_failures = -1 is invalid: must be >= 0"),
+    ("failure.max_failures=-2",
+     "failure.max_failures = -2 is invalid: must be >= 0, or -1 for no limit"),
+    ("failure.backoff_s=-1", "failure.backoff_s = -1.0 is invalid: must be >= 0"),
+    ("failure.hang_timeout_floor_s=0",
+     "failure.hang_timeout_floor_s = 0.0 is invalid: must be > 0"),
+    ("failure.hang_factor=-1", "failure.hang_factor = -1.0 is invalid: must be > 0"),
     ("failure.collective_timeout_s=0",
      "failure.collective_timeout_s = 0.0 is invalid: must be > 0"),
     ("data.val_every=-1", "data.val_every = -1 is invalid: must be >= 0"),
@@ -227,7 +259,11 @@ def test_field_rules_name_field_and_value(override: str, expected: str) -> None:
 @pytest.mark.parametrize("override", [
     "train.warmup_steps=0", "train.warmup_steps=200", "train.min_lr_ratio=0",
     "train.min_lr_ratio=1", "train.grad_clip=0", "checkpoint.keep_last=0", "data.val_every=0",
-    "scaling.gpus_per_worker=0", "parallel.dp_shard=2", "scaling.placement_strategy=STRICT_SPREAD",
+    "scaling.gpus_per_worker=0", "parallel.dp_shard=2", "scaling.placement_strategy=SPREAD",
+    "failure.max_failures=-1", "failure.backoff_s=0", "failure.retry_user_errors=true",
+    "scaling.min_workers=0", "scaling.min_workers=1", "scaling.min_workers=2",
+    "scaling.max_workers=0", "scaling.max_workers=2", "scaling.max_workers=4",
+    "scaling.spare_workers=0", "scaling.spare_workers=3",
 ])
 def test_boundary_values_are_accepted(override: str) -> None:
     load_config(None, [override])
@@ -245,6 +281,24 @@ def test_global_batch_must_split_over_micro_batches_and_workers() -> None:
         load_config(None, ["scaling.num_workers=3"])  # 32 is not a multiple of 24
     config = load_config(None, ["scaling.num_workers=4"])  # 32 = 8 x 4 x 1
     assert config.grad_accum_steps == 1
+
+
+def test_every_world_between_the_floor_and_the_ceiling_must_split() -> None:
+    # the floor and the ceiling are world sizes the run may take: they must split too
+    with pytest.raises(ConfigError) as err:
+        load_config(None, ["scaling.num_workers=4", "scaling.min_workers=3"])
+    assert str(err.value) == ("train.global_batch_size = 32 is invalid: must be a multiple of "
+                              "micro_batch_size x data-parallel ranks = 8 x 3 = 24")
+    with pytest.raises(ConfigError, match=r"= 8 x 3 = 24$"):
+        load_config(None, ["scaling.max_workers=3"])
+    with pytest.raises(ConfigError, match=r"^parallel\.tp = 2 is invalid: must divide the world "
+                                          r"size 1$"):
+        load_config(None, ["parallel.tp=2", "train.global_batch_size=16",
+                           "scaling.min_workers=1"])
+    config = load_config(None, ["scaling.num_workers=4", "scaling.min_workers=2",
+                                "scaling.max_workers=8", "train.global_batch_size=64"])
+    assert (config.scaling.floor, config.scaling.ceiling) == (2, 8)
+    assert config.grad_accum_steps == 64 // (8 * 4)  # of the configured world
 
 
 def test_dp_replicate_must_divide_the_world() -> None:
@@ -316,6 +370,12 @@ def test_dump_round_trip(tmp_path: Path) -> None:
         "train.global_batch_size=64",
         "train.lr=1e-3", "checkpoint.storage=/tmp/somewhere", "checkpoint.keep_last=0",
         "failure.max_failures=3", "run.progress=false", "run.name=rt",
+        # a fixed dp_replicate x dp_shard layout cannot change its world size
+        "scaling.min_workers=4", "scaling.max_workers=4", "scaling.spare_workers=1",
+        "scaling.resize_check_s=2.5", "scaling.wait_for_workers_s=60",
+        "failure.retry_user_errors=true", "failure.backoff_s=0.5",
+        "failure.hang_timeout_floor_s=1", "failure.hang_factor=4",
+        'faults=[{kind="kill", rank=1, step=3}, {kind="drain", node=1, step=4}]',
     ])
     path = _write(tmp_path, dump_config(config), "dumped.toml")
     again = load_config(path)

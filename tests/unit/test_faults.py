@@ -1,0 +1,243 @@
+"""Fault injection on the driver's side: --inject parsing, [[faults]] in TOML, and FaultPlan,
+which decides which rank carries out each fault in a generation of the world."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from stalwart.config import FAULT_KINDS, FaultSpec, JobConfig, dump_config, load_config, parse_fault
+from stalwart.errors import ConfigError
+from stalwart.orchestrator.faults import FaultPlan, number_nodes
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+KINDS = "kill, hang, raise, term, kill-node, drain"
+SYNTAX = ("expected KIND:TARGET=N,step=S, e.g. kill:rank=1,step=20 or "
+          f"kill-node:node=1,step=80; KIND is one of {KINDS}")
+
+
+# ---------------------------------------------------------------------------- --inject
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("kill:rank=1,step=20", FaultSpec(kind="kill", rank=1, step=20)),
+    ("hang:rank=0,step=40", FaultSpec(kind="hang", rank=0, step=40)),
+    ("raise:rank=3,step=1", FaultSpec(kind="raise", rank=3, step=1)),
+    ("term:step=7,rank=2", FaultSpec(kind="term", rank=2, step=7)),  # any order
+    ("kill-node:node=1,step=80", FaultSpec(kind="kill-node", node=1, step=80)),
+    ("drain:node=2,step=5", FaultSpec(kind="drain", node=2, step=5)),
+    ("  kill:rank=1, step=20 ", FaultSpec(kind="kill", rank=1, step=20)),  # spaces
+    ("kill:rank=01,step=020", FaultSpec(kind="kill", rank=1, step=20)),
+])
+def test_parse_fault(text: str, expected: FaultSpec) -> None:
+    spec = parse_fault(text)
+    assert spec == expected
+    assert parse_fault(str(spec)) == spec
+
+
+def test_a_fault_prints_as_the_user_writes_it() -> None:
+    assert str(FaultSpec(kind="kill", rank=1, step=20)) == "kill:rank=1,step=20"
+    assert str(FaultSpec(kind="kill-node", node=2, step=8)) == "kill-node:node=2,step=8"
+    assert set(FAULT_KINDS) == {"kill", "hang", "raise", "term", "kill-node", "drain"}
+
+
+@pytest.mark.parametrize("text", [
+    "", "kill", "kill:", "kill:rank=1", "kill:rank=1,step=", "kill:rank=1,step=2.5",
+    "kill:rank=-1,step=2", "kill:rank=x,step=2", "kill:rank1,step=2",
+    "kill:rank=1,rank=2,step=3", "kill:rank=1,step=2,step=3", "kill:pid=1,step=2",
+    "kill:kind=hang,step=2", "kill:rank=1;step=2",
+])
+def test_bad_inject_syntax(text: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_fault(text)
+    assert str(err.value) == f"--inject {text!r} is invalid: {SYNTAX}"
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("boom:rank=1,step=2", f"faults.kind = 'boom' is invalid: one of {KINDS}"),
+    (":rank=1,step=2", f"faults.kind = '' is invalid: one of {KINDS}"),
+    ("kill:node=1,step=2", "faults.node = 1 is invalid: a kill fault targets a rank, not a node"),
+    ("kill:step=2", "faults.rank = -1 is invalid: a kill fault needs rank=N with N >= 0"),
+    ("drain:rank=1,step=2",
+     "faults.rank = 1 is invalid: a drain fault targets a node, not a rank"),
+    ("kill-node:step=2", "faults.node = -1 is invalid: a kill-node fault needs node=N with "
+                         "N >= 1 (node 0 is the driver's node)"),
+    ("kill-node:node=0,step=2", "faults.node = 0 is invalid: a kill-node fault needs node=N "
+                                "with N >= 1 (node 0 is the driver's node)"),
+    ("kill:rank=1,step=0", "faults.step = 0 is invalid: must be >= 1"),
+])
+def test_bad_fault_names_the_field(text: str, expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        parse_fault(text)
+    assert str(err.value) == f"--inject {text!r}: {expected}"
+
+
+def test_a_digit_int_cannot_read_is_bad_syntax() -> None:
+    with pytest.raises(ConfigError, match="is invalid: expected KIND:TARGET=N,step=S"):
+        parse_fault("kill:rank=\u00b2,step=2")
+
+
+@pytest.mark.parametrize(("kwargs", "expected"), [
+    ({"kind": "kill", "step": 1, "rank": 0}, None),
+    ({"kind": "drain", "step": 1, "node": 1}, None),
+    ({"kind": "hang", "step": -3, "rank": 0}, "faults.step = -3 is invalid: must be >= 1"),
+    ({"kind": "term", "step": 1, "rank": 0, "node": 1},
+     "faults.node = 1 is invalid: a term fault targets a rank, not a node"),
+    ({"kind": "kill-node", "step": 1, "node": 1, "rank": 0},
+     "faults.rank = 0 is invalid: a kill-node fault targets a node, not a rank"),
+    ({"kind": "raise", "step": 1, "rank": -2},
+     "faults.rank = -2 is invalid: a raise fault needs rank=N with N >= 0"),
+])
+def test_fault_spec_validation(kwargs: dict, expected: str | None) -> None:
+    if expected is None:
+        FaultSpec(**kwargs)
+        return
+    with pytest.raises(ConfigError) as err:
+        FaultSpec(**kwargs)
+    assert str(err.value) == expected
+
+
+# ---------------------------------------------------------------------------- [[faults]] in TOML
+
+TOML = """
+[train]
+steps = 50
+
+[scaling]
+num_workers = 4
+
+[[faults]]
+kind = "kill"
+rank = 3
+step = 20
+
+[[faults]]
+kind = "kill-node"
+node = 1
+step = 40
+"""
+
+
+def test_faults_load_from_toml_and_survive_a_dump(tmp_path: Path) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(TOML)
+    config = load_config(path)
+    assert config.faults == (FaultSpec(kind="kill", rank=3, step=20),
+                             FaultSpec(kind="kill-node", node=1, step=40))
+    dumped = tmp_path / "dumped.toml"
+    dumped.write_text(dump_config(config))
+    assert load_config(dumped) == config
+    assert JobConfig().faults == ()
+    assert load_config(None).faults == ()
+
+
+def test_faults_from_a_set_override() -> None:
+    config = load_config(None, ['faults=[{kind="hang", rank=0, step=3}]'])
+    assert config.faults == (FaultSpec(kind="hang", rank=0, step=3),)
+
+
+@pytest.mark.parametrize(("text", "expected"), [
+    ("faults = 3\n", "faults must be an array of tables ([[faults]]), got 3"),
+    ('faults = ["kill:rank=1,step=2"]\n', "faults must be an array of tables ([[faults]])"),
+    ('[[faults]]\nkind = "kill"\nrnak = 1\nstep = 2\n',
+     "unknown key faults.rnak in [faults]; allowed: kind, step, rank, node"),
+    ('[[faults]]\nkind = "kill"\nrank = "1"\nstep = 2\n',
+     "faults.rank = '1' is invalid: expected a int"),
+    ('[[faults]]\nkind = "kill"\nrank = 1\n', "missing 1 required keyword-only argument: 'step'"),
+    ('[[faults]]\nkind = "kill"\nrank = 1\nstep = 500\n',
+     "faults.step = 500 is invalid: must be <= train.steps = 200 (kill:rank=1,step=500)"),
+    ('[[faults]]\nkind = "kill"\nrank = 2\nstep = 5\n',
+     "faults.rank = 2 is invalid: must be < scaling.num_workers = 2 (kill:rank=2,step=5)"),
+    ('[[faults]]\nkind = "drain"\nstep = 5\n',
+     "faults.node = -1 is invalid: a drain fault needs node=N with N >= 1"),
+])
+def test_bad_faults_tables(tmp_path: Path, text: str, expected: str) -> None:
+    path = tmp_path / "job.toml"
+    path.write_text(text)
+    with pytest.raises((ConfigError, TypeError)) as err:
+        load_config(path)
+    assert expected in str(err.value)
+
+
+# ---------------------------------------------------------------------------- FaultPlan
+
+DRIVER = "node-driver"
+
+
+def workers(*node_ids: str) -> list[dict]:
+    """Members in rank order, as ElasticGroup.form describes them."""
+    return [{"rank": r, "pid": 100 + r, "node_ip": f"10.0.0.{r}", "node_id": n}
+            for r, n in enumerate(node_ids)]
+
+
+def test_nodes_are_numbered_from_the_drivers_by_lowest_rank() -> None:
+    assert number_nodes(workers("b", "b", "a", "c", "a"), DRIVER) == {
+        DRIVER: 0, "b": 1, "a": 2, "c": 3}
+    # workers on the driver's node are on node 0, whatever their rank
+    assert number_nodes(workers("a", DRIVER, "a"), DRIVER) == {DRIVER: 0, "a": 1}
+    assert number_nodes([], DRIVER) == {DRIVER: 0}
+
+
+def test_rank_faults_go_to_their_rank() -> None:
+    faults = [parse_fault("kill:rank=1,step=5"), parse_fault("hang:rank=1,step=9"),
+              parse_fault("raise:rank=0,step=3")]
+    armed, unresolved = FaultPlan(faults).arm(workers("a", "a", "b"), DRIVER)
+    assert armed == {1: [(5, "kill", "kill:rank=1,step=5"), (9, "hang", "hang:rank=1,step=9")],
+                     0: [(3, "raise", "raise:rank=0,step=3")]}
+    assert unresolved == []
+
+
+def test_node_faults_go_to_the_lowest_rank_on_the_node() -> None:
+    faults = [parse_fault("kill-node:node=2,step=8"), parse_fault("drain:node=1,step=4")]
+    # node 1 = "b" (rank 0 is there), node 2 = "a" (lowest rank 1)
+    armed, unresolved = FaultPlan(faults).arm(workers("b", "a", "b", "a"), DRIVER)
+    assert armed == {1: [(8, "kill-node", "kill-node:node=2,step=8")],
+                     0: [(4, "drain", "drain:node=1,step=4")]}
+    assert unresolved == []
+
+
+def test_the_drivers_node_is_node_0_even_when_workers_share_it() -> None:
+    faults = [parse_fault("kill-node:node=1,step=8")]
+    armed, _ = FaultPlan(faults).arm(workers(DRIVER, DRIVER, "x", "x"), DRIVER)
+    assert armed == {2: [(8, "kill-node", "kill-node:node=1,step=8")]}
+
+
+def test_faults_without_a_target_in_this_world_are_reported() -> None:
+    faults = [parse_fault("kill:rank=3,step=5"), parse_fault("kill-node:node=2,step=6"),
+              parse_fault("kill:rank=0,step=7")]
+    plan = FaultPlan(faults)
+    armed, unresolved = plan.arm(workers(DRIVER, "a"), DRIVER)
+    assert armed == {0: [(7, "kill", "kill:rank=0,step=7")]}
+    assert unresolved == [
+        "fault kill:rank=3,step=5 has no target now: the world has 2 ranks",
+        "fault kill-node:node=2,step=6 has no target now: the workers are on node(s) [0, 1] "
+        "(node 0: the driver's)",
+    ]
+    # still pending: a later, larger world may have a target
+    armed, unresolved = plan.arm(workers("a", "a", "b", "b"), DRIVER)
+    assert armed == {3: [(5, "kill", "kill:rank=3,step=5")],
+                     2: [(6, "kill-node", "kill-node:node=2,step=6")],
+                     0: [(7, "kill", "kill:rank=0,step=7")]}
+    assert unresolved == []
+
+
+def test_no_workers_no_nodes() -> None:
+    _, unresolved = FaultPlan([parse_fault("drain:node=1,step=2")]).arm([], DRIVER)
+    assert unresolved == ["fault drain:node=1,step=2 has no target now: the workers are on "
+                          "node(s) none (node 0: the driver's)"]
+
+
+def test_a_fired_fault_is_never_armed_again() -> None:
+    kill, hang = parse_fault("kill:rank=1,step=5"), parse_fault("hang:rank=0,step=9")
+    plan = FaultPlan([kill, hang])
+    world = workers("a", "a")
+    assert plan.arm(world, DRIVER)[0] == {1: [(5, "kill", str(kill))],
+                                          0: [(9, "hang", str(hang))]}
+    plan.fired("kill:rank=1,step=5")
+    assert plan.pending == [hang]
+    assert plan.arm(world, DRIVER) == ({0: [(9, "hang", str(hang))]}, [])
+    plan.fired("kill:rank=1,step=5")  # heard twice (two polls): harmless
+    plan.fired(str(hang))
+    assert plan.arm(world, DRIVER) == ({}, [])
