@@ -165,11 +165,13 @@ class Trainer:
         need_gpu = sc.floor * sc.gpus_per_worker
         have = ray.cluster_resources()
         if need_cpu > have.get("CPU", 0) or need_gpu > have.get("GPU", 0):
+            which = (f"scaling.min_workers={sc.min_workers}" if sc.min_workers else
+                     f"scaling.num_workers={sc.num_workers}")
             raise ClusterError(
-                f"scaling.min_workers={sc.floor} x (cpus_per_worker={sc.cpus_per_worker}, "
+                f"{which} x (cpus_per_worker={sc.cpus_per_worker}, "
                 f"gpus_per_worker={sc.gpus_per_worker}) needs {need_cpu:g} CPUs and "
                 f"{need_gpu:g} GPUs; the Ray cluster has {have.get('CPU', 0):g} CPUs and "
-                f"{have.get('GPU', 0):g} GPUs (lower scaling.num_workers or "
+                f"{have.get('GPU', 0):g} GPUs (lower scaling.num_workers, scaling.min_workers or "
                 f"scaling.cpus_per_worker)")
 
     # ------------------------------------------------------------------ run

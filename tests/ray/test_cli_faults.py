@@ -1,0 +1,206 @@
+"""Every failure kind from the CLI on a local Ray, as a user injects it (`--inject`) or as the
+machine does it (a real SIGSTOP by PID): recovered in place with the survivors' processes
+kept, bit-identical to a failure-free run; or failed cleanly with checkpoints intact."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import textwrap
+
+import pytest
+import torch
+
+from stalwart.checkpointing.catalog import committed_checkpoints, verify
+from stalwart.run_dir import read_jsonl
+from tests.cli_helpers import (
+    REFERENCE_CONFIG,
+    STALWART,
+    exported_weights,
+    sets,
+    stalwart,
+    wait_for_step,
+)
+from tests.ray.conftest import RUN
+from tests.ray.helpers import consumed_samples
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+FAST_HANG = ["failure.hang_timeout_floor_s=3"]
+
+
+def events_of(run_dir):
+    return read_jsonl(run_dir / "events.jsonl")
+
+
+def only(events, kind):
+    (found,) = [e for e in events if e["kind"] == kind]
+    return found
+
+
+def assert_same_weights(tmp_path, straight_run, run_dir):
+    a = exported_weights(straight_run, tmp_path, "straight")
+    b = exported_weights(run_dir, tmp_path, run_dir.name)
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs from the failure-free run"
+    assert consumed_samples(run_dir) == consumed_samples(straight_run)
+
+
+def survivors_kept(events, replaced_rank):
+    """The workers of the second world: every rank but the replaced one kept its process."""
+    first, second = [e["workers"] for e in events if e["kind"] == "workers_started"][:2]
+    old = {w["pid"] for w in first}
+    new = {w["pid"] for w in second}
+    assert first[replaced_rank]["pid"] not in new
+    assert old - {first[replaced_rank]["pid"]} <= new
+
+
+def test_sigstopped_worker_is_detected_as_hung_and_replaced(tmp_path, straight_run):
+    run_dir = tmp_path / "stopped"
+    proc = subprocess.Popen([STALWART, "run", str(REFERENCE_CONFIG),
+                             *sets(*RUN, *FAST_HANG, "failure.max_failures=1"),
+                             "--run-dir", "stopped"], cwd=tmp_path, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(run_dir / "metrics.jsonl", 15, proc)
+        (workers,) = [e["workers"] for e in events_of(run_dir) if e["kind"] == "workers_started"]
+        os.kill(workers[1]["pid"], signal.SIGSTOP)  # alive, silent, holding its peer
+        out, err = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, f"{out}\n{err}"
+    events = events_of(run_dir)
+    failure = only(events, "failure")
+    assert failure["failure_kind"] == "hang" and failure["ranks"] == [1] and failure["retry"]
+    # Detected after the 3 s floor (its limit), well before the 300 s collective timeout.
+    assert 3.0 <= failure["detection_s"] < 60
+    recovered = only(events, "recovered")
+    assert recovered["lost_steps"] == failure["step"] - recovered["from_step"]
+    survivors_kept(events, replaced_rank=1)
+    assert_same_weights(tmp_path, straight_run, run_dir)
+
+
+def test_injected_kill_recovers_in_place_bit_identical(tmp_path, straight_run):
+    stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN, "failure.max_failures=1"),
+             "--inject", "kill:rank=1,step=25", "--run-dir", "killed", cwd=tmp_path)
+    events = events_of(tmp_path / "killed")
+    fault = only(events, "fault_injected")
+    assert fault == {**fault, "fault": "kill:rank=1,step=25", "rank": 1, "step": 25}
+    failure = only(events, "failure")
+    assert failure["failure_kind"] == "worker_died" and failure["ranks"] == [1]
+    assert failure["step"] == 24 and 0 <= failure["detection_s"] < 10
+    recovered = only(events, "recovered")
+    assert recovered == {**recovered, "from_step": 20, "lost_steps": 4, "source": "storage",
+                         "world_size": 2}
+    assert set(recovered["phases"]) == {"detect", "teardown", "wait", "join", "restore",
+                                        "first_step"}
+    survivors_kept(events, replaced_rank=1)
+    assert_same_weights(tmp_path, straight_run, tmp_path / "killed")
+
+
+def test_raise_is_retried_when_configured(tmp_path, straight_run):
+    stalwart("run", str(REFERENCE_CONFIG),
+             *sets(*RUN, "failure.max_failures=1", "failure.retry_user_errors=true"),
+             "--inject", "raise:rank=1,step=25", "--run-dir", "raised", cwd=tmp_path)
+    events = events_of(tmp_path / "raised")
+    failure = only(events, "failure")
+    assert failure["failure_kind"] == "user_error" and failure["retry"]
+    assert "InjectedFault: injected fault raise:rank=1,step=25" in failure["message"]
+    assert only(events, "recovered")["from_step"] == 20
+    assert_same_weights(tmp_path, straight_run, tmp_path / "raised")
+
+
+def test_raise_is_not_retried_by_default(tmp_path):
+    proc = stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN, "failure.max_failures=3"),
+                    "--inject", "raise:rank=0,step=12", "--run-dir", "raised", cwd=tmp_path,
+                    check=1)
+    assert "InjectedFault: injected fault raise:rank=0,step=12" in proc.stdout
+    events = events_of(tmp_path / "raised")
+    assert only(events, "failure")["retry"] is False and events[-1]["kind"] == "failed"
+
+
+def test_preemption_checkpoints_then_resizes_without_losing_a_step(tmp_path, straight_run):
+    stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN), "--inject", "term:rank=1,step=33",
+             "--run-dir", "preempted", cwd=tmp_path)
+    run_dir = tmp_path / "preempted"
+    events = events_of(run_dir)
+    assert not [e for e in events if e["kind"] == "failure"]  # planned, not a failure
+    resized = only(events, "resized")
+    assert resized["reason"] == "preempted" and resized["new_world_size"] == 2
+    # Every rank stopped after the same step and checkpointed it; the next world started
+    # there: no step was trained twice.
+    committed = [e["step"] for e in events if e["kind"] == "checkpoint_committed"]
+    assert resized["step"] in committed and resized["step"] % 10 != 0
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, 151))
+    survivors_kept(events, replaced_rank=1)
+    assert_same_weights(tmp_path, straight_run, run_dir)
+
+
+def test_failures_past_the_budget_fail_with_checkpoints_intact(tmp_path):
+    proc = stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN, "failure.max_failures=1"),
+                    "--inject", "kill:rank=1,step=15", "--inject", "kill:rank=0,step=35",
+                    "--run-dir", "budget", cwd=tmp_path, check=1)
+    events = events_of(tmp_path / "budget")
+    failures = [e for e in events if e["kind"] == "failure"]
+    assert [f["retry"] for f in failures] == [True, False]
+    assert events[-1]["kind"] == "failed"
+    assert "failure budget exhausted (failure.max_failures=1; failures: worker_died, " \
+           "worker_died)" in events[-1]["reason"]
+    assert "reason: failure budget exhausted" in proc.stdout
+    checkpoints = committed_checkpoints(str(tmp_path / "budget" / "checkpoints"))
+    assert [c.step for c in checkpoints][-1] == 30
+    for info in checkpoints:
+        verify(info)  # every committed checkpoint is whole
+
+
+SLOW_STORAGE_TASK = textwrap.dedent('''
+    """The reference task, with checkpoints on a filesystem whose shard writes take 2 s."""
+    import time
+
+    import fsspec
+    from fsspec.implementations.local import LocalFileSystem
+
+    from stalwart.examples.gpt.task import GPTTask
+
+
+    class SlowFileSystem(LocalFileSystem):
+        protocol = "slowfile"
+
+        @classmethod
+        def _strip_protocol(cls, path):
+            return super()._strip_protocol(str(path).removeprefix("slowfile://"))
+
+        def _open(self, path, mode="rb", **kwargs):
+            if "w" in mode and str(path).endswith(".distcp"):
+                time.sleep(2)
+            return super()._open(path, mode, **kwargs)
+
+
+    fsspec.register_implementation("slowfile", SlowFileSystem, clobber=True)
+
+
+    class SlowStorageTask(GPTTask):
+        pass
+''')
+
+
+def test_kill_during_a_storage_write_keeps_the_last_commit(tmp_path):
+    (tmp_path / "slow_storage.py").write_text(SLOW_STORAGE_TASK)
+    storage = f"slowfile://{tmp_path / 'ckpt'}"
+    # Step 20's shards take 2 s to write in the background; step 22 starts at once and
+    # kills rank 1 mid-write.
+    stalwart("run", str(REFERENCE_CONFIG),
+             *sets(*RUN, "train.steps=40", "task.path=slow_storage:SlowStorageTask",
+                   f'checkpoint.storage="{storage}"', "failure.max_failures=1"),
+             "--inject", "kill:rank=1,step=22", "--run-dir", "slow", cwd=tmp_path)
+    events = events_of(tmp_path / "slow")
+    failure = only(events, "failure")
+    committed_before = [e["step"] for e in events[:events.index(failure)]
+                        if e["kind"] == "checkpoint_committed"]
+    assert committed_before == [10]  # step 20 was being written when rank 1 died
+    assert only(events, "recovered")["from_step"] == 10
+    assert events[-1]["kind"] == "finished"
+    for info in committed_checkpoints(str(tmp_path / "ckpt")):
+        verify(info)
