@@ -11,6 +11,7 @@ shrinks to what the cluster can hold) and restores from the newest complete chec
 
 from __future__ import annotations
 
+import itertools
 import signal
 import threading
 import time
@@ -478,7 +479,7 @@ class Controller:
             # restore (checkpoint load), first_step.
             names = {"detected": "detect", "left": "teardown", "scheduled": "wait",
                      "joined": "join", "restored": "restore", "first_step": "first_step"}
-            phases = {names[b[0]]: round(b[1] - a[1], 3) for a, b in zip(marks, marks[1:])
+            phases = {names[b[0]]: round(b[1] - a[1], 3) for a, b in itertools.pairwise(marks)
                       if b[0] in names}
             self.events.emit("recovered", from_step=from_step,
                              source="storage" if from_step else "none",
