@@ -97,12 +97,9 @@ class ElasticGroup:
         self.generation = -1
         self._created = 0
         self._config_dict = config.to_dict()
+        self._actor_class = ray.remote(TrainWorker)
 
     # ------------------------------------------------------------------ the pool
-
-    @property
-    def world_size(self) -> int:
-        return len(self.members)
 
     def top_up(self) -> None:
         """Ask Ray for actors until there are enough for the largest world plus the spares."""
@@ -121,8 +118,8 @@ class ElasticGroup:
         )
         if self.runtime_env:
             options["runtime_env"] = self.runtime_env
-        actor = ray.remote(TrainWorker).options(**options).remote(self._config_dict,
-                                                                  self.storage_url)
+        actor = self._actor_class.options(**options).remote(self._config_dict,
+                                                             self.storage_url)
         return Worker(actor=actor, warm=actor.warm_up.remote())
 
     def refresh(self, timeout: float = 0.0) -> None:
@@ -287,9 +284,6 @@ class ElasticGroup:
         # Survivors first, in their old rank order: rank 0 usually stays rank 0.
         self.members, self.idle = [], survivors + self.idle
         return steps
-
-    def describe(self) -> list[dict[str, Any]]:
-        return [dict(w.info, rank=r) for r, w in enumerate(self.members)]
 
     # ------------------------------------------------------------------ teardown
 
