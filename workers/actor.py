@@ -12,7 +12,6 @@ the middle of a long step or a stuck collective.
 
 from __future__ import annotations
 
-import gc
 import os
 import signal
 import threading
@@ -22,6 +21,7 @@ from collections import deque
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import torch
 
 from stalwart.checkpointing.storage import StorageCheckpointer
@@ -41,6 +41,21 @@ from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
 
 # How long a fault waits for the controller to hear of it before it is carried out.
 FAULT_NOTICE_TIMEOUT_S = 5.0
+
+
+def warm_model(task: TrainTask, config: JobConfig) -> None:
+    """Build the model and run one micro-batch forward and backward, then drop it all.
+
+    The first model built in a process pays for torch's lazy initialisation (allocator,
+    kernels, autograd), about 0.2 s even for a tiny model; a replacement should not pay it
+    while its peers wait. The world's model is built anew at setup (its sharding depends on
+    the world), from the seed, so this one is thrown away.
+    """
+    model = task.build_model(config)
+    task.init_weights(model)
+    data = task.train_dataset(config)
+    inputs, targets = data.get_batch(np.arange(min(len(data), config.train.micro_batch_size)))
+    task.loss(model, inputs, targets).backward()
 
 
 class TrainWorker:
@@ -80,14 +95,14 @@ class TrainWorker:
     # ------------------------------------------------------------------ set-up
 
     def warm_up(self) -> dict[str, Any]:
-        """Once per actor: import the task and prepare its data, so joining a world is fast.
-
-        Warm spares stop here and wait; the heavy imports (torch, the task, its data) are
-        done by then.
-        """
+        """Once per actor: import the task, prepare its data and build the model once (one
+        training micro-step), so that joining a world costs only the process group and the
+        restore. Warm spares stop here and wait."""
         if self.task is None:
-            self.task = build_task(self.config.task.path, self.config.task.args)
-            self.task.prepare_data(self.config)
+            task = build_task(self.config.task.path, self.config.task.args)
+            task.prepare_data(self.config)
+            warm_model(task, self.config)
+            self.task = task
         return self.describe()
 
     def rendezvous_address(self) -> Rendezvous:
@@ -225,9 +240,10 @@ class TrainWorker:
             except Exception:
                 pass  # a save that failed with its world; the last commit stays valid
             self.checkpointer = None
+        # No gc.collect(): refcounts free the engine, and a full collection costs 0.2 s
+        # while every peer waits for the next world.
         self.engine = None
         destroy_process_group()
-        gc.collect()
         self._reset_run_state()
         self.rank, self._armed = -1, {}
         return {"left": True, "step": step}
