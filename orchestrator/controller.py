@@ -312,6 +312,7 @@ class Controller:
             for commit in st.commits:
                 self.events.emit("checkpoint_committed", step=commit.step, path=commit.path,
                                  save_s=round(commit.save_s, 3))
+                self._next_resize_check = 0.0  # a checkpoint boundary: look for room now
             for report in st.steps:
                 self._on_step(report)
         self.hangs.answered(rank, now, progressed=bool(st.steps or st.commits))
