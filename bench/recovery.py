@@ -231,6 +231,8 @@ def analyse_stalwart(run_dir: Path, fault: str) -> dict[str, Any]:
         # Steps since the last storage checkpoint due (every persist_every steps).
         out["lost_steps_bound"] = failure["step"] % PERSIST_EVERY
         out["failure"] = {k: v for k, v in failure.items() if k != "message"}
+    if kinds and kinds[-1] == "finished":
+        out["finished_s"] = events[-1]["time"] - ft
     later_starts = [e["time"] for e in started if e["time"] > ft]
     if later_starts:
         out["restart_s"] = min(later_starts) - ft
@@ -579,27 +581,46 @@ def plot(png: str, med: dict[str, Any]) -> str | None:
         ax.set_ylabel("seconds (log scale)")
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3, which="both")
+    # Each target as a line over its own group of bars.
     if "kill" in med and med["kill"]["ray-train"]["recovery_s"]:
-        axes[1].axhline(y=med["kill"]["ray-train"]["recovery_s"] / TARGET_KILL_RATIO,
-                        color="gray", ls=":", lw=1,
-                        label=f"kill target: Ray Train / {TARGET_KILL_RATIO:g}")
+        j = faults.index("kill")
+        axes[1].hlines(med["kill"]["ray-train"]["recovery_s"] / TARGET_KILL_RATIO, j - 0.45,
+                       j + 0.45, color="black", ls=":", lw=1.2,
+                       label=f"kill target: Ray Train / {TARGET_KILL_RATIO:g}")
     if "hang" in med:
-        axes[0].axhline(y=TARGET_HANG_DETECTION_S, color="gray", ls="--", lw=1,
-                        label=f"hang target: {TARGET_HANG_DETECTION_S:g} s")
+        j = faults.index("hang")
+        axes[0].hlines(TARGET_HANG_DETECTION_S, j - 0.45, j + 0.45, color="black", ls="--",
+                       lw=1.2, label=f"hang target: {TARGET_HANG_DETECTION_S:g} s")
+    legend: dict[str, Any] = {}  # one legend for both panels, below them
     for ax in axes:
-        ax.legend(fontsize=7, loc="upper left")
+        for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
+            legend.setdefault(label, handle)
+    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=len(legend),
+               fontsize=8, frameon=False)
     fig.suptitle(f"Recovery on the reference task (tiny GPT, {WORKERS} workers, fault on rank 1 "
                  f"at step {FAULT_STEP}), medians", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     Path(png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
     plt.close(fig)
     return png
 
 
+def git_revision() -> dict[str, Any]:
+    """The commit the runs used (stalwart is installed in editable mode) and tracked changes."""
+    def git(*a: str) -> str:
+        return subprocess.run(["git", *a], cwd=common.ROOT, capture_output=True,
+                              text=True).stdout.rstrip("\n")
+
+    return {"commit": git("rev-parse", "HEAD").strip() or None,
+            "modified": sorted(line[3:] for line in git(
+                "status", "--porcelain", "--untracked-files=no").splitlines())}
+
+
 def main() -> int:
     args = parse_args()
     t_start = time.time()
+    revision = git_revision()
     import ray
     import ray._raylet
 
@@ -657,10 +678,27 @@ def main() -> int:
     for r in results:
         if (r["runner"] == "stalwart-elastic" and r.get("completed")
                 and not any(e["reason"] == "grow" for e in r.get("resized", []))):
-            notes.append(f"round {r['round'] + 1}: stalwart finished the run on the surviving "
-                         f"worker before it grew back (replacement node added "
-                         f"{common.fmt(r.get('replacement_added_s'), '.1f')} s after the "
-                         "fault, node reported dead by then).")
+            if r.get("replacement_added_s") is None:
+                why = ("before the GCS reported the lost node dead (Ray's default node health "
+                       "checks), so no replacement node was added")
+            else:
+                why = (f"though a replacement node was added {r['replacement_added_s']:.1f} s "
+                       "after the fault")
+            notes.append(
+                f"round {r['round'] + 1}, node: stalwart detected the loss by probing the "
+                f"raylet, shrank to 1 worker and finished the run "
+                f"{common.fmt(r.get('finished_s'), '.1f')} s after the fault on the surviving "
+                f"worker, {why}: it did not grow back (the grow path is what "
+                "tests/ray/test_cli_node_loss.py covers, on a longer run).")
+    end_revision = git_revision()
+    if end_revision != revision:  # someone committed or edited files while it ran
+        changed = sorted(set(revision["modified"]) ^ set(end_revision["modified"]))
+        notes.append(
+            "the checkout changed during the benchmark: " + "; ".join(filter(None, [
+                f"commit {revision['commit']} -> {end_revision['commit']}"
+                if revision["commit"] != end_revision["commit"] else "",
+                f"files modified or reverted: {', '.join(changed)}" if changed else ""]))
+            + " (runs after the change may have used different code)")
     print("\nnotes:\n" + "\n".join(f"- {n}" for n in notes))
 
     png = plot(args.png, med)
@@ -701,6 +739,7 @@ def main() -> int:
                     ray._raylet.Config.health_check_initial_delay_ms(),
                 "health_check_timeout_ms": ray._raylet.Config.health_check_timeout_ms()},
         },
+        "git": {"at_start": revision, "at_end": end_revision},
         "versions": {"stalwart": importlib.metadata.version("stalwart"),
                      "torch": torch.__version__, "ray": ray.__version__,
                      "matplotlib": matplotlib.__version__},

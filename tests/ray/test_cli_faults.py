@@ -150,13 +150,14 @@ def test_failures_past_the_budget_fail_with_checkpoints_intact(tmp_path):
            "worker_died)" in events[-1]["reason"]
     assert "reason: failure budget exhausted" in proc.stdout
     checkpoints = committed_checkpoints(str(tmp_path / "budget" / "checkpoints"))
-    assert [c.step for c in checkpoints][-1] == 30
+    commits = [e["step"] for e in events if e["kind"] == "checkpoint_committed"]
+    assert checkpoints and checkpoints[-1].step == commits[-1] >= 20
     for info in checkpoints:
         verify(info)  # every committed checkpoint is whole
 
 
 SLOW_STORAGE_TASK = textwrap.dedent('''
-    """The reference task, with checkpoints on a filesystem whose shard writes take 2 s."""
+    """The reference task, with checkpoints on a filesystem whose shard writes take 4 s."""
     import time
 
     import fsspec
@@ -174,7 +175,7 @@ SLOW_STORAGE_TASK = textwrap.dedent('''
 
         def _open(self, path, mode="rb", **kwargs):
             if "w" in mode and str(path).endswith(".distcp"):
-                time.sleep(2)
+                time.sleep(4)
             return super()._open(path, mode, **kwargs)
 
 
@@ -189,7 +190,7 @@ SLOW_STORAGE_TASK = textwrap.dedent('''
 def test_kill_during_a_storage_write_keeps_the_last_commit(tmp_path):
     (tmp_path / "slow_storage.py").write_text(SLOW_STORAGE_TASK)
     storage = f"slowfile://{tmp_path / 'ckpt'}"
-    # Step 20's shards take 2 s to write in the background; step 22 starts at once and
+    # Step 20's shards take 4 s to write in the background; step 22 starts at once and
     # kills rank 1 mid-write.
     stalwart("run", str(REFERENCE_CONFIG),
              *sets(*RUN, "train.steps=40", "task.path=slow_storage:SlowStorageTask",

@@ -5,6 +5,7 @@ equal a failure-free run's bit for bit (with parallel.invariant_reduction)."""
 from __future__ import annotations
 
 import subprocess
+import textwrap
 
 import pytest
 import torch
@@ -15,8 +16,22 @@ from tests.ray.helpers import ELASTIC, consumed_samples, wait_for_event
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
-# Long enough for the returning node's workers to start while the small world trains.
-WORLD4 = [*ELASTIC, "train.steps=250", "scaling.num_workers=4", "scaling.min_workers=2"]
+# The reference task, 0.2 s slower per micro-batch (a sleep: no CPU, no change to the
+# numbers): the small world then trains long enough for the returning node's workers to
+# start, however loaded the machine is.
+PATIENT_TASK = textwrap.dedent('''
+    import time
+
+    from stalwart.examples.gpt.task import GPTTask
+
+
+    class PatientTask(GPTTask):
+        def loss(self, model, inputs, targets):
+            time.sleep(0.2)
+            return super().loss(model, inputs, targets)
+''')
+WORLD4 = [*ELASTIC, "train.steps=120", "scaling.num_workers=4", "scaling.min_workers=2",
+          "task.path=patient_task:PatientTask"]
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +54,7 @@ def cluster():
 
 
 def test_node_loss_shrinks_then_grows_back_bit_identical(tmp_path, cluster):
+    (tmp_path / "patient_task.py").write_text(PATIENT_TASK)
     reference = tmp_path / "reference"
     stalwart("run", str(REFERENCE_CONFIG), *sets(*WORLD4, "scaling.cpus_per_worker=0.5"),
              "--run-dir", "reference", cwd=tmp_path, timeout=300)
