@@ -13,11 +13,12 @@ The reference task (`examples/gpt/config.toml`) with the tiny model of tests/cli
 Rows, each measured on its own Ray:
 
   stalwart          `stalwart run examples/gpt/config.toml --set ... --inject FAULT --run-dir DIR`
-                    exactly as a user types it (own embedded Ray with 2 CPUs); everything is
+                    exactly as a user types it, with no spare (`scaling.spare_workers=0`): the
+                    replacement is a cold actor (own embedded Ray with 2 CPUs); everything is
                     read from DIR/events.jsonl (`fault_injected`, `failure`, `recovered`,
                     `resized`, `finished`) and DIR/metrics.jsonl
-  stalwart+spare    the same with one warm spare (`scaling.spare_workers=1`,
-                    `scaling.cpus_per_worker=0.5` so that the spare fits in 2 CPUs); kill, hang
+  stalwart+spare    the same with one warm spare (`scaling.spare_workers=1`; the embedded Ray
+                    adds a logical CPU for it, since it idles); kill, hang
   stalwart elastic  node only: `--address <cluster>` `--inject kill-node:node=2,step=25`
                     `scaling.min_workers=1 scaling.resize_check_s=2`: it shrinks to the
                     surviving worker at once; a replacement 1-CPU node is added as soon as the
@@ -93,8 +94,9 @@ STALWART_OVERRIDES = [
     "run.log_every=1", "data.val_every=0", "run.progress=false", "failure.max_failures=3",
     f"scaling.num_workers={WORKERS}",
 ]
-SPARE = ["scaling.spare_workers=1", "scaling.cpus_per_worker=0.5"]
-ELASTIC = ["scaling.min_workers=1", "scaling.resize_check_s=2"]
+SPARE = ["scaling.spare_workers=1"]
+NO_SPARE = ["scaling.spare_workers=0"]  # whatever the config says
+ELASTIC = ["scaling.min_workers=1", "scaling.resize_check_s=2", "scaling.spare_workers=0"]
 INJECT = {"kill": f"kill:rank=1,step={FAULT_STEP}", "hang": f"hang:rank=1,step={FAULT_STEP}",
           "node": f"kill-node:node=2,step={FAULT_STEP}"}
 
@@ -252,7 +254,7 @@ def analyse_stalwart(run_dir: Path, fault: str) -> dict[str, Any]:
 
 
 def stalwart_overrides(runner: str) -> list[str]:
-    extra = {"stalwart": [], "stalwart+spare": SPARE, "stalwart-elastic": ELASTIC}[runner]
+    extra = {"stalwart": NO_SPARE, "stalwart+spare": SPARE, "stalwart-elastic": ELASTIC}[runner]
     return [*STALWART_OVERRIDES, *extra]
 
 

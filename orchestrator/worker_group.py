@@ -53,9 +53,12 @@ class Worker:
     """The poll in flight: a rank that has not answered its last poll is not asked again."""
 
 
-@ray.remote(num_cpus=0)
+@ray.remote(num_cpus=0, max_retries=0)
 def _sigkill(pid: int) -> None:
-    os.kill(pid, signal.SIGKILL)
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _failure_from(exc: BaseException, rank: int | None, default: FailureKind) -> WorkerFailure:
@@ -292,17 +295,18 @@ class ElasticGroup:
 
         ray.kill alone waits for a stopped process to answer before it escalates (5 s here);
         a process that is gone also closes its sockets, so its peers' collectives fail now.
+        On another node the kill is a tiny task pinned there, not waited for; on a node that
+        is gone there is nothing left to kill.
         """
         pid, node_id = w.info.get("pid"), w.info.get("node_id")
-        if pid is not None:
+        if pid is not None and node_id == self.driver_node_id:
             try:
-                if node_id == self.driver_node_id:
-                    os.kill(pid, signal.SIGKILL)
-                else:
-                    ray.get(_sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
-                        node_id, soft=False)).remote(pid), timeout=5)
-            except Exception:
-                pass  # already gone, or its node is: ray.kill below covers the rest
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        elif pid is not None and node_id and self.nodes_alive({node_id}):
+            _sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
+                node_id, soft=False)).remote(pid)
         ray.kill(w.actor, no_restart=True)
 
     def shutdown(self, *, graceful: bool) -> None:

@@ -8,6 +8,7 @@ the config, the task path, the storage URL, the run directory and what it holds.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import time
@@ -152,9 +153,19 @@ class Trainer:
                               ).setLevel(logging.ERROR)
             # address="local": always a fresh instance of our own, never a `ray start`
             # cluster that happens to run (or to have left its address file) on this machine.
-            ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
+            ray.init(address="local", num_cpus=self._embedded_cpus(), include_dashboard=False,
                      logging_level="WARNING", _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
         return True, runtime_env
+
+    def _embedded_cpus(self) -> int:
+        """The Ray on this machine has its cores, plus room for the warm spares.
+
+        A spare idles until it replaces a worker, so it costs no compute; giving it logical
+        CPUs of its own lets it start ahead instead of waiting for a worker to die.
+        """
+        sc = self.config.scaling
+        spares = math.ceil(sc.spare_workers * sc.cpus_per_worker)
+        return max(1, os.cpu_count() or 1) + spares
 
     def _check_resources(self) -> None:
         import ray
