@@ -1,5 +1,9 @@
 """Asynchronous storage checkpoints with torch.distributed.checkpoint (DCP) to any fsspec URL.
 
+With the memory tier on, a storage checkpoint is written from the staged snapshot
+(`save_snapshot`): one copy of the snapshot's buffer, then DCP writes from that copy on the
+background thread; the model is not read a second time.
+
 Every rank writes its own shard; training goes on while the write runs on a background
 thread over a process group of its own (a second gloo group: a checkpoint's collectives
 must never interleave with the training step's on the same group). When the write is
@@ -15,12 +19,15 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
 from stalwart.checkpointing.catalog import list_step_dirs
 from stalwart.checkpointing.errors import CheckpointError
+from stalwart.checkpointing.snapshot import Shard
+from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
 from stalwart.checkpointing.layout import (
     FORMAT_VERSION,
     MANIFEST,
@@ -77,6 +84,7 @@ class StorageCheckpointer:
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
         self._pending: Future[CommitReport | None] | None = None
+        self._persist_buffer: torch.Tensor | None = None
 
     def save(self, step: int, state: dict[str, Any]) -> list[CommitReport]:
         """Start writing `state` as step `step`; returns commits that completed meanwhile."""
@@ -92,6 +100,36 @@ class StorageCheckpointer:
         else:
             dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
             report = self._commit(step, t0, None)
+            if report is not None:
+                done.append(report)
+        return done
+
+    def save_snapshot(self, shard: Shard) -> list[CommitReport]:
+        """Start writing a staged snapshot; returns commits that completed meanwhile.
+
+        The snapshot's buffer is copied first (its buffer is reused two snapshots later,
+        and a write may take longer than that); the copy's buffer is reused between saves.
+        """
+        done = self.wait()
+        t0 = time.perf_counter()
+        shard.ready()
+        buf = self._persist_buffer
+        if buf is None or buf.numel() != shard.buffer.numel():
+            buf = self._persist_buffer = torch.empty_like(shard.buffer, pin_memory=False)
+        buf.copy_(shard.buffer)
+        copy = Shard(step=shard.step, layout=shard.layout, buffer=buf, values=dict(shard.values))
+        path = join(self.url, step_dir_name(shard.step))
+
+        def write() -> None:
+            dcp.save({}, storage_writer=FsspecWriter(path), planner=SnapshotSavePlanner(copy),
+                     process_group=self.group, no_dist=self.group is None)
+
+        if self.async_save:
+            write_done = self._finisher.submit(write)
+            self._pending = self._finisher.submit(self._commit, shard.step, t0, write_done)
+        else:
+            write()
+            report = self._commit(shard.step, t0, None)
             if report is not None:
                 done.append(report)
         return done

@@ -19,6 +19,8 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
 from stalwart.checkpointing.catalog import CheckpointInfo, newest_valid
+from stalwart.checkpointing.memory_catalog import MemoryChoice, newest_complete
+from stalwart.checkpointing.memory_store import Inventory
 from stalwart.orchestrator.failures import (
     FailDecision,
     FailureKind,
@@ -62,6 +64,9 @@ class WorkerGroup(Protocol):
              arm: Callable[[list[dict[str, Any]]], dict[int, list[tuple[int, str, str]]]]
              ) -> list[dict[str, Any]]: ...
     def restore(self, path: str) -> int: ...
+    def memory_inventory(self) -> dict[str, Inventory]: ...
+    def restore_memory(self, choice: MemoryChoice) -> tuple[int, list[list[int]]]: ...
+    def finish_restore(self) -> list[int]: ...
     def launch(self) -> None: ...
     def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]: ...
     def ack_faults(self, rank: int) -> None: ...
@@ -133,6 +138,10 @@ class Controller:
         self._collective_error_since: float | None = None
         self._fault_times: dict[int, float] = {}  # rank -> when an injected fault hit it
         self._next_resize_check = 0.0
+        self._restored_from = "none"  # memory, storage or none: where this world started
+        self._tier_reported = -1  # the generation whose memory-tier size was last reported
+        self._tier_bytes: dict[int, int] = {}
+        self._peer_fetches = 0  # shards the last memory restore fetched from peers
 
     # ------------------------------------------------------------------ driver loop
 
@@ -240,10 +249,36 @@ class Controller:
             self.display.log(f"world resized {old_world} -> {self.world_size} ({reason})")
         self._planned = None
         if state.generation == 0:
-            checkpoint = self.resume_from
+            return Restoring(generation=0, checkpoint=self.resume_from)
+        checkpoint = newest_valid(self.storage_url, on_skip=self._on_damaged_checkpoint)
+        return Restoring(generation=state.generation, checkpoint=checkpoint,
+                         memory=self._choose_memory(checkpoint, state.generation))
+
+    def _choose_memory(self, checkpoint: CheckpointInfo | None,
+                       generation: int) -> MemoryChoice | None:
+        """The memory tier's newest complete step, if it is at least as new as storage's
+        newest checkpoint; the choice and its reason go to the event log."""
+        if self.config.checkpoint.snapshot_every == 0:
+            return None
+        choice, why_not = newest_complete(self.group.memory_inventory())
+        storage_step = checkpoint.step if checkpoint else None
+        memory_step = choice.step if choice else None
+        if choice is not None and (storage_step is None or choice.step >= storage_step):
+            source, reason = "memory", (f"memory holds step {choice.step} complete" + (
+                f", storage's newest is step {storage_step}" if storage_step is not None
+                else ", storage has none") + (f" ({why_not})" if why_not else ""))
+        elif checkpoint is not None:
+            source, choice = "storage", None
+            reason = (f"storage's step {storage_step} is newer than memory's step "
+                      f"{memory_step}" if memory_step is not None else
+                      f"nothing complete in memory: {why_not}")
         else:
-            checkpoint = newest_valid(self.storage_url, on_skip=self._on_damaged_checkpoint)
-        return Restoring(generation=state.generation, checkpoint=checkpoint)
+            source, reason = "none", f"nothing complete in memory ({why_not}) or in storage"
+        self.events.emit("checkpoint_chosen", source=source, step=memory_step
+                         if source == "memory" else storage_step, memory_step=memory_step,
+                         storage_step=storage_step, reason=reason, generation=generation)
+        self.display.log(f"restoring from {source}: {reason}")
+        return choice
 
     def _arm_faults(self, workers: list[dict[str, Any]]) -> dict[int, list[tuple[int, str, str]]]:
         armed, unresolved = self.faults.arm(workers, self.group.driver_node_id)
@@ -252,9 +287,29 @@ class Controller:
         return armed
 
     def _on_restoring(self, state: Restoring) -> State:
-        start_step = 0
-        if state.checkpoint is not None:
+        start_step, self._restored_from, self._peer_fetches = 0, "none", 0
+        if state.memory is not None:
+            try:
+                start_step, fetched = self.group.restore_memory(state.memory)
+                self._restored_from = "memory"
+                self._peer_fetches = sum(len(f) for f in fetched)
+            except self.group_error as exc:
+                failure: WorkerFailure = exc.failure  # type: ignore[attr-defined]
+                if failure.kind in (FailureKind.WORKER_DIED, FailureKind.NODE_DIED,
+                                    FailureKind.HANG):
+                    raise
+                # A holder vanished or a shard would not load: storage is the fallback.
+                self.events.emit("checkpoint_chosen", source="storage" if state.checkpoint
+                                 else "none", step=state.checkpoint.step if state.checkpoint
+                                 else None, memory_step=state.memory.step,
+                                 storage_step=state.checkpoint.step if state.checkpoint
+                                 else None, reason=f"restoring from memory failed: "
+                                                   f"{failure.message}",
+                                 generation=state.generation)
+        if self._restored_from == "none" and state.checkpoint is not None:
             start_step = self.group.restore(state.checkpoint.path)
+            self._restored_from = "storage"
+        self.group.finish_restore()
         if self._recovering_from is not None:
             failure, self._recovering_from = self._recovering_from, None
             done = max([self.last_step, *self._failure_steps])
@@ -266,6 +321,7 @@ class Controller:
         self.hangs.reset(range(self.world_size), now)
         self._done = {}
         self._fault_times = {}  # ranks are renumbered: an old fault dates nothing new
+        self._tier_bytes = {}
         self._collective_error_since = None
         self._stop_sent = False
         self._next_resize_check = now + self.config.scaling.resize_check_s
@@ -320,11 +376,26 @@ class Controller:
             for report in st.steps:
                 self._on_step(report)
         self.hangs.answered(rank, now, progressed=bool(st.steps or st.commits))
+        if st.snapshot_bytes:
+            self._tier_bytes[rank] = st.snapshot_bytes
+            self._report_tier()
         if st.done:
             self._done[rank] = st
             self.hangs.finished(rank)  # done ranks wait for their peers: not a stall
         if st.preempted and not self._stop_requested:
             self._plan_preemption(rank)
+
+    def _report_tier(self) -> None:
+        """Once per world, when every rank holds snapshots: the memory tier's size."""
+        generation = getattr(self.state, "generation", 0)
+        if self._tier_reported == generation or len(self._tier_bytes) < self.world_size:
+            return
+        self._tier_reported = generation
+        ck = self.config.checkpoint
+        self.events.emit("memory_tier", generation=generation,
+                         bytes_per_worker=max(self._tier_bytes.values()),
+                         bytes_total=sum(self._tier_bytes.values()),
+                         snapshot_every=ck.snapshot_every, replicas=ck.replicas)
 
     def _find_failure(self, answered: dict[int, WorkerStatus], dead: list[WorkerFailure],
                       now: float) -> WorkerFailure | None:
@@ -484,8 +555,8 @@ class Controller:
                      "joined": "join", "restored": "restore", "first_step": "first_step"}
             phases = {names[b[0]]: round(b[1] - a[1], 3) for a, b in itertools.pairwise(marks)
                       if b[0] in names}
-            self.events.emit("recovered", from_step=from_step,
-                             source="storage" if from_step else "none",
+            self.events.emit("recovered", from_step=from_step, source=self._restored_from,
+                             peer_fetches=self._peer_fetches,
                              world_size=self.world_size, lost_steps=lost,
                              recovery_s=round(r.time - since, 3), phases=phases,
                              generation=getattr(self.state, "generation", 0))

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from stalwart.checkpointing.catalog import CheckpointInfo
+from stalwart.checkpointing.memory_catalog import MemoryChoice
 from stalwart.orchestrator.errors import InvalidTransition
 from stalwart.orchestrator.failures import WorkerFailure
 
@@ -49,7 +50,9 @@ class Rendezvous(State):
 class Restoring(State):
     generation: int
     checkpoint: CheckpointInfo | None
-    """What to load; None starts from freshly initialised weights."""
+    """The storage checkpoint to load (or to fall back on); None: freshly initialised."""
+    memory: MemoryChoice | None = None
+    """The in-memory snapshot to load instead, when it is at least as new as `checkpoint`."""
 
 
 @dataclass(frozen=True)

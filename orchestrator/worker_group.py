@@ -29,6 +29,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from stalwart.checkpointing.memory_catalog import MemoryChoice
+from stalwart.checkpointing.memory_store import Inventory
 from stalwart.config import JobConfig
 from stalwart.errors import ConfigError
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
@@ -44,6 +46,8 @@ class GroupFailed(Exception):
 
 @dataclass
 class Worker:
+    key: str
+    """The actor's name: names the worker in memory-tier inventories."""
     actor: Any
     warm: Any
     """ObjectRef of warm_up(): ready when the actor can join a world."""
@@ -114,16 +118,17 @@ class ElasticGroup:
     def _create(self) -> Worker:
         sc = self.config.scaling
         self._created += 1
+        name = f"stalwart-worker-{self._created}-{os.getpid()}"
         options: dict[str, Any] = dict(
             num_cpus=sc.cpus_per_worker, num_gpus=sc.gpus_per_worker, max_restarts=0,
-            name=f"stalwart-worker-{self._created}-{os.getpid()}",
+            name=name,
             scheduling_strategy="SPREAD" if sc.placement_strategy == "SPREAD" else "DEFAULT",
         )
         if self.runtime_env:
             options["runtime_env"] = self.runtime_env
         actor = self._actor_class.options(**options).remote(self._config_dict,
                                                              self.storage_url)
-        return Worker(actor=actor, warm=actor.warm_up.remote())
+        return Worker(key=name, actor=actor, warm=actor.warm_up.remote())
 
     def refresh(self, timeout: float = 0.0) -> None:
         """Move actors that finished warming up to the idle pool; drop those that died."""
@@ -217,13 +222,66 @@ class ElasticGroup:
         timeout = self.config.scaling.start_timeout_s
         (rdzv,) = self._get([self.members[0].actor.rendezvous_address.remote()],
                             timeout=timeout)
-        self._get([w.actor.setup.remote(rank, world_size, rdzv, generation, armed.get(rank, []))
+        nodes = [w.info["node_id"] for w in self.members]
+        self._get([w.actor.setup.remote(rank, world_size, rdzv, generation, armed.get(rank, []),
+                                        nodes)
                    for rank, w in enumerate(self.members)], timeout=timeout)
         return workers
 
     def restore(self, path: str) -> int:
         steps = self._get([w.actor.restore.remote(path) for w in self.members])
         return steps[0]
+
+    # ------------------------------------------------------------------ the memory tier
+
+    def memory_inventory(self) -> dict[str, Inventory]:
+        """What each live warm worker holds in memory (workers that do not answer hold
+        nothing usable)."""
+        pool = self.members + self.idle
+        refs = [w.actor.memory_inventory.remote() for w in pool]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.LEAVE_TIMEOUT_S)
+        out = {}
+        for w, ref in zip(pool, refs, strict=True):
+            if ref in ready:
+                try:
+                    out[w.key] = ray.get(ref)
+                except Exception:
+                    pass
+        return out
+
+    def restore_memory(self, choice: MemoryChoice) -> tuple[int, list[list[int]]]:
+        """Every member loads `choice` from the memory tier, resharded to this world.
+
+        One holder of each source shard exports it to Ray's object store (owned by the
+        driver, so it outlives the holder); members read only the shards they do not hold.
+        Returns the step and, per rank, the source ranks it fetched from peers.
+        """
+        by_key = {w.key: w for w in self.members + self.idle}
+        member_keys = {w.key for w in self.members}
+        sources = {}
+        for src, keys in choice.holders.items():
+            live = [by_key[k] for k in keys if k in by_key]
+            if not live:
+                raise GroupFailed(WorkerFailure(
+                    kind=FailureKind.START_ERROR, rank=None, detected_at=time.time(),
+                    message=f"no live holder of rank {src}'s snapshot"))
+            # Prefer a holder outside the world: its actor is idle, so the export runs now.
+            holder = next((w for w in live if w.key not in member_keys), live[0])
+            sources[src] = holder.actor.export_snapshot.remote(choice.generation, src,
+                                                               choice.step)
+        out = self._get([w.actor.restore_memory.remote(choice.generation, choice.step,
+                                                       choice.layouts, sources)
+                         for w in self.members], kind=FailureKind.COLLECTIVE_ERROR)
+        return out[0]["step"], [o["fetched"] for o in out]
+
+    def finish_restore(self) -> list[int]:
+        """Members stage the restored step and replicate it; idle workers forget older
+        generations' snapshots. Returns each member's memory-tier bytes."""
+        nbytes = self._get([w.actor.finish_restore.remote() for w in self.members],
+                           kind=FailureKind.COLLECTIVE_ERROR)
+        for w in self.idle:
+            w.actor.forget_snapshots.remote(self.generation)
+        return nbytes
 
     def launch(self) -> None:
         self._get([w.actor.start.remote() for w in self.members])

@@ -226,8 +226,19 @@ class CheckpointConfig:
     """Number of recent checkpoints to retain, or zero to retain all."""
     async_save: bool = True
     """Write checkpoints in the background while training goes on."""
+    snapshot_every: int = 1
+    """Stage a snapshot in CPU memory every this many steps and replicate it to peers (the in-memory tier restored first after a failure); 0 turns the memory tier off."""
+    replicas: int = 1
+    """Copies of each snapshot on peers, on as many other nodes: how many nodes can be lost at once without losing a step."""
+    memory_limit_gb: float = 0.0
+    """Most memory the in-memory tier may hold per worker (its snapshots and its peers' replicas); 0: 40% of the node's memory shared among its workers."""
 
     def __post_init__(self) -> None:
+        _require(self.snapshot_every >= 0, "checkpoint.snapshot_every", self.snapshot_every,
+                 "must be >= 0 (0 turns the in-memory tier off)")
+        _require(self.replicas >= 0, "checkpoint.replicas", self.replicas, "must be >= 0")
+        _require(self.memory_limit_gb >= 0, "checkpoint.memory_limit_gb", self.memory_limit_gb,
+                 "must be >= 0 (0: 40% of the node's memory, shared among its workers)")
         _require(self.persist_every >= 1, "checkpoint.persist_every", self.persist_every,
                  "must be >= 1")
         _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last,
@@ -289,6 +300,8 @@ class RunConfig:
 
 FAULT_KINDS = {
     "kill": "rank",       # SIGKILL the rank's process
+    "kill-staging": "rank",      # SIGKILL it half-way through staging step's snapshot
+    "kill-replicating": "rank",  # SIGKILL it while step's snapshot is sent to its holders
     "hang": "rank",       # SIGSTOP the rank's process: alive, silent, holding its peers
     "raise": "rank",      # raise an exception in the rank's training loop (like a user bug)
     "term": "rank",       # SIGTERM the rank's process: a preemption notice

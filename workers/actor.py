@@ -24,6 +24,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from stalwart.checkpointing.memory_store import Inventory
+from stalwart.checkpointing.memory_tier import Engine, MemoryTier
+from stalwart.checkpointing.snapshot import Layout
 from stalwart.checkpointing.storage import StorageCheckpointer
 from stalwart.config import JobConfig, config_from_dict
 from stalwart.parallel.distributed import (
@@ -39,6 +42,8 @@ from stalwart.workers.errors import classify_exception
 from stalwart.workers.faults import FaultFired, carry_out
 from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
 
+# Faults that strike in the middle of a snapshot rather than at the start of a step.
+SNAPSHOT_FAULTS = ("kill-staging", "kill-replicating")
 # How long a fault waits for the controller to hear of it before it is carried out.
 FAULT_NOTICE_TIMEOUT_S = 5.0
 
@@ -69,11 +74,17 @@ class TrainWorker:
         self.task: TrainTask | None = None
         self.engine: TrainEngine | None = None
         self.checkpointer: StorageCheckpointer | None = None
+        # The memory tier outlives the worlds this worker joins: after a failure it still
+        # holds this worker's snapshots and its peers' replicas for the next world.
+        self.tier = MemoryTier()
+        self._tiered = False
         self._steps: deque[StepReport] = deque()
         self._commits: deque[CommitReport] = deque()
         self._faults_fired: deque[FaultFired] = deque()
         self._fault_heard = threading.Event()
         self._armed: dict[int, tuple[str, str]] = {}  # step -> (kind, fault text)
+        # Faults that strike during a snapshot: step -> (kind, fault text)
+        self._armed_snapshot: dict[int, tuple[str, str]] = {}
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._done = False
@@ -119,12 +130,18 @@ class TrainWorker:
                 "node_id": ray.get_runtime_context().get_node_id()}
 
     def setup(self, rank: int, world_size: int, rdzv: Rendezvous, generation: int,
-              faults: list[tuple[int, str, str]]) -> None:
-        """Join generation `generation`'s process group, then build the model and optimizer."""
+              faults: list[tuple[int, str, str]], nodes: list[str]) -> None:
+        """Join generation `generation`'s process group, then build the model and optimizer.
+
+        `nodes` is each rank's node id: snapshots are replicated to ranks on other nodes.
+        """
         self.warm_up()
         assert self.task is not None
         self.rank, self.generation = rank, generation
-        self._armed = {step: (kind, text) for step, kind, text in faults}
+        self._armed = {step: (kind, text) for step, kind, text in faults
+                       if kind not in SNAPSHOT_FAULTS}
+        self._armed_snapshot = {step: (kind, text) for step, kind, text in faults
+                                if kind in SNAPSHOT_FAULTS}
         self._reset_run_state()
         device = pick_device(self.config.scaling.gpus_per_worker > 0)
         init_process_group(rdzv, rank=rank, world_size=world_size, device=device,
@@ -135,6 +152,19 @@ class TrainWorker:
             self.storage_url, rank=rank, keep_last=self.config.checkpoint.keep_last,
             async_save=self.config.checkpoint.async_save,
             manifest_extra={"world_size": world_size, "task": self.config.task.path})
+        ck = self.config.checkpoint
+        self._tiered = ck.snapshot_every > 0
+        if self._tiered:
+            self.tier.join(self._engine_view(), rank=rank, generation=generation, nodes=nodes,
+                           replicas=ck.replicas, limit_gb=ck.memory_limit_gb,
+                           timeout_s=self.config.failure.collective_timeout_s)
+
+    def _engine_view(self) -> Engine:
+        engine = self.engine
+        assert engine is not None
+        return Engine(state_dict=engine.state_dict, scalar_state=engine.scalar_state,
+                      signature=engine.state_signature, load_state_dict=engine.load_state_dict,
+                      device=engine.device)
 
     def _reset_run_state(self) -> None:
         self._steps.clear()
@@ -153,6 +183,36 @@ class TrainWorker:
         self.engine.load_state_dict(state)
         return self.engine.step
 
+    def restore_memory(self, generation: int, step: int, layouts: dict[int, Layout],
+                       sources: dict[int, Any]) -> dict[str, Any]:
+        """Load step `step` of generation `generation` from the memory tier, resharded to
+        this world. `sources` maps each source rank to an ObjectRef of its exported shard;
+        only those this worker does not hold itself are fetched. Not collective."""
+        import ray
+
+        assert self.engine is not None
+        fetched = self.tier.restore(self._engine_view(), generation=generation, step=step,
+                                    layouts=layouts, fetch=lambda src: ray.get(sources[src]))
+        return {"step": self.engine.step, "fetched": fetched}
+
+    def finish_restore(self) -> int:
+        """After every rank restored: stage the restored step in this world and replicate
+        it, then forget older generations' snapshots. Collective. Returns the tier's bytes."""
+        assert self.engine is not None
+        if self._tiered:
+            self.tier.after_restore(self.engine.step)
+        return self.tier.nbytes()
+
+    def memory_inventory(self) -> Inventory:
+        return self.tier.inventory()
+
+    def export_snapshot(self, generation: int, source: int, step: int) -> tuple[Any, Any]:
+        return self.tier.export(generation, source, step)
+
+    def forget_snapshots(self, before_generation: int) -> None:
+        """Drop snapshots of generations older than this one (a newer world holds its own)."""
+        self.tier.store.drop_before(before_generation)
+
     # ------------------------------------------------------------------ running
 
     def start(self) -> None:
@@ -163,17 +223,26 @@ class TrainWorker:
         engine, ckpt, cfg = self.engine, self.checkpointer, self.config
         assert engine is not None and ckpt is not None
         try:
+            tier = self.tier if self._tiered else None
+            ck = cfg.checkpoint
             while engine.step < cfg.train.steps:
                 self._maybe_inject(engine.step + 1)
-                report, stop = engine.train_step(stop_requested=self._stop.is_set()
-                                                 or self._preempted)
+                report, stop = engine.train_step(
+                    stop_requested=self._stop.is_set() or self._preempted,
+                    before_update=tier.wait_copy_done if tier else None,
+                    before_summary=tier.wait_replicated if tier else None)
                 step = engine.step
                 last = step == cfg.train.steps
+                persist = step % ck.persist_every == 0 or last or stop
+                shard = None
+                if tier is not None and (step % ck.snapshot_every == 0 or persist):
+                    shard = tier.snapshot(step, on_half=self._snapshot_fault(step))
                 if cfg.data.val_every and (step % cfg.data.val_every == 0 or last):
                     report = replace(report, val_loss=engine.validate())
                 self._steps.append(report)
-                if step % cfg.checkpoint.persist_every == 0 or last or stop:
-                    self._commits.extend(ckpt.save(step, engine.state_dict()))
+                if persist:  # from the staged snapshot when there is one
+                    self._commits.extend(ckpt.save_snapshot(shard) if shard is not None
+                                         else ckpt.save(step, engine.state_dict()))
                 self._commits.extend(ckpt.poll())
                 if stop:
                     self._stopped_early = True
@@ -186,9 +255,22 @@ class TrainWorker:
 
     def _maybe_inject(self, step: int) -> None:
         armed = self._armed.pop(step, None)
+        if armed is not None:
+            self._fire(step, *armed)
+
+    def _snapshot_fault(self, step: int) -> Any:
+        """The fault to strike while step `step`'s snapshot is staged or replicated."""
+        armed = self._armed_snapshot.pop(step, None)
         if armed is None:
-            return
+            return None
         kind, text = armed
+        if kind == "kill-replicating":  # in the exchange, between header and payload
+            assert self.tier.replicator is not None
+            self.tier.replicator.fault = lambda: self._fire(step, kind, text)
+            return None
+        return lambda: self._fire(step, kind, text)
+
+    def _fire(self, step: int, kind: str, text: str) -> None:
         # The controller hears of the fault first (its exact time), then it happens.
         self._fault_heard.clear()
         self._faults_fired.append(FaultFired(fault=text, kind=kind, rank=self.rank, step=step,
@@ -215,7 +297,7 @@ class TrainWorker:
         return WorkerStatus(rank=self.rank, generation=self.generation, steps=steps,
                             commits=commits, done=self._done, stopped_early=self._stopped_early,
                             error=self._error, error_kind=self._error_kind, faults=faults,
-                            preempted=self._preempted)
+                            preempted=self._preempted, snapshot_bytes=self.tier.nbytes())
 
     # ------------------------------------------------------------------ leaving
 
@@ -240,12 +322,13 @@ class TrainWorker:
             except Exception:
                 pass  # a save that failed with its world; the last commit stays valid
             self.checkpointer = None
+        self.tier.leave()  # its store stays: the next world may restore from it
         # No gc.collect(): refcounts free the engine, and a full collection costs 0.2 s
         # while every peer waits for the next world.
         self.engine = None
         destroy_process_group()
         self._reset_run_state()
-        self.rank, self._armed = -1, {}
+        self.rank, self._armed, self._armed_snapshot = -1, {}, {}
         return {"left": True, "step": step}
 
     def shutdown(self) -> None:
@@ -254,4 +337,5 @@ class TrainWorker:
             self._thread.join()
         if self.checkpointer is not None:
             self.checkpointer.close()
+        self.tier.leave()
         destroy_process_group()

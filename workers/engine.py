@@ -10,12 +10,14 @@ rank agrees on the loss and on when to stop.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
 
 from stalwart.parallel.data_parallel import gradient_sync
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
@@ -81,8 +83,17 @@ class TrainEngine:
 
     # ------------------------------------------------------------------ training
 
-    def train_step(self, *, stop_requested: bool = False) -> tuple[StepReport, bool]:
-        """Run one optimizer step; returns its report and whether any rank asked to stop."""
+    def train_step(self, *, stop_requested: bool = False,
+                   before_update: Callable[[], None] | None = None,
+                   before_summary: Callable[[], None] | None = None
+                   ) -> tuple[StepReport, bool]:
+        """Run one optimizer step; returns its report and whether any rank asked to stop.
+
+        `before_update` runs before the optimizer changes the weights (a snapshot's
+        device-to-host copy must be done by then), `before_summary` before the step's last
+        all-reduce (the previous snapshot must be on its holders by then: see
+        checkpointing/replication.py).
+        """
         t0 = time.perf_counter()
         cfg = self.config.train
         start, count = rank_slice(self.samples_seen, cfg.global_batch_size, self.dp_rank,
@@ -122,6 +133,8 @@ class TrainEngine:
             clip_grad_norm(self.model.parameters(), cfg.grad_clip,
                            pp_group=self.mesh["pp"].get_group() if self.pipeline else None)
         lr = self.optimizer.param_groups[0]["lr"]
+        if before_update is not None:
+            before_update()
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -132,6 +145,8 @@ class TrainEngine:
         # one; with a pipeline only the last stage has it), so the sum over the world divided
         # by the number of ranks holding a loss is the mean over the global batch.
         summary = torch.stack([loss_sum, torch.tensor(float(stop_requested), device=self.device)])
+        if before_summary is not None:
+            before_summary()
         if dist.is_initialized():
             dist.all_reduce(summary)
         loss_mean, stop_votes = (summary / torch.tensor([self.loss_ranks, 1.0],
@@ -187,6 +202,29 @@ class TrainEngine:
             "scheduler": self.scheduler.state_dict(),
             "train": {"step": self.step, "samples_seen": self.samples_seen},
         }
+
+    def scalar_state(self) -> dict[str, Any]:
+        """The non-tensor leaves of state_dict(), cheaply and with the same flattened names
+        (the snapshot stager asks for them at every snapshot). The parameter names of each
+        optimizer param group are left out: they do not change."""
+        groups = [{k: v for k, v in g.items() if k != "params"}
+                  for g in self.optimizer.param_groups]
+        return {
+            "optim": {"param_groups": groups},
+            "scheduler": self.scheduler.state_dict(),
+            "train": {"step": self.step, "samples_seen": self.samples_seen},
+        }
+
+    def state_signature(self) -> tuple[int, ...]:
+        """Changes when the optimizer creates or replaces a state tensor (so a snapshot's
+        cached view of the live tensors must be rebuilt)."""
+        sig = [len(self.optimizer.state)]
+        for state in self.optimizer.state.values():
+            for value in state.values():
+                if isinstance(value, torch.Tensor):
+                    local = value.to_local() if isinstance(value, DTensor) else value
+                    sig.append(local.data_ptr())
+        return tuple(sig)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],

@@ -89,7 +89,7 @@ def drain_this_node(deadline_s: float = 60.0) -> None:
 
 
 def carry_out(kind: str, fault: str) -> None:
-    if kind == "kill":
+    if kind in ("kill", "kill-staging", "kill-replicating"):
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "hang":
         os.kill(os.getpid(), signal.SIGSTOP)

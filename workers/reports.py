@@ -53,3 +53,5 @@ class WorkerStatus:
     faults: list[FaultFired] = field(default_factory=list)
     preempted: bool = False
     """The process got SIGTERM: its machine is going away."""
+    snapshot_bytes: int = 0
+    """Memory the worker's in-memory checkpoint tier holds (its snapshots and replicas)."""

@@ -1,0 +1,83 @@
+"""Which step the memory tier can restore: the newest one complete across the live holders.
+
+Pure bookkeeping on the driver, from each live worker's inventory. A step is complete when
+every tensor of the state is covered by chunks that some live worker holds at that step,
+and every value is held: a data-parallel replica holds everything, a sharded layout needs
+every shard (or its replica). The names of the state come from every layout seen for the
+generation, so a shard whose holders are all gone is still known to be missing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+from dataclasses import dataclass
+
+from torch.distributed.checkpoint.planner import WriteItemType
+
+from stalwart.checkpointing.memory_store import Inventory
+from stalwart.checkpointing.snapshot import Layout
+
+
+@dataclass(frozen=True)
+class MemoryChoice:
+    generation: int
+    step: int
+    layouts: dict[int, Layout]
+    """Layout of each source rank's shard held at this step."""
+    holders: dict[int, list[str]]
+    """Source rank -> keys of the live workers holding its shard at this step."""
+
+
+def _missing(layouts: dict[int, Layout], known: dict[str, int | None]) -> list[str]:
+    """Names (of `known`: name -> numel, None for a value) that `layouts` do not cover."""
+    chunks: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = defaultdict(set)
+    values: set[str] = set()
+    for layout in layouts.values():
+        for item in layout.items:
+            if item.type == WriteItemType.BYTE_IO:
+                values.add(item.index.fqn)
+            else:
+                c = item.tensor_data.chunk
+                chunks[item.index.fqn].add((tuple(c.offsets), tuple(c.sizes)))
+    missing = []
+    for name, numel in sorted(known.items()):
+        if numel is None:
+            if name not in values:
+                missing.append(name)
+        elif sum(math.prod(sizes) for _, sizes in chunks.get(name, ())) < numel:
+            missing.append(name)
+    return missing
+
+
+def newest_complete(inventories: dict[str, Inventory]) -> tuple[MemoryChoice | None, str]:
+    """The newest complete (generation, step), or None and why the newest one held is not."""
+    held: dict[tuple[int, int], dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
+    layout_of: dict[tuple[int, int, int], Layout] = {}
+    known: dict[int, dict[str, int | None]] = defaultdict(dict)
+    for worker, inv in inventories.items():
+        for h in inv.holdings:
+            layout = inv.layouts[h.layout_key]
+            held[(h.generation, h.step)][h.source].append(worker)
+            layout_of[(h.generation, h.step, h.source)] = layout
+            for item in layout.items:
+                known[h.generation][item.index.fqn] = (
+                    None if item.type == WriteItemType.BYTE_IO
+                    else math.prod(item.tensor_data.size))
+    if not held:
+        return None, "no snapshot is held in memory"
+    first_reason = ""
+    # Newest step first; of equal steps, the newer generation.
+    for gen, step in sorted(held, key=lambda k: (k[1], k[0]), reverse=True):
+        sources = held[(gen, step)]
+        layouts = {src: layout_of[(gen, step, src)] for src in sources}
+        missing = _missing(layouts, known[gen])
+        if not missing:
+            return MemoryChoice(generation=gen, step=step, layouts=layouts,
+                                holders={s: sorted(w) for s, w in sources.items()}), first_reason
+        if not first_reason:
+            shown = ", ".join(missing[:3]) + (f" and {len(missing) - 3} more"
+                                               if len(missing) > 3 else "")
+            first_reason = (f"step {step} is not complete in memory (held for source ranks "
+                            f"{sorted(sources)}; no live copy of {shown})")
+    return None, first_reason

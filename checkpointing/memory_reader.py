@@ -1,0 +1,132 @@
+"""Reading snapshots back through DCP: the memory tier's storage reader.
+
+`build_metadata` merges the layouts of one step's source shards into the global DCP
+Metadata a storage checkpoint of that step would have had (each chunk of each tensor, each
+value), recording which source ranks hold each chunk. `MemoryReader` then serves a normal
+`dcp.load`: DCP's load planner works out which chunks (and which parts of them) this rank's
+new shard needs, so a snapshot taken by one world and layout loads into any other, exactly
+as a storage checkpoint does. Each source shard is fetched at most once, and only if needed:
+a shard this worker holds itself is read in place.
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import (
+    BytesStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from stalwart.checkpointing.snapshot import Layout, Shard
+
+
+def build_metadata(layouts: dict[int, Layout]) -> Metadata:
+    """The global Metadata of a step whose shards, by source rank, have these layouts.
+
+    storage_data maps each chunk (MetadataIndex) to the source ranks that hold it, in
+    order; replicated chunks (data parallelism) have several.
+    """
+    state: dict[str, TensorStorageMetadata | BytesStorageMetadata] = {}
+    where: dict[MetadataIndex, list[int]] = {}
+    planner_data: dict[str, Any] = {}
+    for src in sorted(layouts):
+        layout = layouts[src]
+        planner_data.update(layout.planner_data)
+        for item in layout.items:
+            fqn = item.index.fqn
+            if item.type == WriteItemType.BYTE_IO:
+                state.setdefault(fqn, BytesStorageMetadata())
+                where.setdefault(MetadataIndex(fqn), []).append(src)
+                continue
+            td = item.tensor_data
+            md = state.setdefault(fqn, TensorStorageMetadata(properties=td.properties,
+                                                             size=td.size, chunks=[]))
+            index = MetadataIndex(fqn, td.chunk.offsets)
+            if index not in where:
+                assert isinstance(md, TensorStorageMetadata)
+                md.chunks.append(td.chunk)
+                where[index] = []
+            where[index].append(src)
+    return Metadata(state_dict_metadata=state, planner_data=planner_data, storage_data=where)
+
+
+def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
+    for dim, (start, length) in enumerate(zip(offsets, lengths, strict=True)):
+        tensor = tensor.narrow(dim, start, length)
+    return tensor
+
+
+class MemoryReader(StorageReader):
+    """A DCP StorageReader over snapshots held in memory (here or by peers)."""
+
+    def __init__(self, metadata: Metadata, *, local: Callable[[int], Shard | None],
+                 fetch: Callable[[int], Shard]) -> None:
+        super().__init__()
+        self.metadata = metadata
+        self._local = local
+        self._fetch = fetch
+        self._shards: dict[int, Shard] = {}
+        self.fetched: list[int] = []
+        """Source ranks whose shards had to be fetched from a peer (for the event log)."""
+
+    def _shard_for(self, sources: list[int]) -> Shard:
+        for src in sources:  # one already here, or this worker's own
+            if src in self._shards:
+                return self._shards[src]
+        for src in sources:
+            shard = self._local(src)
+            if shard is not None:
+                self._shards[src] = shard
+                return shard
+        src = sources[0]
+        self._shards[src] = self._fetch(src)
+        self.fetched.append(src)
+        return self._shards[src]
+
+    # -- StorageReader
+    def reset(self, checkpoint_id: Any = None) -> None:
+        self._shards = {}
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
+        return self.metadata
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool,
+                              *args: Any, **kwargs: Any) -> None:
+        self.metadata = metadata
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        where = self.metadata.storage_data
+        for req in plan.items:
+            shard = self._shard_for(where[req.storage_index])
+            if req.type == LoadItemType.BYTE_IO:
+                buf = io.BytesIO()
+                torch.save(shard.values[req.storage_index.fqn], buf)
+                buf.seek(0)
+                planner.load_bytes(req, buf)
+                continue
+            src = _narrow(shard.tensor(req.storage_index), req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            target.copy_(src)
+            planner.commit_tensor(req, target)
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+        return False

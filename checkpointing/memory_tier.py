@@ -1,0 +1,177 @@
+"""One worker's memory tier, across the generations of the world it joins.
+
+Per generation it stages this rank's snapshots (checkpointing/snapshot.py) and replicates
+them to holders on other nodes (checkpointing/replication.py); across generations it keeps
+the store (checkpointing/memory_store.py) of its own and its peers' snapshots, so that the
+next world can restore from survivors. Restoring reads the chosen step through DCP with the
+in-memory reader (checkpointing/memory_reader.py), resharding it to the new world.
+
+After any restore, the restored step is staged and replicated once more in the new world
+before older generations are dropped: a failure right after a recovery restores from
+memory too, and no more than two steps per shard are ever held.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+
+from stalwart.checkpointing.memory_reader import MemoryReader, build_metadata
+from stalwart.checkpointing.memory_store import Inventory, MemoryStore
+from stalwart.checkpointing.replication import Replicator, holders_for
+from stalwart.checkpointing.snapshot import Layout, Shard, SnapshotStager
+from stalwart.errors import ConfigError
+
+GIB = 1 << 30
+
+
+class MemoryLimitError(ConfigError):
+    """The memory tier would hold more than checkpoint.memory_limit_gb on a worker."""
+
+
+def memory_limit_bytes(limit_gb: float, ranks_on_node: int) -> int:
+    """checkpoint.memory_limit_gb in bytes; 0 means 40% of this node's memory, shared
+    among the ranks on it."""
+    if limit_gb > 0:
+        return int(limit_gb * GIB)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return int(0.4 * total / max(1, ranks_on_node))
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What the tier needs from the training engine (workers/engine.py)."""
+
+    state_dict: Callable[[], dict[str, Any]]
+    scalar_state: Callable[[], dict[str, Any]]
+    signature: Callable[[], Any]
+    load_state_dict: Callable[[dict[str, Any]], None]
+    device: torch.device
+
+
+class MemoryTier:
+    def __init__(self) -> None:
+        self.store = MemoryStore()
+        self.stager: SnapshotStager | None = None
+        self.replicator: Replicator | None = None
+        self.generation = -1
+        self.rank = -1
+        self.limit_bytes = 0
+        self.replicas = 0
+        self.holders: dict[int, list[int]] = {}
+        self._checked = False
+
+    # ------------------------------------------------------------------ per generation
+
+    def join(self, engine: Engine, *, rank: int, generation: int, nodes: list[str],
+             replicas: int, limit_gb: float, timeout_s: float) -> None:
+        """Set up for a new world. Collective: every rank calls it, in the same order as the
+        other process groups it creates."""
+        self.rank, self.generation, self.replicas = rank, generation, replicas
+        self.holders = holders_for(nodes, replicas)
+        self.limit_bytes = memory_limit_bytes(limit_gb, nodes.count(nodes[rank]))
+        self.stager = SnapshotStager(state_dict=engine.state_dict,
+                                     scalar_state=engine.scalar_state,
+                                     signature=engine.signature, device=engine.device)
+        self.replicator = Replicator(rank=rank, world_size=len(nodes), generation=generation,
+                                     holders=self.holders, store=self.store,
+                                     timeout_s=timeout_s)
+        self._checked = False
+
+    def snapshot(self, step: int, on_half: Callable[[], None] | None = None) -> Shard:
+        """Stage this rank's state as `step` and start replicating it."""
+        assert self.stager is not None and self.replicator is not None
+        self.replicator.wait()  # normally done already (see replication.py: ordering)
+        shard = self.stager.stage(step, on_half=on_half, before_overwrite=self.store.forget_buffer)
+        if not self._checked:
+            self._check_limit(shard.layout)
+        self.store.put(self.generation, self.rank, shard)
+        self.replicator.replicate(shard)
+        return shard
+
+    def _check_limit(self, layout: Layout) -> None:
+        self._checked = True
+        held = sum(1 for hs in self.holders.values() if self.rank in hs)
+        # Two buffers of our own, two per shard held for a peer (peers' shards are the
+        # same size in data parallelism and about the same when sharded).
+        need = 2 * layout.nbytes * (1 + held)
+        if need > self.limit_bytes:
+            raise MemoryLimitError(
+                f"the in-memory checkpoint tier needs about {need / GIB:.2f} GiB on worker "
+                f"rank {self.rank} (2 snapshots of its {layout.nbytes / GIB:.2f} GiB shard "
+                f"and of the {held} shard(s) it holds for peers), more than "
+                f"checkpoint.memory_limit_gb allows ({self.limit_bytes / GIB:.2f} GiB); raise "
+                f"the limit, lower checkpoint.replicas, or set checkpoint.snapshot_every = 0 "
+                f"to use storage checkpoints only")
+
+    def wait_replicated(self) -> None:
+        """Before a step's final all-reduce: the previous snapshot is on its holders."""
+        if self.replicator is not None:
+            self.replicator.wait()
+
+    def wait_copy_done(self) -> None:
+        if self.stager is not None:
+            self.stager.wait_copy_done()
+
+    def after_restore(self, step: int) -> None:
+        """Stage the restored step in this world, replicate it everywhere, then drop older
+        generations. Collective."""
+        assert self.replicator is not None
+        if step > 0:
+            self.snapshot(step)
+            self.replicator.wait()
+            self.replicator.barrier()  # every rank's exchange is complete
+        self.store.drop_before(self.generation)
+
+    def leave(self) -> None:
+        """Leave the world; what the store holds stays for the next one."""
+        if self.replicator is not None:
+            self.replicator.close()
+        self.replicator = None
+        self.stager = None
+
+    # ------------------------------------------------------------------ serving
+
+    def nbytes(self) -> int:
+        """Memory this worker's tier holds: its staging buffers and every snapshot kept."""
+        return self.store.nbytes(self.stager.buffers if self.stager is not None else [])
+
+    def inventory(self) -> Inventory:
+        return self.store.inventory()
+
+    def export(self, generation: int, source: int, step: int) -> tuple[Any, dict[str, Any]]:
+        """A held snapshot's buffer (as a numpy array, which Ray moves without pickling)
+        and values, for a peer that restores from it."""
+        shard = self.store.get(generation, source, step)
+        if shard is None:
+            raise LookupError(f"no snapshot of rank {source} of generation {generation} at "
+                              f"step {step} is held here")
+        shard.ready()
+        return shard.buffer.numpy().copy(), dict(shard.values)
+
+    def restore(self, engine: Engine, *, generation: int, step: int,
+                layouts: dict[int, Layout], fetch: Callable[[int], tuple[Any, dict[str, Any]]]
+                ) -> list[int]:
+        """Load step `step` of generation `generation` into the engine, resharded to this
+        world; returns the source ranks whose shards came from peers."""
+        def local(src: int) -> Shard | None:
+            return self.store.get(generation, src, step)
+
+        def remote(src: int) -> Shard:
+            array, values = fetch(src)
+            return Shard(step=step, layout=layouts[src], buffer=torch.from_numpy(array),
+                         values=values)
+
+        state = engine.state_dict()
+        reader = MemoryReader(build_metadata(layouts), local=local, fetch=remote)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single
+            warnings.simplefilter("ignore", UserWarning)  # process": yes, no collectives
+            dcp.load(state, storage_reader=reader, no_dist=True)
+        engine.load_state_dict(state)
+        return reader.fetched

@@ -1,0 +1,169 @@
+"""Peer replication: each rank's staged snapshot is copied to holders on other nodes.
+
+Holders form a ring over nodes (`holders_for`): replica k of a rank on node i goes to a rank
+on node i+k, so losing any `replicas` nodes at once loses no shard. On one node the ring is
+over processes instead, which still survives the loss of a process.
+
+The copy runs on a background thread over a gloo process group of its own (never the
+training group: its point-to-point traffic must not interleave with the step's
+collectives). One exchange per snapshot: every rank sends a header (step, sizes) then its
+buffer and packed values to its holders, and receives the same from the ranks it holds for.
+A received snapshot enters the store only once it is complete.
+
+Ordering, which makes some step always complete somewhere: a rank waits for its previous
+exchange (`wait`) before the all-reduce that ends the next step. So once any rank is past
+step t's all-reduce, every exchange of step t-1 is complete on every rank, and staging step
+t may overwrite step t-2's buffers.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from stalwart.checkpointing.memory_store import MemoryStore
+from stalwart.checkpointing.snapshot import Layout, Shard
+
+
+def holders_for(nodes: list[str], replicas: int) -> dict[int, list[int]]:
+    """For each rank, the ranks that hold its replicas: a ring over nodes.
+
+    `nodes` is each rank's node id. Replica k (1..replicas) of a rank with local index j on
+    node i goes to local index j (mod size) of node i+k. With fewer nodes than replicas+1,
+    the remaining replicas go to other processes on the ring of ranks.
+    """
+    order: list[str] = []
+    for node in nodes:
+        if node not in order:
+            order.append(node)
+    ranks_on = {n: [r for r, m in enumerate(nodes) if m == n] for n in order}
+    out: dict[int, list[int]] = {}
+    world = len(nodes)
+    for rank, node in enumerate(nodes):
+        i, j = order.index(node), ranks_on[node].index(rank)
+        chosen: list[int] = []
+        for k in range(1, replicas + 1):
+            if k < len(order):
+                peers = ranks_on[order[(i + k) % len(order)]]
+                chosen.append(peers[j % len(peers)])
+                continue
+            # Not enough nodes: the next ranks on the ring that are not yet holders.
+            for step in range(1, world):
+                cand = (rank + step) % world
+                if cand != rank and cand not in chosen:
+                    chosen.append(cand)
+                    break
+        out[rank] = chosen
+    return out
+
+
+class Replicator:
+    def __init__(self, *, rank: int, world_size: int, generation: int,
+                 holders: dict[int, list[int]], store: MemoryStore,
+                 timeout_s: float) -> None:
+        self.rank = rank
+        self.generation = generation
+        self.store = store
+        self.timeout_s = timeout_s
+        self.sends_to = holders.get(rank, [])
+        self.receives_from = sorted(q for q, hs in holders.items() if rank in hs and q != rank)
+        self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replicate")
+        self._pending: Future[None] | None = None
+        self._layouts_sent: set[tuple[int, str]] = set()  # (holder, layout key)
+        self._layouts_seen: dict[tuple[int, str], Layout] = {}
+        self.fault: Callable[[], None] | None = None
+        """Fault injection: runs after the headers are exchanged, before the payload."""
+        self._lock = threading.Lock()
+
+    @property
+    def active(self) -> bool:
+        return self.group is not None and bool(self.sends_to or self.receives_from)
+
+    def replicate(self, shard: Shard) -> None:
+        """Start copying `shard` to this rank's holders (and receiving its sources')."""
+        self.wait()
+        if self.active:
+            self._pending = self._executor.submit(self._exchange, shard)
+
+    def wait(self) -> None:
+        """Block until the exchange in flight is complete; re-raises its error."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def _exchange(self, shard: Shard) -> None:
+        shard.ready()
+        group = self.group
+        # The layout goes with the first snapshot that uses it; later ones name it by key.
+        payloads = {}
+        for h in self.sends_to:
+            send_layout = (h, shard.layout.key) not in self._layouts_sent
+            payloads[h] = pickle.dumps((shard.layout.key,
+                                        shard.layout if send_layout else None, shard.values),
+                                       protocol=pickle.HIGHEST_PROTOCOL)
+        ops, headers = [], {}
+        for h in self.sends_to:
+            header = torch.tensor([shard.step, shard.layout.nbytes, len(payloads[h])],
+                                  dtype=torch.int64)
+            ops.append(dist.P2POp(dist.isend, header, group=group, group_peer=h))
+        for q in self.receives_from:
+            headers[q] = torch.zeros(3, dtype=torch.int64)
+            ops.append(dist.P2POp(dist.irecv, headers[q], group=group, group_peer=q))
+        self._run(ops)
+        if self.fault is not None:
+            self.fault()
+        ops, incoming = [], {}
+        for h in self.sends_to:
+            ops.append(dist.P2POp(dist.isend, shard.buffer, group=group, group_peer=h))
+            ops.append(dist.P2POp(dist.isend, torch.frombuffer(bytearray(payloads[h]),
+                                                               dtype=torch.uint8),
+                                  group=group, group_peer=h))
+        for q in self.receives_from:
+            step, nbytes, nvalues = (int(x) for x in headers[q].tolist())
+            buf = self.store.reusable_buffer(self.generation, q, nbytes)
+            if buf is None:
+                buf = torch.empty(nbytes, dtype=torch.uint8)
+            values = torch.empty(nvalues, dtype=torch.uint8)
+            incoming[q] = (step, buf, values)
+            ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=q))
+            ops.append(dist.P2POp(dist.irecv, values, group=group, group_peer=q))
+        self._run(ops)
+        for h in self.sends_to:
+            self._layouts_sent.add((h, shard.layout.key))
+        for q, (step, buf, values) in incoming.items():
+            key, layout, vals = pickle.loads(values.numpy().tobytes())
+            if layout is not None:
+                self._layouts_seen[(q, key)] = layout
+            self.store.put(self.generation, q, Shard(step=step, layout=self._layouts_seen[(q, key)],
+                                                     buffer=buf, values=vals))
+
+    def _run(self, ops: list[Any]) -> None:
+        if not ops:
+            return
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+
+    def barrier(self) -> None:
+        if self.group is not None:
+            dist.barrier(group=self.group)
+
+    def close(self) -> None:
+        try:
+            self.wait()
+        except Exception:
+            pass  # an exchange that failed with its world; what is complete stays held
+        finally:
+            self._executor.shutdown(wait=True)
+            if self.group is not None:
+                try:
+                    dist.destroy_process_group(self.group)
+                except Exception:
+                    pass
+                self.group = None

@@ -1,0 +1,216 @@
+"""Snapshots: one rank's shard of the training state, staged into preallocated CPU memory.
+
+A shard is described once by DCP's own save planner (the WriteItems a `dcp.save` of this
+rank would write, with each tensor's chunk of the global tensor), so a snapshot can be read
+back through DCP and resharded to any world, exactly like a storage checkpoint. Its tensors
+live back to back in one flat uint8 buffer (`Layout.tensors` says where), which is at once
+the staged copy, the payload sent to peers and what the storage tier persists. Its
+non-tensor leaves (LR schedule, step, data position, optimizer hyperparameters) are kept as
+plain values by their flattened DCP name.
+
+Staging copies the live tensors into the older of two buffers, which are reused between
+snapshots: the copy is the only work on the training thread. On a GPU the copy is a
+device-to-host copy into pinned memory on a stream of its own; `ready()` waits for it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import pickle
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.tensor import DTensor
+
+
+@dataclass(frozen=True)
+class TensorSlot:
+    offset: int
+    """Byte offset of this tensor in the shard's flat buffer."""
+    nbytes: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What one rank's shard holds, in DCP's terms, and where each tensor sits in the buffer."""
+
+    items: tuple[WriteItem, ...]
+    slots: dict[MetadataIndex, TensorSlot]
+    planner_data: dict[str, Any]
+    """DCP's flatten mapping (flattened name -> path in the nested state dict)."""
+    nbytes: int
+    key: str
+    """A digest of the above: equal layouts have equal keys."""
+
+    @property
+    def value_names(self) -> list[str]:
+        return [it.index.fqn for it in self.items if it.type == WriteItemType.BYTE_IO]
+
+
+@dataclass
+class Shard:
+    """One rank's staged state at one step."""
+
+    step: int
+    layout: Layout
+    buffer: torch.Tensor
+    """uint8, layout.nbytes long (pinned CPU memory when training on a GPU)."""
+    values: dict[str, Any] = field(default_factory=dict)
+    ready_event: Any = None
+    """A CUDA event recorded after the device-to-host copy, or None when it is complete."""
+
+    def tensor(self, index: MetadataIndex) -> torch.Tensor:
+        slot = self.layout.slots[index]
+        return (self.buffer[slot.offset:slot.offset + slot.nbytes]
+                .view(slot.dtype).view(slot.shape))
+
+    def ready(self) -> None:
+        if self.ready_event is not None:
+            self.ready_event.synchronize()
+            self.ready_event = None
+
+    def pack_values(self) -> bytes:
+        return pickle.dumps(self.values, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def build_layout(state_dict: dict[str, Any]) -> tuple[Layout, list[tuple[TensorSlot,
+                                                                          torch.Tensor]]]:
+    """Describe a rank's state dict as DCP would save it; also return each tensor slot's source.
+
+    The sources are the live tensors (detached views of parameters and optimizer state),
+    so later snapshots copy from them without asking the model for its state dict again.
+    """
+    planner = DefaultSavePlanner()
+    planner.set_up_planner(state_dict, storage_meta=None, is_coordinator=False)
+    plan = planner.create_local_plan()
+    slots: dict[MetadataIndex, TensorSlot] = {}
+    sources: list[tuple[TensorSlot, torch.Tensor]] = []
+    offset = 0
+    digest = hashlib.sha256()
+    for item in plan.items:
+        digest.update(repr((item.index.fqn, item.index.offset, item.type)).encode())
+        if item.type == WriteItemType.BYTE_IO:
+            continue
+        src = planner.resolve_data(item)
+        assert isinstance(src, torch.Tensor)
+        src = _local(src).detach()
+        shape = tuple(item.tensor_data.chunk.sizes)
+        nbytes = math.prod(shape) * src.element_size()
+        # Align every tensor to 64 bytes so that each view is aligned for any dtype.
+        offset = (offset + 63) // 64 * 64
+        slot = TensorSlot(offset=offset, nbytes=nbytes, dtype=src.dtype, shape=shape)
+        digest.update(repr((shape, src.dtype)).encode())
+        slots[item.index] = slot
+        sources.append((slot, src))
+        offset += nbytes
+    layout = Layout(items=tuple(plan.items), slots=slots, planner_data=dict(plan.planner_data),
+                    nbytes=offset, key=digest.hexdigest()[:16])
+    return layout, sources
+
+
+class SnapshotStager:
+    """Stages a rank's state into two reusable buffers: the newest complete snapshot and the
+    one being written. `state_dict` gives the full DCP state (used when the layout is built
+    or has changed), `scalar_state` the non-tensor leaves (cheap; asked at every snapshot),
+    `signature` something that changes when the set or the storage of state tensors does
+    (an optimizer creating its state lazily)."""
+
+    def __init__(self, *, state_dict: Callable[[], dict[str, Any]],
+                 scalar_state: Callable[[], dict[str, Any]],
+                 signature: Callable[[], Any], device: torch.device) -> None:
+        self._state_dict = state_dict
+        self._scalar_state = scalar_state
+        self._signature = signature
+        self.device = device
+        self.layout: Layout | None = None
+        self._sources: list[tuple[TensorSlot, torch.Tensor]] = []
+        self._constant_values: dict[str, Any] = {}
+        self._sig: Any = None
+        self._buffers: list[torch.Tensor] = []
+        self._next = 0
+        self._stream = (torch.cuda.Stream(device) if device.type == "cuda" else None)
+        self.lock = threading.Lock()
+
+    @property
+    def buffers(self) -> list[torch.Tensor]:
+        return list(self._buffers)
+
+    def _refresh_layout(self) -> None:
+        sig = self._signature()
+        if self.layout is not None and sig == self._sig:
+            return
+        state = self._state_dict()
+        layout, sources = build_layout(state)
+        flat, _ = flatten_state_dict(state)
+        scalars, _ = flatten_state_dict(self._scalar_state())
+        # Values the scalar state does not carry (the parameter names of each optimizer
+        # param group) do not change between steps: keep them from the full state dict.
+        self._constant_values = {name: flat[name] for name in layout.value_names
+                                 if name not in scalars}
+        if self.layout is None or layout.nbytes != self.layout.nbytes:
+            pin = self.device.type == "cuda"
+            self._buffers = [torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+                             for _ in range(2)]
+        self.layout, self._sources, self._sig = layout, sources, sig
+
+    def stage(self, step: int, on_half: Callable[[], None] | None = None,
+              before_overwrite: Callable[[torch.Tensor], None] | None = None) -> Shard:
+        """Copy the live state into the older buffer; returns the new snapshot.
+
+        `before_overwrite` is told which buffer is about to be overwritten (so that the
+        store forgets the snapshot in it first); `on_half` runs after half of the tensors
+        are copied (fault injection: a kill while a snapshot is being staged).
+        """
+        self._refresh_layout()
+        assert self.layout is not None
+        values = dict(self._constant_values)
+        values.update(flatten_state_dict(self._scalar_state())[0])
+        missing = set(self.layout.value_names) - set(values)
+        if missing:  # a new kind of value appeared: describe the state again
+            self._sig = None
+            self._refresh_layout()
+            values = dict(self._constant_values)
+            values.update(flatten_state_dict(self._scalar_state())[0])
+        buffer = self._buffers[self._next]
+        self._next ^= 1
+        if before_overwrite is not None:
+            before_overwrite(buffer)
+        shard = Shard(step=step, layout=self.layout, buffer=buffer,
+                      values={k: values[k] for k in self.layout.value_names})
+        half = len(self._sources) // 2
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self._stream):
+                self._copy(shard, half, on_half, non_blocking=True)
+                shard.ready_event = torch.cuda.Event()
+                shard.ready_event.record(self._stream)
+        else:
+            self._copy(shard, half, on_half, non_blocking=False)
+        return shard
+
+    def _copy(self, shard: Shard, half: int, on_half: Callable[[], None] | None, *,
+              non_blocking: bool) -> None:
+        for i, (slot, src) in enumerate(self._sources):
+            if i == half and on_half is not None:
+                on_half()
+            view = shard.buffer[slot.offset:slot.offset + slot.nbytes].view(slot.dtype)
+            view.view(slot.shape).copy_(src, non_blocking=non_blocking)
+
+    def wait_copy_done(self) -> None:
+        """Make the compute stream wait for the staging copy before the state changes (GPU)."""
+        if self._stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(self._stream)
