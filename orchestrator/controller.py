@@ -309,7 +309,10 @@ class Controller:
         if self._restored_from == "none" and state.checkpoint is not None:
             start_step = self.group.restore(state.checkpoint.path)
             self._restored_from = "storage"
-        self.group.finish_restore()
+        if self._restored_from != "none" or state.generation > 0:
+            # The restored step is staged and replicated in this world; older worlds'
+            # snapshots are dropped everywhere.
+            self.group.finish_restore()
         if self._recovering_from is not None:
             failure, self._recovering_from = self._recovering_from, None
             done = max([self.last_step, *self._failure_steps])

@@ -26,7 +26,13 @@ from typing import Any
 import pytest
 
 from stalwart.checkpointing.catalog import CheckpointInfo
+from torch.distributed.checkpoint.metadata import MetadataIndex
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
 from stalwart.checkpointing.layout import join, step_dir_name
+from stalwart.checkpointing.memory_catalog import MemoryChoice
+from stalwart.checkpointing.memory_store import Holding, Inventory
+from stalwart.checkpointing.snapshot import Layout
 from stalwart.config import JobConfig, load_config, parse_fault
 from stalwart.errors import ConfigError
 from stalwart.orchestrator import controller as controller_module
@@ -152,6 +158,16 @@ class Call:
 
 # ---------------------------------------------------------------------------- fakes
 
+# A state of one value: whoever holds a step holds all of it.
+ONE_VALUE = Layout(items=(WriteItem(index=MetadataIndex("train.step"), type=WriteItemType.BYTE_IO),),
+                   slots={}, planner_data={}, nbytes=0, key="one-value")
+
+
+def held_in_memory(steps: list[int]) -> Inventory:
+    return Inventory(holdings=tuple(Holding(0, 0, s, ONE_VALUE.key) for s in steps),
+                     layouts={ONE_VALUE.key: ONE_VALUE}, nbytes=0)
+
+
 
 class FakeClock:
     """Stands in for the `time` module inside orchestrator/controller.py."""
@@ -189,6 +205,7 @@ class FakeGroup:
         self.armed: dict[int, dict[int, list[tuple[int, str, str]]]] = {}  # generation ->
         self.generation = -1
         self._steps: dict[int, int] = {}  # pid -> engine step in this generation
+        self.memory: dict[int, list[int]] = {}  # pid -> steps its memory tier holds
 
     # -- bookkeeping
 
@@ -288,6 +305,21 @@ class FakeGroup:
         step = int(path.rsplit("_", 1)[-1])
         self._steps = {pid: step for pid in self._steps}
         return step
+
+    def memory_inventory(self) -> dict[str, Inventory]:
+        """Each warm actor holds the steps in `memory` (all of a 1-rank world's state)."""
+        self._call("memory_inventory")
+        return {f"pid-{a.pid}": held_in_memory(self.memory.get(a.pid, []))
+                for a in self.members + self.idle}
+
+    def restore_memory(self, choice: MemoryChoice) -> tuple[int, list[list[int]]]:
+        self._call("restore_memory", choice.step)
+        self._steps = {pid: choice.step for pid in self._steps}
+        return choice.step, [[] for _ in self.members]
+
+    def finish_restore(self) -> list[int]:
+        self._call("finish_restore")
+        return [0] * len(self.members)
 
     def launch(self) -> None:
         self._call("launch")
@@ -559,10 +591,10 @@ def test_resume_from_a_checkpoint_restores_before_launch(
     w = FakeWorld(tmp_path, monkeypatch, [Plan(polls=[statuses([5, 6], done=True)])],
                   resume_from=resume)
     assert w.run() == Finished(step=6)
-    assert [(c.name, c.state, c.args) for c in w.calls[:5]] == [
+    assert [(c.name, c.state, c.args) for c in w.calls[:6]] == [
         ("top_up", "SCHEDULING", ()), ("refresh", "SCHEDULING", (0.0,)),
         ("form", "RENDEZVOUS", (2, 0)), ("restore", "RESTORING", ("/somewhere/step_000000004",)),
-        ("launch", "RESTORING", ())]
+        ("finish_restore", "RESTORING", ()), ("launch", "RESTORING", ())]
     assert w.event("started")["start_step"] == 4
 
 
@@ -749,6 +781,98 @@ def test_recovery_restores_the_newest_valid_checkpoint(
     assert any("skipping damaged checkpoint" in m for m in w.display.logs)
     rec = w.event("recovered")
     assert rec["from_step"] == 2 and rec["lost_steps"] == 3 and rec["source"] == "storage"
+
+
+def _kill_at_5(storage: Path, memory: list[int], extra: list[str] = (),
+               raise_in: dict[str, BaseException] | None = None,
+               tmp_path: Path = Path(), monkeypatch: Any = None) -> FakeWorld:
+    """Rank 1 dies after step 5; the survivor (pid 1000) holds `memory` in its tier."""
+    w = FakeWorld(tmp_path, monkeypatch, [
+        Plan(polls=[statuses([1, 2, 3, 4, 5]), Poll([status(0)], dead=[1])]),
+        Plan(polls=[statuses([6], done=True, t0=T1)], raise_in=raise_in or {}),
+    ], ["failure.max_failures=1", "train.steps=6", *extra], storage=storage)
+    w.group.memory[1000] = memory
+    return w
+
+
+def test_recovery_restores_memory_when_it_is_newest(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = tmp_path / "checkpoints"
+    _commit_checkpoint(storage, 2)
+    w = _kill_at_5(storage, [4, 5], tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert w.run() == Finished(step=6)
+    assert [(c.state, c.args) for c in w.named("restore_memory", "restore", "finish_restore")
+            ] == [("RESTORING", (5,)), ("RESTORING", ())]
+    chosen = w.event("checkpoint_chosen")
+    assert chosen["source"] == "memory" and chosen["step"] == 5
+    assert chosen["memory_step"] == 5 and chosen["storage_step"] == 2
+    rec = w.event("recovered")
+    assert rec["source"] == "memory" and rec["from_step"] == 5 and rec["lost_steps"] == 0
+
+
+def test_recovery_restores_storage_when_it_is_newer_than_memory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = tmp_path / "checkpoints"
+    _commit_checkpoint(storage, 4)
+    w = _kill_at_5(storage, [2, 3], tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert w.run() == Finished(step=6)
+    assert w.named("restore_memory") == []
+    chosen = w.event("checkpoint_chosen")
+    assert chosen["source"] == "storage" and chosen["step"] == 4
+    assert "newer than memory's step 3" in chosen["reason"]
+    assert w.event("recovered")["source"] == "storage"
+
+
+def test_recovery_with_nothing_in_memory_says_why(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = tmp_path / "checkpoints"
+    _commit_checkpoint(storage, 4)
+    w = _kill_at_5(storage, [], tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert w.run() == Finished(step=6)
+    chosen = w.event("checkpoint_chosen")
+    assert chosen["source"] == "storage" and chosen["memory_step"] is None
+    assert chosen["reason"] == "nothing complete in memory: no snapshot is held in memory"
+
+
+def test_a_memory_restore_that_fails_falls_back_to_storage(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = tmp_path / "checkpoints"
+    _commit_checkpoint(storage, 4)
+    w = _kill_at_5(storage, [5], raise_in={"restore_memory": group_error(
+        FailureKind.START_ERROR, rank=0, message="worker rank 0: LookupError: gone")},
+        tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert w.run() == Finished(step=6)
+    assert [c.name for c in w.named("restore_memory", "restore")] == ["restore_memory",
+                                                                      "restore"]
+    first, fallback = w.all("checkpoint_chosen")
+    assert first["source"] == "memory"
+    assert fallback["source"] == "storage" and fallback["step"] == 4
+    assert "restoring from memory failed: worker rank 0: LookupError: gone" in fallback["reason"]
+    assert w.event("recovered")["source"] == "storage"
+    assert w.event("recovered")["lost_steps"] == 1
+
+
+def test_memory_tier_off_never_asks_for_an_inventory(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = tmp_path / "checkpoints"
+    _commit_checkpoint(storage, 4)
+    w = _kill_at_5(storage, [5], ["checkpoint.snapshot_every=0"], tmp_path=tmp_path,
+                   monkeypatch=monkeypatch)
+    assert w.run() == Finished(step=6)
+    assert w.named("memory_inventory", "restore_memory") == []
+    assert w.event("recovered")["source"] == "storage"
+
+
+def test_the_memory_tier_size_is_reported_once_per_world(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    polls = [[dataclasses.replace(st, snapshot_bytes=1000 * (st.rank + 1)) for st in
+              statuses([1, 2])], [dataclasses.replace(st, snapshot_bytes=5000) for st in
+                                  statuses([3, 4], done=True)]]
+    w = FakeWorld(tmp_path, monkeypatch, [Plan(polls=polls)], ["train.steps=4"])
+    assert w.run() == Finished(step=4)
+    (tier,) = w.all("memory_tier")
+    assert tier["bytes_per_worker"] == 2000 and tier["bytes_total"] == 3000
+    assert tier["generation"] == 0 and tier["replicas"] == 1
 
 
 def test_a_warm_spare_replaces_a_dead_worker(tmp_path: Path,
