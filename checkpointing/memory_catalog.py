@@ -4,7 +4,9 @@ Pure bookkeeping on the driver, from each live worker's inventory. A step is com
 every tensor of the state is covered by chunks that some live worker holds at that step,
 and every value is held: a data-parallel replica holds everything, a sharded layout needs
 every shard (or its replica). The names of the state come from every layout seen for the
-generation, so a shard whose holders are all gone is still known to be missing.
+generation and from the names every rank shared when its world formed, so a shard whose
+holders are all gone is still known to be missing, even when no other shard has its names
+(a pipeline stage).
 """
 
 from __future__ import annotations
@@ -30,7 +32,8 @@ class MemoryChoice:
 
 
 def _missing(layouts: dict[int, Layout], known: dict[str, int | None]) -> list[str]:
-    """Names (of `known`: name -> numel, None for a value) that `layouts` do not cover."""
+    """Names (of `known`: name -> numel, None for a value, -1 for a name of unknown kind)
+    that `layouts` do not cover."""
     chunks: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = defaultdict(set)
     values: set[str] = set()
     for layout in layouts.values():
@@ -42,7 +45,10 @@ def _missing(layouts: dict[int, Layout], known: dict[str, int | None]) -> list[s
                 chunks[item.index.fqn].add((tuple(c.offsets), tuple(c.sizes)))
     missing = []
     for name, numel in sorted(known.items()):
-        if numel is None:
+        if numel == -1:
+            if name not in values and name not in chunks:
+                missing.append(name)
+        elif numel is None:
             if name not in values:
                 missing.append(name)
         elif sum(math.prod(sizes) for _, sizes in chunks.get(name, ())) < numel:
@@ -64,6 +70,9 @@ def newest_complete(inventories: dict[str, Inventory]) -> tuple[MemoryChoice | N
                 known[h.generation][item.index.fqn] = (
                     None if item.type == WriteItemType.BYTE_IO
                     else math.prod(item.tensor_data.size))
+        for gen, names in inv.names.items():
+            for name in names:
+                known[gen].setdefault(name, -1)
     if not held:
         return None, "no snapshot is held in memory"
     first_reason = ""

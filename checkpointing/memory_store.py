@@ -13,7 +13,7 @@ never lists a snapshot that is half written.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -37,12 +37,19 @@ class Inventory:
     holdings: tuple[Holding, ...]
     layouts: dict[str, Layout]
     nbytes: int
+    names: dict[int, frozenset[str]] = field(default_factory=dict)
+    """Per generation, the names in every rank's shard (when the world shared them)."""
 
 
 class MemoryStore:
     def __init__(self) -> None:
         self._shards: dict[tuple[int, int], list[Shard]] = {}
+        self._names: dict[int, frozenset[str]] = {}
         self._lock = threading.Lock()
+
+    def set_names(self, generation: int, names: frozenset[str]) -> None:
+        with self._lock:
+            self._names[generation] = names
 
     def put(self, generation: int, source: int, shard: Shard) -> None:
         """Record a complete snapshot; the oldest beyond KEEP is forgotten."""
@@ -83,7 +90,9 @@ class MemoryStore:
                 for s in shards:
                     holdings.append(Holding(gen, src, s.step, s.layout.key))
                     layouts[s.layout.key] = s.layout
-            return Inventory(holdings=tuple(holdings), layouts=layouts, nbytes=self._nbytes())
+            gens = {h.generation for h in holdings}
+            return Inventory(holdings=tuple(holdings), layouts=layouts, nbytes=self._nbytes(),
+                             names={g: n for g, n in self._names.items() if g in gens})
 
     def _nbytes(self, extra: list[torch.Tensor] = ()) -> int:  # type: ignore[assignment]
         seen = {id(b): b.numel() for b in extra}
@@ -101,7 +110,9 @@ class MemoryStore:
         """Forget every snapshot of generations older than `generation`."""
         with self._lock:
             self._shards = {k: v for k, v in self._shards.items() if k[0] >= generation}
+            self._names = {g: n for g, n in self._names.items() if g >= generation}
 
     def clear(self) -> None:
         with self._lock:
             self._shards.clear()
+            self._names.clear()

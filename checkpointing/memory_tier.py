@@ -115,6 +115,12 @@ class MemoryTier:
         if self.replicator is not None:
             self.replicator.wait()
 
+    def abandon(self) -> None:
+        """The world is being left: stop waiting for an exchange that may never end (a peer
+        lost with its node does not close its connections)."""
+        if self.replicator is not None:
+            self.replicator.abandon()
+
     def wait_copy_done(self) -> None:
         if self.stager is not None:
             self.stager.wait_copy_done()

@@ -22,6 +22,7 @@ import pickle
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any
 
 import torch
@@ -29,6 +30,10 @@ import torch.distributed as dist
 
 from stalwart.checkpointing.memory_store import MemoryStore
 from stalwart.checkpointing.snapshot import Layout, Shard
+
+
+class ReplicationAbandoned(RuntimeError):
+    """The world is being left while a snapshot exchange is still in flight."""
 
 
 def holders_for(nodes: list[str], replicas: int) -> dict[int, list[int]]:
@@ -80,27 +85,49 @@ class Replicator:
         self._layouts_seen: dict[tuple[int, str], Layout] = {}
         self.fault: Callable[[], None] | None = None
         """Fault injection: runs after the headers are exchanged, before the payload."""
-        self._lock = threading.Lock()
-
-    @property
-    def active(self) -> bool:
-        return self.group is not None and bool(self.sends_to or self.receives_from)
+        self._abandoned = threading.Event()
+        self._names_shared = False
 
     def replicate(self, shard: Shard) -> None:
         """Start copying `shard` to this rank's holders (and receiving its sources')."""
         self.wait()
-        if self.active:
+        if self.group is not None:
             self._pending = self._executor.submit(self._exchange, shard)
 
     def wait(self) -> None:
-        """Block until the exchange in flight is complete; re-raises its error."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        """Block until the exchange in flight is complete; re-raises its error, or raises
+        ReplicationAbandoned once `abandon` is called."""
+        pending = self._pending
+        if pending is None:
+            return
+        while not self._abandoned.is_set():
+            try:
+                pending.result(timeout=0.05)
+                break
+            except FuturesTimeout:
+                continue
+        else:
+            raise ReplicationAbandoned("the snapshot exchange was abandoned: leaving the world")
+        self._pending = None
+
+    def abandon(self) -> None:
+        self._abandoned.set()
+
+    def _share_names(self, layout: Layout) -> None:
+        """Once per world: every rank learns the names in every rank's shard, so that a
+        shard lost with all its copies is known to be missing (a pipeline stage's layers
+        are in no other shard). The first snapshot is taken at the same step everywhere."""
+        names: list[Any] = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(names, sorted(it.index.fqn for it in layout.items),
+                               group=self.group)
+        self.store.set_names(self.generation, frozenset(n for ns in names for n in ns))
+        self._names_shared = True
 
     def _exchange(self, shard: Shard) -> None:
         shard.ready()
         group = self.group
+        if not self._names_shared:
+            self._share_names(shard.layout)
         # The layout goes with the first snapshot that uses it; later ones name it by key.
         payloads = {}
         for h in self.sends_to:
@@ -155,15 +182,20 @@ class Replicator:
             dist.barrier(group=self.group)
 
     def close(self) -> None:
+        """Leave: wait for the exchange in flight unless abandoned. An exchange still stuck
+        (on a peer that vanished) keeps its thread and group until the peer's connections
+        fail or the group's timeout; destroying a group under a thread that is inside one of
+        its operations is not safe."""
         try:
             self.wait()
         except Exception:
             pass  # an exchange that failed with its world; what is complete stays held
-        finally:
-            self._executor.shutdown(wait=True)
-            if self.group is not None:
-                try:
-                    dist.destroy_process_group(self.group)
-                except Exception:
-                    pass
-                self.group = None
+        pending = self._pending
+        stuck = pending is not None and not pending.done()
+        self._executor.shutdown(wait=not stuck)
+        if self.group is not None and not stuck:
+            try:
+                dist.destroy_process_group(self.group)
+            except Exception:
+                pass
+        self.group = None

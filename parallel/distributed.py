@@ -61,3 +61,15 @@ def init_process_group(rdzv: Rendezvous, *, rank: int, world_size: int, device: 
 def destroy_process_group() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def abort_process_groups() -> None:
+    """Abort every process group of this process at once: their connections close, so any
+    operation still waiting on them fails now, here and on every peer.
+
+    How a world is left after a failure: a peer lost with its node closes nothing, and a
+    peer whose groups are only destroyed keeps their sockets open for as long as anything
+    references them; either can leave a survivor blocked in a collective until its timeout.
+    """
+    if dist.is_available() and dist.is_initialized():
+        dist.distributed_c10d._abort_process_group()

@@ -12,8 +12,10 @@ the middle of a long step or a stuck collective.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -31,6 +33,7 @@ from stalwart.checkpointing.storage import StorageCheckpointer
 from stalwart.config import JobConfig, config_from_dict
 from stalwart.parallel.distributed import (
     Rendezvous,
+    abort_process_groups,
     destroy_process_group,
     free_port,
     init_process_group,
@@ -312,8 +315,17 @@ class TrainWorker:
         """
         step = self.engine.step if self.engine is not None else 0
         if self._thread is not None:
+            self.tier.abandon()  # a snapshot exchange with a lost peer must not hold us
+            if self._thread.is_alive():
+                # Whatever collective the thread (or a peer) waits in fails now.
+                abort_process_groups()
             self._thread.join(timeout_s)
             if self._thread.is_alive():
+                # Say where it is stuck (the worker's log), before the controller kills us.
+                print(f"stalwart worker rank {self.rank}: the training thread did not end "
+                      f"within {timeout_s:.0f}s of leaving its world; its stacks:",
+                      file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 return {"left": False, "step": step}
             step = self.engine.step if self.engine is not None else step
         if self.checkpointer is not None:

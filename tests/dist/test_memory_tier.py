@@ -109,6 +109,10 @@ def test_losing_a_shard_and_its_only_replica_is_never_loaded(cache_dir):  # noqa
     saved = run_ranks(train_with_snapshots, 4, cache_dir, ["parallel.dp_shard=4"], nodes)
     inventories: dict[str, Inventory] = {f"w{r}": saved[r][2] for r in range(4)}
     assert newest_complete(inventories)[0].step == SNAP_AT
+    # Every rank learnt the names in every rank's shard when its world formed.
+    every_name = {it.index.fqn for inv in inventories.values() for lay in inv.layouts.values()
+                  for it in lay.items}
+    assert all(inv.names == {0: every_name} for inv in inventories.values())
     # Nodes n1 and n2 are lost at once: rank 1's shard was on n1, its replica on n2.
     choice, reason = newest_complete({k: inventories[k] for k in ("w0", "w3")})
     assert choice is None

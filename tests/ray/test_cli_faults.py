@@ -81,7 +81,7 @@ def test_sigstopped_worker_is_detected_as_hung_and_replaced(tmp_path, straight_r
     assert_same_weights(tmp_path, straight_run, run_dir)
 
 
-def test_injected_kill_recovers_in_place_bit_identical(tmp_path, straight_run):
+def test_injected_kill_recovers_in_place_from_memory_bit_identical(tmp_path, straight_run):
     stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN, "failure.max_failures=1"),
              "--inject", "kill:rank=1,step=25", "--run-dir", "killed", cwd=tmp_path)
     events = events_of(tmp_path / "killed")
@@ -91,8 +91,13 @@ def test_injected_kill_recovers_in_place_bit_identical(tmp_path, straight_run):
     assert failure["failure_kind"] == "worker_died" and failure["ranks"] == [1]
     assert failure["step"] == 24 and 0 <= failure["detection_s"] < 10
     recovered = only(events, "recovered")
-    assert recovered == {**recovered, "from_step": 20, "lost_steps": 4, "source": "storage",
+    # From the memory tier: the step before the fault, not storage's step 20; only the step
+    # in flight is lost.
+    assert recovered == {**recovered, "from_step": 24, "lost_steps": 0, "source": "memory",
                          "world_size": 2}
+    chosen = only(events, "checkpoint_chosen")
+    assert chosen == {**chosen, "source": "memory", "step": 24, "memory_step": 24,
+                      "storage_step": 20}
     assert set(recovered["phases"]) == {"detect", "teardown", "wait", "join", "restore",
                                         "first_step"}
     survivors_kept(events, replaced_rank=1)
@@ -100,14 +105,19 @@ def test_injected_kill_recovers_in_place_bit_identical(tmp_path, straight_run):
 
 
 def test_raise_is_retried_when_configured(tmp_path, straight_run):
+    # With the memory tier off: the recovery restores the newest storage checkpoint.
     stalwart("run", str(REFERENCE_CONFIG),
-             *sets(*RUN, "failure.max_failures=1", "failure.retry_user_errors=true"),
+             *sets(*RUN, "failure.max_failures=1", "failure.retry_user_errors=true",
+                   "checkpoint.snapshot_every=0"),
              "--inject", "raise:rank=1,step=25", "--run-dir", "raised", cwd=tmp_path)
     events = events_of(tmp_path / "raised")
     failure = only(events, "failure")
     assert failure["failure_kind"] == "user_error" and failure["retry"]
     assert "InjectedFault: injected fault raise:rank=1,step=25" in failure["message"]
-    assert only(events, "recovered")["from_step"] == 20
+    recovered = only(events, "recovered")
+    assert recovered["from_step"] == 20 and recovered["source"] == "storage"
+    assert recovered["lost_steps"] == 4
+    assert not [e for e in events if e["kind"] in ("checkpoint_chosen", "memory_tier")]
     assert_same_weights(tmp_path, straight_run, tmp_path / "raised")
 
 

@@ -1,0 +1,141 @@
+"""The in-memory tier across nodes of a Ray cluster (ray.cluster_utils on this machine), with a
+sharded layout (FSDP2): losing a node restores its workers' shards from their replicas on
+other nodes, resharded to the smaller world, without losing a step; losing two adjacent
+nodes of the replica ring at once (replicas=1) loses a shard and its only copy, and the run
+falls back to storage and says why."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+
+import pytest
+
+from stalwart.checkpointing.replication import holders_for
+from stalwart.run_dir import read_jsonl
+from stalwart.workers.faults import children_of
+from tests.cli_helpers import REFERENCE_CONFIG, STALWART, TINY, sets, stalwart, wait_for_step
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
+
+# 4 workers, one CPU each, spread over the nodes; FSDP2 over all of them (distinct shards).
+SHARDED4 = [*TINY, "train.steps=50", "checkpoint.persist_every=10", "checkpoint.keep_last=0",
+            "run.log_every=1", "data.val_every=0", "parallel.dp_replicate=1",
+            "parallel.dp_shard=-1", "scaling.num_workers=4", "scaling.min_workers=1",
+            "scaling.spare_workers=0", "scaling.placement_strategy=SPREAD",
+            "failure.max_failures=3"]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A driver-only head node and three worker nodes of 2 CPUs each."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False,
+        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
+                           "health_check_initial_delay_ms": 0, "worker_niceness": 0}})
+    for _ in range(3):
+        c.add_node(num_cpus=2)
+    c.wait_for_nodes()
+    try:
+        yield c
+    finally:
+        c.shutdown()
+
+
+def events_of(run_dir):
+    return read_jsonl(run_dir / "events.jsonl")
+
+
+def only(events, kind):
+    (found,) = [e for e in events if e["kind"] == kind]
+    return found
+
+
+def test_a_lost_node_is_restored_from_replicas_resharded(tmp_path, cluster):
+    run_dir = tmp_path / "node-lost"
+    stalwart("run", str(REFERENCE_CONFIG), *sets(*SHARDED4), "--address", cluster.address,
+             "--inject", "kill-node:node=2,step=15", "--run-dir", "node-lost", cwd=tmp_path,
+             timeout=600)
+    events = events_of(run_dir)
+    print(*[{k: v for k, v in e.items() if k not in ("workers", "message")} for e in events],
+          sep="\n")  # shown when the test fails
+    failure = only(events, "failure")
+    assert failure["failure_kind"] == "node_died" and failure["step"] == 14
+    recovered = only(events, "recovered")
+    # Every shard of step 14 survived (the lost node's as replicas): nothing is trained twice.
+    assert recovered["source"] == "memory"
+    assert recovered["from_step"] == 14 and recovered["lost_steps"] == 0
+    resized = only(events, "resized")
+    assert resized["old_world_size"] == 4 and resized["new_world_size"] < 4
+    assert resized["new_layout"]["dp_shard"] == resized["new_world_size"]  # resharded
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, 51))
+    assert events[-1]["kind"] == "finished"
+    _forget_dead_nodes(cluster)
+    cluster.add_node(num_cpus=2)  # for the next test: three nodes again
+    cluster.wait_for_nodes()
+
+
+def _raylet(node):
+    from ray._private import ray_constants
+
+    return node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
+
+
+def _forget_dead_nodes(cluster) -> None:
+    """Nodes whose raylet a fault killed: cleaned up, so wait_for_nodes counts the rest."""
+    for node in list(cluster.worker_nodes):
+        if _raylet(node).poll() is not None:
+            cluster.remove_node(node, allow_graceful=False)
+
+
+def _kill_nodes_at_once(cluster, node_ids: set[str]) -> None:
+    """SIGKILL the raylets of these nodes and every process they started, all at once."""
+    nodes = [n for n in cluster.worker_nodes if n.node_id in node_ids]
+    assert len(nodes) == len(node_ids)
+    raylets = [_raylet(n).pid for n in nodes]
+    doomed = [pid for raylet in raylets for pid in [raylet, *children_of(raylet)]]
+    for pid in doomed:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    for n in nodes:
+        cluster.remove_node(n, allow_graceful=False)
+
+
+def test_two_adjacent_nodes_lost_falls_back_to_storage(tmp_path, cluster):
+    run_dir = tmp_path / "two-lost"
+    proc = subprocess.Popen(
+        [STALWART, "run", str(REFERENCE_CONFIG), *sets(*SHARDED4), "--address",
+         cluster.address, "--run-dir", "two-lost"], cwd=tmp_path, stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_step(run_dir / "metrics.jsonl", 15, proc)
+        (workers,) = [e["workers"] for e in events_of(run_dir) if e["kind"] == "workers_started"]
+        nodes = [w["node_id"] for w in workers]
+        # Rank 0's node and the node holding its replica: both go, and rank 0's shard with
+        # them (replicas=1).
+        holder = holders_for(nodes, 1)[0][0]
+        lost = {nodes[0], nodes[holder]}
+        assert len(lost) == 2, f"rank 0's replica should be on another node: {nodes}"
+        _kill_nodes_at_once(cluster, lost)
+        out, err = proc.communicate(timeout=600)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, f"{out}\n{err}"
+    events = events_of(run_dir)
+    print(*[{k: v for k, v in e.items() if k not in ("workers", "message")} for e in events],
+          sep="\n")  # shown when the test fails
+    chosen = [e for e in events if e["kind"] == "checkpoint_chosen"]
+    assert chosen and chosen[-1]["source"] == "storage"
+    assert "is not complete in memory" in chosen[-1]["reason"] or \
+        "nothing complete in memory" in chosen[-1]["reason"]
+    recovered = [e for e in events if e["kind"] == "recovered"][-1]
+    committed = [e["step"] for e in events if e["kind"] == "checkpoint_committed"]
+    assert recovered["source"] == "storage" and recovered["from_step"] in committed
+    assert recovered["from_step"] % 10 == 0
+    assert events[-1]["kind"] == "finished"

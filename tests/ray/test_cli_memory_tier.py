@@ -1,0 +1,84 @@
+"""The in-memory checkpoint tier from the CLI on a local Ray, with a sharded layout (FSDP2:
+every rank's shard is distinct, so a dead rank's state exists only in its replica).
+
+A kill restores the step before it from memory (only the step in flight is lost); a kill
+while a snapshot is staged or replicated restores the step before that one; the final
+weights equal a failure-free run's bit for bit every time."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from stalwart.run_dir import read_jsonl
+from tests.cli_helpers import REFERENCE_CONFIG, TINY, exported_weights, sets, stalwart
+from tests.ray.helpers import consumed_samples
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+SHARDED = [*TINY, "train.steps=40", "checkpoint.persist_every=10", "checkpoint.keep_last=0",
+           "run.log_every=1", "data.val_every=0", "parallel.dp_replicate=1",
+           "parallel.dp_shard=-1", "failure.max_failures=1"]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """A failure-free run of SHARDED: what every recovered run must end up equal to."""
+    cwd = tmp_path_factory.mktemp("sharded")
+    stalwart("run", str(REFERENCE_CONFIG), *sets(*SHARDED), "--run-dir", "straight", cwd=cwd)
+    return cwd / "straight"
+
+
+def run_with(tmp_path, fault: str, name: str) -> list[dict]:
+    stalwart("run", str(REFERENCE_CONFIG), *sets(*SHARDED), "--inject", fault,
+             "--run-dir", name, cwd=tmp_path)
+    return read_jsonl(tmp_path / name / "events.jsonl")
+
+
+def only(events, kind):
+    (found,) = [e for e in events if e["kind"] == kind]
+    return found
+
+
+def assert_same_as(sharded_run, tmp_path, run_dir):
+    a = exported_weights(sharded_run, tmp_path, "straight")
+    b = exported_weights(run_dir, tmp_path, run_dir.name)
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs from the failure-free run"
+    assert consumed_samples(run_dir) == consumed_samples(sharded_run)
+
+
+def test_the_memory_tier_reports_its_size(sharded_run):
+    events = read_jsonl(sharded_run / "events.jsonl")
+    tier = only(events, "memory_tier")
+    # Two snapshots of its own shard and two of the one it holds for its peer, at least.
+    assert tier["bytes_per_worker"] > 0 and tier["replicas"] == 1
+    assert tier["bytes_total"] >= tier["bytes_per_worker"]
+
+
+def test_a_kill_restores_the_step_before_it_from_memory(tmp_path, sharded_run):
+    events = run_with(tmp_path, "kill:rank=1,step=25", "killed")
+    failure = only(events, "failure")
+    assert failure["failure_kind"] == "worker_died" and failure["step"] == 24
+    recovered = only(events, "recovered")
+    assert recovered == {**recovered, "source": "memory", "from_step": 24, "lost_steps": 0,
+                         "world_size": 2}
+    # The new rank 1 holds nothing: its shard came from its replica on rank 0.
+    assert recovered["peer_fetches"] >= 1
+    chosen = only(events, "checkpoint_chosen")
+    assert (chosen["source"], chosen["memory_step"], chosen["storage_step"]) == \
+        ("memory", 24, 20)
+    assert_same_as(sharded_run, tmp_path, tmp_path / "killed")
+
+
+@pytest.mark.parametrize("kind", ["kill-staging", "kill-replicating"])
+def test_a_kill_during_a_snapshot_restores_the_previous_step(tmp_path, sharded_run, kind):
+    # Rank 1 dies after completing step 25, while its snapshot of step 25 is half staged (or
+    # half sent): step 25 is not complete in memory, step 24 is.
+    events = run_with(tmp_path, f"{kind}:rank=1,step=25", kind)
+    assert only(events, "fault_injected")["fault"] == f"{kind}:rank=1,step=25"
+    recovered = only(events, "recovered")
+    assert recovered == {**recovered, "source": "memory", "from_step": 24, "lost_steps": 1}
+    rows = read_jsonl(tmp_path / kind / "metrics.jsonl")
+    assert [r["step"] for r in rows].count(25) == 2  # step 25 was trained again
+    assert_same_as(sharded_run, tmp_path, tmp_path / kind)
