@@ -73,3 +73,27 @@ def abort_process_groups() -> None:
     """
     if dist.is_available() and dist.is_initialized():
         dist.distributed_c10d._abort_process_group()
+
+
+def forget_dtensor_caches() -> None:
+    """Drop DTensor's caches of sharding decisions before a process joins a new world.
+
+    DTensor caches the output spec of each op by its input specs, and a DeviceMesh compares
+    equal to any mesh of the same shape: a process that was rank 1 of the last world and is
+    rank 0 of this one would get the last world's mesh back (its coordinate, its groups)
+    for parameters it shards now, and train and checkpoint the wrong shard. The
+    sharding-propagation cache is per thread; this clears the calling thread's.
+    """
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._collective_utils import MeshTopoInfo
+    from torch.distributed.tensor._redistribute import _gen_transform_infos
+
+    # The C++ dispatch fast path keeps a cache of its own (per thread).
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()
+    propagator = DTensor._op_dispatcher.sharding_propagator
+    propagator.propagate_op_sharding.cache_clear()
+    propagator._propagate_tensor_meta_cached.cache_clear()
+    _gen_transform_infos.cache_clear()
+    MeshTopoInfo.build_from_mesh.cache_clear()

@@ -34,6 +34,7 @@ from stalwart.config import JobConfig, config_from_dict
 from stalwart.parallel.distributed import (
     Rendezvous,
     abort_process_groups,
+    forget_dtensor_caches,
     destroy_process_group,
     free_port,
     init_process_group,
@@ -149,6 +150,7 @@ class TrainWorker:
         device = pick_device(self.config.scaling.gpus_per_worker > 0)
         init_process_group(rdzv, rank=rank, world_size=world_size, device=device,
                            timeout_s=self.config.failure.collective_timeout_s)
+        forget_dtensor_caches()  # the last world's meshes must not come back (see there)
         self.engine = TrainEngine(self.config, self.task, rank=rank, world_size=world_size,
                                   device=device)
         self.checkpointer = StorageCheckpointer(

@@ -82,3 +82,27 @@ def test_a_kill_during_a_snapshot_restores_the_previous_step(tmp_path, sharded_r
     rows = read_jsonl(tmp_path / kind / "metrics.jsonl")
     assert [r["step"] for r in rows].count(25) == 2  # step 25 was trained again
     assert_same_as(sharded_run, tmp_path, tmp_path / kind)
+
+
+def test_replicas_are_made_again_after_a_recovery(tmp_path, sharded_run):
+    # The second kill takes the rank that holds, since the first recovery, the replica of
+    # the other's shard: the new world must have replicated its snapshots anew.
+    stalwart("run", str(REFERENCE_CONFIG), *sets(*SHARDED, "failure.max_failures=2"),
+             "--inject", "kill:rank=1,step=15", "--inject", "kill:rank=0,step=32",
+             "--run-dir", "twice", cwd=tmp_path)
+    events = read_jsonl(tmp_path / "twice" / "events.jsonl")
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    assert [(e["source"], e["from_step"], e["lost_steps"]) for e in recovered] == [
+        ("memory", 14, 0), ("memory", 31, 0)]
+    assert_same_as(sharded_run, tmp_path, tmp_path / "twice")
+
+
+def test_a_tier_that_cannot_fit_fails_with_the_setting_named(tmp_path):
+    proc = stalwart("run", str(REFERENCE_CONFIG),
+                    *sets(*SHARDED, "checkpoint.memory_limit_gb=0.0001"),
+                    "--run-dir", "too-big", cwd=tmp_path, check=1)
+    assert "the in-memory checkpoint tier needs about" in proc.stdout
+    assert "more than checkpoint.memory_limit_gb allows (0.00 GiB)" in proc.stdout
+    events = read_jsonl(tmp_path / "too-big" / "events.jsonl")
+    assert events[-1]["kind"] == "failed" and events[-1]["step"] == 0
+    assert [e["retry"] for e in events if e["kind"] == "failure"] == [False]
