@@ -13,17 +13,22 @@ The reference task (`examples/gpt/config.toml`) with the tiny model of tests/cli
 Rows, each measured on its own Ray:
 
   stalwart          `stalwart run examples/gpt/config.toml --set ... --inject FAULT --run-dir DIR`
-                    exactly as a user types it, with no spare (`scaling.spare_workers=0`): the
+                    exactly as a user types it, with the in-memory checkpoint tier (the
+                    default: a snapshot every step, replicated to a peer; restored first) and
+                    no spare (`scaling.spare_workers=0`): the
                     replacement is a cold actor (own embedded Ray with 2 CPUs); everything is
                     read from DIR/events.jsonl (`fault_injected`, `failure`, `recovered`,
                     `resized`, `finished`) and DIR/metrics.jsonl
   stalwart+spare    the same with one warm spare (`scaling.spare_workers=1`; the embedded Ray
                     adds a logical CPU for it, since it idles); kill, hang
+  stalwart+spare, storage only
+                    the same with the memory tier off (`checkpoint.snapshot_every=0`): it
+                    restores from the storage checkpoint (every 10 steps); kill
   stalwart elastic  node only: `--address <cluster>` `--inject kill-node:node=2,step=25`
                     `scaling.min_workers=1 scaling.resize_check_s=2`: it shrinks to the
                     surviving worker at once; a replacement 1-CPU node is added as soon as the
                     GCS reports the lost node dead (the same policy as the Ray Train side), so
-                    that it can grow back
+                    that it can grow back; and the same with the memory tier off
   ray-train         bench/raytrain_recovery.py `run_raytrain(fault, commit_checkpoints=True,
                     hang_wait_s=60)`: TorchTrainer, FailureConfig(max_failures=3), a checkpoint
                     every 10 steps which rank 0 waits to see registered (else Ray Train loses
@@ -50,9 +55,9 @@ Measured per run (seconds, one machine's time.time()):
 
 Targets (printed with MET / NOT MET): a kill recovered at least 10x faster than Ray Train
 (median recovery_s of Ray Train / median of stalwart, for each stalwart row); a hang detected
-within 10 s (every round, each stalwart row); lost steps no more than the steps since the last
-checkpoint due in the tier stalwart restores from (the storage tier, every
-checkpoint.persist_every steps; every round, every stalwart row). The exit code is 0 whether or
+within 10 s (every round, each stalwart row); zero lost completed steps with the memory tier,
+and no more than the steps since the last storage checkpoint due without it (every round,
+every stalwart row). The exit code is 0 whether or
 not the targets are met; 1 only if a run produced no measurement.
 """
 
@@ -97,16 +102,19 @@ STALWART_OVERRIDES = [
 SPARE = ["scaling.spare_workers=1"]
 NO_SPARE = ["scaling.spare_workers=0"]  # whatever the config says
 ELASTIC = ["scaling.min_workers=1", "scaling.resize_check_s=2", "scaling.spare_workers=0"]
+STORAGE_ONLY = ["checkpoint.snapshot_every=0"]  # the in-memory tier off
 INJECT = {"kill": f"kill:rank=1,step={FAULT_STEP}", "hang": f"hang:rank=1,step={FAULT_STEP}",
           "node": f"kill-node:node=2,step={FAULT_STEP}"}
 
 # (runner, label) per fault, in the order of a round.
 RUNNERS = {
     "kill": [("stalwart", "stalwart"), ("stalwart+spare", "stalwart + warm spare"),
-             ("ray-train", "Ray Train")],
+             ("stalwart+spare/storage", "stalwart + spare, storage"), ("ray-train", "Ray Train")],
     "hang": [("stalwart", "stalwart"), ("stalwart+spare", "stalwart + warm spare"),
              ("ray-train", "Ray Train")],
-    "node": [("stalwart-elastic", "stalwart (shrink)"), ("ray-train", "Ray Train")],
+    "node": [("stalwart-elastic", "stalwart (shrink)"),
+             ("stalwart-elastic/storage", "stalwart (shrink), storage"),
+             ("ray-train", "Ray Train")],
 }
 NODE_HEAD_ARGS: dict[str, Any] = {"num_cpus": 0, "include_dashboard": False,
                                   "_system_config": {"worker_niceness": 0}}
@@ -181,7 +189,7 @@ def run_cli(cmd: list[str], log: Path, timeout: float,
     return code, time.perf_counter() - t0
 
 
-def analyse_stalwart(run_dir: Path, fault: str) -> dict[str, Any]:
+def analyse_stalwart(run_dir: Path, fault: str, memory_tier: bool) -> dict[str, Any]:
     """The measurements of one stalwart run, from its events.jsonl and metrics.jsonl."""
     events = read_jsonl(run_dir / "events.jsonl")
     rows = read_jsonl(run_dir / "metrics.jsonl")
@@ -230,8 +238,9 @@ def analyse_stalwart(run_dir: Path, fault: str) -> dict[str, Any]:
         out["failure_kind"] = failure["failure_kind"]
         out["detection_s"] = failure.get("detection_s")
         out["steps_before_fault"] = failure["step"]
-        # Steps since the last storage checkpoint due (every persist_every steps).
-        out["lost_steps_bound"] = failure["step"] % PERSIST_EVERY
+        # With the memory tier: none (every completed step is in memory); without it, the
+        # steps since the last storage checkpoint due (every persist_every steps).
+        out["lost_steps_bound"] = 0 if memory_tier else failure["step"] % PERSIST_EVERY
         out["failure"] = {k: v for k, v in failure.items() if k != "message"}
     if kinds and kinds[-1] == "finished":
         out["finished_s"] = events[-1]["time"] - ft
@@ -244,6 +253,7 @@ def analyse_stalwart(run_dir: Path, fault: str) -> dict[str, Any]:
         out["restored_from_step"] = recovered["from_step"]
         out["source"] = recovered["source"]
         out["phases"] = recovered["phases"]
+        out["restore_s"] = recovered["phases"].get("restore")
         out["world_size_after"] = recovered["world_size"]
         # The same from metrics.jsonl: fault -> the first row of the restored step + 1.
         again = [r["time"] for r in rows
@@ -254,8 +264,9 @@ def analyse_stalwart(run_dir: Path, fault: str) -> dict[str, Any]:
 
 
 def stalwart_overrides(runner: str) -> list[str]:
-    extra = {"stalwart": NO_SPARE, "stalwart+spare": SPARE, "stalwart-elastic": ELASTIC}[runner]
-    return [*STALWART_OVERRIDES, *extra]
+    base, _, tier = runner.partition("/")
+    extra = {"stalwart": NO_SPARE, "stalwart+spare": SPARE, "stalwart-elastic": ELASTIC}[base]
+    return [*STALWART_OVERRIDES, *extra, *(STORAGE_ONLY if tier == "storage" else [])]
 
 
 def run_stalwart(runner: str, fault: str, args: argparse.Namespace, work: Path,
@@ -281,7 +292,7 @@ def run_stalwart(runner: str, fault: str, args: argparse.Namespace, work: Path,
                       recovery_s=None, lost_steps=None, fault_time=None)
         return result
     result.update(exit_code=code, wall_s=wall)
-    result.update(analyse_stalwart(run_dir, fault))
+    result.update(analyse_stalwart(run_dir, fault, memory_tier=not runner.endswith("/storage")))
     result["completed"] = code == 0 and result["finished"]
     if code != 0 or result["missing_events"]:
         result["log_tail"] = common.tail(log, 25)
@@ -461,8 +472,9 @@ def summarise(results: list[dict[str, Any]], faults: list[str]) -> dict[str, Any
                 "detected": sum(bool(r.get("detected")) for r in rs),
                 "completed": sum(bool(r.get("completed")) for r in rs),
                 **{k: median([r.get(k) for r in rs])
-                   for k in ("detection_s", "restart_s", "recovery_s", "lost_steps",
+                   for k in ("detection_s", "restart_s", "recovery_s", "restore_s", "lost_steps",
                              "restored_from_step", "lost_steps_bound")},
+                "sources": sorted({str(r.get("source")) for r in rs}),
                 "max_detection_s": max((r["detection_s"] for r in rs
                                         if r.get("detection_s") is not None), default=None),
             }
@@ -473,7 +485,7 @@ def verdicts(results: list[dict[str, Any]], med: dict[str, Any]) -> list[dict[st
     out = []
     if "kill" in med:
         rt = med["kill"]["ray-train"]["recovery_s"]
-        for runner in ("stalwart", "stalwart+spare"):
+        for runner in ("stalwart", "stalwart+spare", "stalwart+spare/storage"):
             st = med["kill"][runner]["recovery_s"]
             ratio = rt / st if rt is not None and st else None
             out.append({
@@ -502,8 +514,9 @@ def verdicts(results: list[dict[str, Any]], med: dict[str, Any]) -> list[dict[st
     bad = [r for r in stalwart if r.get("lost_steps") is None or r.get("lost_steps_bound") is None
            or r["lost_steps"] > r["lost_steps_bound"]]
     out.append({
-        "target": "lost steps <= steps since the last storage checkpoint due "
-                  f"(checkpoint.persist_every={PERSIST_EVERY}), every stalwart run",
+        "target": "lost steps: 0 with the memory tier, <= steps since the last storage "
+                  f"checkpoint due (checkpoint.persist_every={PERSIST_EVERY}) without; every "
+                  "stalwart run",
         "value": max((r["lost_steps"] for r in stalwart if r.get("lost_steps") is not None),
                      default=None),
         "met": bool(stalwart) and not bad,
@@ -516,26 +529,31 @@ def verdicts(results: list[dict[str, Any]], med: dict[str, Any]) -> list[dict[st
 
 
 def print_table(med: dict[str, Any]) -> None:
-    head = (f"{'fault':<5} | {'system':<22} | {'detect s':>8} | {'restart s':>9} | "
-            f"{'recover s':>9} | {'lost':>4} | {'from':>4} | {'bound':>5} | {'ok':>5}")
+    head = (f"{'fault':<5} | {'system':<26} | {'detect s':>8} | {'restart s':>9} | "
+            f"{'restore s':>9} | {'recover s':>9} | {'lost':>4} | {'from':>4} | {'bound':>5} | "
+            f"{'source':<8} | {'ok':>5}")
     print("\nrecovery (medians)\n" + head + "\n" + "-" * len(head))
     for fault, rows in med.items():
         for runner, m in rows.items():
             detect = common.fmt(m["detection_s"], "8.2f")
             if runner == "ray-train" and fault == "hang" and not m["detected"]:
                 detect = f">{HANG_WAIT_S:g} n/d".rjust(8)
-            print(f"{fault:<5} | {m['label']:<22} | {detect} | "
-                  f"{common.fmt(m['restart_s'], '9.2f')} | {common.fmt(m['recovery_s'], '9.2f')} | "
+            source = ",".join(x for x in m.get("sources", []) if x != "None") or "-"
+            print(f"{fault:<5} | {m['label']:<26} | {detect} | "
+                  f"{common.fmt(m['restart_s'], '9.2f')} | {common.fmt(m.get('restore_s'), '9.2f')} | "
+                  f"{common.fmt(m['recovery_s'], '9.2f')} | "
                   f"{common.fmt(m['lost_steps'], '4.0f')} | "
                   f"{common.fmt(m['restored_from_step'], '4.0f')} | "
-                  f"{common.fmt(m['lost_steps_bound'], '5.0f')} | "
+                  f"{common.fmt(m['lost_steps_bound'], '5.0f')} | {source:<8} | "
                   f"{m['completed']}/{m['runs']:<3}")
     print("-" * len(head))
     print("detect: fault -> the controller decides it is a failure (n/d: not detected); "
-          "restart: fault -> the new world is up;\nrecover: fault -> the first step "
-          "completed after it; lost: steps trained again; from: step restored from;\n"
-          "bound: steps since the last checkpoint due (every "
-          f"{PERSIST_EVERY}); ok: runs that completed all {STEPS} steps")
+          "restart: fault -> the new world is up;\nrestore: the load of the checkpoint "
+          "(memory or storage); recover: fault -> the first step completed after it;\n"
+          "lost: steps trained again; from: step restored from; bound: the most lost steps "
+          f"allowed (0 with the memory tier, else steps since the last storage checkpoint due, "
+          f"every {PERSIST_EVERY});\nsource: where the restore came from; ok: runs that "
+          f"completed all {STEPS} steps")
 
 
 def plot(png: str, med: dict[str, Any]) -> str | None:
@@ -549,9 +567,13 @@ def plot(png: str, med: dict[str, Any]) -> str | None:
         return None
     faults = list(med)
     colors = {"stalwart": "#1f77b4", "stalwart+spare": "#6baed6",
-              "stalwart-elastic": "#08519c", "ray-train": "#ff7f0e"}
-    labels = {"stalwart": "stalwart", "stalwart+spare": "stalwart + warm spare",
-              "stalwart-elastic": "stalwart (shrinks on node loss)",
+              "stalwart+spare/storage": "#9e9ac8", "stalwart-elastic": "#08519c",
+              "stalwart-elastic/storage": "#756bb1", "ray-train": "#ff7f0e"}
+    labels = {"stalwart": "stalwart (memory tier)",
+              "stalwart+spare": "stalwart + warm spare (memory tier)",
+              "stalwart+spare/storage": "stalwart + warm spare, storage only",
+              "stalwart-elastic": "stalwart, shrinks on node loss (memory tier)",
+              "stalwart-elastic/storage": "stalwart, shrinks, storage only",
               "ray-train": "Ray Train TorchTrainer"}
     width = 0.8 / max(len(med[f]) for f in faults)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
@@ -597,11 +619,11 @@ def plot(png: str, med: dict[str, Any]) -> str | None:
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             legend.setdefault(label, handle)
-    fig.legend(list(legend.values()), list(legend), loc="lower center", ncol=len(legend),
-               fontsize=8, frameon=False)
+    fig.legend(list(legend.values()), list(legend), loc="lower center",
+               ncol=min(4, len(legend)), fontsize=8, frameon=False)
     fig.suptitle(f"Recovery on the reference task (tiny GPT, {WORKERS} workers, fault on rank 1 "
                  f"at step {FAULT_STEP}), medians", fontsize=10)
-    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     Path(png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
     plt.close(fig)
