@@ -65,23 +65,27 @@ class MemoryTier:
         self.limit_bytes = 0
         self.replicas = 0
         self.holders: dict[int, list[int]] = {}
+        self.replica_class: list[Any] | None = None
         self._checked = False
 
     # ------------------------------------------------------------------ per generation
 
     def join(self, engine: Engine, *, rank: int, generation: int, nodes: list[str],
-             replicas: int, limit_gb: float, timeout_s: float) -> None:
+             replicas: int, limit_gb: float, timeout_s: float,
+             replica_class: list[Any] | None = None) -> None:
         """Set up for a new world. Collective: every rank calls it, in the same order as the
-        other process groups it creates."""
+        other process groups it creates. `replica_class` tells data-parallel replicas apart
+        (equal values: identical state), so that no snapshot is sent to its own twin."""
         self.rank, self.generation, self.replicas = rank, generation, replicas
         self.holders = holders_for(nodes, replicas)
+        self.replica_class = replica_class
         self.limit_bytes = memory_limit_bytes(limit_gb, nodes.count(nodes[rank]))
         self.stager = SnapshotStager(state_dict=engine.state_dict,
                                      scalar_state=engine.scalar_state,
                                      signature=engine.signature, device=engine.device)
         self.replicator = Replicator(rank=rank, world_size=len(nodes), generation=generation,
                                      holders=self.holders, store=self.store,
-                                     timeout_s=timeout_s)
+                                     timeout_s=timeout_s, replica_class=replica_class)
         self._checked = False
 
     def snapshot(self, step: int, on_half: Callable[[], None] | None = None) -> Shard:
@@ -97,7 +101,8 @@ class MemoryTier:
 
     def _check_limit(self, layout: Layout) -> None:
         self._checked = True
-        held = sum(1 for hs in self.holders.values() if self.rank in hs)
+        assert self.replicator is not None
+        held = len(self.replicator.receives_from)
         # Two buffers of our own, two per shard held for a peer (peers' shards are the
         # same size in data parallelism and about the same when sharded).
         need = 2 * layout.nbytes * (1 + held)

@@ -68,16 +68,32 @@ def holders_for(nodes: list[str], replicas: int) -> dict[int, list[int]]:
     return out
 
 
+def exchanges(rank: int, holders: dict[int, list[int]], replica_class: list[Any] | None = None
+              ) -> tuple[list[int], list[int]]:
+    """(ranks this rank sends its snapshot to, ranks it receives snapshots from).
+
+    A holder that is a data-parallel replica of the rank (equal `replica_class`) already
+    holds an identical snapshot of its own: nothing is sent to it. Data parallelism across
+    nodes therefore replicates for free, and only sharded state (FSDP, TP, PP) is copied.
+    """
+    def twins(a: int, b: int) -> bool:
+        return replica_class is not None and replica_class[a] == replica_class[b]
+
+    sends = [h for h in holders.get(rank, []) if not twins(rank, h)]
+    receives = sorted(q for q, hs in holders.items()
+                      if rank in hs and q != rank and not twins(rank, q))
+    return sends, receives
+
+
 class Replicator:
     def __init__(self, *, rank: int, world_size: int, generation: int,
-                 holders: dict[int, list[int]], store: MemoryStore,
-                 timeout_s: float) -> None:
+                 holders: dict[int, list[int]], store: MemoryStore, timeout_s: float,
+                 replica_class: list[Any] | None = None) -> None:
         self.rank = rank
         self.generation = generation
         self.store = store
         self.timeout_s = timeout_s
-        self.sends_to = holders.get(rank, [])
-        self.receives_from = sorted(q for q, hs in holders.items() if rank in hs and q != rank)
+        self.sends_to, self.receives_from = exchanges(rank, holders, replica_class)
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replicate")
         self._pending: Future[None] | None = None

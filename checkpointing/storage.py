@@ -26,8 +26,6 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, Fsspec
 
 from stalwart.checkpointing.catalog import list_step_dirs
 from stalwart.checkpointing.errors import CheckpointError
-from stalwart.checkpointing.snapshot import Shard
-from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
 from stalwart.checkpointing.layout import (
     FORMAT_VERSION,
     MANIFEST,
@@ -36,6 +34,8 @@ from stalwart.checkpointing.layout import (
     sha256_of,
     step_dir_name,
 )
+from stalwart.checkpointing.snapshot import Shard
+from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
 from stalwart.workers.reports import CommitReport
 
 

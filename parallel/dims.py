@@ -48,6 +48,14 @@ class ParallelDims:
     def dp_size(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    def replica_class(self, rank: int) -> tuple[int, int, int]:
+        """The (pp, dp_shard, tp) coordinates of a rank: ranks with equal ones are
+        data-parallel replicas, holding identical parameters and optimizer state."""
+        tp_i = rank % self.tp
+        shard_i = rank // self.tp % self.dp_shard
+        pp_i = rank // (self.tp * self.dp_shard * self.dp_replicate)
+        return pp_i, shard_i, tp_i
+
     def check_model(self, *, n_heads: int | None, n_layers: int | None = None) -> None:
         """Refuse a layout the model cannot be split by."""
         if self.tp > 1 and n_heads is not None and n_heads % self.tp:

@@ -34,8 +34,8 @@ from stalwart.config import JobConfig, config_from_dict
 from stalwart.parallel.distributed import (
     Rendezvous,
     abort_process_groups,
-    forget_dtensor_caches,
     destroy_process_group,
+    forget_dtensor_caches,
     free_port,
     init_process_group,
     pick_device,
@@ -160,9 +160,11 @@ class TrainWorker:
         ck = self.config.checkpoint
         self._tiered = ck.snapshot_every > 0
         if self._tiered:
+            dims = self.engine.dims
             self.tier.join(self._engine_view(), rank=rank, generation=generation, nodes=nodes,
                            replicas=ck.replicas, limit_gb=ck.memory_limit_gb,
-                           timeout_s=self.config.failure.collective_timeout_s)
+                           timeout_s=self.config.failure.collective_timeout_s,
+                           replica_class=[dims.replica_class(r) for r in range(world_size)])
 
     def _engine_view(self) -> Engine:
         engine = self.engine

@@ -24,11 +24,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from stalwart.checkpointing.catalog import CheckpointInfo
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
+from stalwart.checkpointing.catalog import CheckpointInfo
 from stalwart.checkpointing.layout import join, step_dir_name
 from stalwart.checkpointing.memory_catalog import MemoryChoice
 from stalwart.checkpointing.memory_store import Holding, Inventory

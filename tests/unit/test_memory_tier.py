@@ -9,7 +9,6 @@ No process group: the replication exchange itself is covered by tests/dist/test_
 from __future__ import annotations
 
 import dataclasses
-
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,10 +31,11 @@ from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, Wri
 from stalwart.checkpointing.memory_catalog import MemoryChoice, newest_complete
 from stalwart.checkpointing.memory_reader import MemoryReader, build_metadata
 from stalwart.checkpointing.memory_store import KEEP, Holding, Inventory, MemoryStore
-from stalwart.checkpointing.replication import holders_for
+from stalwart.checkpointing.replication import exchanges, holders_for
 from stalwart.checkpointing.snapshot import Layout, Shard, SnapshotStager, build_layout
 from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
 from stalwart.config import JobConfig, load_config
+from stalwart.parallel.dims import ParallelDims
 from stalwart.task import TrainTask, build_task
 from stalwart.workers.engine import TrainEngine
 from stalwart.workers.reports import StepReport
@@ -670,3 +670,32 @@ def test_no_inventories_hold_nothing() -> None:
     assert newest_complete({}) == (None, "no snapshot is held in memory")
     assert newest_complete({"A": _inventory(), "B": _inventory()}) == (
         None, "no snapshot is held in memory")
+
+
+def test_replica_class_names_data_parallel_twins() -> None:
+    # pp=2 x dp_replicate=2 x dp_shard=2 x tp=1: ranks 0 and 2 are replicas (same shard, same
+    # stage), 4 and 6 are too but of the other stage.
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=1, pp=2)
+    classes = [dims.replica_class(r) for r in range(8)]
+    assert classes == [(0, 0, 0), (0, 1, 0), (0, 0, 0), (0, 1, 0),
+                       (1, 0, 0), (1, 1, 0), (1, 0, 0), (1, 1, 0)]
+    tp = ParallelDims(dp_replicate=2, dp_shard=1, tp=2)
+    assert [tp.replica_class(r) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 0, 0),
+                                                      (0, 0, 1)]
+
+
+def test_nothing_is_sent_to_a_data_parallel_twin() -> None:
+    # DDP over two nodes: every rank's holder is its twin, which holds the same snapshot.
+    holders = holders_for(["a", "b"], 1)
+    assert [exchanges(r, holders, [(0, 0, 0)] * 2) for r in range(2)] == [([], []), ([], [])]
+    # HSDP 2x2 over two nodes: the ring pairs each shard with its replica on the other node.
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=1)
+    holders = holders_for(["a", "a", "b", "b"], 1)
+    classes = [dims.replica_class(r) for r in range(4)]
+    assert [exchanges(r, holders, classes) for r in range(4)] == [([], [])] * 4
+    # FSDP over 4 ranks on one node: every shard is distinct, all are sent.
+    holders = holders_for(["a"] * 4, 1)
+    fsdp = ParallelDims(dp_replicate=1, dp_shard=4, tp=1)
+    assert [exchanges(r, holders, [fsdp.replica_class(q) for q in range(4)])
+            for r in range(4)] == [([1], [3]), ([2], [0]), ([3], [1]), ([0], [2])]
+    assert exchanges(0, holders) == ([1], [3])  # no classes: everything is sent
