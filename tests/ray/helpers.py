@@ -8,8 +8,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from stalwart.run_dir import read_jsonl
-from tests.cli_helpers import TINY
+from tests.cli_helpers import TINY, exported_weights
 
 # 60 tiny steps, a checkpoint every 10, a metrics row every step, gradients summed in one
 # order for any world size (so a resized run can be compared bit for bit).
@@ -48,3 +50,37 @@ def consumed_samples(run_dir: Path) -> set[int]:
     assert len(out) == max(last) * (rows[-1]["samples_seen"] // rows[-1]["step"]), \
         "a sample was trained twice or skipped"
     return out
+
+
+def events_of(run_dir: Path) -> list[dict[str, Any]]:
+    return read_jsonl(run_dir / "events.jsonl")
+
+
+def only(events: list[dict[str, Any]], kind: str) -> dict[str, Any]:
+    """The one event of this kind (fails if there are none or several)."""
+    (found,) = [e for e in events if e["kind"] == kind]
+    return found
+
+
+def assert_same_weights(tmp_path: Path, reference: Path, run_dir: Path) -> None:
+    """The run ended with the reference run's weights, bit for bit, trained on its samples."""
+    a = exported_weights(reference, tmp_path, reference.name)
+    b = exported_weights(run_dir, tmp_path, run_dir.name)
+    for key in a:
+        assert torch.equal(a[key], b[key]), f"{key} differs from the failure-free run"
+    assert consumed_samples(run_dir) == consumed_samples(reference)
+
+
+def local_cluster(worker_nodes: int, cpus: int = 2):
+    """A ray.cluster_utils.Cluster on this machine: a driver-only head node (0 CPUs) and
+    `worker_nodes` nodes of `cpus` CPUs; Ray notices a dead node in ~2 s, not ~15-30 s."""
+    from ray.cluster_utils import Cluster
+
+    c = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False,
+        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
+                           "health_check_initial_delay_ms": 0, "worker_niceness": 0}})
+    for _ in range(worker_nodes):
+        c.add_node(num_cpus=cpus)
+    c.wait_for_nodes()
+    return c

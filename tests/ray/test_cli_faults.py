@@ -10,41 +10,22 @@ import subprocess
 import textwrap
 
 import pytest
-import torch
 
 from stalwart.checkpointing.catalog import committed_checkpoints, verify
 from stalwart.run_dir import read_jsonl
 from tests.cli_helpers import (
     REFERENCE_CONFIG,
     STALWART,
-    exported_weights,
     sets,
     stalwart,
     wait_for_step,
 )
 from tests.ray.conftest import RUN
-from tests.ray.helpers import consumed_samples
+from tests.ray.helpers import assert_same_weights, events_of, only
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 FAST_HANG = ["failure.hang_timeout_floor_s=3"]
-
-
-def events_of(run_dir):
-    return read_jsonl(run_dir / "events.jsonl")
-
-
-def only(events, kind):
-    (found,) = [e for e in events if e["kind"] == kind]
-    return found
-
-
-def assert_same_weights(tmp_path, straight_run, run_dir):
-    a = exported_weights(straight_run, tmp_path, "straight")
-    b = exported_weights(run_dir, tmp_path, run_dir.name)
-    for key in a:
-        assert torch.equal(a[key], b[key]), f"{key} differs from the failure-free run"
-    assert consumed_samples(run_dir) == consumed_samples(straight_run)
 
 
 def survivors_kept(events, replaced_rank):

@@ -16,6 +16,7 @@ from stalwart.checkpointing.replication import holders_for
 from stalwart.run_dir import read_jsonl
 from stalwart.workers.faults import children_of
 from tests.cli_helpers import REFERENCE_CONFIG, STALWART, TINY, sets, stalwart, wait_for_step
+from tests.ray.helpers import events_of, local_cluster, only
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -30,28 +31,11 @@ SHARDED4 = [*TINY, "train.steps=50", "checkpoint.persist_every=10", "checkpoint.
 @pytest.fixture(scope="module")
 def cluster():
     """A driver-only head node and three worker nodes of 2 CPUs each."""
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False,
-        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
-                           "health_check_initial_delay_ms": 0, "worker_niceness": 0}})
-    for _ in range(3):
-        c.add_node(num_cpus=2)
-    c.wait_for_nodes()
+    c = local_cluster(3)
     try:
         yield c
     finally:
         c.shutdown()
-
-
-def events_of(run_dir):
-    return read_jsonl(run_dir / "events.jsonl")
-
-
-def only(events, kind):
-    (found,) = [e for e in events if e["kind"] == kind]
-    return found
 
 
 def test_a_lost_node_is_restored_from_replicas_resharded(tmp_path, cluster):

@@ -8,11 +8,10 @@ weights equal a failure-free run's bit for bit every time."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 from stalwart.run_dir import read_jsonl
-from tests.cli_helpers import REFERENCE_CONFIG, TINY, exported_weights, sets, stalwart
-from tests.ray.helpers import consumed_samples
+from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
+from tests.ray.helpers import assert_same_weights, only
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -35,19 +34,6 @@ def run_with(tmp_path, fault: str, name: str) -> list[dict]:
     return read_jsonl(tmp_path / name / "events.jsonl")
 
 
-def only(events, kind):
-    (found,) = [e for e in events if e["kind"] == kind]
-    return found
-
-
-def assert_same_as(sharded_run, tmp_path, run_dir):
-    a = exported_weights(sharded_run, tmp_path, "straight")
-    b = exported_weights(run_dir, tmp_path, run_dir.name)
-    for key in a:
-        assert torch.equal(a[key], b[key]), f"{key} differs from the failure-free run"
-    assert consumed_samples(run_dir) == consumed_samples(sharded_run)
-
-
 def test_the_memory_tier_reports_its_size(sharded_run):
     events = read_jsonl(sharded_run / "events.jsonl")
     tier = only(events, "memory_tier")
@@ -68,7 +54,7 @@ def test_a_kill_restores_the_step_before_it_from_memory(tmp_path, sharded_run):
     chosen = only(events, "checkpoint_chosen")
     assert (chosen["source"], chosen["memory_step"], chosen["storage_step"]) == \
         ("memory", 24, 20)
-    assert_same_as(sharded_run, tmp_path, tmp_path / "killed")
+    assert_same_weights(tmp_path, sharded_run, tmp_path / "killed")
 
 
 @pytest.mark.parametrize("kind", ["kill-staging", "kill-replicating"])
@@ -81,7 +67,7 @@ def test_a_kill_during_a_snapshot_restores_the_previous_step(tmp_path, sharded_r
     assert recovered == {**recovered, "source": "memory", "from_step": 24, "lost_steps": 1}
     rows = read_jsonl(tmp_path / kind / "metrics.jsonl")
     assert [r["step"] for r in rows].count(25) == 2  # step 25 was trained again
-    assert_same_as(sharded_run, tmp_path, tmp_path / kind)
+    assert_same_weights(tmp_path, sharded_run, tmp_path / kind)
 
 
 def test_replicas_are_made_again_after_a_recovery(tmp_path, sharded_run):
@@ -94,7 +80,7 @@ def test_replicas_are_made_again_after_a_recovery(tmp_path, sharded_run):
     recovered = [e for e in events if e["kind"] == "recovered"]
     assert [(e["source"], e["from_step"], e["lost_steps"]) for e in recovered] == [
         ("memory", 14, 0), ("memory", 31, 0)]
-    assert_same_as(sharded_run, tmp_path, tmp_path / "twice")
+    assert_same_weights(tmp_path, sharded_run, tmp_path / "twice")
 
 
 def test_a_tier_that_cannot_fit_fails_with_the_setting_named(tmp_path):

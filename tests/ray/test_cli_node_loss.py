@@ -12,7 +12,7 @@ import torch
 
 from stalwart.run_dir import read_jsonl
 from tests.cli_helpers import REFERENCE_CONFIG, STALWART, exported_weights, sets, stalwart
-from tests.ray.helpers import ELASTIC, consumed_samples, wait_for_event
+from tests.ray.helpers import ELASTIC, consumed_samples, local_cluster, wait_for_event
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -37,16 +37,7 @@ WORLD4 = [*ELASTIC, "train.steps=120", "scaling.num_workers=4", "scaling.min_wor
 @pytest.fixture(scope="module")
 def cluster():
     """A driver-only head node and two worker nodes of 2 CPUs each."""
-    from ray.cluster_utils import Cluster
-
-    c = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False,
-        # Notice a dead node in ~2 s rather than Ray's default ~15-30 s.
-        "_system_config": {"health_check_period_ms": 500, "health_check_failure_threshold": 4,
-                           "health_check_initial_delay_ms": 0, "worker_niceness": 0}})
-    for _ in range(2):
-        c.add_node(num_cpus=2)
-    c.wait_for_nodes()
+    c = local_cluster(2)
     try:
         yield c
     finally:
