@@ -81,6 +81,11 @@ class Display(Protocol):
     def log(self, message: str) -> None: ...
 
 
+# Steps into a world after which its memory tier holds what it will hold from then on (two
+# snapshots of each shard it keeps, the newest of them replicated): when its size is reported.
+TIER_STEADY_AFTER = 3
+
+
 class Controller:
     # Heartbeats are drained in batches; a poll costs an RPC per worker, so not faster.
     POLL_INTERVAL_S = 0.5
@@ -380,7 +385,7 @@ class Controller:
                 self._on_step(report)
         self.hangs.answered(rank, now, progressed=bool(st.steps or st.commits))
         if st.snapshot_bytes:
-            self._tier_bytes[rank] = st.snapshot_bytes
+            self._tier_bytes[rank] = max(st.snapshot_bytes, self._tier_bytes.get(rank, 0))
             self._report_tier()
         if st.done:
             self._done[rank] = st
@@ -389,9 +394,12 @@ class Controller:
             self._plan_preemption(rank)
 
     def _report_tier(self) -> None:
-        """Once per world, when every rank holds snapshots: the memory tier's size."""
+        """Once per world, when every rank has reported after the world's first few
+        snapshots (two of its own and its peers' copies held): the memory tier's size."""
         generation = getattr(self.state, "generation", 0)
-        if self._tier_reported == generation or len(self._tier_bytes) < self.world_size:
+        start = getattr(self.state, "start_step", 0)
+        if self._tier_reported == generation or len(self._tier_bytes) < self.world_size \
+                or self.last_step < start + TIER_STEADY_AFTER:
             return
         self._tier_reported = generation
         ck = self.config.checkpoint

@@ -869,8 +869,9 @@ def test_the_memory_tier_size_is_reported_once_per_world(
                                   statuses([3, 4], done=True)]]
     w = FakeWorld(tmp_path, monkeypatch, [Plan(polls=polls)], ["train.steps=4"])
     assert w.run() == Finished(step=4)
+    # Not after the first two steps (a peer's copy may still be on its way): after the third.
     (tier,) = w.all("memory_tier")
-    assert tier["bytes_per_worker"] == 2000 and tier["bytes_total"] == 3000
+    assert tier["bytes_per_worker"] == 5000 and tier["bytes_total"] == 10000
     assert tier["generation"] == 0 and tier["replicas"] == 1
 
 
