@@ -360,6 +360,7 @@ class Controller:
         now = time.time()
         for rank, st in answered.items():
             self._absorb(rank, st, now)
+        self._report_tier()
         failure = self._find_failure(answered, dead, now)
         if failure is not None:
             return self._on_failure(failure)
@@ -386,7 +387,6 @@ class Controller:
         self.hangs.answered(rank, now, progressed=bool(st.steps or st.commits))
         if st.snapshot_bytes:
             self._tier_bytes[rank] = max(st.snapshot_bytes, self._tier_bytes.get(rank, 0))
-            self._report_tier()
         if st.done:
             self._done[rank] = st
             self.hangs.finished(rank)  # done ranks wait for their peers: not a stall
