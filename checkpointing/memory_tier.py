@@ -66,7 +66,6 @@ class MemoryTier:
         self.replicas = 0
         self.holders: dict[int, list[int]] = {}
         self.replica_class: list[Any] | None = None
-        self._checked = False
 
     # ------------------------------------------------------------------ per generation
 
@@ -80,27 +79,25 @@ class MemoryTier:
         self.holders = holders_for(nodes, replicas)
         self.replica_class = replica_class
         self.limit_bytes = memory_limit_bytes(limit_gb, nodes.count(nodes[rank]))
-        self.stager = SnapshotStager(state_dict=engine.state_dict,
-                                     scalar_state=engine.scalar_state,
-                                     signature=engine.signature, device=engine.device)
         self.replicator = Replicator(rank=rank, world_size=len(nodes), generation=generation,
                                      holders=self.holders, store=self.store,
                                      timeout_s=timeout_s, replica_class=replica_class)
-        self._checked = False
+        # The limit is checked when a layout is known, before its buffers are allocated.
+        self.stager = SnapshotStager(state_dict=engine.state_dict,
+                                     scalar_state=engine.scalar_state,
+                                     signature=engine.signature, device=engine.device,
+                                     on_layout=self._check_limit)
 
     def snapshot(self, step: int, on_half: Callable[[], None] | None = None) -> Shard:
         """Stage this rank's state as `step` and start replicating it."""
         assert self.stager is not None and self.replicator is not None
         self.replicator.wait()  # normally done already (see replication.py: ordering)
         shard = self.stager.stage(step, on_half=on_half, before_overwrite=self.store.forget_buffer)
-        if not self._checked:
-            self._check_limit(shard.layout)
         self.store.put(self.generation, self.rank, shard)
         self.replicator.replicate(shard)
         return shard
 
     def _check_limit(self, layout: Layout) -> None:
-        self._checked = True
         assert self.replicator is not None
         held = len(self.replicator.receives_from)
         # Two buffers of our own, two per shard held for a peer (peers' shards are the

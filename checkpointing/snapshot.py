@@ -131,8 +131,10 @@ class SnapshotStager:
 
     def __init__(self, *, state_dict: Callable[[], dict[str, Any]],
                  scalar_state: Callable[[], dict[str, Any]],
-                 signature: Callable[[], Any], device: torch.device) -> None:
+                 signature: Callable[[], Any], device: torch.device,
+                 on_layout: Callable[[Layout], None] | None = None) -> None:
         self._state_dict = state_dict
+        self._on_layout = on_layout  # told of each new layout before its buffers exist
         self._scalar_state = scalar_state
         self._signature = signature
         self.device = device
@@ -161,6 +163,8 @@ class SnapshotStager:
         # param group) do not change between steps: keep them from the full state dict.
         self._constant_values = {name: flat[name] for name in layout.value_names
                                  if name not in scalars}
+        if self._on_layout is not None:
+            self._on_layout(layout)
         if self.layout is None or layout.nbytes != self.layout.nbytes:
             pin = self.device.type == "cuda"
             self._buffers = [torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)

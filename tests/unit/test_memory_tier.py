@@ -699,3 +699,20 @@ def test_nothing_is_sent_to_a_data_parallel_twin() -> None:
     assert [exchanges(r, holders, [fsdp.replica_class(q) for q in range(4)])
             for r in range(4)] == [([1], [3]), ([2], [0]), ([3], [1]), ([0], [2])]
     assert exchanges(0, holders) == ([1], [3])  # no classes: everything is sent
+
+
+def test_a_layout_is_checked_before_its_buffers_exist(gpt) -> None:
+    engine = _engine(gpt, STAGED_AT)
+    seen: list[Layout] = []
+
+    def refuse(layout: Layout) -> None:
+        seen.append(layout)
+        raise MemoryError("too big")
+
+    stager = SnapshotStager(state_dict=engine.state_dict, scalar_state=engine.scalar_state,
+                            signature=engine.state_signature, device=torch.device("cpu"),
+                            on_layout=refuse)
+    with pytest.raises(MemoryError, match="too big"):
+        stager.stage(engine.step)
+    assert len(seen) == 1 and seen[0].nbytes > 0
+    assert stager.buffers == []  # nothing was allocated
