@@ -192,7 +192,11 @@ def test_kill_during_a_storage_write_keeps_the_last_commit(tmp_path):
     committed_before = [e["step"] for e in events[:events.index(failure)]
                         if e["kind"] == "checkpoint_committed"]
     assert committed_before == [10]  # step 20 was being written when rank 1 died
-    assert only(events, "recovered")["from_step"] == 10
+    # Storage's newest valid checkpoint is 10 (20 is partial, not offered); memory has 21.
+    chosen = only(events, "checkpoint_chosen")
+    assert (chosen["storage_step"], chosen["memory_step"], chosen["source"]) == \
+        (10, 21, "memory")
+    assert only(events, "recovered")["from_step"] == 21
     assert events[-1]["kind"] == "finished"
     for info in committed_checkpoints(str(tmp_path / "ckpt")):
         verify(info)
