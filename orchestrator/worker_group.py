@@ -102,6 +102,9 @@ class ElasticGroup:
         self.idle: list[Worker] = []
         self.starting: list[Worker] = []
         self.generation = -1
+        # Snapshots rescued from survivors that could not leave their world (killed since):
+        # key -> (their inventory, ObjectRefs of every snapshot they held, owned here).
+        self.rescued: dict[str, tuple[Inventory, dict[tuple[int, int, int], Any]]] = {}
         self._created = 0
         self._config_dict = config.to_dict()
         self._actor_class = ray.remote(TrainWorker)
@@ -240,7 +243,7 @@ class ElasticGroup:
         pool = self.members + self.idle
         refs = [w.actor.memory_inventory.remote() for w in pool]
         ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.LEAVE_TIMEOUT_S)
-        out = {}
+        out = {key: inventory for key, (inventory, _) in self.rescued.items()}
         for w, ref in zip(pool, refs, strict=True):
             if ref in ready:
                 try:
@@ -260,15 +263,19 @@ class ElasticGroup:
         member_keys = {w.key for w in self.members}
         sources = {}
         for src, keys in choice.holders.items():
+            snapshot = (choice.generation, src, choice.step)
+            rescued = [self.rescued[k][1][snapshot] for k in keys if k in self.rescued]
             live = [by_key[k] for k in keys if k in by_key]
-            if not live:
+            if live:
+                # Prefer a holder outside the world: its actor is idle, the export runs now.
+                holder = next((w for w in live if w.key not in member_keys), live[0])
+                sources[src] = holder.actor.export_snapshot.remote(*snapshot)
+            elif rescued:
+                sources[src] = rescued[0]
+            else:
                 raise GroupFailed(WorkerFailure(
                     kind=FailureKind.START_ERROR, rank=None, detected_at=time.time(),
                     message=f"no live holder of rank {src}'s snapshot"))
-            # Prefer a holder outside the world: its actor is idle, so the export runs now.
-            holder = next((w for w in live if w.key not in member_keys), live[0])
-            sources[src] = holder.actor.export_snapshot.remote(choice.generation, src,
-                                                               choice.step)
         out = self._get([w.actor.restore_memory.remote(choice.generation, choice.step,
                                                        choice.layouts, sources)
                          for w in self.members], kind=FailureKind.COLLECTIVE_ERROR)
@@ -279,6 +286,7 @@ class ElasticGroup:
         generations' snapshots. Returns each member's memory-tier bytes."""
         nbytes = self._get([w.actor.finish_restore.remote() for w in self.members],
                            kind=FailureKind.COLLECTIVE_ERROR)
+        self.rescued = {}  # the new world holds the restored step itself now
         for w in self.idle:
             w.actor.forget_snapshots.remote(self.generation)
         return nbytes
@@ -341,10 +349,30 @@ class ElasticGroup:
                 survivors.append(w)
                 steps.append(ok["step"])
             else:
+                if ok is not None:  # it answers, but its training thread is stuck
+                    self._rescue(w)
                 self._kill(w)
         # Survivors first, in their old rank order: rank 0 usually stays rank 0.
         self.members, self.idle = [], survivors + self.idle
         return steps
+
+    def _rescue(self, w: Worker) -> None:
+        """Copy what a worker about to be killed holds in memory to the object store.
+
+        A survivor whose training thread cannot unwind (stuck in a collective) is replaced,
+        but its snapshots (its own and its peers' replicas) may be the only copies of a
+        shard: they are exported before the kill and served from here at the restore.
+        """
+        try:
+            inventory = ray.get(w.actor.memory_inventory.remote(), timeout=self.LEAVE_TIMEOUT_S)
+            refs = {(h.generation, h.source, h.step):
+                    w.actor.export_snapshot.remote(h.generation, h.source, h.step)
+                    for h in inventory.holdings}
+            ray.wait(list(refs.values()), num_returns=len(refs), timeout=self.LEAVE_TIMEOUT_S,
+                     fetch_local=False)
+        except Exception:
+            return  # nothing rescued: the restore uses what the others hold
+        self.rescued[w.key] = (inventory, refs)
 
     # ------------------------------------------------------------------ teardown
 

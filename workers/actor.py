@@ -321,7 +321,7 @@ class TrainWorker:
         if self._thread is not None:
             self.tier.abandon()  # a snapshot exchange with a lost peer must not hold us
             if self._thread.is_alive():
-                # Whatever collective the thread (or a peer) waits in fails now.
+                # Whatever collective the thread waits in fails now.
                 abort_process_groups()
             self._thread.join(timeout_s)
             if self._thread.is_alive():

@@ -58,9 +58,6 @@ def test_a_lost_node_is_restored_from_replicas_resharded(tmp_path, cluster):
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, 51))
     assert events[-1]["kind"] == "finished"
-    _forget_dead_nodes(cluster)
-    cluster.add_node(num_cpus=2)  # for the next test: three nodes again
-    cluster.wait_for_nodes()
 
 
 def _raylet(node):
@@ -91,10 +88,20 @@ def _kill_nodes_at_once(cluster, node_ids: set[str]) -> None:
         cluster.remove_node(n, allow_graceful=False)
 
 
+def _three_live_nodes(cluster) -> None:
+    """Nodes a fault killed are cleaned up; new ones make three live worker nodes again."""
+    _forget_dead_nodes(cluster)
+    while len(cluster.worker_nodes) < 3:
+        cluster.add_node(num_cpus=2)
+    cluster.wait_for_nodes()
+
+
 def test_two_adjacent_nodes_lost_falls_back_to_storage(tmp_path, cluster):
+    _three_live_nodes(cluster)  # whatever an earlier test left
     run_dir = tmp_path / "two-lost"
     proc = subprocess.Popen(
-        [STALWART, "run", str(REFERENCE_CONFIG), *sets(*SHARDED4), "--address",
+        [STALWART, "run", str(REFERENCE_CONFIG), *sets(*SHARDED4, "scaling.wait_for_workers_s=60"),
+         "--address",
          cluster.address, "--run-dir", "two-lost"], cwd=tmp_path, stdout=subprocess.PIPE,
         stderr=subprocess.PIPE, text=True)
     try:
