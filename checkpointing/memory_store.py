@@ -13,6 +13,7 @@ never lists a snapshot that is half written.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -94,14 +95,14 @@ class MemoryStore:
             return Inventory(holdings=tuple(holdings), layouts=layouts, nbytes=self._nbytes(),
                              names={g: n for g, n in self._names.items() if g in gens})
 
-    def _nbytes(self, extra: list[torch.Tensor] = ()) -> int:  # type: ignore[assignment]
+    def _nbytes(self, extra: Sequence[torch.Tensor] = ()) -> int:
         seen = {id(b): b.numel() for b in extra}
         for shards in self._shards.values():
             for s in shards:
                 seen[id(s.buffer)] = s.buffer.numel()
         return sum(seen.values())
 
-    def nbytes(self, extra: list[torch.Tensor] = ()) -> int:  # type: ignore[assignment]
+    def nbytes(self, extra: Sequence[torch.Tensor] = ()) -> int:
         """Bytes held, counting `extra` buffers (the stager's) once even if listed."""
         with self._lock:
             return self._nbytes(extra)

@@ -63,25 +63,19 @@ class MemoryTier:
         self.generation = -1
         self.rank = -1
         self.limit_bytes = 0
-        self.replicas = 0
-        self.holders: dict[int, list[int]] = {}
-        self.replica_class: list[Any] | None = None
 
     # ------------------------------------------------------------------ per generation
 
     def join(self, engine: Engine, *, rank: int, generation: int, nodes: list[str],
-             replicas: int, limit_gb: float, timeout_s: float,
-             replica_class: list[Any] | None = None) -> None:
+             replicas: int, limit_gb: float, replica_class: list[Any] | None = None) -> None:
         """Set up for a new world. Collective: every rank calls it, in the same order as the
         other process groups it creates. `replica_class` tells data-parallel replicas apart
         (equal values: identical state), so that no snapshot is sent to its own twin."""
-        self.rank, self.generation, self.replicas = rank, generation, replicas
-        self.holders = holders_for(nodes, replicas)
-        self.replica_class = replica_class
+        self.rank, self.generation = rank, generation
         self.limit_bytes = memory_limit_bytes(limit_gb, nodes.count(nodes[rank]))
-        self.replicator = Replicator(rank=rank, world_size=len(nodes), generation=generation,
-                                     holders=self.holders, store=self.store,
-                                     timeout_s=timeout_s, replica_class=replica_class)
+        self.replicator = Replicator(rank=rank, generation=generation,
+                                     holders=holders_for(nodes, replicas), store=self.store,
+                                     replica_class=replica_class)
         # The limit is checked when a layout is known, before its buffers are allocated.
         self.stager = SnapshotStager(state_dict=engine.state_dict,
                                      scalar_state=engine.scalar_state,

@@ -86,13 +86,11 @@ def exchanges(rank: int, holders: dict[int, list[int]], replica_class: list[Any]
 
 
 class Replicator:
-    def __init__(self, *, rank: int, world_size: int, generation: int,
-                 holders: dict[int, list[int]], store: MemoryStore, timeout_s: float,
-                 replica_class: list[Any] | None = None) -> None:
+    def __init__(self, *, rank: int, generation: int, holders: dict[int, list[int]],
+                 store: MemoryStore, replica_class: list[Any] | None = None) -> None:
         self.rank = rank
         self.generation = generation
         self.store = store
-        self.timeout_s = timeout_s
         self.sends_to, self.receives_from = exchanges(rank, holders, replica_class)
         self.group = dist.new_group(backend="gloo") if dist.is_initialized() else None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replicate")

@@ -181,14 +181,12 @@ class SnapshotStager:
         """
         self._refresh_layout()
         assert self.layout is not None
-        values = dict(self._constant_values)
-        values.update(flatten_state_dict(self._scalar_state())[0])
-        missing = set(self.layout.value_names) - set(values)
-        if missing:  # a new kind of value appeared: describe the state again
+        values = self._values()
+        if set(self.layout.value_names) - set(values):
+            # A new kind of value appeared: describe the state again.
             self._sig = None
             self._refresh_layout()
-            values = dict(self._constant_values)
-            values.update(flatten_state_dict(self._scalar_state())[0])
+            values = self._values()
         buffer = self._buffers[self._next]
         self._next ^= 1
         if before_overwrite is not None:
@@ -205,6 +203,11 @@ class SnapshotStager:
         else:
             self._copy(shard, half, on_half, non_blocking=False)
         return shard
+
+    def _values(self) -> dict[str, Any]:
+        """The non-tensor leaves now, by flattened name (the constant ones kept from the
+        layout's full state dict)."""
+        return {**self._constant_values, **flatten_state_dict(self._scalar_state())[0]}
 
     def _copy(self, shard: Shard, half: int, on_half: Callable[[], None] | None, *,
               non_blocking: bool) -> None:

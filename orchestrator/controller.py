@@ -66,7 +66,7 @@ class WorkerGroup(Protocol):
     def restore(self, path: str) -> int: ...
     def memory_inventory(self) -> dict[str, Inventory]: ...
     def restore_memory(self, choice: MemoryChoice) -> tuple[int, list[list[int]]]: ...
-    def finish_restore(self) -> list[int]: ...
+    def finish_restore(self) -> None: ...
     def launch(self) -> None: ...
     def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]: ...
     def ack_faults(self, rank: int) -> None: ...
@@ -279,11 +279,16 @@ class Controller:
                       f"nothing complete in memory: {why_not}")
         else:
             source, reason = "none", f"nothing complete in memory ({why_not}) or in storage"
+        self._chosen(source, memory_step, storage_step, reason, generation)
+        return choice
+
+    def _chosen(self, source: str, memory_step: int | None, storage_step: int | None,
+                reason: str, generation: int) -> None:
+        """Log where a world restores from, with both candidates and why."""
         self.events.emit("checkpoint_chosen", source=source, step=memory_step
                          if source == "memory" else storage_step, memory_step=memory_step,
                          storage_step=storage_step, reason=reason, generation=generation)
         self.display.log(f"restoring from {source}: {reason}")
-        return choice
 
     def _arm_faults(self, workers: list[dict[str, Any]]) -> dict[int, list[tuple[int, str, str]]]:
         armed, unresolved = self.faults.arm(workers, self.group.driver_node_id)
@@ -304,13 +309,10 @@ class Controller:
                                     FailureKind.HANG):
                     raise
                 # A holder vanished or a shard would not load: storage is the fallback.
-                self.events.emit("checkpoint_chosen", source="storage" if state.checkpoint
-                                 else "none", step=state.checkpoint.step if state.checkpoint
-                                 else None, memory_step=state.memory.step,
-                                 storage_step=state.checkpoint.step if state.checkpoint
-                                 else None, reason=f"restoring from memory failed: "
-                                                   f"{failure.message}",
-                                 generation=state.generation)
+                storage_step = state.checkpoint.step if state.checkpoint else None
+                self._chosen("storage" if state.checkpoint else "none", state.memory.step,
+                             storage_step, f"restoring from memory failed: {failure.message}",
+                             state.generation)
         if self._restored_from == "none" and state.checkpoint is not None:
             start_step = self.group.restore(state.checkpoint.path)
             self._restored_from = "storage"

@@ -76,6 +76,18 @@ def _failure_from(exc: BaseException, rank: int | None, default: FailureKind) ->
                          ranks=() if rank is None else (rank,))
 
 
+def _answers(refs: list[Any], *, timeout: float) -> list[Any]:
+    """Each call's result, or None for one that failed or did not answer within `timeout`."""
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])
+    out = []
+    for ref in refs:
+        try:
+            out.append(ray.get(ref) if ref in ready else None)
+        except Exception:
+            out.append(None)
+    return out
+
+
 def valid_world_sizes(config: JobConfig, up_to: int) -> list[int]:
     """World sizes <= up_to that the layout and the global batch can be split over."""
     out = []
@@ -241,15 +253,10 @@ class ElasticGroup:
         """What each live warm worker holds in memory (workers that do not answer hold
         nothing usable)."""
         pool = self.members + self.idle
-        refs = [w.actor.memory_inventory.remote() for w in pool]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.LEAVE_TIMEOUT_S)
+        answers = _answers([w.actor.memory_inventory.remote() for w in pool],
+                           timeout=self.LEAVE_TIMEOUT_S)
         out = {key: inventory for key, (inventory, _) in self.rescued.items()}
-        for w, ref in zip(pool, refs, strict=True):
-            if ref in ready:
-                try:
-                    out[w.key] = ray.get(ref)
-                except Exception:
-                    pass
+        out.update({w.key: inv for w, inv in zip(pool, answers, strict=True) if inv is not None})
         return out
 
     def restore_memory(self, choice: MemoryChoice) -> tuple[int, list[list[int]]]:
@@ -281,15 +288,14 @@ class ElasticGroup:
                          for w in self.members], kind=FailureKind.COLLECTIVE_ERROR)
         return out[0]["step"], [o["fetched"] for o in out]
 
-    def finish_restore(self) -> list[int]:
+    def finish_restore(self) -> None:
         """Members stage the restored step and replicate it; idle workers forget older
-        generations' snapshots. Returns each member's memory-tier bytes."""
-        nbytes = self._get([w.actor.finish_restore.remote() for w in self.members],
-                           kind=FailureKind.COLLECTIVE_ERROR)
+        generations' snapshots. (The tier's size is reported through the polls.)"""
+        self._get([w.actor.finish_restore.remote() for w in self.members],
+                  kind=FailureKind.COLLECTIVE_ERROR)
         self.rescued = {}  # the new world holds the restored step itself now
         for w in self.idle:
             w.actor.forget_snapshots.remote(self.generation)
-        return nbytes
 
     def launch(self) -> None:
         self._get([w.actor.start.remote() for w in self.members])
@@ -334,17 +340,11 @@ class ElasticGroup:
         Returns the engine steps the survivors had completed. A member that cannot leave
         (stuck thread, dead process) is killed.
         """
-        refs = [w.actor.leave.remote(self.LEAVE_TIMEOUT_S) for w in self.members]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.LEAVE_TIMEOUT_S + 5)
+        answers = _answers([w.actor.leave.remote(self.LEAVE_TIMEOUT_S) for w in self.members],
+                           timeout=self.LEAVE_TIMEOUT_S + 5)
         steps, survivors = [], []
-        for w, ref in zip(self.members, refs, strict=True):
+        for w, ok in zip(self.members, answers, strict=True):
             w.poll_ref = None
-            ok = None
-            if ref in ready:
-                try:
-                    ok = ray.get(ref)
-                except Exception:
-                    ok = None
             if ok is not None and ok["left"]:
                 survivors.append(w)
                 steps.append(ok["step"])

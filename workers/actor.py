@@ -163,15 +163,11 @@ class TrainWorker:
             dims = self.engine.dims
             self.tier.join(self._engine_view(), rank=rank, generation=generation, nodes=nodes,
                            replicas=ck.replicas, limit_gb=ck.memory_limit_gb,
-                           timeout_s=self.config.failure.collective_timeout_s,
                            replica_class=[dims.replica_class(r) for r in range(world_size)])
 
     def _engine_view(self) -> Engine:
-        engine = self.engine
-        assert engine is not None
-        return Engine(state_dict=engine.state_dict, scalar_state=engine.scalar_state,
-                      signature=engine.state_signature, load_state_dict=engine.load_state_dict,
-                      device=engine.device)
+        assert self.engine is not None
+        return self.engine.tier_view()
 
     def _reset_run_state(self) -> None:
         self._steps.clear()
@@ -202,13 +198,12 @@ class TrainWorker:
                                     layouts=layouts, fetch=lambda src: ray.get(sources[src]))
         return {"step": self.engine.step, "fetched": fetched}
 
-    def finish_restore(self) -> int:
+    def finish_restore(self) -> None:
         """After every rank restored: stage the restored step in this world and replicate
-        it, then forget older generations' snapshots. Collective. Returns the tier's bytes."""
+        it, then forget older generations' snapshots. Collective."""
         assert self.engine is not None
         if self._tiered:
             self.tier.after_restore(self.engine.step)
-        return self.tier.nbytes()
 
     def memory_inventory(self) -> Inventory:
         return self.tier.inventory()

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
+from stalwart.checkpointing.memory_tier import Engine
 from stalwart.parallel.data_parallel import gradient_sync
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
 from stalwart.parallel.grad_norm import clip_grad_norm
@@ -225,6 +226,12 @@ class TrainEngine:
                     local = value.to_local() if isinstance(value, DTensor) else value
                     sig.append(local.data_ptr())
         return tuple(sig)
+
+    def tier_view(self) -> Engine:
+        """This engine as the in-memory checkpoint tier sees it."""
+        return Engine(state_dict=self.state_dict, scalar_state=self.scalar_state,
+                      signature=self.state_signature, load_state_dict=self.load_state_dict,
+                      device=self.device)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],

@@ -9,9 +9,8 @@ import torch
 
 from stalwart.checkpointing.memory_catalog import newest_complete
 from stalwart.checkpointing.memory_store import Inventory
-from stalwart.checkpointing.memory_tier import Engine, MemoryTier
+from stalwart.checkpointing.memory_tier import MemoryTier
 from stalwart.checkpointing.snapshot import Shard
-from stalwart.workers.engine import TrainEngine
 from tests.dist.launcher import run_ranks
 from tests.dist.test_checkpoint_reshard import full_weights, make_engine
 from tests.dist.test_data_parallel import cache_dir  # noqa: F401 (fixture)
@@ -21,20 +20,14 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 SNAP_AT, CONTINUE = 4, 3
 
 
-def engine_view(engine: TrainEngine) -> Engine:
-    return Engine(state_dict=engine.state_dict, scalar_state=engine.scalar_state,
-                  signature=engine.state_signature, load_state_dict=engine.load_state_dict,
-                  device=engine.device)
-
-
 def train_with_snapshots(rank, world, cache, layout, nodes):
     """Train SNAP_AT steps with a snapshot after each, then continue without: what a run
     that never failed would do. Returns the weights at SNAP_AT, the losses after it, and
     what this rank's tier holds (inventory, and each held shard as a peer would fetch it)."""
     engine = make_engine(rank, world, cache, layout)
     tier = MemoryTier()
-    tier.join(engine_view(engine), rank=rank, generation=0, nodes=nodes, replicas=1,
-              limit_gb=1.0, timeout_s=60)
+    tier.join(engine.tier_view(), rank=rank, generation=0, nodes=nodes, replicas=1,
+              limit_gb=1.0)
     for _ in range(SNAP_AT):
         engine.train_step(before_update=tier.wait_copy_done, before_summary=tier.wait_replicated)
         tier.snapshot(engine.step)
@@ -57,9 +50,9 @@ def restore_in_new_world(rank, world, cache, layout, choice, held, all_exported)
     for (src, step), (array, values) in held.items():
         tier.store.put(0, src, Shard(step=step, layout=choice.layouts[src],
                                      buffer=torch.from_numpy(array), values=values))
-    tier.join(engine_view(engine), rank=rank, generation=1, nodes=[f"n{r}" for r in range(world)],
-              replicas=1, limit_gb=1.0, timeout_s=60)
-    fetched = tier.restore(engine_view(engine), generation=0, step=choice.step,
+    tier.join(engine.tier_view(), rank=rank, generation=1, nodes=[f"n{r}" for r in range(world)],
+              replicas=1, limit_gb=1.0)
+    fetched = tier.restore(engine.tier_view(), generation=0, step=choice.step,
                            layouts=choice.layouts,
                            fetch=lambda src: all_exported[(src, choice.step)])
     assert engine.step == SNAP_AT and engine.samples_seen == SNAP_AT * 8

@@ -316,9 +316,8 @@ class FakeGroup:
         self._steps = {pid: choice.step for pid in self._steps}
         return choice.step, [[] for _ in self.members]
 
-    def finish_restore(self) -> list[int]:
+    def finish_restore(self) -> None:
         self._call("finish_restore")
-        return [0] * len(self.members)
 
     def launch(self) -> None:
         self._call("launch")
