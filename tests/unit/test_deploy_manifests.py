@@ -1,0 +1,352 @@
+"""deploy/: the KubeRay manifests, the Dockerfile and the Slurm script hold what their tools need.
+
+Neither Kubernetes, Docker nor Slurm runs here, so each file is checked by reading it: the
+fields KubeRay's RayCluster and RayJob require, the values that must agree across files (the
+Ray and Python versions pyproject pins, the ports KubeRay's head service looks up by name, one
+image for every pod, checkpoint storage every pod sees), a RayJob entrypoint that is a valid
+`stalwart run` command line for a real config, and a Slurm script that bash parses.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import re
+import shlex
+import subprocess
+import tomllib
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import pytest
+import yaml
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
+
+from stalwart.cli import _parser
+from stalwart.config import JobConfig, load_config
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+REPO = Path(__file__).resolve().parents[2]
+KUBERNETES = REPO / "deploy" / "kubernetes"
+DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
+SBATCH = REPO / "deploy" / "slurm" / "stalwart.sbatch"
+PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+
+# The kinds deploy/kubernetes may hold, with the apiVersion each must carry.
+API_VERSIONS = {"RayCluster": "ray.io/v1", "RayJob": "ray.io/v1", "PersistentVolumeClaim": "v1"}
+# KubeRay builds the head service from the head container's ports, found by these names.
+HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
+DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
+
+
+def _lower_bound(specifier: SpecifierSet) -> str:
+    (low,) = [s.version for s in specifier if s.operator == ">="]
+    return low
+
+
+def _ray_version() -> str:
+    """pyproject's lower bound on Ray as a full release (`>=2.60` -> `2.60.0`): the image's Ray."""
+    (ray,) = [r for r in map(Requirement, PROJECT["dependencies"]) if r.name == "ray"]
+    parts = _lower_bound(ray.specifier).split(".")
+    return ".".join(parts + ["0"] * (3 - len(parts)))
+
+
+RAY_VERSION = _ray_version()
+PYTHON_TAG = "py" + _lower_bound(SpecifierSet(PROJECT["requires-python"])).replace(".", "")
+# The CPU build of torch that CI installs (.ci/run) is the one the image installs.
+(TORCH_VERSION,) = set(re.findall(r"torch==([\w.+]+)", (REPO / ".ci" / "run").read_text()))
+
+
+# ---------------------------------------------------------------------------- reading
+
+
+def _documents() -> list[tuple[str, dict[str, Any]]]:
+    return [(path.name, doc) for path in sorted(KUBERNETES.glob("*.y*ml"))
+            for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+DOCUMENTS = _documents()
+
+
+def _one(kind: str) -> dict[str, Any]:
+    (doc,) = [d for _, d in DOCUMENTS if d["kind"] == kind]
+    return doc
+
+
+def _cluster_specs() -> dict[str, dict[str, Any]]:
+    return {"RayCluster": _one("RayCluster")["spec"],
+            "RayJob.rayClusterSpec": _one("RayJob")["spec"]["rayClusterSpec"]}
+
+
+def _groups(spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Head first, then the worker groups: each has rayStartParams and a pod template."""
+    return [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+
+
+def _container(group: dict[str, Any]) -> dict[str, Any]:
+    return group["template"]["spec"]["containers"][0]  # the Ray container comes first
+
+
+def _cpus(quantity: str | int | float) -> float:
+    """A Kubernetes CPU quantity (`2`, `"1.5"`, `"500m"`) in CPUs."""
+    text = str(quantity)
+    return float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+
+
+def _shared_mounts(group: dict[str, Any]) -> set[str]:
+    """Mount paths of the group's Ray container backed by a ReadWriteMany claim of storage.yaml."""
+    claims = {d["metadata"]["name"] for _, d in DOCUMENTS if d["kind"] == "PersistentVolumeClaim"
+              and "ReadWriteMany" in d["spec"]["accessModes"]}
+    volumes = {v["name"] for v in group["template"]["spec"].get("volumes", [])
+               if v.get("persistentVolumeClaim", {}).get("claimName") in claims}
+    return {m["mountPath"] for m in _container(group).get("volumeMounts", [])
+            if m["name"] in volumes}
+
+
+def _under(path: str, mounts: set[str]) -> bool:
+    return any(PurePosixPath(path).is_relative_to(m) for m in mounts)
+
+
+def _entrypoint() -> tuple[argparse.Namespace, JobConfig]:
+    """The RayJob's entrypoint parsed as the CLI parses it, and the config it resolves to."""
+    argv = shlex.split(_one("RayJob")["spec"]["entrypoint"])
+    assert argv[:2] == ["stalwart", "run"], f"entrypoint is not `stalwart run ...`: {argv}"
+    args = _parser().parse_args(argv[1:])
+    assert (REPO / args.config).is_file(), f"entrypoint config {args.config} is not in the repo"
+    # validates every --set key and value, as `stalwart run` does before starting anything
+    return args, load_config(REPO / args.config, args.overrides)
+
+
+# ---------------------------------------------------------------------------- KubeRay
+
+
+def test_the_manifests_are_found() -> None:
+    # guards the scan: with no documents, the parametrized tests below would prove nothing
+    assert sorted(d["kind"] for _, d in DOCUMENTS) == ["PersistentVolumeClaim", "RayCluster",
+                                                        "RayJob"]
+
+
+@pytest.mark.parametrize(("name", "doc"), DOCUMENTS, ids=[f"{n}:{d.get('kind')}"
+                                                          for n, d in DOCUMENTS])
+def test_every_document_has_a_known_kind_its_api_version_and_a_name(name: str,
+                                                                     doc: dict[str, Any]) -> None:
+    assert doc.get("kind") in API_VERSIONS, f"{name}: unexpected kind {doc.get('kind')!r}"
+    assert doc.get("apiVersion") == API_VERSIONS[doc["kind"]], name
+    assert DNS_LABEL.fullmatch(doc["metadata"]["name"]), name
+
+
+@pytest.mark.parametrize("where", _cluster_specs())
+def test_cluster_spec_has_what_kuberay_requires(where: str) -> None:
+    spec = _cluster_specs()[where]
+    assert spec["rayVersion"] == RAY_VERSION, f"{where}: rayVersion is not pyproject's Ray"
+    head = spec["headGroupSpec"]
+    assert head["rayStartParams"].get("dashboard-host") == "0.0.0.0", where
+    ports = {p["name"]: p["containerPort"] for p in _container(head).get("ports", [])}
+    assert {name: ports.get(name) for name in HEAD_PORTS} == HEAD_PORTS, where
+    assert spec["workerGroupSpecs"], f"{where}: no worker group"
+    names = [g["groupName"] for g in spec["workerGroupSpecs"]]
+    assert len(set(names)) == len(names) and all(map(DNS_LABEL.fullmatch, names)), names
+    for group in _groups(spec):
+        label = f"{where}: {group.get('groupName', 'head')}"
+        params = group["rayStartParams"]
+        # the CRD types rayStartParams as map[string]string: a bare number is rejected
+        assert all(isinstance(v, str) for v in params.values()), f"{label}: {params}"
+        container = _container(group)
+        assert container["image"], label
+        limits = container["resources"]["limits"]
+        assert {"cpu", "memory"} <= set(limits), f"{label}: limits {limits}"
+        # Ray's logical CPUs are the pod's CPUs; only the head may keep training off (0)
+        allowed = {_cpus(limits["cpu"])} | ({0.0} if group is head else set())
+        assert _cpus(params["num-cpus"]) in allowed, f"{label}: num-cpus vs limits.cpu"
+    for group in spec["workerGroupSpecs"]:
+        counts = [group[k] for k in ("minReplicas", "replicas", "maxReplicas")]
+        assert all(isinstance(c, int) for c in counts), counts
+        assert 0 <= counts[0] <= counts[1] <= counts[2], f"{group['groupName']}: {counts}"
+
+
+def _logical_cpus(spec: dict[str, Any]) -> float:
+    return _cpus(spec["headGroupSpec"]["rayStartParams"]["num-cpus"]) + sum(
+        g["replicas"] * _cpus(g["rayStartParams"]["num-cpus"]) for g in spec["workerGroupSpecs"])
+
+
+def _needed_cpus(config: JobConfig) -> float:
+    sc = config.scaling
+    return (sc.num_workers + sc.spare_workers) * sc.cpus_per_worker
+
+
+def test_the_raycluster_fits_the_reference_task() -> None:
+    config = load_config(REPO / "examples" / "gpt" / "config.toml")
+    assert _logical_cpus(_one("RayCluster")["spec"]) >= _needed_cpus(config)
+
+
+def test_every_pod_runs_one_image() -> None:
+    # Ray needs the same Ray and Python on every node; the RayJob submitter uses the head's
+    images = {_container(g)["image"] for spec in _cluster_specs().values() for g in _groups(spec)}
+    assert len(images) == 1, images
+
+
+def test_rayjob_runs_on_the_same_cluster_as_raycluster() -> None:
+    assert _cluster_specs()["RayJob.rayClusterSpec"] == _cluster_specs()["RayCluster"]
+
+
+def test_rayjob_submits_and_cleans_up() -> None:
+    spec = _one("RayJob")["spec"]
+    assert spec["submissionMode"] == "K8sJobMode"
+    assert spec["shutdownAfterJobFinishes"] is True
+    ttl = spec["ttlSecondsAfterFinished"]
+    assert isinstance(ttl, int) and ttl >= 0, ttl
+
+
+def test_rayjob_entrypoint_is_a_stalwart_run_that_joins_the_cluster_and_fits_it() -> None:
+    args, config = _entrypoint()
+    assert args.command == "run"
+    # without --address, stalwart starts a Ray of its own inside the head pod
+    assert args.address == "auto", args.address
+    assert _logical_cpus(_one("RayJob")["spec"]["rayClusterSpec"]) >= _needed_cpus(config)
+    # the relative config path resolves in the image's working directory
+    workdirs = {_container(g).get("workingDir", _dockerfile_workdir())
+                for g in _groups(_one("RayJob")["spec"]["rayClusterSpec"])}
+    assert workdirs == {_dockerfile_workdir()}, workdirs
+
+
+def test_rayjob_checkpoints_and_run_dir_are_on_storage_every_pod_sees() -> None:
+    args, config = _entrypoint()
+    groups = _groups(_one("RayJob")["spec"]["rayClusterSpec"])
+    storage = config.checkpoint.storage
+    assert storage, "checkpoint.storage is unset: it would be the head pod's local run dir"
+    scheme, sep, rest = storage.partition("://")
+    if sep and scheme != "file":
+        return  # an object store (s3://, gs://, ...): every pod reaches it over the network
+    path = rest if sep else storage
+    for group in groups:
+        assert _under(path, _shared_mounts(group)), (
+            f"{storage} is not on a ReadWriteMany volume of {group.get('groupName', 'head')}")
+    # the driver (on the head) writes the run dir: on the volume, it outlives the cluster
+    assert args.run_dir and _under(args.run_dir, _shared_mounts(groups[0])), args.run_dir
+
+
+# ---------------------------------------------------------------------------- Dockerfile
+
+
+def _instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, its arguments) with continuation lines joined and ARG defaults expanded."""
+    text = DOCKERFILE.read_text().replace("\\\n", " ")
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip() and not ln.strip().startswith("#")]
+    pairs = [(op.upper(), rest.strip()) for op, _, rest in (ln.partition(" ") for ln in lines)]
+    defaults = dict(rest.split("=", 1) for op, rest in pairs if op == "ARG" and "=" in rest)
+    defaults = {k: v.strip('"') for k, v in defaults.items()}
+
+    def expand(rest: str) -> str:
+        return re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: defaults.get(m[1] or m[2], m[0]), rest)
+
+    return [(op, expand(rest)) for op, rest in pairs]
+
+
+def _runs() -> list[list[str]]:
+    """The commands of every RUN, in order, as argv lists (a `a && b` RUN gives two)."""
+    commands = []
+    for op, rest in _instructions():
+        if op == "RUN":
+            tokens = shlex.split(rest)
+            cuts = [-1] + [i for i, t in enumerate(tokens) if t in ("&&", "||", ";")] + [len(tokens)]
+            commands += [tokens[a + 1:b] for a, b in itertools.pairwise(cuts)]
+    return commands
+
+
+def _dockerfile_workdir() -> str:
+    return [rest for op, rest in _instructions() if op == "WORKDIR"][-1]
+
+
+def test_dockerfile_builds_on_the_ray_image_pyproject_pins() -> None:
+    (base,) = [rest for op, rest in _instructions() if op == "FROM"]
+    assert base == f"rayproject/ray:{RAY_VERSION}-{PYTHON_TAG}-cpu"
+
+
+def test_dockerfile_installs_cpu_torch_then_the_project() -> None:
+    torch = [tokens for tokens in _runs() if f"torch=={TORCH_VERSION}" in tokens]
+    assert torch, f"no RUN installs torch=={TORCH_VERSION}"
+    tokens = torch[0]
+    assert tokens[:2] == ["pip", "install"]
+    assert tokens[tokens.index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"
+    (copy,) = [rest.split() for op, rest in _instructions()
+               if op == "COPY" and rest.split()[-2] == "."]
+    source = copy[-1]  # the checkout, copied whole (.dockerignore trims it)
+    install = [t for t in _runs() if t[:2] == ["pip", "install"] and source in t]
+    assert install, f"no RUN pip-installs the project copied to {source}"
+    assert _runs().index(tokens) < _runs().index(install[0]), "torch must come first"
+
+
+def test_dockerfile_runs_as_a_non_root_user_from_a_workdir_with_the_examples() -> None:
+    users = [rest for op, rest in _instructions() if op == "USER"]
+    assert users and users[-1] not in ("root", "0"), users
+    workdir = _dockerfile_workdir()
+    assert any(f"{workdir}/examples" in tokens for tokens in _runs()), (
+        f"examples/ is not copied into the WORKDIR {workdir}")
+
+
+def test_dockerignore_keeps_local_state_out_of_the_build_context() -> None:
+    entries = {ln.strip().rstrip("/") for ln in (REPO / ".dockerignore").read_text().splitlines()
+               if ln.strip() and not ln.startswith("#")}
+    assert {".git", ".venv", "runs", "bench/results"} <= entries, entries
+
+
+# ---------------------------------------------------------------------------- Slurm
+
+
+def _sbatch_commands() -> list[str]:
+    """The script's lines with continuations joined."""
+    return SBATCH.read_text().replace("\\\n", " ").splitlines()
+
+
+def _directives() -> dict[str, str]:
+    """#SBATCH options; Slurm reads them only before the script's first command."""
+    lines = SBATCH.read_text().splitlines()
+    first_command = next(i for i, ln in enumerate(lines)
+                         if ln.strip() and not ln.lstrip().startswith("#"))
+    late = [ln for ln in lines[first_command:] if ln.startswith("#SBATCH")]
+    assert not late, f"#SBATCH after the first command is ignored by Slurm: {late}"
+    found = [re.fullmatch(r"#SBATCH\s+(--[\w-]+)(?:[=\s]+(\S+))?\s*", ln)
+             for ln in lines if ln.startswith("#SBATCH")]
+    assert all(found), "an #SBATCH line that is not a single option"
+    return {m[1]: m[2] or "" for m in found}
+
+
+def test_sbatch_asks_for_nodes_and_one_task_per_node() -> None:
+    directives = _directives()
+    assert int(directives["--nodes"]) >= 1
+    assert directives["--ntasks-per-node"] == "1"
+    assert "--cpus-per-task" in directives
+
+
+def test_sbatch_starts_ray_on_every_node_in_background_steps() -> None:
+    starts = [ln for ln in _sbatch_commands() if "ray start" in ln]
+    head = [ln for ln in starts if "ray start --head" in ln]
+    workers = [ln for ln in starts if "ray start --address" in ln]
+    assert len(head) == 1 and len(workers) == 1, starts
+    for line in head + workers:
+        assert line.lstrip().startswith("srun ") and line.rstrip().endswith("&"), line
+        assert "--block" in line and "--num-cpus=" in line and "--num-gpus=" in line, line
+    assert "--port=" in head[0]
+    assert re.search(r"^trap \w+ EXIT$", SBATCH.read_text(), flags=re.M), "Ray is not stopped"
+
+
+def test_sbatch_runs_stalwart_with_a_real_config_on_the_cluster() -> None:
+    (run,) = [ln for ln in _sbatch_commands() if ln.lstrip().startswith("stalwart run")]
+    tokens = shlex.split(run.split("||")[0])
+    assert tokens[tokens.index("--address") + 1].endswith("$address"), run
+    (config,) = re.findall(r"^CONFIG=\$\{CONFIG:-(.+)\}$", SBATCH.read_text(), flags=re.M)
+    # the overrides as they come out for the default allocation (one rank per node)
+    shell = {"$num_nodes": _directives()["--nodes"]}
+    overrides = [tokens[i + 1] for i, t in enumerate(tokens) if t == "--set"]
+    for var, value in shell.items():
+        overrides = [o.replace(var, value) for o in overrides]
+    assert any(o.startswith("scaling.num_workers=") for o in overrides), overrides
+    load_config(REPO / config, overrides)
+
+
+def test_sbatch_is_valid_bash() -> None:
+    proc = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True,
+                          timeout=30)
+    assert proc.returncode == 0, proc.stderr
