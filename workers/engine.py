@@ -75,6 +75,9 @@ class TrainEngine:
                              if self.mesh is not None and self.dp_size > 1 else None)
         self.optimizer = task.build_optimizer(self.model, config)
         self.scheduler = task.build_lr_scheduler(self.optimizer, config)
+        # What this run's config asks of the optimizer, re-applied over a checkpoint's own.
+        self._configured = [{k: v for k, v in g.items() if k not in ("params", "lr")}
+                            for g in self.optimizer.param_groups]
 
         self.train_data = task.train_dataset(config)
         self.val_data = task.val_dataset(config)
@@ -237,5 +240,27 @@ class TrainEngine:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"])
         self.scheduler.load_state_dict(state["scheduler"])
+        self._apply_configured_hyperparameters()
         self.step = int(state["train"]["step"])
         self.samples_seen = int(state["train"]["samples_seen"])
+
+    def _apply_configured_hyperparameters(self) -> None:
+        """A checkpoint carries the hyperparameters it was trained with. A run restored from
+        it with others (a resume with a new train.lr; a Population Based Training trial that
+        takes another trial's checkpoint with mutated values) trains with its own. The LR
+        keeps its place in the schedule: scaled by new base / old base. With the same config
+        nothing changes, so a restore stays bit-exact."""
+        base_lrs = getattr(self.scheduler, "base_lrs", None)
+        for i, (group, wanted) in enumerate(zip(self.optimizer.param_groups, self._configured,
+                                                strict=True)):
+            for key, value in wanted.items():
+                if key != "initial_lr" and group.get(key) != value:
+                    group[key] = value
+            old_base, new_base = group.get("initial_lr"), wanted.get("initial_lr")
+            if old_base and new_base is not None and new_base != old_base:
+                group["lr"] = group["lr"] * new_base / old_base
+                group["initial_lr"] = new_base
+                if base_lrs is not None:
+                    base_lrs[i] = new_base
+        if hasattr(self.scheduler, "_last_lr"):  # what get_last_lr() answers
+            self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
