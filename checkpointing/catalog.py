@@ -41,19 +41,28 @@ def list_step_dirs(url: str) -> list[tuple[int, bool]]:
 
 
 def read_checkpoint(url: str, step: int) -> CheckpointInfo:
-    path = join(url, step_dir_name(step))
+    return read_step_dir(join(url, step_dir_name(step)), step=step)
+
+
+def read_step_dir(path: str, *, step: int | None = None) -> CheckpointInfo:
+    """The committed checkpoint in the step directory `path` (its step from the manifest
+    unless the directory's name gives it)."""
     fs, root = filesystem(path)
+    where = f"step {step} under {path.rsplit('/', 1)[0]!r}" if step is not None else repr(path)
     try:
         with fs.open(f"{root}/{MANIFEST}", "r") as f:
             manifest = json.load(f)
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint step {step} under {url!r} is not committed "
-                              f"(no {MANIFEST})") from None
+        raise CheckpointError(f"checkpoint {where} is not committed (no {MANIFEST})") from None
     except json.JSONDecodeError as exc:
         raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is damaged: {exc}") from None
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path!r}: manifest format "
                               f"{manifest.get('format')!r}, expected {FORMAT_VERSION}")
+    if step is None:
+        step = manifest.get("step")
+        if not isinstance(step, int):
+            raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} names no step")
     return CheckpointInfo(step=step, path=path, manifest=manifest)
 
 

@@ -1,4 +1,4 @@
-"""The `stalwart` command line: run, export, plan.
+"""The `stalwart` command line: run, export, plan, sweep.
 
 Exit codes: 0 finished, 1 the run failed, 2 bad input (nothing was started or changed),
 130 stopped by Ctrl-C after checkpointing the last completed step.
@@ -52,6 +52,15 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--step", type=int, help="checkpoint step (default: the newest committed)")
     exp.add_argument("--out", required=True, help="output file: .safetensors, .pt, .pth or .bin")
     _add_plan_parser(sub)
+
+    sw = sub.add_parser("sweep", help="sweep hyperparameters with Ray Tune, as SWEEP.toml says")
+    sw.add_argument("sweep", help="TOML sweep file (see examples/gpt/sweep_asha.toml)")
+    sw.add_argument("--set", dest="overrides", action="append", default=[],
+                    metavar="KEY=VALUE", help="override a key of the job config for every "
+                    "trial (repeatable)")
+    sw.add_argument("--address", help="Ray cluster to join (default: start Ray on this machine)")
+    sw.add_argument("--resume", action="store_true",
+                    help="continue the sweep's Tune experiment (Tune's own restore)")
     return p
 
 
@@ -129,6 +138,33 @@ def _cmd_export(args: argparse.Namespace) -> int:
     out = export_weights(task.build_model(config), checkpoint, Path(args.out))
     print(f"exported step {checkpoint.step} of {rd.path} to {out}")
     return EXIT_OK
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    import ray
+
+    from stalwart.cluster import connect
+    from stalwart.tune.sweep import (
+        check_experiment_dir,
+        embedded_cpus,
+        format_results,
+        run_sweep,
+        trial_rows,
+        write_results,
+    )
+    from stalwart.tune.sweep_file import load_sweep
+
+    sweep = load_sweep(args.sweep, args.overrides)
+    check_experiment_dir(sweep, args.resume)
+    started = connect(args.address, num_cpus=embedded_cpus(sweep))
+    try:
+        rows = trial_rows(sweep, run_sweep(sweep, resume=args.resume))
+    finally:
+        if started:
+            ray.shutdown()
+    print(format_results(sweep, rows))
+    print(f"results: {write_results(sweep, rows)}")
+    return EXIT_FAILED if any(r.state == "error" for r in rows) or not rows else EXIT_OK
 
 
 def parse_count(text: str) -> int:
@@ -245,6 +281,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_export(args)
         if args.command == "plan":
             return _cmd_plan(args)
+        if args.command == "sweep":
+            return _cmd_sweep(args)
         raise ValueError(f"unexpected command {args.command!r}")
     except StalwartError as exc:
         print(f"stalwart: error: {exc}", file=sys.stderr)

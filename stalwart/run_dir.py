@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -24,16 +25,22 @@ from stalwart.errors import RunDirError
 
 
 class JsonlWriter:
-    """Appends one JSON object per line and flushes it, so a reader (or a crash) sees whole lines."""
+    """Appends one JSON object per line and flushes it, so a reader (or a crash) sees whole lines.
+
+    Listeners (a run's callbacks) see each row after it is on disk, on the writer's thread.
+    """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
+        self.listeners: list[Callable[[dict[str, Any]], None]] = []
 
     def write(self, row: dict[str, Any]) -> None:
         line = json.dumps(row, default=str)
         with self._lock, self.path.open("a") as f:
             f.write(line + "\n")
+        for listener in self.listeners:
+            listener(row)
 
 
 class EventLog(JsonlWriter):

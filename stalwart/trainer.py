@@ -7,18 +7,21 @@ the config, the task path, the storage URL, the run directory and what it holds.
 
 from __future__ import annotations
 
-import logging
 import math
 import os
-import socket
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stalwart.checkpointing.catalog import CheckpointInfo, newest_valid
+from stalwart.callbacks import Callback
+from stalwart.checkpointing.catalog import CheckpointInfo, newest_valid, read_step_dir, verify
 from stalwart.checkpointing.errors import StorageURLError
 from stalwart.checkpointing.layout import filesystem
+from stalwart.checkpointing.transfer import copy_checkpoint
+from stalwart.cluster import check_reachable as _check_reachable  # noqa: F401 (old name)
+from stalwart.cluster import connect
 from stalwart.config import JobConfig, load_config
 from stalwart.errors import ClusterError, ConfigError, RunDirError
 from stalwart.orchestrator.controller import Controller
@@ -31,11 +34,6 @@ from stalwart.task import build_task
 # Keys that define what is being trained: changing them on --resume would silently mix two
 # different runs (another model, another data order), so it is refused.
 IDENTITY_KEYS = ("task.path", "task.args", "train.seed", "train.global_batch_size")
-
-# Ray settings for the Ray that stalwart starts on this machine (a cluster keeps its own):
-# Ray runs workers at nice 15 by default, so its daemons preempt them; a rank delayed that
-# way stalls every rank at the next collective. And with no dashboard, metrics go nowhere.
-EMBEDDED_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "enable_metrics_collection": False}
 
 
 @dataclass(frozen=True)
@@ -69,14 +67,29 @@ def config_changes(old: JobConfig, new: JobConfig) -> dict[str, list[Any]]:
 
 
 class Trainer:
+    """One stalwart run.
+
+    `start_from`: URL of a committed checkpoint's step directory (another run's, or one that
+    Ray Tune holds for a trial): a new run starts from its model, optimizer, schedule, step
+    and data position. It is copied into the run's own storage first, so workers only ever
+    read the run's storage. The config's hyperparameters (`train.lr`, `train.weight_decay`)
+    apply from there on. `workdir`: where the task's modules are imported from (default: the
+    current directory), on the driver and on every worker. `callbacks` see every metrics row
+    and event as it is written (see stalwart.callbacks).
+    """
+
     def __init__(self, config: JobConfig, *, run_dir: str | Path | None = None,
                  address: str | None = None, resume: bool = False,
-                 live_progress: bool | None = None) -> None:
+                 live_progress: bool | None = None, start_from: str | None = None,
+                 workdir: str | Path | None = None, callbacks: Sequence[Callback] = ()) -> None:
         self.config = config
         self.run_dir = RunDir(Path(run_dir) if run_dir else RunDir.default_path(config))
         self.address = address
         self.resume = resume
         self.live_progress = live_progress
+        self.start_from = start_from
+        self.workdir = str(Path(workdir).resolve()) if workdir else os.getcwd()
+        self.callbacks = list(callbacks)
 
     # ------------------------------------------------------------------ checks
 
@@ -122,40 +135,29 @@ class Trainer:
                               f"nothing to resume from")
         return checkpoint, changes, skipped
 
+    def _check_start_from(self) -> CheckpointInfo | None:
+        """The checkpoint a new run starts from, read and verified (nothing copied yet)."""
+        if self.start_from is None:
+            return None
+        if self.resume:
+            raise RunDirError("start_from and resume exclude each other: resume continues the "
+                              "run dir's own checkpoints")
+        info = read_step_dir(self.start_from)
+        verify(info)
+        return info
+
     # ------------------------------------------------------------------ Ray
 
     def _connect(self) -> tuple[bool, dict[str, Any]]:
         """Join or start Ray; returns (whether we started it, the workers' runtime_env)."""
-        import ray
 
         # Workers import the task by module path: let them find modules next to the user,
         # as the driver does (a cluster of other machines ships code with `stalwart submit`).
-        paths = [os.getcwd(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        paths = [self.workdir, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
         runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(paths),
                                     "OMP_NUM_THREADS": str(max(1, int(
                                         self.config.scaling.cpus_per_worker)))}}
-        if ray.is_initialized():
-            return False, runtime_env
-        if self.address:
-            _check_reachable(self.address)
-            try:
-                ray.init(address=self.address, logging_level="WARNING")
-            except Exception as exc:  # ConnectionError, ValueError, ... all mean the same here
-                hint = ("" if os.environ.get("RAY_AUTH_MODE") else
-                        " (a cluster with token authentication, the default of `ray start`, "
-                        "needs RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN or "
-                        "~/.ray/auth_token)")
-                raise ClusterError(f"--address {self.address!r}: cannot join the Ray cluster: "
-                                   f"{type(exc).__name__}: {exc}{hint}") from exc
-        else:
-            # Token authentication stays on; only Ray's notice that it is on is silenced.
-            logging.getLogger("ray._private.authentication.authentication_token_setup"
-                              ).setLevel(logging.ERROR)
-            # address="local": always a fresh instance of our own, never a `ray start`
-            # cluster that happens to run (or to have left its address file) on this machine.
-            ray.init(address="local", num_cpus=self._embedded_cpus(), include_dashboard=False,
-                     logging_level="WARNING", _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
-        return True, runtime_env
+        return connect(self.address, num_cpus=self._embedded_cpus()), runtime_env
 
     def _embedded_cpus(self) -> int:
         """The Ray on this machine has its cores, plus room for the warm spares.
@@ -197,17 +199,25 @@ class Trainer:
         storage_url = self.run_dir.storage_url(self.config)
         self._check_storage(storage_url)
         resume_from, changes, skipped = self._check_run_dir(storage_url)
+        origin = self._check_start_from()
         started_ray, runtime_env = self._connect()
         display = None
         try:
             self._check_resources()
             self._make_storage(storage_url)
+            for cb in self.callbacks:
+                self.run_dir.metrics.listeners.append(cb.on_metrics)
+                self.run_dir.events.listeners.append(cb.on_event)
             self.run_dir.write_config(self.config)
             for message in skipped:
                 self.run_dir.events.emit("checkpoint_skipped", message=message)
             if resume_from is not None:
                 self.run_dir.events.emit("resumed", from_step=resume_from.step,
                                          path=resume_from.path, config_changes=changes)
+            if origin is not None:
+                resume_from = copy_checkpoint(origin, storage_url)
+                self.run_dir.events.emit("started_from", from_step=origin.step,
+                                         origin=origin.path, path=resume_from.path)
             t0 = time.time()
             display = ProgressDisplay(
                 total_steps=self.config.train.steps,
@@ -220,7 +230,12 @@ class Trainer:
                 group_error=GroupFailed, events=self.run_dir.events,
                 metrics=self.run_dir.metrics, display=display, resume_from=resume_from,
                 draining_nodes=draining_nodes)
-            final = controller.run()
+            try:
+                final = controller.run()
+            except BaseException as exc:  # a second Ctrl-C; Tune stopping a trial; a callback
+                self.run_dir.events.emit("interrupted", step=controller.last_step,
+                                         reason=f"{type(exc).__name__}: {exc}".rstrip(": "))
+                raise
         finally:
             if display is not None:
                 display.close()
@@ -228,7 +243,10 @@ class Trainer:
                 import ray
 
                 ray.shutdown()
-        return self._result(final, controller, time.time() - t0)
+        result = self._result(final, controller, time.time() - t0)
+        for cb in self.callbacks:
+            cb.on_end(result)
+        return result
 
     def _result(self, final: State, controller: Controller, wall_s: float) -> RunResult:
         reason = None
@@ -252,19 +270,6 @@ def draining_nodes() -> set[str]:
         return set(state.state.get_draining_nodes())
     except Exception:  # a private API: if it moves, drains are noticed as node deaths instead
         return set()
-
-
-def _check_reachable(address: str) -> None:
-    """Fail in seconds on a HOST:PORT nothing listens on (ray.init retries for minutes)."""
-    host, sep, port = address.rpartition(":")
-    if "://" in address or not sep or not port.isdigit():
-        return  # `auto`, ray:// and other forms: Ray's own errors are quick and clear
-    try:
-        socket.create_connection((host, int(port)), timeout=5).close()
-    except OSError as exc:
-        raise ClusterError(f"--address {address!r}: nothing answers there ({exc}); start a "
-                           f"cluster with `ray start --head` and pass its address, or omit "
-                           f"--address to start Ray on this machine") from None
 
 
 def summarize(result: RunResult) -> str:

@@ -1,0 +1,32 @@
+"""Copying a committed checkpoint between storages (any two fsspec URLs), the way a commit
+writes one: every data file first, the manifest last, then every checksum verified.
+
+Used to start a run from a checkpoint that lives elsewhere (another run's, or one Ray Tune
+holds for a trial), and to hand a run's checkpoint to Tune. The copy is what the run's
+workers read, so they only ever need to see the run's own storage.
+"""
+
+from __future__ import annotations
+
+from stalwart.checkpointing.catalog import CheckpointInfo, read_step_dir, verify
+from stalwart.checkpointing.layout import MANIFEST, filesystem, join, step_dir_name
+
+
+def copy_checkpoint(info: CheckpointInfo, dest: str, *, as_step_dir: bool = True
+                    ) -> CheckpointInfo:
+    """Copy `info` into `dest` (as `dest/step_XXXXXXXXX`, or into `dest` itself) and return
+    the verified copy. A copy that fails part-way has no manifest, so it is never loaded."""
+    target = join(dest, step_dir_name(info.step)) if as_step_dir else dest
+    src_fs, src_root = filesystem(info.path)
+    dst_fs, dst_root = filesystem(target)
+    if dst_fs.exists(f"{dst_root}/{MANIFEST}"):
+        raise FileExistsError(f"{target} already holds a committed checkpoint")
+    dst_fs.makedirs(dst_root, exist_ok=True)
+    for name in [*sorted(info.manifest["files"]), MANIFEST]:
+        with src_fs.open(f"{src_root}/{name}", "rb") as src, \
+                dst_fs.open(f"{dst_root}/{name}", "wb") as dst:
+            for block in iter(lambda: src.read(1 << 22), b""):  # noqa: B023 (read at once)
+                dst.write(block)
+    copy = read_step_dir(target, step=info.step)
+    verify(copy)
+    return copy

@@ -1,0 +1,29 @@
+"""Callbacks: code of the user's (or of an integration such as Ray Tune) that sees a run as
+it goes, through exactly what the run writes to its run directory.
+
+    class PrintLoss(stalwart.Callback):
+        def on_metrics(self, row):
+            print(row["step"], row["loss"])
+
+    Trainer(config, callbacks=[PrintLoss()]).fit()
+
+Both hooks run on the driver, in the controller's loop, right after the row is written: keep
+them quick (the controller polls worker health from the same loop). An exception raised in a
+hook ends the run as an interrupted driver would: workers are stopped, checkpoints stay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+class Callback:
+    def on_metrics(self, row: dict[str, Any]) -> None:
+        """One row of metrics.jsonl (step, loss, lr, tokens_per_s, world_size, samples_seen,
+        time, and val_loss at validation steps)."""
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        """One row of events.jsonl ({"time", "kind", ...}; see README, The run directory)."""
+
+    def on_end(self, result: Any) -> None:
+        """The run's RunResult, after the workers have stopped."""

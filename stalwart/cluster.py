@@ -1,0 +1,57 @@
+"""Joining a Ray cluster, or starting Ray on this machine: one way for every command that
+needs Ray on the driver (`stalwart run`, `stalwart sweep`)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+
+from stalwart.errors import ClusterError
+
+# Ray settings for the Ray that stalwart starts on this machine (a cluster keeps its own):
+# Ray runs workers at nice 15 by default, so its daemons preempt them; a rank delayed that
+# way stalls every rank at the next collective. And with no dashboard, metrics go nowhere.
+EMBEDDED_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "enable_metrics_collection": False}
+
+
+def connect(address: str | None, *, num_cpus: int) -> bool:
+    """Join the cluster at `address`, or start a Ray of `num_cpus` logical CPUs on this
+    machine; True when this call started Ray (so the caller shuts it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    if address:
+        check_reachable(address)
+        try:
+            ray.init(address=address, logging_level="WARNING")
+        except Exception as exc:  # ConnectionError, ValueError, ... all mean the same here
+            hint = ("" if os.environ.get("RAY_AUTH_MODE") else
+                    " (a cluster with token authentication, the default of `ray start`, "
+                    "needs RAY_AUTH_MODE=token and its token in RAY_AUTH_TOKEN or "
+                    "~/.ray/auth_token)")
+            raise ClusterError(f"--address {address!r}: cannot join the Ray cluster: "
+                               f"{type(exc).__name__}: {exc}{hint}") from exc
+        return True
+    # Token authentication stays on; only Ray's notice that it is on is silenced.
+    logging.getLogger("ray._private.authentication.authentication_token_setup"
+                      ).setLevel(logging.ERROR)
+    # address="local": always a fresh instance of our own, never a `ray start` cluster that
+    # happens to run (or to have left its address file) on this machine.
+    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
+             logging_level="WARNING", _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
+    return True
+
+
+def check_reachable(address: str) -> None:
+    """Fail in seconds on a HOST:PORT nothing listens on (ray.init retries for minutes)."""
+    host, sep, port = address.rpartition(":")
+    if "://" in address or not sep or not port.isdigit():
+        return  # `auto`, ray:// and other forms: Ray's own errors are quick and clear
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except OSError as exc:
+        raise ClusterError(f"--address {address!r}: nothing answers there ({exc}); start a "
+                           f"cluster with `ray start --head` and pass its address, or omit "
+                           f"--address to start Ray on this machine") from None

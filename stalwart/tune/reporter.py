@@ -1,0 +1,95 @@
+"""TuneReporter: a run's metrics and checkpoints, reported to Ray Tune as they are written.
+
+One report per logged step (metrics.jsonl's row), so a scheduler decides on the same numbers
+the run directory holds. A checkpoint is committed asynchronously, after the step it saved;
+it goes to Tune as a copy Tune persists under the trial:
+
+- by default with the first logged step at or after its own (ASHA and FIFO need no
+  checkpoint in any particular report; the final one comes with a last report at the end);
+- `with_checkpoints=True` (Population Based Training, which clones a trial from the checkpoint
+  of that trial's latest report): a row at a checkpoint step is held until its checkpoint
+  commits and reported together with it, so every such report carries one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from stalwart.callbacks import Callback
+from stalwart.checkpointing.layout import filesystem
+
+# Metrics that hold their last value between the steps that produce them.
+CARRIED = ("val_loss",)
+
+
+def tune_checkpoint(path: str) -> Any:
+    """A ray.tune.Checkpoint of a committed step directory on any fsspec storage."""
+    from ray import tune
+
+    fs, root = filesystem(path)
+    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+        return tune.Checkpoint.from_directory(root)
+    import pyarrow.fs
+
+    return tune.Checkpoint(root, filesystem=pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs)))
+
+
+class TuneReporter(Callback):
+    def __init__(self, metric: str | None = None, *, with_checkpoints: bool = False) -> None:
+        self.metric = metric
+        self.with_checkpoints = with_checkpoints
+        self._carried: dict[str, Any] = {}
+        self._last: dict[str, Any] | None = None
+        self._commits: dict[int, str] = {}  # step -> path of commits not yet reported
+        self._held: list[dict[str, Any]] = []  # rows waiting for their checkpoint
+
+    def on_event(self, event: dict[str, Any]) -> None:
+        if event["kind"] != "checkpoint_committed":
+            return
+        self._commits[event["step"]] = event["path"]
+        if self.with_checkpoints and any(m["step"] == event["step"] for m in self._held):
+            self._flush_held(up_to=event["step"])
+
+    def on_metrics(self, row: dict[str, Any]) -> None:
+        self._carried.update({k: row[k] for k in CARRIED if k in row})
+        metrics = {**self._carried, **row}
+        if self.metric is not None and self.metric not in metrics:
+            return  # e.g. val_loss before the first validation: Tune needs it in every report
+        self._last = metrics
+        if self.with_checkpoints:
+            self._held.append(metrics)
+            if row["step"] in self._commits:  # its commit was written first
+                self._flush_held(up_to=row["step"])
+            return
+        self._report(metrics)
+
+    def on_end(self, result: Any) -> None:
+        """Rows still held, and a checkpoint committed after the last logged step (the final
+        one), still reach Tune."""
+        if self._held:
+            self._flush_held(up_to=self._held[-1]["step"])
+        elif self._commits and self._last is not None:
+            self._report(dict(self._last))
+
+    def _flush_held(self, up_to: int) -> None:
+        """Held rows up to step `up_to`, in order; the checkpoint goes with the last."""
+        ready = [m for m in self._held if m["step"] <= up_to]
+        self._held = [m for m in self._held if m["step"] > up_to]
+        for metrics in ready[:-1]:
+            self._report(metrics, checkpoint=False)
+        self._report(ready[-1])
+
+    def _report(self, metrics: dict[str, Any], *, checkpoint: bool = True) -> None:
+        """Report `metrics` with the newest commit of their step or before, if any (never
+        with a newer one): older unreported commits are superseded by it."""
+        from ray import tune
+
+        steps = [s for s in self._commits if s <= metrics["step"]] if checkpoint else []
+        ckpt = None
+        if steps:
+            step = max(steps)
+            path = self._commits[step]
+            self._commits = {s: p for s, p in self._commits.items() if s > step}
+            metrics["checkpoint_step"] = step
+            ckpt = tune_checkpoint(path)
+        tune.report(metrics, checkpoint=ckpt)

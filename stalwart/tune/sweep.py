@@ -1,0 +1,145 @@
+"""Running a sweep file with Ray Tune: the Tuner, its resumption, and the results table."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from stalwart.errors import RunDirError
+from stalwart.tune.sweep_file import Sweep
+from stalwart.tune.trainable import TRIAL_DRIVER_RESOURCES, trainable
+
+RESULTS_FILE = "sweep_results.json"
+
+
+@dataclass(frozen=True)
+class TrialRow:
+    trial_id: str
+    params: dict[str, Any]
+    step: int | None
+    metric: float | None
+    state: str
+    """finished, stopped early (the scheduler ended it), or error"""
+    path: str
+
+
+def trial_cpus(sweep: Sweep) -> float:
+    """CPUs one trial's workers and warm spares hold."""
+    sc = sweep.job().scaling
+    return (sc.num_workers + sc.spare_workers) * sc.cpus_per_worker
+
+
+def experiment_dir(sweep: Sweep) -> Path:
+    return sweep.storage / sweep.name
+
+
+def check_experiment_dir(sweep: Sweep, resume: bool) -> None:
+    """A sweep never writes into another sweep's directory unless told to resume it."""
+    from ray import tune
+
+    path = experiment_dir(sweep)
+    if resume and not tune.Tuner.can_restore(str(path)):
+        raise RunDirError(f"--resume: {path} holds no Tune experiment to resume")
+    if not resume and path.exists() and any(path.iterdir()):
+        raise RunDirError(f"{path} already holds a sweep; pass --resume to continue it, or "
+                          f"change name or storage in {sweep.path}")
+
+
+def concurrency(sweep: Sweep) -> int:
+    """The sweep's own, else as many trials as the cluster's CPUs hold at once."""
+    import ray
+
+    if sweep.concurrency is not None:
+        return sweep.concurrency
+    return max(1, math.floor(ray.cluster_resources().get("CPU", 0) / trial_cpus(sweep)))
+
+
+def embedded_cpus(sweep: Sweep) -> int:
+    """A Ray on this machine: its cores, or enough logical CPUs for the sweep's concurrency."""
+    want = trial_cpus(sweep) * (sweep.concurrency or 1)
+    return max(os.cpu_count() or 1, math.ceil(want))
+
+
+def run_sweep(sweep: Sweep, *, resume: bool = False) -> Any:
+    """Run (or resume) the sweep on the connected Ray; returns Tune's ResultGrid."""
+    from ray import tune
+
+    fn = tune.with_resources(trainable(sweep.config, sweep.overrides, metric=sweep.metric,
+                                       with_checkpoints=sweep.scheduler_type == "pbt"),
+                             TRIAL_DRIVER_RESOURCES)
+    if resume:
+        return tune.Tuner.restore(str(experiment_dir(sweep)), trainable=fn,
+                                  resume_unfinished=True, resume_errored=True).fit()
+    tuner = tune.Tuner(
+        fn, param_space=sweep.param_space(),
+        tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode,
+                                    scheduler=sweep.make_scheduler(), num_samples=sweep.trials,
+                                    max_concurrent_trials=concurrency(sweep)),
+        run_config=tune.RunConfig(name=sweep.name, storage_path=str(sweep.storage), verbose=1))
+    return tuner.fit()
+
+
+def trial_rows(sweep: Sweep, results: Any) -> list[TrialRow]:
+    steps = sweep.job().train.steps
+    rows = []
+    for result in results:
+        m = result.metrics or {}
+        step = m.get("step")
+        if result.error is not None:
+            state = "error"
+        elif step is not None and step >= steps:
+            state = "finished"
+        else:
+            state = "stopped early"
+        rows.append(TrialRow(trial_id=str(m.get("trial_id", Path(result.path).name)),
+                             params={k: result.config.get(k) for k in sweep.search},
+                             step=step, metric=m.get(sweep.metric), state=state,
+                             path=str(result.path)))
+    return sorted(rows, key=lambda r: r.trial_id)
+
+
+def best_row(sweep: Sweep, rows: list[TrialRow]) -> TrialRow | None:
+    scored = [r for r in rows if r.metric is not None and r.state != "error"
+              and not math.isnan(r.metric)]
+    if not scored:
+        return None
+    pick = min if sweep.mode == "min" else max
+    return pick(scored, key=lambda r: r.metric)
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return "-" if value is None else str(value)
+
+
+def format_results(sweep: Sweep, rows: list[TrialRow]) -> str:
+    """The table of trials, the best one as `--set` flags, and where the experiment is."""
+    heads = ["trial", *sweep.search, "step", sweep.metric, "state"]
+    table = [[r.trial_id, *(_fmt(r.params[k]) for k in sweep.search), _fmt(r.step),
+              _fmt(r.metric), r.state] for r in rows]
+    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(heads)]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True))]
+    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in table]
+    best = best_row(sweep, rows)
+    if best is not None:
+        flags = " ".join(f"--set {k}={json.dumps(v)}" for k, v in best.params.items())
+        lines.append(f"best: {best.trial_id} {sweep.metric} {_fmt(best.metric)} at step "
+                     f"{best.step}: {flags}")
+    lines.append(f"experiment: {experiment_dir(sweep)} (resume: stalwart sweep {sweep.path} "
+                 f"--resume)")
+    return "\n".join(lines)
+
+
+def write_results(sweep: Sweep, rows: list[TrialRow]) -> Path:
+    best = best_row(sweep, rows)
+    out = experiment_dir(sweep) / RESULTS_FILE
+    out.write_text(json.dumps({
+        "metric": sweep.metric, "mode": sweep.mode,
+        "best": best.__dict__ if best else None,
+        "trials": [r.__dict__ for r in rows]}, indent=1, default=str))
+    return out

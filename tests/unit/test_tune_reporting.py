@@ -1,0 +1,130 @@
+"""What a run hands to Ray Tune (TuneReporter), and the checkpoint copy a trial starts from."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from stalwart.checkpointing.catalog import read_checkpoint, read_step_dir, verify
+from stalwart.checkpointing.errors import CheckpointError
+from stalwart.checkpointing.storage import write_manifest
+from stalwart.checkpointing.transfer import copy_checkpoint
+from stalwart.tune.reporter import TuneReporter
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+def _checkpoint(root: Path, step: int) -> str:
+    step_dir = root / f"step_{step:09d}"
+    step_dir.mkdir(parents=True)
+    (step_dir / "__0_0.distcp").write_bytes(bytes(range(256)) * 10)
+    (step_dir / ".metadata").write_bytes(b"meta")
+    write_manifest(str(root), step, {"world_size": 1})
+    return str(step_dir)
+
+
+@pytest.fixture()
+def reports(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict[str, Any], Any]]:
+    """What Tune would receive (this is a pure unit test: no Tune session exists)."""
+    from ray import tune
+
+    seen: list[tuple[dict[str, Any], Any]] = []
+    monkeypatch.setattr(tune, "report", lambda metrics, checkpoint=None: seen.append(
+        (metrics, checkpoint)))
+    return seen
+
+
+def _row(step: int, **extra: Any) -> dict[str, Any]:
+    return {"step": step, "loss": 5.0 - step / 10, "lr": 1e-3, **extra}
+
+
+def test_every_row_is_reported_with_val_loss_carried(reports: list) -> None:
+    r = TuneReporter()
+    r.on_metrics(_row(5))
+    r.on_metrics(_row(10, val_loss=4.0))
+    r.on_metrics(_row(15))
+    assert [m["step"] for m, _ in reports] == [5, 10, 15]
+    assert "val_loss" not in reports[0][0]
+    assert reports[2][0]["val_loss"] == 4.0 and all(c is None for _, c in reports)
+
+
+def test_reports_wait_for_the_sweeps_metric(reports: list) -> None:
+    r = TuneReporter(metric="val_loss")
+    r.on_metrics(_row(5))
+    r.on_metrics(_row(10, val_loss=4.0))
+    r.on_metrics(_row(15))
+    assert [(m["step"], m["val_loss"]) for m, _ in reports] == [(10, 4.0), (15, 4.0)]
+
+
+def test_a_checkpoint_goes_with_metrics_of_its_step_or_later(tmp_path: Path,
+                                                              reports: list) -> None:
+    path = _checkpoint(tmp_path, 20)
+    r = TuneReporter()
+    r.on_metrics(_row(20))
+    r.on_event({"kind": "checkpoint_committed", "step": 20, "path": path})
+    r.on_metrics(_row(15))  # a row of a recovery that went back: too old for step 20
+    r.on_metrics(_row(25))
+    r.on_metrics(_row(30))
+    assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports] == [
+        (20, None), (15, None), (25, 20), (30, None)]
+    checkpoint = reports[2][1]
+    assert Path(checkpoint.path) == Path(path)
+
+
+def test_the_final_checkpoint_is_reported_at_the_end(tmp_path: Path, reports: list) -> None:
+    r = TuneReporter()
+    r.on_metrics(_row(40))
+    r.on_event({"kind": "checkpoint_committed", "step": 40, "path": _checkpoint(tmp_path, 40)})
+    r.on_end(None)
+    assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports] == [(40, None), (40, 40)]
+    r.on_end(None)
+    assert len(reports) == 2  # nothing left to report
+
+
+def test_copy_checkpoint_to_another_storage(tmp_path: Path) -> None:
+    source = read_step_dir(_checkpoint(tmp_path / "a", 30))
+    assert source.step == 30  # from the manifest
+    copy = copy_checkpoint(source, "memory://stalwart-test/b")
+    assert copy.path == "memory://stalwart-test/b/step_000000030"
+    verify(read_checkpoint("memory://stalwart-test/b", 30))
+    with pytest.raises(FileExistsError, match="already holds a committed checkpoint"):
+        copy_checkpoint(source, "memory://stalwart-test/b")
+    whole = copy_checkpoint(source, str(tmp_path / "c"), as_step_dir=False)
+    assert whole.path == str(tmp_path / "c")
+
+
+def test_an_uncommitted_directory_is_no_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "half").mkdir()
+    with pytest.raises(CheckpointError, match="is not committed"):
+        read_step_dir(str(tmp_path / "half"))
+
+
+def test_for_pbt_a_checkpoint_steps_row_waits_for_its_checkpoint(tmp_path: Path,
+                                                                  reports: list) -> None:
+    r = TuneReporter(with_checkpoints=True)
+    r.on_metrics(_row(5))
+    r.on_metrics(_row(10))
+    assert reports == []  # held: no checkpoint for them yet
+    r.on_event({"kind": "checkpoint_committed", "step": 5, "path": _checkpoint(tmp_path, 5)})
+    r.on_event({"kind": "checkpoint_committed", "step": 10, "path": _checkpoint(tmp_path, 10)})
+    assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports] == [(5, 5), (10, 10)]
+    r.on_metrics(_row(12, val_loss=3.0))  # a validation row off the checkpoint steps
+    r.on_metrics(_row(15))
+    r.on_event({"kind": "checkpoint_committed", "step": 15, "path": _checkpoint(tmp_path, 15)})
+    r.on_metrics(_row(20))
+    r.on_end(None)  # the run ended before step 20's commit: the row still goes
+    assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports][2:] == [
+        (12, None), (15, 15), (20, None)]
+
+
+def test_for_pbt_a_commit_written_before_its_row(tmp_path: Path, reports: list) -> None:
+    """The controller handles a poll's commits before its rows: both orders pair up."""
+    r = TuneReporter(with_checkpoints=True)
+    for step in (5, 10):
+        r.on_event({"kind": "checkpoint_committed", "step": step,
+                    "path": _checkpoint(tmp_path, step)})
+    r.on_metrics(_row(5))
+    r.on_metrics(_row(10))
+    assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports] == [(5, 5), (10, 10)]
