@@ -514,17 +514,21 @@ def config_from_dict(data: dict[str, Any]) -> JobConfig:
     return _build(JobConfig, data, "")
 
 
+def read_toml(path: str | Path, what: str = "config file",
+              error: type[ConfigError] = ConfigError) -> dict[str, Any]:
+    """A TOML file's table; `error` names `what` the file is when it is missing or invalid."""
+    p = Path(path)
+    if not p.is_file():
+        raise error(f"{what} {str(p)!r} does not exist (expected a TOML file)")
+    try:
+        return tomllib.loads(p.read_text())
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise error(f"{what} {str(p)!r} is not valid TOML: {exc}") from None
+
+
 def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
     """Load a JobConfig from a TOML file (None: defaults) plus `--set` overrides."""
-    data: dict[str, Any] = {}
-    if path is not None:
-        p = Path(path)
-        if not p.is_file():
-            raise ConfigError(f"config file {str(p)!r} does not exist (expected a TOML file)")
-        try:
-            data = tomllib.loads(p.read_text())
-        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-            raise ConfigError(f"config file {str(p)!r} is not valid TOML: {exc}") from None
+    data = read_toml(path) if path is not None else {}
     return config_from_dict(apply_overrides(data, list(overrides)))
 
 

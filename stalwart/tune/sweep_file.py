@@ -24,12 +24,11 @@ job's config refuses, a metric a run never reports, a PBT that could never explo
 
 from __future__ import annotations
 
-import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stalwart.config import JobConfig, load_config
+from stalwart.config import JobConfig, load_config, read_toml
 from stalwart.errors import ConfigError
 from stalwart.tune.trainable import as_overrides
 
@@ -173,12 +172,7 @@ def _typed(where: str, value: Any, kind: type, allowed: str) -> Any:
 def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) -> Sweep:
     """Read and check a sweep file; `overrides` (the CLI's --set) apply after the file's."""
     p = Path(path)
-    if not p.is_file():
-        raise SweepError(f"sweep file {str(p)!r} does not exist (expected a TOML file)")
-    try:
-        data = tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise SweepError(f"sweep file {str(p)!r} is not valid TOML: {exc}") from None
+    data = read_toml(p, "sweep file", SweepError)
     unknown = sorted(set(data) - set(TOP_KEYS))
     if unknown:
         raise _fail(str(p), f"unknown key {unknown[0]!r}; allowed: {', '.join(TOP_KEYS)}")
