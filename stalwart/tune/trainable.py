@@ -27,7 +27,7 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from stalwart.config import load_config
+from stalwart.config import apply_overrides, config_from_dict, read_toml
 
 # A trial's own actor only drives the run (its workers ask for their CPUs themselves): it
 # holds no CPU, so that a trial's workers can use every CPU the trial accounts for. Tune needs
@@ -86,9 +86,10 @@ def trainable(config: str | Path, overrides: Sequence[str] = (), *, metric: str 
     `workdir`: where the task's modules are imported from (default: the current directory,
     as for `stalwart run`). The config is checked here, before Tune starts.
     """
-    config_path = str(Path(config).resolve())
+    # The file is read here, once: trials on other machines get its contents, not its path.
+    data = read_toml(config)
     base = list(overrides)
-    load_config(config_path, base)  # bad input fails now, not in every trial
+    config_from_dict(apply_overrides(data, base))  # bad input fails now, not in every trial
     code_dir = str(Path(workdir).resolve()) if workdir else str(Path.cwd())
 
     def stalwart_trial(params: dict[str, Any]) -> None:
@@ -99,7 +100,7 @@ def trainable(config: str | Path, overrides: Sequence[str] = (), *, metric: str 
 
         if code_dir not in sys.path:  # Tune runs a trial in its own directory
             sys.path.insert(0, code_dir)
-        job = load_config(config_path, [*base, *as_overrides(params)])
+        job = config_from_dict(apply_overrides(data, [*base, *as_overrides(params)]))
         run_dir = _next_run_dir(_trial_dir())
         checkpoint = tune.get_checkpoint()
         reporter = TuneReporter(metric, with_checkpoints=with_checkpoints)
