@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stalwart.errors import StalwartError
+from stalwart.job_cli import JOB_COMMANDS, add_job_commands, run_job_command
 
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
@@ -52,6 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("--step", type=int, help="checkpoint step (default: the newest committed)")
     exp.add_argument("--out", required=True, help="output file: .safetensors, .pt, .pth or .bin")
     _add_plan_parser(sub)
+    add_job_commands(sub)
     return p
 
 
@@ -245,6 +247,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_export(args)
         if args.command == "plan":
             return _cmd_plan(args)
+        if args.command in JOB_COMMANDS:
+            return run_job_command(args)
         raise ValueError(f"unexpected command {args.command!r}")
     except StalwartError as exc:
         print(f"stalwart: error: {exc}", file=sys.stderr)
