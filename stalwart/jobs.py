@@ -263,11 +263,17 @@ def follow(client: JobSubmissionClient, job_id: str, write: Callable[[str], obje
 
     Ctrl-C (KeyboardInterrupt) ends the streaming here, not the job.
     """
+    import aiohttp
+
     async def tail() -> None:
         async for chunk in client.tail_job_logs(job_id):
             write(chunk)
 
-    asyncio.run(tail())
+    try:
+        asyncio.run(tail())
+    except (RuntimeError, OSError, aiohttp.ClientError) as exc:  # the head went away, ...
+        raise ClusterError(f"lost the output stream of job {job_id} ({exc}); the job may still "
+                           f"run: `stalwart status {job_id}`") from None
     return wait_for_end(client, job_id, timeout_s=30)
 
 

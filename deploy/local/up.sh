@@ -53,6 +53,8 @@ for pair in "--nodes:$NODES" "--cpus-per-node:$CPUS" "--port:$PORT" \
 done
 # Node I's fixed ports P+10(I+1)+k must stay below the worker ports at P+200.
 [ "$NODES" -le 18 ] || die "--nodes $NODES: at most 18 nodes on one machine"
+# Ray's own floor for a node's object store (75 MiB).
+[ "$OBJECT_STORE_MB" -ge 75 ] || die "--object-store-mb must be at least 75, got $OBJECT_STORE_MB"
 LAST_PORT=$((PORT + 199 + 200 * NODES))
 [ "$LAST_PORT" -le 65535 ] || die "--port $PORT with $NODES nodes needs ports up to $LAST_PORT"
 if [ "$DASHBOARD_PORT" -ge "$PORT" ] && [ "$DASHBOARD_PORT" -le "$LAST_PORT" ]; then
@@ -63,20 +65,16 @@ command -v ray >/dev/null || die "no 'ray' on PATH: activate stalwart's virtual 
 PYTHON=$(dirname "$(command -v ray)")/python
 [ -x "$PYTHON" ] || PYTHON=python3
 
-mkdir -p "$STATE_DIR/logs"
-STATE_DIR=$(cd "$STATE_DIR" && pwd)
-PIDS_FILE=$STATE_DIR/pids
-
 # A cluster already recorded in DIR: refuse while any of its nodes lives; forget a dead one.
-if [ -f "$PIDS_FILE" ]; then
+if [ -f "$STATE_DIR/pids" ]; then
     while read -r _ pid; do
         if kill -0 "$pid" 2>/dev/null; then
             die "$STATE_DIR already holds a running cluster (node pid $pid); stop it with" \
                 "deploy/local/down.sh --state-dir $STATE_DIR, or choose another --state-dir"
         fi
-    done <"$PIDS_FILE"
-    echo "up.sh: $PIDS_FILE lists no live node (a cluster that died); starting anew"
-    rm -f "$PIDS_FILE" "$STATE_DIR/env"
+    done <"$STATE_DIR/pids"
+    echo "up.sh: $STATE_DIR/pids lists no live node (a cluster that died); starting anew"
+    rm -f "$STATE_DIR/pids" "$STATE_DIR/env"
 fi
 
 # Every port this cluster will bind must be free now: Ray would otherwise fail late, in a
@@ -102,6 +100,11 @@ if taken:
              f"{dashboard} and {first}..{last}); choose another {which}")
 PY
 
+# Only now, with every check passed, does DIR receive anything.
+mkdir -p "$STATE_DIR/logs"
+STATE_DIR=$(cd "$STATE_DIR" && pwd)
+PIDS_FILE=$STATE_DIR/pids
+
 # Token authentication with a token of this cluster's own, passed by environment, so the
 # user's ~/.ray/auth_token (another cluster's token, perhaps) is neither read nor replaced.
 TOKEN_FILE=$STATE_DIR/auth_token
@@ -118,7 +121,8 @@ cleanup_on_failure() {
     # Stop what this script started if it did not get to the end (the same steps as down.sh).
     if [ "$started_ok" = 0 ] && [ ${#pids[@]} -gt 0 ]; then
         echo "up.sh: stopping the nodes started so far" >&2
-        "$(dirname "$0")/down.sh" --state-dir "$STATE_DIR" >&2 || true
+        # (a `ray start` still connecting to a head that died ignores SIGTERM: not long)
+        "$(dirname "$0")/down.sh" --state-dir "$STATE_DIR" --timeout 10 >&2 || true
     fi
 }
 trap cleanup_on_failure EXIT
@@ -153,7 +157,6 @@ done
 # Wait for every node to be alive and the dashboard's job API to answer with the token.
 "$PYTHON" - "$PORT" "$DASHBOARD_PORT" "$NODES" "$TIMEOUT" "$STATE_DIR" "${pids[@]}" <<'PY'
 import os
-import socket
 import sys
 import time
 import urllib.request
@@ -181,12 +184,10 @@ def wait(what: str, ready) -> None:
         time.sleep(1)
 
 
-def gcs_open() -> bool:  # ray.init on a closed port would retry for minutes
-    try:
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
-        return True
-    except OSError:
-        return False
+def nodes_started() -> bool:
+    # `ray start --block` logs this once all of its node's daemons are up.
+    return all("This command will now block forever" in open(f"{state_dir}/logs/node-{i}.log")
+               .read() for i in range(len(pids)))
 
 
 def dashboard_answers() -> bool:
@@ -200,10 +201,14 @@ def dashboard_answers() -> bool:
         return False
 
 
-wait("the head's GCS did not open its port", gcs_open)
-import ray  # noqa: E402  (after the port answers: importing Ray takes a second)
+# Only then connect: ray.init on a head that is not (or no longer) there retries for a minute.
+wait("not every node started", nodes_started)
+import ray  # noqa: E402
 
-ray.init(address=f"127.0.0.1:{port}", logging_level="ERROR", log_to_driver=False)
+try:
+    ray.init(address=f"127.0.0.1:{port}", logging_level="ERROR", log_to_driver=False)
+except Exception as exc:  # ConnectionError, RuntimeError, ...: the same for the user
+    sys.exit(f"up.sh: error: cannot connect to the head at 127.0.0.1:{port}: {exc}")
 wait(f"{want} nodes did not join", lambda: sum(n["Alive"] for n in ray.nodes()) >= want)
 ray.shutdown()
 wait("the dashboard did not answer", dashboard_answers)
