@@ -92,7 +92,8 @@ def _submit(args: argparse.Namespace) -> int:
           f"  stop:      stalwart stop {job_id} --address {address}\n"
           f"continue the run later (after a stop, or if its driver dies):\n"
           f"  {submit_cmd}\n"
-          f"  or here, with Ray on this machine: {run_cmd}", flush=True)
+          f"  or, on a machine that sees the run dir, without a cluster: {run_cmd}",
+          flush=True)
     if not args.follow:
         return EXIT_OK
     return _follow(client, job_id, address)

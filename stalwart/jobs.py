@@ -4,8 +4,9 @@ The job is Ray's (`ray.job_submission.JobSubmissionClient`), so `ray job status/
 the dashboard see it like any other. This module adds what a training run needs on top:
 - the address of the job API, taken like `ray job` takes it, but an explicit one always wins;
 - a check, in seconds and before anything is uploaded, that the cluster answers, accepts our
-  token and runs this machine's Ray version (a job's driver runs the cluster's Ray, its code
-  ours: two versions fail late and obscurely);
+  token and runs this machine's Ray version (the config is checked here, against this
+  machine's stalwart and Ray; the job runs on the cluster's, and a difference would show late,
+  inside the job);
 - the entrypoint: `stalwart run CONFIG --address auto --run-dir ABSOLUTE_DIR ...`. A job runs in
   a temporary copy of the working directory, so a relative run dir would vanish with it;
 - a stop that checkpoints: Ray stops a job with SIGINT here (RAY_JOB_STOP_SIGNAL), which
@@ -64,22 +65,24 @@ class JobSpec:
     injects: tuple[str, ...] = ()
     resume: bool = False
 
-    def run_args(self, *, resume: bool) -> list[str]:
-        args = ["stalwart", "run", str(self.config), "--run-dir", str(self.run_dir)]
+    def _args(self, command: str, *, address: str | None, resume: bool,
+              injects: tuple[str, ...] = ()) -> str:
+        args = ["stalwart", command, str(self.config), "--run-dir", str(self.run_dir)]
         args += [a for o in self.overrides for a in ("--set", o)]
-        return args + (["--resume"] if resume else [])
+        args += [a for f in injects for a in ("--inject", f)]
+        args += ["--resume"] if resume else []
+        args += ["--address", address] if address else []
+        return shlex.join(args)  # every user value quoted: a --set may hold spaces or quotes
 
     def entrypoint(self) -> str:
-        """The job's shell command; every user value is quoted (a `--set` may hold spaces)."""
-        args = self.run_args(resume=self.resume)
-        args[3:3] = ["--address", "auto"]  # the cluster the job runs on (RAY_ADDRESS in a job)
-        args += [a for f in self.injects for a in ("--inject", f)]
-        return shlex.join(args)
+        """The job's shell command: a run on the cluster the job runs on (RAY_ADDRESS there)."""
+        return self._args("run", address="auto", resume=self.resume, injects=self.injects)
 
     def resume_commands(self, address: str) -> list[str]:
-        """Commands that continue this run from its newest checkpoint (no faults re-injected)."""
-        submit = ["stalwart", "submit", *self.run_args(resume=True)[2:], "--address", address]
-        return [shlex.join(submit), shlex.join(self.run_args(resume=True))]
+        """Commands that continue this run from its newest checkpoint, as a job on the cluster at
+        `address` or with Ray on this machine (no fault is injected again)."""
+        return [self._args("submit", address=address, resume=True),
+                self._args("run", address=None, resume=True)]
 
     def runtime_env(self, cwd: Path, storage: str) -> dict[str, object]:
         excludes = list(WORKING_DIR_EXCLUDES)
