@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stalwart.errors import StalwartError
+from stalwart.job_cli import JOB_COMMANDS, add_job_commands, run_job_command
 
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
@@ -61,6 +62,7 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--address", help="Ray cluster to join (default: start Ray on this machine)")
     sw.add_argument("--resume", action="store_true",
                     help="continue the sweep's Tune experiment (Tune's own restore)")
+    add_job_commands(sub)
     return p
 
 
@@ -283,6 +285,8 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_plan(args)
         if args.command == "sweep":
             return _cmd_sweep(args)
+        if args.command in JOB_COMMANDS:
+            return run_job_command(args)
         raise ValueError(f"unexpected command {args.command!r}")
     except StalwartError as exc:
         print(f"stalwart: error: {exc}", file=sys.stderr)

@@ -1,0 +1,164 @@
+"""`stalwart submit / status / logs / stop`: a run as a Ray job on a cluster, from anywhere.
+
+`submit` returns once the cluster has the job (closing the terminal does not stop it) unless
+--follow streams its output to the end. Exit codes as for `stalwart run`: 0 done (or submitted),
+1 the job failed or was stopped, 2 bad input (nothing submitted), 130 Ctrl-C while following
+(which stops the following, never the job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from datetime import datetime
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from stalwart import jobs
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobDetails, JobSubmissionClient
+
+JOB_COMMANDS = ("submit", "status", "logs", "stop")
+EXIT_OK, EXIT_FAILED, EXIT_INTERRUPTED = 0, 1, 130
+ADDRESS_HELP = ("the cluster's job API, http://HEAD:8265 (its head's dashboard; default "
+                "$RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS if it is an http URL)")
+
+
+def add_job_commands(sub: argparse._SubParsersAction) -> None:
+    s = sub.add_parser("submit", help="run a config as a Ray job on a cluster (ships the "
+                       "current directory)")
+    s.add_argument("config", help="TOML config file, inside the current directory")
+    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key (repeatable)")
+    s.add_argument("--run-dir", help="run directory, made absolute against the current "
+                   "directory (default runs/<run.name>-<timestamp>); on a remote cluster, a "
+                   "path its nodes can write")
+    s.add_argument("--inject", action="append", default=[], metavar="FAULT",
+                   help="inject a fault, as for `stalwart run` (repeatable)")
+    s.add_argument("--resume", action="store_true",
+                   help="continue the run in --run-dir from its newest committed checkpoint")
+    s.add_argument("--address", help=ADDRESS_HELP)
+    s.add_argument("--follow", action="store_true", help="stream the job's output until it "
+                   "ends; exit 0 if it succeeded, 1 if it failed or was stopped")
+    s.add_argument("--job-id", help="the job's submission id (default: one Ray makes up)")
+
+    for name, what in (("status", "show a job's status"), ("logs", "print a job's output"),
+                       ("stop", "stop a job: it checkpoints its last step, as on Ctrl-C")):
+        p = sub.add_parser(name, help=what)
+        p.add_argument("job_id", metavar="JOB", help="the job's submission id (or job id)")
+        p.add_argument("--address", help=ADDRESS_HELP)
+        if name == "logs":
+            p.add_argument("--follow", action="store_true", help="stream until the job ends "
+                           "(Ctrl-C stops following, not the job)")
+
+
+def run_job_command(args: argparse.Namespace) -> int:
+    """Run one job command; StalwartError propagates (the CLI prints it, exit code 2)."""
+    commands = {"submit": _submit, "status": _status, "logs": _logs, "stop": _stop}
+    if args.command not in commands:
+        raise ValueError(f"unexpected command {args.command!r}")
+    return commands[args.command](args)
+
+
+def _submit(args: argparse.Namespace) -> int:
+    from stalwart.config import load_config, parse_fault
+    from stalwart.errors import RunDirError
+    from stalwart.run_dir import RunDir
+
+    # Everything local first: a refused job leaves nothing on the cluster.
+    address = jobs.resolve_address(args.address)
+    if args.resume and not args.run_dir:
+        raise RunDirError("--resume needs --run-dir: the run directory to continue")
+    cwd = Path.cwd().resolve()
+    config_path = jobs.config_in(args.config, cwd)
+    config = load_config(args.config, args.overrides)
+    for text in args.inject:
+        parse_fault(text)
+    jobs.check_storage(config.checkpoint.storage)
+    spec = jobs.JobSpec(config=config_path, overrides=tuple(args.overrides),
+                        injects=tuple(args.inject), resume=args.resume,
+                        run_dir=jobs.absolute_run_dir(args.run_dir, RunDir.default_path(config),
+                                                      cwd))
+
+    client = jobs.connect(address)
+    job_id = jobs.submit(client, spec, cwd=cwd, storage=config.checkpoint.storage,
+                         job_id=args.job_id)
+    submit_cmd, run_cmd = spec.resume_commands(address)
+    print(f"submitted job {job_id} to {address}\n"
+          f"  run dir:   {spec.run_dir}\n"
+          f"  dashboard: {address}/#/jobs/{job_id}\n"
+          f"  follow:    stalwart logs {job_id} --address {address} --follow\n"
+          f"  stop:      stalwart stop {job_id} --address {address}\n"
+          f"continue the run later (after a stop, or if its driver dies):\n"
+          f"  {submit_cmd}\n"
+          f"  or, on a machine that sees the run dir, without a cluster: {run_cmd}",
+          flush=True)
+    if not args.follow:
+        return EXIT_OK
+    return _follow(client, job_id, address)
+
+
+def _follow(client: JobSubmissionClient, job_id: str, address: str) -> int:
+    try:
+        status = jobs.follow(client, job_id, lambda text: (sys.stdout.write(text),
+                                                           sys.stdout.flush()))
+    except KeyboardInterrupt:
+        print(f"\nstopped following; job {job_id} goes on (stop it with: stalwart stop "
+              f"{job_id} --address {address})", file=sys.stderr)
+        return EXIT_INTERRUPTED
+    print(f"job {job_id}: {status}")
+    return EXIT_OK if status == "SUCCEEDED" else EXIT_FAILED
+
+
+def _status(args: argparse.Namespace) -> int:
+    address = jobs.resolve_address(args.address)
+    print(_describe(jobs.find(jobs.connect(address), args.job_id)))
+    return EXIT_OK
+
+
+def _describe(job: JobDetails) -> str:
+    lines = [f"job {job.submission_id or job.job_id}: {job.status.value}"]
+    if job.message:
+        lines.append(f"  message:    {job.message}")
+    lines.append(f"  entrypoint: {job.entrypoint}")
+    metadata = job.metadata or {}
+    if run_dir := metadata.get("stalwart_run_dir"):
+        lines.append(f"  run dir:    {run_dir}")
+    if job.status.value in ("FAILED", "STOPPED") and (resume := metadata.get("stalwart_resume")):
+        lines.append(f"  continue:   {resume}")
+    times = [datetime.fromtimestamp(t / 1000).isoformat(sep=" ", timespec="seconds")
+             for t in (job.start_time, job.end_time) if t]
+    if times:
+        lines.append(f"  {'started, ended' if len(times) == 2 else 'started'}: "
+                     f"{', '.join(times)}")
+    if job.driver_exit_code is not None:
+        lines.append(f"  driver exit code: {job.driver_exit_code}")
+    return "\n".join(lines)
+
+
+def _logs(args: argparse.Namespace) -> int:
+    address = jobs.resolve_address(args.address)
+    client = jobs.connect(address)
+    jobs.find(client, args.job_id)  # an unknown id is an error, not an empty stream
+    if args.follow:
+        return _follow(client, args.job_id, address)
+    print(client.get_job_logs(args.job_id), end="")
+    return EXIT_OK
+
+
+def _stop(args: argparse.Namespace) -> int:
+    address = jobs.resolve_address(args.address)
+    client = jobs.connect(address)
+    job = jobs.find(client, args.job_id)
+    if job.status.value in jobs.TERMINAL:
+        print(f"job {args.job_id} already ended: {job.status.value}")
+        return EXIT_OK
+    client.stop_job(args.job_id)
+    print(f"stopping job {args.job_id}: its run checkpoints the step in flight (up to "
+          f"{jobs.STOP_GRACE_S} s before it is killed)", flush=True)
+    status = jobs.wait_for_end(client, args.job_id, timeout_s=jobs.STOP_GRACE_S + 30)
+    print(f"job {args.job_id}: {status}")
+    if resume := (job.metadata or {}).get("stalwart_resume"):
+        print(f"continue it with: {resume}")
+    return EXIT_OK if status == "STOPPED" else EXIT_FAILED

@@ -1,0 +1,290 @@
+"""Ray Jobs for stalwart: a `stalwart run` handed to a cluster's job API, and the job found again.
+
+The job is Ray's (`ray.job_submission.JobSubmissionClient`), so `ray job status/logs/stop` and
+the dashboard see it like any other. This module adds what a training run needs on top:
+- the address of the job API, taken like `ray job` takes it, but an explicit one always wins;
+- a check, in seconds and before anything is uploaded, that the cluster answers, accepts our
+  token and runs this machine's Ray version (the config is checked here, against this
+  machine's stalwart and Ray; the job runs on the cluster's, and a difference would show late,
+  inside the job);
+- the entrypoint: `stalwart run CONFIG --address auto --run-dir ABSOLUTE_DIR ...`. A job runs in
+  a temporary copy of the working directory, so a relative run dir would vanish with it;
+- a stop that checkpoints: Ray stops a job with SIGINT here (RAY_JOB_STOP_SIGNAL), which
+  `stalwart run` answers like Ctrl-C, and gives it STOP_GRACE_S before SIGKILL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shlex
+import socket
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+from typing import TYPE_CHECKING
+from urllib.parse import urlsplit
+
+from stalwart.errors import ClusterError, ConfigError
+
+if TYPE_CHECKING:
+    from ray.job_submission import JobDetails, JobSubmissionClient
+
+# Where `ray job` looks for the job API when --address is not given, in this order.
+ADDRESS_ENV_VARS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
+TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
+# Seconds a stopped job has to finish its step and write its checkpoint before SIGKILL
+# (Ray's default is 3 s; the previous committed checkpoint survives a kill anyway).
+STOP_GRACE_S = 120
+CONNECT_TIMEOUT_S = 5.0
+# What a job never needs from the working directory: environments, VCS data, caches, runs and
+# checkpoints (large, and a job writes its own run dir by absolute path), and deploy/local's
+# state directory, which holds the cluster's token.
+WORKING_DIR_EXCLUDES = (
+    ".git/", ".venv/", "venv/", ".ci-venv/", "__pycache__/", "*.pyc", "*.egg-info/",
+    ".pytest_cache/", ".ruff_cache/", "runs/", "checkpoints/", "bench/results/",
+    ".local-cluster/",
+)
+
+
+# ---------------------------------------------------------------------------- the job
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobSpec:
+    """One `stalwart run` as a Ray job: what is submitted, and how to continue it later."""
+
+    config: PurePosixPath
+    """The config file, relative to the working directory (the job's copy has it there)."""
+    run_dir: Path
+    """Absolute: the job's working directory is a temporary copy."""
+    overrides: tuple[str, ...] = ()
+    injects: tuple[str, ...] = ()
+    resume: bool = False
+
+    def _args(self, command: str, *, address: str | None, resume: bool,
+              injects: tuple[str, ...] = ()) -> str:
+        args = ["stalwart", command, str(self.config), "--run-dir", str(self.run_dir)]
+        args += [a for o in self.overrides for a in ("--set", o)]
+        args += [a for f in injects for a in ("--inject", f)]
+        args += ["--resume"] if resume else []
+        args += ["--address", address] if address else []
+        return shlex.join(args)  # every user value quoted: a --set may hold spaces or quotes
+
+    def entrypoint(self) -> str:
+        """The job's shell command: a run on the cluster the job runs on (RAY_ADDRESS there)."""
+        return self._args("run", address="auto", resume=self.resume, injects=self.injects)
+
+    def resume_commands(self, address: str) -> list[str]:
+        """Commands that continue this run from its newest checkpoint, as a job on the cluster at
+        `address` or with Ray on this machine (no fault is injected again)."""
+        return [self._args("submit", address=address, resume=True),
+                self._args("run", address=None, resume=True)]
+
+    def runtime_env(self, cwd: Path, storage: str) -> dict[str, object]:
+        excludes = list(WORKING_DIR_EXCLUDES)
+        # The run's own files, wherever under the working directory they are kept.
+        for path in (self.run_dir, Path(storage) if "://" not in storage else None):
+            if path is not None and path.is_absolute() and path.is_relative_to(cwd):
+                excludes.append(f"/{path.relative_to(cwd).as_posix()}/")
+        return {"working_dir": str(cwd), "excludes": excludes,
+                "env_vars": {"RAY_JOB_STOP_SIGNAL": "SIGINT",
+                             "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S)}}
+
+
+def config_in(config: str | Path, cwd: Path) -> PurePosixPath:
+    """CONFIG relative to the working directory, which is all the job receives."""
+    path = (cwd / config).resolve()
+    if not path.is_relative_to(cwd):
+        raise ConfigError(f"config file {str(config)!r} is outside the working directory {cwd}, "
+                          f"which is what a job ships to the cluster; run `stalwart submit` "
+                          f"from a directory that contains it")
+    return PurePosixPath(path.relative_to(cwd).as_posix())
+
+
+def check_storage(storage: str) -> None:
+    """A relative checkpoint.storage would land in the job's temporary working directory."""
+    if storage and "://" not in storage and not Path(storage).is_absolute():
+        raise ConfigError(f"checkpoint.storage {storage!r} is a relative path, and a job runs in "
+                          f"a temporary copy of the working directory; give an absolute path "
+                          f"or a URL every node can write, or leave it empty (<run dir>/"
+                          f"checkpoints)")
+
+
+def absolute_run_dir(run_dir: str | Path | None, default: Path, cwd: Path) -> Path:
+    """--run-dir (default runs/<run.name>-<timestamp>) against the submitter's cwd.
+
+    Right on a cluster that shares this machine's filesystem (deploy/local); on another
+    cluster --run-dir must be a path its nodes can write (a shared volume).
+    """
+    return (cwd / (run_dir if run_dir is not None else default)).resolve()
+
+
+# ---------------------------------------------------------------------------- the cluster
+
+
+def resolve_address(flag: str | None, environ: dict[str, str] | None = None) -> str:
+    """The job API's URL: --address, else $RAY_API_SERVER_ADDRESS, else $RAY_ADDRESS."""
+    environ = os.environ if environ is None else environ
+    source, address = "--address", flag
+    if address is None:
+        source, address = next(((f"${v}", environ[v]) for v in ADDRESS_ENV_VARS
+                                if environ.get(v)), (None, None))
+    if address is None:
+        raise ClusterError("no cluster given: pass --address http://HEAD:8265 (the head's "
+                           "dashboard), or set RAY_API_SERVER_ADDRESS; deploy/local's "
+                           "`. DIR/env` sets it")
+    url = urlsplit(address)
+    if url.scheme not in ("http", "https") or not url.hostname:
+        raise ClusterError(f"{source} {address!r} is not the http(s) URL of a cluster's job API: "
+                           f"pass --address http://HEAD:8265 (the head's dashboard; "
+                           f"`stalwart run --address` takes the HOST:PORT of Ray itself)")
+    return address.rstrip("/")
+
+
+def check_cluster(address: str, *, local_version: str | None = None) -> str:
+    """Fail in seconds, before any upload, unless the job API answers us with our Ray version.
+
+    Returns the cluster's Ray version. (JobSubmissionClient's own requests have no timeout,
+    and it only checks that the cluster's Ray is new enough.)
+    """
+    import requests
+    from ray._private.authentication.http_token_authentication import (
+        get_auth_headers_if_auth_enabled,
+    )
+
+    if local_version is None:
+        import ray
+
+        local_version = ray.__version__
+    url = urlsplit(address)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    try:
+        socket.create_connection((url.hostname, port), timeout=CONNECT_TIMEOUT_S).close()
+    except OSError as exc:
+        raise ClusterError(f"--address {address}: nothing answers there ({exc}); start a "
+                           f"cluster (deploy/local/up.sh) and pass its head's dashboard "
+                           f"address, http://HEAD:8265") from None
+    # The headers JobSubmissionClient sends: the token when RAY_AUTH_MODE=token.
+    headers = get_auth_headers_if_auth_enabled({})
+    try:
+        response = requests.get(f"{address}/api/version", headers=headers,
+                                timeout=(CONNECT_TIMEOUT_S, 30))
+    except requests.RequestException as exc:
+        raise ClusterError(f"--address {address}: no Ray job API answers there "
+                           f"({type(exc).__name__}: {exc})") from None
+    if response.status_code in (401, 403):
+        raise ClusterError(_token_problem(address, response.status_code, bool(headers)))
+    try:
+        response.raise_for_status()
+        cluster_version = response.json()["ray_version"]
+    except (requests.RequestException, ValueError, KeyError, TypeError) as exc:
+        raise ClusterError(f"--address {address}: not a Ray job API (GET /api/version: "
+                           f"HTTP {response.status_code}, {type(exc).__name__}: {exc})") from None
+    if cluster_version != local_version:
+        raise ClusterError(f"the cluster at {address} runs Ray {cluster_version} and this "
+                           f"machine Ray {local_version}; a job needs the same Ray on both "
+                           f"(install ray=={cluster_version} here, or run the cluster on Ray "
+                           f"{local_version})")
+    return cluster_version
+
+
+def _token_problem(address: str, status: int, sent: bool) -> str:
+    if not sent:
+        return (f"the cluster at {address} uses token authentication (HTTP {status}) and no "
+                f"token was sent: set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN to the cluster's "
+                f"token (deploy/local: `. DIR/env`)")
+    return (f"the cluster at {address} refused the token (HTTP {status}): RAY_AUTH_TOKEN (or "
+            f"RAY_AUTH_TOKEN_PATH, else ~/.ray/auth_token) must hold this cluster's token "
+            f"(deploy/local: `. DIR/env`)")
+
+
+@contextmanager
+def _api_server_address(address: str) -> Iterator[None]:
+    """JobSubmissionClient lets $RAY_API_SERVER_ADDRESS, then $RAY_ADDRESS, replace its address
+    argument; the address resolved here (which already honoured them) must win."""
+    saved = os.environ.get(ADDRESS_ENV_VARS[0])
+    os.environ[ADDRESS_ENV_VARS[0]] = address
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ[ADDRESS_ENV_VARS[0]]
+        else:
+            os.environ[ADDRESS_ENV_VARS[0]] = saved
+
+
+def connect(address: str) -> JobSubmissionClient:
+    check_cluster(address)
+    from ray.job_submission import JobSubmissionClient
+
+    # The SDK announces every upload at INFO; stalwart prints what matters itself.
+    for name in ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
+                 "ray._private.runtime_env.packaging"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    with _api_server_address(address):
+        try:
+            return JobSubmissionClient(address)
+        except (ConnectionError, RuntimeError) as exc:  # it answered check_cluster a moment ago
+            raise ClusterError(f"--address {address}: {exc}") from None
+
+
+# ---------------------------------------------------------------------------- jobs
+
+
+def submit(client: JobSubmissionClient, spec: JobSpec, *, cwd: Path, storage: str,
+           job_id: str | None = None) -> str:
+    try:
+        return client.submit_job(
+            entrypoint=spec.entrypoint(), submission_id=job_id,
+            runtime_env=spec.runtime_env(cwd, storage),
+            # Read back by `stalwart status` and `stalwart stop`.
+            metadata={"stalwart_run_dir": str(spec.run_dir),
+                      "stalwart_resume": spec.resume_commands(client.get_address())[0]})
+    except (RuntimeError, ValueError) as exc:  # the job API's refusal, or an upload too large
+        raise ClusterError(f"the cluster at {client.get_address()} refused the job: "
+                           f"{exc}") from None
+
+
+def find(client: JobSubmissionClient, job_id: str) -> JobDetails:
+    """The job's details; an id the cluster does not know is a clear error."""
+    try:
+        return client.get_job_info(job_id)
+    except RuntimeError as exc:  # the SDK reports a 404 like any other failed request
+        known = {i for job in client.list_jobs() for i in (job.submission_id, job.job_id)}
+        if job_id not in known:
+            raise ClusterError(f"the cluster at {client.get_address()} has no job {job_id!r} "
+                               f"(`ray job list` lists its jobs)") from None
+        raise ClusterError(f"job {job_id}: {exc}") from None
+
+
+def follow(client: JobSubmissionClient, job_id: str, write: Callable[[str], object]) -> str:
+    """Stream the job's output until it ends; returns its final status.
+
+    Ctrl-C (KeyboardInterrupt) ends the streaming here, not the job.
+    """
+    import aiohttp
+
+    async def tail() -> None:
+        async for chunk in client.tail_job_logs(job_id):
+            write(chunk)
+
+    try:
+        asyncio.run(tail())
+    except (RuntimeError, OSError, aiohttp.ClientError) as exc:  # the head went away, ...
+        raise ClusterError(f"lost the output stream of job {job_id} ({exc}); the job may still "
+                           f"run: `stalwart status {job_id}`") from None
+    return wait_for_end(client, job_id, timeout_s=30)
+
+
+def wait_for_end(client: JobSubmissionClient, job_id: str, *, timeout_s: float) -> str:
+    """The job's status once it is terminal, or as it is after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while (status := str(find(client, job_id).status.value)) not in TERMINAL:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    return status

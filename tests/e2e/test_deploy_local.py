@@ -1,0 +1,256 @@
+"""deploy/local and `stalwart submit`, exactly as a user types them, on one real cluster.
+
+One cluster for the module (starting one takes seconds, each job tens of them): `up.sh` with
+2 nodes x 2 CPUs on free ports, used from a project directory holding only the reference
+config (the task itself is installed with stalwart). Every job's run dir is checked on disk.
+The last test runs `down.sh` and looks for any process left in the nodes' sessions.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from stalwart.run_dir import read_jsonl
+from tests.cli_helpers import REFERENCE_CONFIG, STALWART, TINY, sets, wait_for_step
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
+
+REPO = Path(__file__).resolve().parents[2]
+UP, DOWN = REPO / "deploy" / "local" / "up.sh", REPO / "deploy" / "local" / "down.sh"
+BIN = Path(sys.executable).parent
+CONFIG = "examples/gpt/config.toml"
+PORT_SPAN = 600  # up.sh with 2 nodes binds P .. P+599 (deploy/local/README.md)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    state_dir: Path
+    project: Path
+    env: dict[str, str]
+    """The user's environment after `. DIR/env`."""
+    pids: dict[str, int]
+
+    @property
+    def dashboard(self) -> str:
+        return self.env["STALWART_DASHBOARD"]
+
+    def stalwart(self, *args: str, check: int | None = 0, timeout: float = 180
+                 ) -> subprocess.CompletedProcess[str]:
+        proc = subprocess.run([STALWART, *args], cwd=self.project, env=self.env,
+                              capture_output=True, text=True, timeout=timeout)
+        if check is not None and proc.returncode != check:
+            raise AssertionError(f"stalwart {' '.join(args)} exited {proc.returncode}, "
+                                 f"expected {check}\n--- stdout\n{proc.stdout}\n--- stderr\n"
+                                 f"{proc.stderr}")
+        return proc
+
+
+def _ports_free(ports: range) -> bool:
+    for port in ports:
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind(("", port))
+            except OSError:
+                return False
+    return True
+
+
+def _free_port_base() -> int:
+    """P with P .. P+PORT_SPAN (the cluster's ports and the dashboard's) free, below the
+    ephemeral range, where no self-bound port of another process will appear meanwhile."""
+    for _ in range(50):
+        base = random.randrange(20000, 30000 - PORT_SPAN, 10)
+        if _ports_free(range(base, base + PORT_SPAN + 1)):
+            return base
+    raise AssertionError("no free range of ports for the cluster")
+
+
+def _user_env() -> dict[str, str]:
+    """This environment without a Ray address or token of its own, and the venv's bin first
+    (up.sh runs the `ray` on PATH; the nodes run jobs' `stalwart` from theirs)."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("RAY_ADDRESS", "RAY_API_SERVER_ADDRESS") and not k.startswith("RAY_AUTH")}
+    return {**env, "PATH": f"{BIN}{os.pathsep}{env.get('PATH', '')}"}
+
+
+def _sourced(env_file: Path, env: dict[str, str]) -> dict[str, str]:
+    """The environment after `. env_file`, as a user's shell would have it."""
+    out = subprocess.run(["bash", "-c", f". {env_file} && env -0"], env=env, check=True,
+                         capture_output=True, text=True, timeout=30).stdout
+    return dict(line.split("=", 1) for line in out.split("\0") if line)
+
+
+def _session_members(sid: int) -> list[int]:
+    """Live processes whose session or process group is `sid`."""
+    members = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                pid = int(entry.name)
+                if sid in (os.getsid(pid), os.getpgid(pid)):
+                    members.append(pid)
+            except (ProcessLookupError, PermissionError):
+                continue
+    return members
+
+
+def _token_file_state() -> bytes | None:
+    path = Path.home() / ".ray" / "auth_token"
+    return path.read_bytes() if path.exists() else None
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> Iterator[Cluster]:
+    root = tmp_path_factory.mktemp("deploy_local")
+    project = root / "project"
+    (project / "examples" / "gpt").mkdir(parents=True)
+    shutil.copy(REFERENCE_CONFIG, project / CONFIG)
+    state_dir = root / "cluster"
+    port = _free_port_base()
+    user_token = _token_file_state()
+    up = subprocess.run(
+        ["bash", str(UP), "--nodes", "2", "--cpus-per-node", "2", "--state-dir", str(state_dir),
+         "--port", str(port), "--dashboard-port", str(port + PORT_SPAN)],
+        cwd=project, env=_user_env(), capture_output=True, text=True, timeout=180)
+    pids = ({name: int(pid) for name, pid in (line.split() for line in
+                                              (state_dir / "pids").read_text().splitlines())}
+            if (state_dir / "pids").exists() else {})
+    try:
+        assert up.returncode == 0, up.stdout + up.stderr
+        assert f". {state_dir}/env" in up.stdout and "stalwart submit" in up.stdout
+        assert _token_file_state() == user_token  # the user's own token is left alone
+        yield Cluster(state_dir=state_dir, project=project, pids=pids,
+                      env=_sourced(state_dir / "env", _user_env()))
+    finally:
+        if (state_dir / "pids").exists():  # a test failed before test_down ran
+            subprocess.run(["bash", str(DOWN), "--state-dir", str(state_dir)], timeout=120)
+
+
+def _events(run_dir: Path) -> list[dict]:
+    return read_jsonl(run_dir / "events.jsonl")
+
+
+def test_up_starts_two_nodes_with_token_auth(cluster):
+    env = cluster.env
+    assert env["RAY_AUTH_MODE"] == "token"
+    assert env["RAY_AUTH_TOKEN"] == (cluster.state_dir / "auth_token").read_text().strip()
+    assert (cluster.state_dir / "auth_token").stat().st_mode & 0o077 == 0
+    assert env["RAY_API_SERVER_ADDRESS"] == env["STALWART_DASHBOARD"]
+    assert set(cluster.pids) == {"node-0", "node-1"}
+    for pid in cluster.pids.values():
+        assert os.getsid(pid) == pid  # what down.sh relies on
+    alive = subprocess.run(
+        [sys.executable, "-c", "import ray; ray.init(logging_level='ERROR'); "
+         "print(sum(n['Alive'] for n in ray.nodes()))"],
+        env=env, capture_output=True, text=True, timeout=120)
+    assert alive.stdout.strip() == "2", alive.stdout + alive.stderr
+
+
+def test_up_refuses_a_running_cluster_and_taken_ports(cluster, tmp_path):
+    port = cluster.env["RAY_ADDRESS"].rsplit(":", 1)[1]
+    again = subprocess.run(["bash", str(UP), "--state-dir", str(cluster.state_dir), "--port",
+                            port], env=_user_env(), capture_output=True, text=True, timeout=60)
+    assert again.returncode == 2 and "already holds a running cluster" in again.stderr
+    taken = subprocess.run(["bash", str(UP), "--state-dir", str(tmp_path / "other"), "--port",
+                            port], env=_user_env(), capture_output=True, text=True, timeout=60)
+    assert taken.returncode == 2 and f"port {port} is taken" in taken.stderr
+    assert not (tmp_path / "other" / "pids").exists()
+
+
+def test_submit_then_logs_follow_to_success(cluster):
+    submit = cluster.stalwart("submit", CONFIG, "--address", cluster.dashboard,
+                              *sets(*TINY, "train.steps=30"), "--run-dir", "runs/ok",
+                              "--job-id", "stalwart-ok")
+    run_dir = cluster.project / "runs" / "ok"  # relative to the submitter, made absolute
+    assert "submitted job stalwart-ok" in submit.stdout and str(run_dir) in submit.stdout
+    logs = cluster.stalwart("logs", "stalwart-ok", "--follow")
+    assert "FINISHED at step 30" in logs.stdout and "job stalwart-ok: SUCCEEDED" in logs.stdout
+    status = cluster.stalwart("status", "stalwart-ok", "--address", cluster.dashboard)
+    assert status.stdout.startswith("job stalwart-ok: SUCCEEDED") and str(run_dir) in status.stdout
+    events = _events(run_dir)
+    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 30
+
+
+def test_a_killed_worker_is_recovered_and_the_job_succeeds(cluster):
+    follow = cluster.stalwart("submit", CONFIG, "--address", cluster.dashboard,
+                              *sets(*TINY, "train.steps=30"), "--run-dir", "runs/kill",
+                              "--inject", "kill:rank=1,step=15", "--follow")
+    assert follow.stdout.rstrip().endswith("SUCCEEDED")
+    kinds = [e["kind"] for e in _events(cluster.project / "runs" / "kill")]
+    assert "recovered" in kinds and kinds[-1] == "finished"
+
+
+def test_stop_checkpoints_the_run_and_a_resumed_submit_continues_it(cluster):
+    run_dir = cluster.project / "runs" / "stopped"
+    cluster.stalwart("submit", CONFIG, *sets(*TINY, "train.steps=2000",
+                                             "checkpoint.persist_every=10"),
+                     "--run-dir", str(run_dir), "--job-id", "stalwart-stop")
+    follow = subprocess.Popen([STALWART, "logs", "stalwart-stop", "--follow"],
+                              cwd=cluster.project, env=cluster.env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        wait_for_step(run_dir / "metrics.jsonl", 20, follow, timeout=120)
+        follow.send_signal(signal.SIGINT)  # Ctrl-C stops the following, not the job
+        _, err = follow.communicate(timeout=30)
+    finally:
+        follow.kill()
+    assert follow.returncode == 130 and "job stalwart-stop goes on" in err
+    assert "RUNNING" in cluster.stalwart("status", "stalwart-stop").stdout.splitlines()[0]
+
+    stop = cluster.stalwart("stop", "stalwart-stop")
+    assert "job stalwart-stop: STOPPED" in stop.stdout and "--resume" in stop.stdout
+    stopped = [e for e in _events(run_dir) if e["kind"] == "stopped"]
+    assert len(stopped) == 1  # the run saw a Ctrl-C and checkpointed its last step
+    step = stopped[0]["step"]
+
+    cluster.stalwart("submit", CONFIG, *sets(*TINY, f"train.steps={step + 10}",
+                                             "checkpoint.persist_every=10"),
+                     "--run-dir", str(run_dir), "--resume", "--follow")
+    events = _events(run_dir)
+    resumed = [e for e in events if e["kind"] == "resumed"]
+    assert len(resumed) == 1 and resumed[0]["from_step"] == step
+    assert events[-1]["kind"] == "finished" and events[-1]["step"] == step + 10
+
+
+def test_ray_job_submit_runs_stalwart_as_well(cluster):
+    run_dir = cluster.project / "runs" / "ray-job"
+    proc = subprocess.run(
+        [str(BIN / "ray"), "job", "submit", "--address", cluster.dashboard, "--working-dir",
+         ".", "--", "stalwart", "run", CONFIG, "--address", "auto", "--run-dir", str(run_dir),
+         *sets(*TINY, "train.steps=20")],
+        cwd=cluster.project, env=cluster.env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    events = _events(run_dir)
+    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 20
+
+
+def test_unknown_job_is_one_clear_error(cluster):
+    proc = cluster.stalwart("status", "raysubmit_nosuchjob", check=2)
+    assert proc.stderr == (f"stalwart: error: the cluster at {cluster.dashboard} has no job "
+                           f"'raysubmit_nosuchjob' (`ray job list` lists its jobs)\n")
+
+
+def test_down_stops_every_process_of_the_cluster(cluster):
+    assert all(_session_members(pid) for pid in cluster.pids.values())  # the check can fail
+    proc = subprocess.run(["bash", str(DOWN), "--state-dir", str(cluster.state_dir)],
+                          env=_user_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    deadline = time.monotonic() + 10  # the kernel reaps the last ones asynchronously
+    while (left := {pid: _session_members(pid) for pid in cluster.pids.values()
+                    if _session_members(pid)}) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not left, f"processes left in the cluster's sessions: {left}"
+    assert sorted(p.name for p in cluster.state_dir.iterdir()) == ["logs"]
