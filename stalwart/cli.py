@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -118,7 +119,9 @@ def _cmd_run(args: argparse.Namespace) -> int:
                      resume=args.resume).fit()
     print(summarize(result))
     if result.state == "STOPPED":
-        print(f"resume with: stalwart run {args.config} --run-dir {result.run_dir} --resume")
+        again = " ".join(shlex.quote(a) for o in args.overrides for a in ("--set", o))
+        print(f"resume with: stalwart run {shlex.quote(args.config)}{' ' if again else ''}"
+              f"{again} --run-dir {shlex.quote(str(result.run_dir))} --resume")
         return EXIT_STOPPED
     return EXIT_OK if result.state == "FINISHED" else EXIT_FAILED
 

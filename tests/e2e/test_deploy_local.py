@@ -8,6 +8,7 @@ The last test runs `down.sh` and looks for any process left in the nodes' sessio
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import shutil
@@ -235,6 +236,21 @@ def test_ray_job_submit_runs_stalwart_as_well(cluster):
     assert proc.returncode == 0, proc.stdout + proc.stderr
     events = _events(run_dir)
     assert events[-1]["kind"] == "finished" and events[-1]["step"] == 20
+
+
+def test_a_sweep_runs_on_the_cluster(cluster):
+    """`stalwart sweep --address`: two trials of 1 worker each, side by side on the cluster."""
+    sweep = cluster.project / "sweep.toml"
+    overrides = [*TINY, "train.steps=10", "scaling.num_workers=1", "scaling.spare_workers=0"]
+    sweep.write_text(f'config = "{CONFIG}"\nset = {json.dumps(overrides)}\n'
+                     'metric = "loss"\n[search]\n"train.lr" = { grid = [1e-3, 1e-2] }\n')
+    proc = cluster.stalwart("sweep", "sweep.toml", "--address", cluster.env["RAY_ADDRESS"],
+                            timeout=200)
+    assert "best: " in proc.stdout
+    results = json.loads((cluster.project / "sweeps" / "sweep" / "sweep_results.json"
+                          ).read_text())
+    assert sorted(t["params"]["train.lr"] for t in results["trials"]) == [1e-3, 1e-2]
+    assert {(t["state"], t["step"]) for t in results["trials"]} == {("finished", 10)}
 
 
 def test_unknown_job_is_one_clear_error(cluster):
