@@ -291,11 +291,24 @@ class RunConfig:
     """Write a metrics.jsonl row (globally averaged loss) every this many steps."""
     progress: bool = True
     """Show a live progress bar on a terminal (plain log lines otherwise)."""
+    tensorboard: bool = False
+    """Also write metrics and events as TensorBoard event files under <run dir>/tensorboard/."""
+    profile_steps: list[int] = field(default_factory=list)
+    """Trace these steps with the PyTorch profiler on every rank: [] (off), [STEP] or [FIRST, LAST] (inclusive)."""
 
     def __post_init__(self) -> None:
         _require(bool(self.name) and "/" not in self.name, "run.name", self.name,
                  "must be non-empty and contain no '/'")
         _require(self.log_every >= 1, "run.log_every", self.log_every, "must be >= 1")
+        steps = self.profile_steps
+        _require(len(steps) <= 2 and all(s >= 1 for s in steps) and steps == sorted(steps),
+                 "run.profile_steps", steps,
+                 "[] (off), [STEP] or [FIRST, LAST] with 1 <= FIRST <= LAST")
+
+    @property
+    def profile_window(self) -> tuple[int, int] | None:
+        """(first, last) step to trace, both included; None when profiling is off."""
+        return (self.profile_steps[0], self.profile_steps[-1]) if self.profile_steps else None
 
 
 FAULT_KINDS = {
@@ -364,6 +377,20 @@ def parse_fault(text: str) -> FaultSpec:
         raise ConfigError(f"--inject {text!r}: {exc}") from None
 
 
+def parse_profile_steps(text: str) -> list[int]:
+    """`20` -> [20, 20], `20-22` -> [20, 22] (the --profile syntax; both steps included)."""
+    first, sep, last = text.strip().partition("-")
+    parts = [first, last] if sep else [first]
+    if not all(p.strip().isdecimal() and p.strip().isascii() for p in parts):
+        raise ConfigError(f"--profile {text!r} is invalid: expected STEP or FIRST-LAST (both "
+                          f"included), e.g. --profile 20 or --profile 20-22")
+    steps = [int(p) for p in parts]
+    if steps[0] < 1 or steps[-1] < steps[0]:
+        raise ConfigError(f"--profile {text!r} is invalid: steps count from 1, and FIRST "
+                          f"must be <= LAST")
+    return [steps[0], steps[-1]]
+
+
 @dataclass(frozen=True, kw_only=True)
 class JobConfig:
     task: TaskConfig = field(default_factory=TaskConfig)
@@ -383,6 +410,9 @@ class JobConfig:
                      f"must be <= train.steps = {self.train.steps} ({fault})")
             _require(fault.rank < self.scaling.num_workers, "faults.rank", fault.rank,
                      f"must be < scaling.num_workers = {self.scaling.num_workers} ({fault})")
+        _require(not self.run.profile_steps or self.run.profile_steps[-1] <= self.train.steps,
+                 "run.profile_steps", self.run.profile_steps,
+                 f"steps must be <= train.steps = {self.train.steps}")
         for name in ("floor", "ceiling"):
             # Every world size the run may take must split into the layout and the batch.
             self._check_world(getattr(self.scaling, name))
@@ -443,6 +473,10 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         ok = isinstance(value, str)
     elif origin is dict or hint is dict:
         ok = isinstance(value, dict)
+    elif origin is list and typing.get_args(hint) == (int,):
+        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
+                                             for v in value)
+        value = list(value) if ok else value
     else:
         raise ConfigError(f"{name}: unexpected field type {hint!r}")
     if not ok:

@@ -30,6 +30,7 @@ from stalwart.parallel.dims import ParallelDims
 from stalwart.progress import ProgressDisplay
 from stalwart.run_dir import RunDir, read_jsonl
 from stalwart.task import build_task
+from stalwart.tensorboard import tensorboard_callbacks
 
 # Keys that define what is being trained: changing them on --resume would silently mix two
 # different runs (another model, another data order), so it is refused.
@@ -89,7 +90,8 @@ class Trainer:
         self.live_progress = live_progress
         self.start_from = start_from
         self.workdir = str(Path(workdir).resolve()) if workdir else os.getcwd()
-        self.callbacks = list(callbacks)
+        # run.tensorboard: its writer is one more callback (a missing package fails here).
+        self.callbacks = [*callbacks, *tensorboard_callbacks(config, self.run_dir.path)]
 
     # ------------------------------------------------------------------ checks
 
