@@ -29,6 +29,7 @@ from stalwart.orchestrator.failures import (
 )
 from stalwart.orchestrator.faults import FaultPlan
 from stalwart.orchestrator.health import HangDetector
+from stalwart.orchestrator.profiles import save_trace
 from stalwart.orchestrator.states import (
     Failed,
     Finished,
@@ -46,7 +47,7 @@ from stalwart.orchestrator.states import (
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
     from stalwart.run_dir import EventLog, JsonlWriter
-    from stalwart.workers.reports import StepReport, WorkerStatus
+    from stalwart.workers.reports import ProfileReport, StepReport, WorkerStatus
 
 
 class WorkerGroup(Protocol):
@@ -379,6 +380,8 @@ class Controller:
                              step=fired.step)
         if st.faults:
             self.group.ack_faults(rank)
+        for trace in st.profiles:  # every rank traces its own part of the steps
+            self._save_profile(trace)
         if rank == 0:  # rank 0 commits for everyone; the loss is the global mean on every rank
             for commit in st.commits:
                 self.events.emit("checkpoint_committed", step=commit.step, path=commit.path,
@@ -394,6 +397,13 @@ class Controller:
             self.hangs.finished(rank)  # done ranks wait for their peers: not a stall
         if st.preempted and not self._stop_requested:
             self._plan_preemption(rank)
+
+    def _save_profile(self, trace: ProfileReport) -> None:
+        """Write a rank's profiler trace into the run dir (where events.jsonl is)."""
+        path = save_trace(self.events.path.parent / "profile", trace)
+        self.events.emit("profile_saved", rank=trace.rank, steps=list(trace.steps),
+                         path=str(path.resolve()), generation=trace.generation,
+                         export_s=round(trace.export_s, 3))
 
     def _report_tier(self) -> None:
         """Once per world, when every rank has reported after the world's first few

@@ -48,6 +48,10 @@ def _parser() -> argparse.ArgumentParser:
                           "drain:node=1,step=50 (repeatable; adds to the config's [[faults]])")
     run.add_argument("--resume", action="store_true",
                      help="continue the run in --run-dir from its newest committed checkpoint")
+    run.add_argument("--profile", metavar="STEPS",
+                     help="trace these steps with the PyTorch profiler on every rank: 20 or "
+                          "20-22 (inclusive); traces go to RUN_DIR/profile/ (sets "
+                          "run.profile_steps)")
 
     exp = sub.add_parser("export", help="write a checkpoint's full model weights to one file")
     exp.add_argument("run_dir", help="run directory of the run to export")
@@ -105,8 +109,8 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from stalwart.config import load_config, parse_fault
-    from stalwart.errors import RunDirError
+    from stalwart.config import load_config, parse_fault, parse_profile_steps
+    from stalwart.errors import ConfigError, RunDirError
     from stalwart.trainer import Trainer, summarize
 
     if args.resume and not args.run_dir:
@@ -115,6 +119,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.inject:
         config = dataclasses.replace(config, faults=(
             *config.faults, *(parse_fault(text) for text in args.inject)))
+    if args.profile is not None:
+        steps = parse_profile_steps(args.profile)
+        try:
+            config = dataclasses.replace(config, run=dataclasses.replace(
+                config.run, profile_steps=steps))
+        except ConfigError as exc:  # steps past train.steps
+            raise ConfigError(f"--profile {args.profile!r}: {exc}") from None
     result = Trainer(config, run_dir=args.run_dir, address=args.address,
                      resume=args.resume).fit()
     print(summarize(result))

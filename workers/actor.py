@@ -44,7 +44,8 @@ from stalwart.task import TrainTask, build_task
 from stalwart.workers.engine import TrainEngine
 from stalwart.workers.errors import classify_exception
 from stalwart.workers.faults import FaultFired, carry_out
-from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
+from stalwart.workers.profiling import StepProfiler, init_profiler_here
+from stalwart.workers.reports import CommitReport, ProfileReport, StepReport, WorkerStatus
 
 # Faults that strike in the middle of a snapshot rather than at the start of a step.
 SNAPSHOT_FAULTS = ("kill-staging", "kill-replicating")
@@ -85,6 +86,7 @@ class TrainWorker:
         self._steps: deque[StepReport] = deque()
         self._commits: deque[CommitReport] = deque()
         self._faults_fired: deque[FaultFired] = deque()
+        self._profiles: deque[ProfileReport] = deque()
         self._fault_heard = threading.Event()
         self._armed: dict[int, tuple[str, str]] = {}  # step -> (kind, fault text)
         # Faults that strike during a snapshot: step -> (kind, fault text)
@@ -117,6 +119,8 @@ class TrainWorker:
             task = build_task(self.config.task.path, self.config.task.args)
             task.prepare_data(self.config)
             warm_model(task, self.config)
+            if self.config.run.profile_window is not None:
+                init_profiler_here()  # on the actor's thread, not the training thread
             self.task = task
         return self.describe()
 
@@ -173,6 +177,7 @@ class TrainWorker:
         self._steps.clear()
         self._commits.clear()
         self._faults_fired.clear()
+        self._profiles.clear()
         self._stop.clear()
         self._done = self._stopped_early = False
         self._error = self._error_kind = None
@@ -224,11 +229,14 @@ class TrainWorker:
     def _run(self) -> None:
         engine, ckpt, cfg = self.engine, self.checkpointer, self.config
         assert engine is not None and ckpt is not None
+        profiler = StepProfiler(cfg.run.profile_window, rank=self.rank,
+                                generation=self.generation, device=engine.device)
         try:
             tier = self.tier if self._tiered else None
             ck = cfg.checkpoint
             while engine.step < cfg.train.steps:
                 self._maybe_inject(engine.step + 1)
+                profiler.begin(engine.step + 1)
                 report, stop = engine.train_step(
                     stop_requested=self._stop.is_set() or self._preempted,
                     before_update=tier.wait_copy_done if tier else None,
@@ -246,6 +254,7 @@ class TrainWorker:
                     self._commits.extend(ckpt.save_snapshot(shard) if shard is not None
                                          else ckpt.save(step, engine.state_dict()))
                 self._commits.extend(ckpt.poll())
+                self._profiles.extend(profiler.end(step, stop=stop))
                 if stop:
                     self._stopped_early = True
                     break
@@ -254,6 +263,8 @@ class TrainWorker:
         except BaseException as exc:  # reported to the controller by poll(); the thread ends
             self._error_kind = classify_exception(exc)
             self._error = traceback.format_exc()
+        finally:
+            profiler.discard()  # a failure inside the window: no trace (see StepProfiler)
 
     def _maybe_inject(self, step: int) -> None:
         armed = self._armed.pop(step, None)
@@ -293,13 +304,18 @@ class TrainWorker:
         self._stop.set()
 
     def poll(self) -> WorkerStatus:
+        # Read the end of the thread before draining: whatever it queued before it ended is
+        # then in this answer (a trace or a commit queued last is never left behind).
+        done, error = self._done, self._error
         steps = [self._steps.popleft() for _ in range(len(self._steps))]
         commits = [self._commits.popleft() for _ in range(len(self._commits))]
         faults = [self._faults_fired.popleft() for _ in range(len(self._faults_fired))]
+        profiles = [self._profiles.popleft() for _ in range(len(self._profiles))]
         return WorkerStatus(rank=self.rank, generation=self.generation, steps=steps,
-                            commits=commits, done=self._done, stopped_early=self._stopped_early,
-                            error=self._error, error_kind=self._error_kind, faults=faults,
-                            preempted=self._preempted, snapshot_bytes=self.tier.nbytes())
+                            commits=commits, done=done, stopped_early=self._stopped_early,
+                            error=error, error_kind=self._error_kind, faults=faults,
+                            profiles=profiles, preempted=self._preempted,
+                            snapshot_bytes=self.tier.nbytes())
 
     # ------------------------------------------------------------------ leaving
 

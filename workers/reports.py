@@ -36,6 +36,19 @@ class CommitReport:
 
 
 @dataclass(frozen=True)
+class ProfileReport:
+    """A torch.profiler trace of steps[0]..steps[1] (both included) on one rank."""
+
+    rank: int
+    generation: int
+    steps: tuple[int, int]
+    trace_zlib: bytes
+    """The chrome trace JSON, zlib-compressed (the driver writes it to the run dir)."""
+    export_s: float
+    """Seconds the rank spent stopping the profiler and exporting the trace."""
+
+
+@dataclass(frozen=True)
 class WorkerStatus:
     """Everything a worker has to say since the last poll."""
 
@@ -51,6 +64,8 @@ class WorkerStatus:
     error_kind: str | None = None
     """"user" for the task's code, "collective" for a failed or timed-out collective."""
     faults: list[FaultFired] = field(default_factory=list)
+    profiles: list[ProfileReport] = field(default_factory=list)
+    """Profiler traces finished since the last poll (run.profile_steps)."""
     preempted: bool = False
     """The process got SIGTERM: its machine is going away."""
     snapshot_bytes: int = 0
