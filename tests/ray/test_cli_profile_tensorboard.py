@@ -52,3 +52,29 @@ def test_profile_and_tensorboard(tmp_path: Path) -> None:
     assert [e.step for e in acc.Scalars("tokens_per_s")] == [2, 4, 6, 8, 10, 12]
     assert {e.value for e in acc.Scalars("world_size")} == {2}
     assert [e.step for e in acc.Tensors("events/finished/text_summary")] == [12]
+
+
+def test_a_failure_inside_the_window_is_traced_again_by_the_recovered_world(
+        tmp_path: Path) -> None:
+    """Rank 1 is killed at the start of step 6: generation 0's trace (step 5 and a broken
+    step 6) is dropped, generation 1 restores step 5 from memory and traces steps 6-7."""
+    run_dir = tmp_path / "run"
+    stalwart("run", str(REFERENCE_CONFIG),
+             *sets(*TINY, "train.steps=9", "scaling.spare_workers=1", "failure.max_failures=1",
+                   "data.val_every=0"),
+             "--inject", "kill:rank=1,step=6", "--profile", "5-7", "--run-dir", str(run_dir),
+             cwd=tmp_path)
+
+    events = read_jsonl(run_dir / "events.jsonl")
+    assert events[-1]["kind"] == "finished", events[-1]
+    (recovered,) = [e for e in events if e["kind"] == "recovered"]
+    assert recovered["from_step"] == 5 and recovered["generation"] == 1
+    saved = sorted((e for e in events if e["kind"] == "profile_saved"), key=lambda e: e["rank"])
+    assert [(e["rank"], e["steps"], e["generation"]) for e in saved] == [(0, [6, 7], 1),
+                                                                          (1, [6, 7], 1)]
+    assert sorted(p.name for p in (run_dir / "profile").iterdir()) == [
+        "rank0-step6-7.json", "rank1-step6-7.json"]
+    for e in saved:
+        names = [x.get("name", "") for x in json.loads(Path(e["path"]).read_text())["traceEvents"]]
+        assert [n for n in names if n.startswith("stalwart step")] == ["stalwart step 6",
+                                                                       "stalwart step 7"]
