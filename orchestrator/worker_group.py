@@ -142,7 +142,7 @@ class ElasticGroup:
         if self.runtime_env:
             options["runtime_env"] = self.runtime_env
         actor = self._actor_class.options(**options).remote(self._config_dict,
-                                                             self.storage_url)
+                                                             self.storage_url, self._created)
         return Worker(key=name, actor=actor, warm=actor.warm_up.remote())
 
     def refresh(self, timeout: float = 0.0) -> None:

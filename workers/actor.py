@@ -53,6 +53,26 @@ SNAPSHOT_FAULTS = ("kill-staging", "kill-replicating")
 FAULT_NOTICE_TIMEOUT_S = 5.0
 
 
+def announce_name(name: str) -> None:
+    """Make the worker's log lines on the driver carry `name` as their prefix from now on.
+
+    Ray's log monitor takes the prefix of a worker's lines from the last `:actor_name:` line
+    in each of its output files (Ray prints one itself, with the actor's repr, when the actor
+    is created), and never shows that line. The marker is a private Ray constant: if it moves,
+    the prefix stays the creation-time name.
+    """
+    import ray
+
+    try:
+        from ray._private.ray_constants import LOG_PREFIX_ACTOR_NAME
+    except ImportError:
+        return
+    if not ray.is_initialized():  # constructed outside a Ray worker (tests): no log monitor
+        return
+    for stream in (sys.stdout, sys.stderr):
+        print(f"{LOG_PREFIX_ACTOR_NAME}{name}", file=stream, flush=True)
+
+
 def warm_model(task: TrainTask, config: JobConfig) -> None:
     """Build the model and run one micro-batch forward and backward, then drop it all.
 
@@ -69,9 +89,10 @@ def warm_model(task: TrainTask, config: JobConfig) -> None:
 
 
 class TrainWorker:
-    def __init__(self, config: dict[str, Any], storage_url: str) -> None:
+    def __init__(self, config: dict[str, Any], storage_url: str, number: int = 0) -> None:
         self.config: JobConfig = config_from_dict(config)
         self.storage_url = storage_url
+        self.number = number  # the n-th actor of the run: names it while it has no rank
         # Never more compute threads than the CPUs Ray reserved for this actor.
         torch.set_num_threads(max(1, int(self.config.scaling.cpus_per_worker)))
         self.rank = -1
@@ -100,6 +121,21 @@ class TrainWorker:
         self._preempted = False
         self._install_sigterm_handler()
 
+    def __repr__(self) -> str:
+        """What Ray shows for this actor: in its log prefix, as the dashboard's Repr.
+
+        `stalwart-worker-r<rank>-g<generation>` in a world, `stalwart-worker-spare-<n>` when
+        warm and idle (a warm spare, or a survivor between worlds), `stalwart-worker-<n>`
+        while starting. Ray reads it once, when __init__ returns (the dashboard's Repr and
+        task names keep that one: `stalwart-worker-<n>`); announce_name() moves the log
+        prefix along.
+        """
+        if self.rank >= 0:
+            return f"stalwart-worker-r{self.rank}-g{self.generation}"
+        if self.task is not None:
+            return f"stalwart-worker-spare-{self.number}"
+        return f"stalwart-worker-{self.number}"
+
     def _install_sigterm_handler(self) -> None:
         """SIGTERM is a preemption notice: tell the controller, which checkpoints and resizes
         without this worker. (Ray's default handler would exit at once and lose the steps.)"""
@@ -122,6 +158,7 @@ class TrainWorker:
             if self.config.run.profile_window is not None:
                 init_profiler_here()  # on the actor's thread, not the training thread
             self.task = task
+            announce_name(repr(self))  # warm: a spare until it joins a world
         return self.describe()
 
     def rendezvous_address(self) -> Rendezvous:
@@ -146,6 +183,7 @@ class TrainWorker:
         self.warm_up()
         assert self.task is not None
         self.rank, self.generation = rank, generation
+        announce_name(repr(self))
         self._armed = {step: (kind, text) for step, kind, text in faults
                        if kind not in SNAPSHOT_FAULTS}
         self._armed_snapshot = {step: (kind, text) for step, kind, text in faults
@@ -356,6 +394,7 @@ class TrainWorker:
         destroy_process_group()
         self._reset_run_state()
         self.rank, self._armed, self._armed_snapshot = -1, {}, {}
+        announce_name(repr(self))
         return {"left": True, "step": step}
 
     def shutdown(self) -> None:
