@@ -42,6 +42,7 @@ from stalwart.orchestrator.states import (
     Stopped,
     check_transition,
 )
+from stalwart.orchestrator.stragglers import StragglerDetector
 
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
@@ -112,6 +113,7 @@ class Controller:
         self.hangs = HangDetector(floor_s=fc.hang_timeout_floor_s, factor=fc.hang_factor,
                                   start_timeout_s=config.scaling.start_timeout_s)
         self.faults = FaultPlan(config.faults)
+        self.stragglers = StragglerDetector(fc.straggler_factor, fc.straggler_steps)
         self.state: State = Scheduling(generation=0, since=time.time())
         self.last_step = resume_from.step if resume_from else 0
         self.last_loss: float | None = None
@@ -329,6 +331,7 @@ class Controller:
         self.group.launch()
         now = time.time()
         self.hangs.reset(range(self.world_size), now)
+        self.stragglers.reset(self.world_size)
         self._done = {}
         self._fault_times = {}  # ranks are renumbered: an old fault dates nothing new
         self._tier_bytes = {}
@@ -363,7 +366,7 @@ class Controller:
         for rank, st in answered.items():
             self._absorb(rank, st, now)
         self._report_tier()
-        failure = self._find_failure(answered, dead, now)
+        failure = self._find_failure(answered, dead, now) or self._check_stragglers(now)
         if failure is not None:
             return self._on_failure(failure)
         if len(self._done) == self.world_size:
@@ -387,6 +390,8 @@ class Controller:
             for report in st.steps:
                 self._on_step(report)
         self.hangs.answered(rank, now, progressed=bool(st.steps or st.commits))
+        for report in st.steps:
+            self.stragglers.observe(rank, report.step, report.local_s)
         if st.snapshot_bytes:
             self._tier_bytes[rank] = max(st.snapshot_bytes, self._tier_bytes.get(rank, 0))
         if st.done:
@@ -452,6 +457,26 @@ class Controller:
                                      message=f"worker rank {rank}: a collective failed with "
                                              f"no rank to blame:\n{st.error}",
                                      detected_at=now, last_seen=self._last_seen(()))
+        return None
+
+    def _check_stragglers(self, now: float) -> WorkerFailure | None:
+        """Report each new straggler; with failure.replace_stragglers, replace the first."""
+        replace = self.config.failure.replace_stragglers
+        for s in self.stragglers.check():
+            worker = self.workers[s.rank] if s.rank < len(self.workers) else {}
+            self.events.emit("straggler", rank=s.rank, node_ip=worker.get("node_ip"),
+                             step=s.step, local_s=round(s.local_s, 4),
+                             peers_median_s=round(s.peers_median_s, 4),
+                             ratio=round(s.ratio, 2), steps=s.steps, replaced=replace)
+            self.display.log(f"rank {s.rank} is a straggler: {s.ratio:.1f}x its peers' local "
+                             f"time per step for {s.steps} steps")
+            if replace:
+                return WorkerFailure(
+                    kind=FailureKind.STRAGGLER, rank=s.rank, ranks=(s.rank,), detected_at=now,
+                    message=f"rank {s.rank} took {s.ratio:.1f}x its peers' median local time "
+                            f"per step for {s.steps} steps (failure.straggler_factor="
+                            f"{self.stragglers.factor:g}, failure.replace_stragglers=true)",
+                    last_seen=self._last_seen((s.rank,)))
         return None
 
     def _last_seen(self, ranks: tuple[int, ...], heartbeat: float | None = None) -> float | None:

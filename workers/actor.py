@@ -50,6 +50,8 @@ from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
 SNAPSHOT_FAULTS = ("kill-staging", "kill-replicating")
 # How long a fault waits for the controller to hear of it before it is carried out.
 FAULT_NOTICE_TIMEOUT_S = 5.0
+# A `slow` fault: the rank sleeps this x its local work each step (3x as long in all).
+SLOWDOWN = 2.0
 
 
 def warm_model(task: TrainTask, config: JobConfig) -> None:
@@ -87,6 +89,7 @@ class TrainWorker:
         self._faults_fired: deque[FaultFired] = deque()
         self._fault_heard = threading.Event()
         self._armed: dict[int, tuple[str, str]] = {}  # step -> (kind, fault text)
+        self._slowdown = 0.0  # set by a `slow` fault, for the rest of this process's life
         # Faults that strike during a snapshot: step -> (kind, fault text)
         self._armed_snapshot: dict[int, tuple[str, str]] = {}
         self._thread: threading.Thread | None = None
@@ -153,6 +156,7 @@ class TrainWorker:
         forget_dtensor_caches()  # the last world's meshes must not come back (see there)
         self.engine = TrainEngine(self.config, self.task, rank=rank, world_size=world_size,
                                   device=device)
+        self.engine.slowdown = self._slowdown
         self.checkpointer = StorageCheckpointer(
             self.storage_url, rank=rank, keep_last=self.config.checkpoint.keep_last,
             async_save=self.config.checkpoint.async_save,
@@ -278,6 +282,11 @@ class TrainWorker:
         self._faults_fired.append(FaultFired(fault=text, kind=kind, rank=self.rank, step=step,
                                              time=time.time()))
         self._fault_heard.wait(FAULT_NOTICE_TIMEOUT_S)
+        if kind == "slow":  # the engine's own timing of the rank's work carries it out
+            self._slowdown = SLOWDOWN
+            if self.engine is not None:
+                self.engine.slowdown = SLOWDOWN
+            return
         carry_out(kind, text)
 
     def ack_faults(self) -> None:
