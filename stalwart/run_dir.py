@@ -2,7 +2,8 @@
 
     config.toml     the resolved JobConfig (defaults filled in, overrides applied)
     events.jsonl    one JSON object per line: {"time", "kind", ...fields}
-    metrics.jsonl   one row per logged step: step, loss, lr, tokens_per_s, world_size, time
+    metrics.jsonl   one row per logged step: step, loss, lr, tokens_per_s, world_size, time,
+                    window_s, ...
     checkpoints/    storage checkpoints, unless checkpoint.storage points elsewhere
 
 A run directory that already holds checkpoints is never reused without --resume, so no run
