@@ -35,13 +35,16 @@ def _world_sizes(events: list[dict[str, Any]], t0: float, end: float
     xs: list[float] = []
     ys: list[int] = []
     for e in events:
+        at = e["time"]
         if e["kind"] == "workers_started":
             size = e.get("world_size", len(e.get("workers", [])))  # older runs: no size
-        elif e["kind"] in ("failure", *END_KINDS, "resumed"):
+        elif e["kind"] == "failure":  # the world stopped training when it happened
+            size, at = 0, at - (e.get("detection_s") or 0.0)
+        elif e["kind"] in (*END_KINDS, "resumed"):
             size = 0
         else:
             continue
-        xs.append(e["time"] - t0)
+        xs.append(at - t0)
         ys.append(size)
     xs.append(end - t0)
     ys.append(ys[-1] if ys else 0)
@@ -91,11 +94,13 @@ def write_png(path: Path, events: list[dict[str, Any]], rows: list[dict[str, Any
         by_time.plot([r["time"] - t0 for r in val], losses, "o-", color="tab:orange",
                      label="val loss")
 
-    # Failures (red, by kind) and resizes (green) at their step and at their time.
+    # Failures (red, by kind) at the last step done and when they happened (detection
+    # latency before their event); resizes (green) at their step and event.
     for f in summary.failures:
-        for ax, x in ((by_step, f["step"]), (by_time, f["time"] - t0), (world, f["time"] - t0)):
+        at = f["time"] - (f["detection_s"] or 0.0) - t0
+        for ax, x in ((by_step, f["step"]), (by_time, at), (world, at)):
             ax.axvline(x, color="tab:red", linewidth=1, alpha=0.8)
-        for ax, x in ((by_step, f["step"]), (by_time, f["time"] - t0)):
+        for ax, x in ((by_step, f["step"]), (by_time, at)):
             ax.text(x, 0.98, f" {f['kind']}", transform=ax.get_xaxis_transform(),
                     rotation=90, va="top", ha="left", fontsize=8, color="tab:red")
     for r in summary.resizes:
