@@ -126,6 +126,10 @@ class Controller:
         self._last_log_time: float | None = None
         self._last_step_end: float | None = None
         self._tokens_since_log = 0
+        # End time of each step since the last row: the next row's steps_in_window, and the
+        # unlogged steps a world ends with, whose time is reported when they are known to be
+        # kept (kept_unlogged; stalwart report counts it as productive time).
+        self._unlogged_ends: dict[int, float] = {}
         # Throughput of this invocation: all tokens over the workers' time spent in steps
         # (checkpoint waits included, start-up and recovery excluded).
         self.tokens_total = 0
@@ -223,7 +227,7 @@ class Controller:
         if self._stop_requested:  # between worlds: the newest checkpoint is where a resume starts
             newest = newest_valid(self.storage_url)
             step = newest.step if newest else 0
-            self.events.emit("stopped", step=step)
+            self.events.emit("stopped", step=step, kept_unlogged=self._kept_unlogged(step))
             return Stopped(step=step)
         if enough:
             return Rendezvous(generation=state.generation, world_size=best)
@@ -327,6 +331,7 @@ class Controller:
             done = max([self.last_step, *self._failure_steps])
             self._pending_recovery = (failure, start_step, max(0, done - start_step))
         self.last_step = start_step
+        kept = self._kept_unlogged(start_step)
         self._phases["restored"] = time.time()
         self.group.launch()
         now = time.time()
@@ -339,14 +344,15 @@ class Controller:
         self._stop_sent = False
         self._next_resize_check = now + self.config.scaling.resize_check_s
         self._last_log_time = self._last_step_end = None
-        self._tokens_since_log = 0
+        self._tokens_since_log, self._unlogged_ends = 0, {}
         if not self._started_emitted:  # once, even if the first world never launched
             self._started_emitted = True
             self.events.emit("started", world_size=self.world_size,
                              steps=self.config.train.steps, start_step=start_step,
                              task=self.config.task.path)
         self.events.emit("workers_started", generation=state.generation,
-                         world_size=self.world_size, workers=self.workers)
+                         world_size=self.world_size, workers=self.workers,
+                         kept_unlogged=kept)
         return Running(generation=state.generation, start_step=start_step)
 
     # ------------------------------------------------------------------ running
@@ -496,7 +502,8 @@ class Controller:
                              val_loss=self.last_val_loss)
             return Finished(step=self.last_step)
         if self._stop_requested:
-            self.events.emit("stopped", step=self.last_step)
+            self.events.emit("stopped", step=self.last_step,
+                             kept_unlogged=self._kept_unlogged(self.last_step))
             return Stopped(step=self.last_step)
         for rank, st in self._done.items():  # a preempted rank may stop the world on its own
             if st.preempted:
@@ -601,7 +608,7 @@ class Controller:
         if self._last_log_time is None:  # first step of a world: its window starts on its clock
             self._last_log_time = r.time - r.step_time_s
         self.train_time_s += r.time - (self._last_step_end or self._last_log_time)
-        self._last_step_end = r.time
+        self._last_step_end = self._unlogged_ends[r.step] = r.time
         self.tokens_total += r.tokens
         self._tokens_since_log += r.tokens
         tokens_per_s = None
@@ -612,12 +619,25 @@ class Controller:
             row: dict[str, Any] = {"step": r.step, "loss": r.loss, "lr": r.lr,
                                    "tokens_per_s": round(tokens_per_s, 1),
                                    "world_size": self.world_size,
-                                   "samples_seen": r.samples_seen, "time": r.time}
+                                   "samples_seen": r.samples_seen, "time": r.time,
+                                   "window_s": round(elapsed, 6),
+                                   "steps_in_window": len(self._unlogged_ends)}
             if r.val_loss is not None:
                 row["val_loss"] = r.val_loss
             self.metrics.write(row)
             self._last_log_time, self._tokens_since_log = r.time, 0
+            self._unlogged_ends = {}
         self.display.update(r, tokens_per_s)
+
+    def _kept_unlogged(self, kept_up_to: int) -> dict[str, Any] | None:
+        """The steps of the world that just ended after its last metrics row, up to the step
+        the run goes on from, and their seconds on the workers' clock (a row's window, for
+        steps that got no row); None if there are none."""
+        kept = [s for s in self._unlogged_ends if s <= kept_up_to]
+        if not kept or self._last_log_time is None:
+            return None
+        return {"first_step": min(kept), "last_step": max(kept),
+                "window_s": round(self._unlogged_ends[max(kept)] - self._last_log_time, 6)}
 
     def _on_damaged_checkpoint(self, step: int, message: str) -> None:
         self.events.emit("checkpoint_skipped", step=step, message=message)
