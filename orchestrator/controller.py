@@ -47,7 +47,7 @@ from stalwart.orchestrator.stragglers import StragglerDetector
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
     from stalwart.run_dir import EventLog, JsonlWriter
-    from stalwart.workers.reports import StepReport, WorkerStatus
+    from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
 
 
 class WorkerGroup(Protocol):
@@ -73,7 +73,7 @@ class WorkerGroup(Protocol):
     def ack_faults(self, rank: int) -> None: ...
     def request_stop(self) -> None: ...
     def remove(self, ranks: tuple[int, ...]) -> None: ...
-    def disband(self) -> list[int]: ...
+    def disband(self) -> tuple[list[int], list[CommitReport]]: ...
     def shutdown(self, *, graceful: bool) -> None: ...
 
 
@@ -389,10 +389,7 @@ class Controller:
         if st.faults:
             self.group.ack_faults(rank)
         if rank == 0:  # rank 0 commits for everyone; the loss is the global mean on every rank
-            for commit in st.commits:
-                self.events.emit("checkpoint_committed", step=commit.step, path=commit.path,
-                                 save_s=round(commit.save_s, 3))
-                self._next_resize_check = 0.0  # a checkpoint boundary: look for room now
+            self._committed(st.commits)
             for report in st.steps:
                 self._on_step(report)
         self.hangs.answered(rank, now, progressed=bool(st.steps or st.commits))
@@ -405,6 +402,12 @@ class Controller:
             self.hangs.finished(rank)  # done ranks wait for their peers: not a stall
         if st.preempted and not self._stop_requested:
             self._plan_preemption(rank)
+
+    def _committed(self, commits: list[CommitReport]) -> None:
+        for commit in commits:
+            self.events.emit("checkpoint_committed", step=commit.step, path=commit.path,
+                             save_s=round(commit.save_s, 3))
+            self._next_resize_check = 0.0  # a checkpoint boundary: look for room now
 
     def _report_tier(self) -> None:
         """Once per world, when every rank has reported after the world's first few
@@ -569,7 +572,8 @@ class Controller:
         self.display.log(f"recovering from: {state.failure.message.strip().splitlines()[-1]}")
         self._phases = {"detected": state.failure.detected_at}
         self.group.remove(state.failure.failed_ranks)
-        self._failure_steps = self.group.disband()
+        self._failure_steps, late = self.group.disband()
+        self._committed(late)
         self._phases["left"] = time.time()
         self._recovering_from = state.failure
         self._planned = None  # a failure during a planned resize: the recovery replaces it
@@ -577,7 +581,7 @@ class Controller:
 
     def _on_resizing(self, state: Resizing) -> State:
         self.group.remove(state.leaving)
-        self.group.disband()
+        self._committed(self.group.disband()[1])
         return Scheduling(generation=state.generation + 1, since=time.time())
 
     # ------------------------------------------------------------------ reports

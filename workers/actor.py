@@ -336,11 +336,18 @@ class TrainWorker:
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 return {"left": False, "step": step}
             step = self.engine.step if self.engine is not None else step
+        # Commits the controller has not polled yet, and the save in flight if it completes:
+        # they are on storage, so they go on record (rank 0 reports them for everyone).
+        commits = list(self._commits)
         if self.checkpointer is not None:
+            try:
+                commits.extend(self.checkpointer.wait())
+            except Exception:
+                pass  # a save that failed with its world; the last commit stays valid
             try:
                 self.checkpointer.close()
             except Exception:
-                pass  # a save that failed with its world; the last commit stays valid
+                pass
             self.checkpointer = None
         self.tier.leave()  # its store stays: the next world may restore from it
         # No gc.collect(): refcounts free the engine, and a full collection costs 0.2 s
@@ -349,7 +356,7 @@ class TrainWorker:
         destroy_process_group()
         self._reset_run_state()
         self.rank, self._armed, self._armed_snapshot = -1, {}, {}
-        return {"left": True, "step": step}
+        return {"left": True, "step": step, "commits": commits}
 
     def shutdown(self) -> None:
         """Leave the world cleanly (the controller kills the actor if this does not return)."""

@@ -360,7 +360,7 @@ class FakeGroup:
                 self._kill(self.members[r])
         self.members = [a for r, a in enumerate(self.members) if r not in ranks]
 
-    def disband(self) -> list[int]:
+    def disband(self) -> tuple[list[int], list]:
         self._call("disband")
         survivors = [a for a in self.members if a.pid not in self.cannot_leave]
         for a in self.members:
@@ -368,7 +368,7 @@ class FakeGroup:
                 self._kill(a)
         steps = [self._steps.get(a.pid, 0) for a in survivors]
         self.members, self.idle = [], survivors + self.idle
-        return steps
+        return steps, []
 
     def describe(self) -> list[dict[str, Any]]:
         return [dict(a.info, rank=r) for r, a in enumerate(self.members)]
