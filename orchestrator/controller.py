@@ -43,11 +43,12 @@ from stalwart.orchestrator.states import (
     Stopped,
     check_transition,
 )
+from stalwart.orchestrator.stragglers import StragglerDetector
 
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
     from stalwart.run_dir import EventLog, JsonlWriter
-    from stalwart.workers.reports import ProfileReport, StepReport, WorkerStatus
+    from stalwart.workers.reports import CommitReport, ProfileReport, StepReport, WorkerStatus
 
 
 class WorkerGroup(Protocol):
@@ -73,7 +74,7 @@ class WorkerGroup(Protocol):
     def ack_faults(self, rank: int) -> None: ...
     def request_stop(self) -> None: ...
     def remove(self, ranks: tuple[int, ...]) -> None: ...
-    def disband(self) -> list[int]: ...
+    def disband(self) -> tuple[list[int], list[CommitReport]]: ...
     def shutdown(self, *, graceful: bool) -> None: ...
 
 
@@ -113,6 +114,7 @@ class Controller:
         self.hangs = HangDetector(floor_s=fc.hang_timeout_floor_s, factor=fc.hang_factor,
                                   start_timeout_s=config.scaling.start_timeout_s)
         self.faults = FaultPlan(config.faults)
+        self.stragglers = StragglerDetector(fc.straggler_factor, fc.straggler_steps)
         self.state: State = Scheduling(generation=0, since=time.time())
         self.last_step = resume_from.step if resume_from else 0
         self.last_loss: float | None = None
@@ -125,6 +127,10 @@ class Controller:
         self._last_log_time: float | None = None
         self._last_step_end: float | None = None
         self._tokens_since_log = 0
+        # End time of each step since the last row: the next row's steps_in_window, and the
+        # unlogged steps a world ends with, whose time is reported when they are known to be
+        # kept (kept_unlogged; stalwart report counts it as productive time).
+        self._unlogged_ends: dict[int, float] = {}
         # Throughput of this invocation: all tokens over the workers' time spent in steps
         # (checkpoint waits included, start-up and recovery excluded).
         self.tokens_total = 0
@@ -222,7 +228,7 @@ class Controller:
         if self._stop_requested:  # between worlds: the newest checkpoint is where a resume starts
             newest = newest_valid(self.storage_url)
             step = newest.step if newest else 0
-            self.events.emit("stopped", step=step)
+            self.events.emit("stopped", step=step, kept_unlogged=self._kept_unlogged(step))
             return Stopped(step=step)
         if enough:
             return Rendezvous(generation=state.generation, world_size=best)
@@ -326,10 +332,12 @@ class Controller:
             done = max([self.last_step, *self._failure_steps])
             self._pending_recovery = (failure, start_step, max(0, done - start_step))
         self.last_step = start_step
+        kept = self._kept_unlogged(start_step)
         self._phases["restored"] = time.time()
         self.group.launch()
         now = time.time()
         self.hangs.reset(range(self.world_size), now)
+        self.stragglers.reset(self.world_size)
         self._done = {}
         self._fault_times = {}  # ranks are renumbered: an old fault dates nothing new
         self._tier_bytes = {}
@@ -337,14 +345,15 @@ class Controller:
         self._stop_sent = False
         self._next_resize_check = now + self.config.scaling.resize_check_s
         self._last_log_time = self._last_step_end = None
-        self._tokens_since_log = 0
+        self._tokens_since_log, self._unlogged_ends = 0, {}
         if not self._started_emitted:  # once, even if the first world never launched
             self._started_emitted = True
             self.events.emit("started", world_size=self.world_size,
                              steps=self.config.train.steps, start_step=start_step,
                              task=self.config.task.path)
         self.events.emit("workers_started", generation=state.generation,
-                         world_size=self.world_size, workers=self.workers)
+                         world_size=self.world_size, workers=self.workers,
+                         kept_unlogged=kept)
         return Running(generation=state.generation, start_step=start_step)
 
     # ------------------------------------------------------------------ running
@@ -364,7 +373,7 @@ class Controller:
         for rank, st in answered.items():
             self._absorb(rank, st, now)
         self._report_tier()
-        failure = self._find_failure(answered, dead, now)
+        failure = self._find_failure(answered, dead, now) or self._check_stragglers(now)
         if failure is not None:
             return self._on_failure(failure)
         if len(self._done) == self.world_size:
@@ -383,13 +392,12 @@ class Controller:
         for trace in st.profiles:  # every rank traces its own part of the steps
             self._save_profile(trace)
         if rank == 0:  # rank 0 commits for everyone; the loss is the global mean on every rank
-            for commit in st.commits:
-                self.events.emit("checkpoint_committed", step=commit.step, path=commit.path,
-                                 save_s=round(commit.save_s, 3))
-                self._next_resize_check = 0.0  # a checkpoint boundary: look for room now
+            self._committed(st.commits)
             for report in st.steps:
                 self._on_step(report)
         self.hangs.answered(rank, now, progressed=bool(st.steps or st.commits))
+        for report in st.steps:
+            self.stragglers.observe(rank, report.step, report.local_s)
         if st.snapshot_bytes:
             self._tier_bytes[rank] = max(st.snapshot_bytes, self._tier_bytes.get(rank, 0))
         if st.done:
@@ -397,6 +405,12 @@ class Controller:
             self.hangs.finished(rank)  # done ranks wait for their peers: not a stall
         if st.preempted and not self._stop_requested:
             self._plan_preemption(rank)
+
+    def _committed(self, commits: list[CommitReport]) -> None:
+        for commit in commits:
+            self.events.emit("checkpoint_committed", step=commit.step, path=commit.path,
+                             save_s=round(commit.save_s, 3))
+            self._next_resize_check = 0.0  # a checkpoint boundary: look for room now
 
     def _save_profile(self, trace: ProfileReport) -> None:
         """Write a rank's profiler trace into the run dir (where events.jsonl is)."""
@@ -464,6 +478,26 @@ class Controller:
                                      detected_at=now, last_seen=self._last_seen(()))
         return None
 
+    def _check_stragglers(self, now: float) -> WorkerFailure | None:
+        """Report each new straggler; with failure.replace_stragglers, replace the first."""
+        replace = self.config.failure.replace_stragglers
+        for s in self.stragglers.check():
+            worker = self.workers[s.rank] if s.rank < len(self.workers) else {}
+            self.events.emit("straggler", rank=s.rank, node_ip=worker.get("node_ip"),
+                             step=s.step, local_s=round(s.local_s, 4),
+                             peers_median_s=round(s.peers_median_s, 4),
+                             ratio=round(s.ratio, 2), steps=s.steps, replaced=replace)
+            self.display.log(f"rank {s.rank} is a straggler: {s.ratio:.1f}x its peers' local "
+                             f"time per step for {s.steps} steps")
+            if replace:
+                return WorkerFailure(
+                    kind=FailureKind.STRAGGLER, rank=s.rank, ranks=(s.rank,), detected_at=now,
+                    message=f"rank {s.rank} took {s.ratio:.1f}x its peers' median local time "
+                            f"per step for {s.steps} steps (failure.straggler_factor="
+                            f"{self.stragglers.factor:g}, failure.replace_stragglers=true)",
+                    last_seen=self._last_seen((s.rank,)))
+        return None
+
     def _last_seen(self, ranks: tuple[int, ...], heartbeat: float | None = None) -> float | None:
         """The moment the failure happened, as well as we know it: an injected fault's own
         time, else the last heartbeat."""
@@ -481,7 +515,8 @@ class Controller:
                              val_loss=self.last_val_loss)
             return Finished(step=self.last_step)
         if self._stop_requested:
-            self.events.emit("stopped", step=self.last_step)
+            self.events.emit("stopped", step=self.last_step,
+                             kept_unlogged=self._kept_unlogged(self.last_step))
             return Stopped(step=self.last_step)
         for rank, st in self._done.items():  # a preempted rank may stop the world on its own
             if st.preempted:
@@ -547,7 +582,8 @@ class Controller:
         self.display.log(f"recovering from: {state.failure.message.strip().splitlines()[-1]}")
         self._phases = {"detected": state.failure.detected_at}
         self.group.remove(state.failure.failed_ranks)
-        self._failure_steps = self.group.disband()
+        self._failure_steps, late = self.group.disband()
+        self._committed(late)
         self._phases["left"] = time.time()
         self._recovering_from = state.failure
         self._planned = None  # a failure during a planned resize: the recovery replaces it
@@ -555,7 +591,7 @@ class Controller:
 
     def _on_resizing(self, state: Resizing) -> State:
         self.group.remove(state.leaving)
-        self.group.disband()
+        self._committed(self.group.disband()[1])
         return Scheduling(generation=state.generation + 1, since=time.time())
 
     # ------------------------------------------------------------------ reports
@@ -586,7 +622,7 @@ class Controller:
         if self._last_log_time is None:  # first step of a world: its window starts on its clock
             self._last_log_time = r.time - r.step_time_s
         self.train_time_s += r.time - (self._last_step_end or self._last_log_time)
-        self._last_step_end = r.time
+        self._last_step_end = self._unlogged_ends[r.step] = r.time
         self.tokens_total += r.tokens
         self._tokens_since_log += r.tokens
         tokens_per_s = None
@@ -597,12 +633,25 @@ class Controller:
             row: dict[str, Any] = {"step": r.step, "loss": r.loss, "lr": r.lr,
                                    "tokens_per_s": round(tokens_per_s, 1),
                                    "world_size": self.world_size,
-                                   "samples_seen": r.samples_seen, "time": r.time}
+                                   "samples_seen": r.samples_seen, "time": r.time,
+                                   "window_s": round(elapsed, 6),
+                                   "steps_in_window": len(self._unlogged_ends)}
             if r.val_loss is not None:
                 row["val_loss"] = r.val_loss
             self.metrics.write(row)
             self._last_log_time, self._tokens_since_log = r.time, 0
+            self._unlogged_ends = {}
         self.display.update(r, tokens_per_s)
+
+    def _kept_unlogged(self, kept_up_to: int) -> dict[str, Any] | None:
+        """The steps of the world that just ended after its last metrics row, up to the step
+        the run goes on from, and their seconds on the workers' clock (a row's window, for
+        steps that got no row); None if there are none."""
+        kept = [s for s in self._unlogged_ends if s <= kept_up_to]
+        if not kept or self._last_log_time is None:
+            return None
+        return {"first_step": min(kept), "last_step": max(kept),
+                "window_s": round(self._unlogged_ends[max(kept)] - self._last_log_time, 6)}
 
     def _on_damaged_checkpoint(self, step: int, message: str) -> None:
         self.events.emit("checkpoint_skipped", step=step, message=message)

@@ -22,6 +22,8 @@ class FailureKind(StrEnum):
     """A collective failed or timed out with no dead or silent rank to blame."""
     START_ERROR = "start_error"
     """Workers could not be placed, joined or set up."""
+    STRAGGLER = "straggler"
+    """A rank stayed slower than its peers (failure.replace_stragglers)."""
 
     @property
     def retryable(self) -> bool:

@@ -35,7 +35,7 @@ from stalwart.config import JobConfig
 from stalwart.errors import ConfigError
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.workers.actor import TrainWorker
-from stalwart.workers.reports import WorkerStatus
+from stalwart.workers.reports import CommitReport, WorkerStatus
 
 
 class GroupFailed(Exception):
@@ -334,27 +334,30 @@ class ElasticGroup:
                 self._kill(self.members[rank])
         self.members = [w for r, w in enumerate(self.members) if r not in set(ranks)]
 
-    def disband(self) -> list[int]:
+    def disband(self) -> tuple[list[int], list[CommitReport]]:
         """Every member leaves its world; survivors go back to the idle pool.
 
-        Returns the engine steps the survivors had completed. A member that cannot leave
-        (stuck thread, dead process) is killed.
+        Returns the engine steps the survivors had completed, and rank 0's commits that no
+        poll reported (a save that completed while the world ended). A member that cannot
+        leave (stuck thread, dead process) is killed.
         """
         answers = _answers([w.actor.leave.remote(self.LEAVE_TIMEOUT_S) for w in self.members],
                            timeout=self.LEAVE_TIMEOUT_S + 5)
-        steps, survivors = [], []
-        for w, ok in zip(self.members, answers, strict=True):
+        steps, survivors, commits = [], [], []
+        for rank, (w, ok) in enumerate(zip(self.members, answers, strict=True)):
             w.poll_ref = None
             if ok is not None and ok["left"]:
                 survivors.append(w)
                 steps.append(ok["step"])
+                if rank == 0:
+                    commits = ok["commits"]
             else:
                 if ok is not None:  # it answers, but its training thread is stuck
                     self._rescue(w)
                 self._kill(w)
         # Survivors first, in their old rank order: rank 0 usually stays rank 0.
         self.members, self.idle = [], survivors + self.idle
-        return steps
+        return steps, commits
 
     def _rescue(self, w: Worker) -> None:
         """Copy what a worker about to be killed holds in memory to the object store.

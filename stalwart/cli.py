@@ -68,6 +68,11 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--resume", action="store_true",
                     help="continue the sweep's Tune experiment (Tune's own restore)")
     add_job_commands(sub)
+
+    rep = sub.add_parser("report", help="where a run's time went: goodput, failures, a figure")
+    rep.add_argument("run_dir", help="run directory (its run may still be going)")
+    rep.add_argument("--out", help="the figure's PNG file (default RUN_DIR/report.png)")
+    rep.add_argument("--json", action="store_true", help="print the summary as JSON")
     return p
 
 
@@ -301,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
             return _cmd_sweep(args)
         if args.command in JOB_COMMANDS:
             return run_job_command(args)
+        if args.command == "report":
+            from stalwart.report import main as report
+
+            return report(args.run_dir, out=args.out, as_json=args.json)
         raise ValueError(f"unexpected command {args.command!r}")
     except StalwartError as exc:
         print(f"stalwart: error: {exc}", file=sys.stderr)

@@ -259,6 +259,13 @@ class FailureConfig:
     """Multiple of the median step time a rank may go without a heartbeat (see the floor)."""
     collective_timeout_s: float = 300.0
     """Process-group timeout: a collective stuck longer than this raises on the workers."""
+    straggler_factor: float = 2.0
+    """A rank whose local time per step (its work before its first gradient sync) exceeds
+    this x the other ranks' median is slow; 0 turns straggler detection off."""
+    straggler_steps: int = 10
+    """Consecutive slow steps that make a rank a straggler (a `straggler` event)."""
+    replace_stragglers: bool = False
+    """Also replace a straggler, as a failure (it counts against max_failures)."""
 
     def __post_init__(self) -> None:
         _require(self.max_failures >= -1, "failure.max_failures", self.max_failures,
@@ -267,6 +274,10 @@ class FailureConfig:
             _require(getattr(self, name) > 0, f"failure.{name}", getattr(self, name),
                      "must be > 0")
         _require(self.backoff_s >= 0, "failure.backoff_s", self.backoff_s, "must be >= 0")
+        _require(self.straggler_factor == 0 or self.straggler_factor > 1,
+                 "failure.straggler_factor", self.straggler_factor, "must be > 1, or 0 (off)")
+        _require(self.straggler_steps >= 1, "failure.straggler_steps", self.straggler_steps,
+                 "must be >= 1")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -318,6 +329,7 @@ FAULT_KINDS = {
     "hang": "rank",       # SIGSTOP the rank's process: alive, silent, holding its peers
     "raise": "rank",      # raise an exception in the rank's training loop (like a user bug)
     "term": "rank",       # SIGTERM the rank's process: a preemption notice
+    "slow": "rank",       # the rank turns straggler: its local work per step takes 3x as long
     "kill-node": "node",  # SIGKILL the raylet of a node: the node and its workers are gone
     "drain": "node",      # ask Ray to drain a node for preemption (it stays up, unschedulable)
 }

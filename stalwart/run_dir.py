@@ -2,7 +2,8 @@
 
     config.toml     the resolved JobConfig (defaults filled in, overrides applied)
     events.jsonl    one JSON object per line: {"time", "kind", ...fields}
-    metrics.jsonl   one row per logged step: step, loss, lr, tokens_per_s, world_size, time
+    metrics.jsonl   one row per logged step: step, loss, lr, tokens_per_s, world_size, time,
+                    window_s, ...
     checkpoints/    storage checkpoints, unless checkpoint.storage points elsewhere
 
 A run directory that already holds checkpoints is never reused without --resume, so no run
@@ -51,9 +52,20 @@ class EventLog(JsonlWriter):
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every row of a JSONL file, which a running (or crashed) writer may have left with a
+    half-written last line: that one is left out. A damaged line before it still raises."""
     if not path.exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    text = path.read_text()
+    lines = [line for line in text.splitlines() if line.strip()]
+    rows = [json.loads(line) for line in lines[:-1]]
+    if lines:
+        try:
+            rows.append(json.loads(lines[-1]))
+        except json.JSONDecodeError:
+            if text.endswith("\n"):  # a whole line the writer finished: damaged, not partial
+                raise
+    return rows
 
 
 class RunDir:

@@ -51,6 +51,8 @@ from stalwart.workers.reports import CommitReport, ProfileReport, StepReport, Wo
 SNAPSHOT_FAULTS = ("kill-staging", "kill-replicating")
 # How long a fault waits for the controller to hear of it before it is carried out.
 FAULT_NOTICE_TIMEOUT_S = 5.0
+# A `slow` fault: the rank sleeps this x its local work each step (3x as long in all).
+SLOWDOWN = 2.0
 
 
 def announce_name(name: str) -> None:
@@ -110,6 +112,7 @@ class TrainWorker:
         self._profiles: deque[ProfileReport] = deque()
         self._fault_heard = threading.Event()
         self._armed: dict[int, tuple[str, str]] = {}  # step -> (kind, fault text)
+        self._slowdown = 0.0  # set by a `slow` fault, for the rest of this process's life
         # Faults that strike during a snapshot: step -> (kind, fault text)
         self._armed_snapshot: dict[int, tuple[str, str]] = {}
         self._thread: threading.Thread | None = None
@@ -195,6 +198,7 @@ class TrainWorker:
         forget_dtensor_caches()  # the last world's meshes must not come back (see there)
         self.engine = TrainEngine(self.config, self.task, rank=rank, world_size=world_size,
                                   device=device)
+        self.engine.slowdown = self._slowdown
         self.checkpointer = StorageCheckpointer(
             self.storage_url, rank=rank, keep_last=self.config.checkpoint.keep_last,
             async_save=self.config.checkpoint.async_save,
@@ -327,6 +331,11 @@ class TrainWorker:
         self._faults_fired.append(FaultFired(fault=text, kind=kind, rank=self.rank, step=step,
                                              time=time.time()))
         self._fault_heard.wait(FAULT_NOTICE_TIMEOUT_S)
+        if kind == "slow":  # the engine's own timing of the rank's work carries it out
+            self._slowdown = SLOWDOWN
+            if self.engine is not None:
+                self.engine.slowdown = SLOWDOWN
+            return
         carry_out(kind, text)
 
     def ack_faults(self) -> None:
@@ -381,11 +390,18 @@ class TrainWorker:
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 return {"left": False, "step": step}
             step = self.engine.step if self.engine is not None else step
+        # Commits the controller has not polled yet, and the save in flight if it completes:
+        # they are on storage, so they go on record (rank 0 reports them for everyone).
+        commits = list(self._commits)
         if self.checkpointer is not None:
+            try:
+                commits.extend(self.checkpointer.wait())
+            except Exception:
+                pass  # a save that failed with its world; the last commit stays valid
             try:
                 self.checkpointer.close()
             except Exception:
-                pass  # a save that failed with its world; the last commit stays valid
+                pass
             self.checkpointer = None
         self.tier.leave()  # its store stays: the next world may restore from it
         # No gc.collect(): refcounts free the engine, and a full collection costs 0.2 s
@@ -395,7 +411,7 @@ class TrainWorker:
         self._reset_run_state()
         self.rank, self._armed, self._armed_snapshot = -1, {}, {}
         announce_name(repr(self))
-        return {"left": True, "step": step}
+        return {"left": True, "step": step, "commits": commits}
 
     def shutdown(self) -> None:
         """Leave the world cleanly (the controller kills the actor if this does not return)."""

@@ -26,6 +26,7 @@ from stalwart.parallel.grad_norm import clip_grad_norm
 from stalwart.parallel.invariant_reduce import PairwiseAccumulator
 from stalwart.parallel.pipeline import Pipeline, build_pipeline
 from stalwart.parallel.recipe import parallelize
+from stalwart.workers.local_timer import LocalTimer
 from stalwart.workers.reports import StepReport
 from stalwart.workers.sampler import GlobalSampler, rank_slice
 
@@ -84,6 +85,8 @@ class TrainEngine:
         self.sampler = GlobalSampler(len(self.train_data), seed=config.train.seed)
         self.step = 0
         self.samples_seen = 0
+        # A `slow` fault makes this rank a straggler: it sleeps `slowdown` x its local work.
+        self.slowdown = 0.0
 
     # ------------------------------------------------------------------ training
 
@@ -106,10 +109,12 @@ class TrainEngine:
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
+        local = LocalTimer(self.device, self.slowdown)  # own work before the first sync
         if self.pipeline is not None:
             # The schedule splits the rank's batch into the accumulation micro-batches.
             inputs, targets = (t.to(self.device) for t in self.train_data.get_batch(items))
             tokens = targets.numel()
+            local.done()  # stages exchange activations from here on
             loss = self.pipeline.step(inputs, targets)
             if loss is not None:
                 loss_sum += loss.detach()
@@ -127,11 +132,15 @@ class TrainEngine:
                     self.invariant.add()
                     loss_sum += loss.detach() / self.accum
                     continue
-                with gradient_sync(self.model, i == self.accum - 1):
+                last = i == self.accum - 1
+                with gradient_sync(self.model, last):
                     loss = self.task.loss(self.model, inputs, targets) / self.accum
+                    if last:  # DDP syncs gradients during this backward
+                        local.done()
                     loss.backward()
                 loss_sum += loss.detach()
             if self.invariant is not None:
+                local.done()
                 self.invariant.reduce_into_grads(self.dp_group)
         if cfg.grad_clip > 0:
             clip_grad_norm(self.model.parameters(), cfg.grad_clip,
@@ -159,7 +168,8 @@ class TrainEngine:
         self.samples_seen += cfg.global_batch_size
         report = StepReport(rank=self.rank, step=self.step, loss=loss_mean, lr=lr,
                             tokens=tokens * self.dp_size, step_time_s=time.perf_counter() - t0,
-                            time=time.time(), samples_seen=self.samples_seen)
+                            time=time.time(), samples_seen=self.samples_seen,
+                            local_s=local.seconds())
         return report, stop_votes > 0
 
     @torch.no_grad()

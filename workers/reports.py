@@ -23,6 +23,9 @@ class StepReport:
     val_loss: float | None = None
     samples_seen: int = 0
     """Global sample index after this step: the step trained samples [this - batch, this)."""
+    local_s: float = 0.0
+    """Seconds of this rank's own work before its first gradient synchronisation (what a
+    straggler takes longer for; see orchestrator/stragglers.py)."""
 
 
 @dataclass(frozen=True)

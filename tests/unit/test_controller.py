@@ -360,7 +360,7 @@ class FakeGroup:
                 self._kill(self.members[r])
         self.members = [a for r, a in enumerate(self.members) if r not in ranks]
 
-    def disband(self) -> list[int]:
+    def disband(self) -> tuple[list[int], list]:
         self._call("disband")
         survivors = [a for a in self.members if a.pid not in self.cannot_leave]
         for a in self.members:
@@ -368,7 +368,7 @@ class FakeGroup:
                 self._kill(a)
         steps = [self._steps.get(a.pid, 0) for a in survivors]
         self.members, self.idle = [], survivors + self.idle
-        return steps
+        return steps, []
 
     def describe(self) -> list[dict[str, Any]]:
         return [dict(a.info, rank=r) for r, a in enumerate(self.members)]
@@ -806,6 +806,45 @@ def test_recovery_restores_memory_when_it_is_newest(
     assert chosen["memory_step"] == 5 and chosen["storage_step"] == 2
     rec = w.event("recovered")
     assert rec["source"] == "memory" and rec["from_step"] == 5 and rec["lost_steps"] == 0
+
+
+def test_rows_time_their_window_and_a_restore_reports_the_unlogged_steps_it_keeps(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # log_every=2: rows at 2 and 4; step 5 gets no row before rank 1 dies; memory keeps it
+    storage = tmp_path / "checkpoints"
+    _commit_checkpoint(storage, 2)
+    w = _kill_at_5(storage, [4, 5], tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert w.run() == Finished(step=6)
+    rows = w.rows()
+    assert [(r["step"], r["steps_in_window"]) for r in rows] == [(2, 2), (4, 2), (6, 1)]
+    # the first window starts at the world's first step's start (0.1 s before its end)
+    assert [r["window_s"] for r in rows] == pytest.approx([1.1, 2.0, 0.1])
+    first, second = w.all("workers_started")
+    assert first["kept_unlogged"] is None
+    assert second["kept_unlogged"] == {"first_step": 5, "last_step": 5, "window_s": 1.0}
+    # every second of step time is in a row or in kept_unlogged
+    assert sum(r["window_s"] for r in rows) + 1.0 == pytest.approx(w.controller.train_time_s)
+
+
+def test_unlogged_steps_a_restore_rolls_back_are_not_reported_as_kept(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = tmp_path / "checkpoints"
+    _commit_checkpoint(storage, 4)
+    w = _kill_at_5(storage, [2, 3], tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert w.run() == Finished(step=6)
+    assert w.event("recovered")["from_step"] == 4
+    assert w.all("workers_started")[1]["kept_unlogged"] is None
+
+
+def test_a_stop_reports_the_unlogged_steps_it_checkpointed(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = FakeWorld(tmp_path, monkeypatch, [Plan(polls=[
+        Poll(statuses([1, 2]), hook=ctrl_c),
+        statuses([3], commits=[3], done=True, stopped_early=True),
+    ])])
+    assert w.run() == Stopped(step=3)
+    assert w.event("stopped")["kept_unlogged"] == {
+        "first_step": 3, "last_step": 3, "window_s": 1.0}
 
 
 def test_recovery_restores_storage_when_it_is_newer_than_memory(

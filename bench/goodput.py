@@ -1,0 +1,263 @@
+"""Goodput under a kill every minute: stalwart against Ray Train, side by side.
+
+The reference task (examples/gpt/config.toml: 2 workers, a storage checkpoint every 50 steps;
+stalwart also keeps its warm spare and in-memory snapshots) trains for --duration seconds while
+a harness SIGKILLs the process of rank 1 every --kill-every seconds (a real SIGKILL of a real
+worker process, found by its PID), then asks the run to stop. Ray Train runs the same model,
+batch, sample order and checkpoint interval with `TorchTrainer` (DDP over gloo) and
+`FailureConfig(max_failures=-1)`, killed on the same schedule (bench/raytrain_recovery.py's
+train loop; rank 0 waits for each checkpoint to be registered, or Ray Train loses the newest).
+
+Goodput = productive step time / wall time, computed the same way for both from each
+completed step's end time:
+
+- a step's time runs from the end of the step before it in the same world (or attempt), or
+  for the first step of a world from when that world was ready to train;
+- productive: the steps of the final trajectory, i.e. for every step index up to the last step
+  trained, its last completion (a step trained again after a restore counts once; the lost
+  attempt's time is not productive);
+- wall: from launching the run to asking it to stop.
+
+Restarting, restoring and steps trained twice are what lower it. Target: stalwart >= 0.95.
+
+    python bench/goodput.py [--duration 600 --kill-every 60] [--only stalwart|raytrain]
+
+prints a table and writes bench/results/goodput.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import common
+import raytrain_recovery as rt
+
+from stalwart.config import load_config
+from stalwart.run_dir import read_jsonl
+from stalwart.task import build_task
+
+STALWART_OVERRIDES = ["train.steps=1000000", "failure.max_failures=-1", "run.log_every=1",
+                      "data.val_every=0", "run.progress=false"]
+POLL_S = 0.5
+
+
+# ---------------------------------------------------------------------------------- goodput
+
+
+def goodput(steps: list[tuple[int, float, Any]], starts: dict[Any, float], t0: float,
+            t_stop: float) -> dict[str, Any]:
+    """steps: (step, end time, world/attempt id) in completion order; starts: when each world
+    was ready to train. Productive time of the final trajectory over t_stop - t0."""
+    durations: dict[int, float] = {}
+    last_end: dict[Any, tuple[int, float]] = {}
+    final = 0
+    for step, end, world in steps:
+        if end > t_stop:
+            break
+        prev = last_end.get(world)
+        begin = prev[1] if prev is not None and prev[0] == step - 1 else starts.get(world, end)
+        durations[step] = end - begin  # a later completion of the same step replaces it
+        last_end[world] = (step, end)
+        final = step
+    productive = sum(d for s, d in durations.items() if s <= final)
+    wall = t_stop - t0
+    trained = len(steps)
+    return {"goodput": productive / wall if wall > 0 else None, "productive_s": productive,
+            "wall_s": wall, "final_step": final, "steps_trained": trained,
+            "steps_redone": trained - final}
+
+
+# ---------------------------------------------------------------------------------- stalwart
+
+
+def _stalwart_steps(run_dir: Path) -> tuple[list[tuple[int, float, Any]], dict[Any, float]]:
+    """Per-step ends from metrics.jsonl (a row every step), worlds split at each restore."""
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    events = read_jsonl(run_dir / "events.jsonl")
+    # A world starts training after its restore; each row before the next world's start
+    # belongs to the current one. window_s of a world's first row is its own step time.
+    world_starts = sorted(e["time"] for e in events if e["kind"] == "workers_started")
+    steps, starts = [], {}
+    for row in rows:
+        world = sum(1 for t in world_starts if t <= row["time"])
+        if world not in starts:
+            starts[world] = row["time"] - row.get("window_s", 0.0)
+        steps.append((row["step"], row["time"], world))
+    return steps, starts
+
+
+def run_stalwart(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    run_dir = work / "stalwart"
+    cmd = common.stalwart_command(str(common.DEFAULT_CONFIG), STALWART_OVERRIDES, run_dir)
+    log = work / "stalwart.log"
+    kills: list[dict[str, Any]] = []
+    with log.open("w") as f:
+        t0 = time.time()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=common.ROOT,
+                                env=common.child_env(), start_new_session=True)
+        next_kill = t0 + args.kill_every
+        t_stop = t0 + args.duration
+        while proc.poll() is None and time.time() < t_stop:
+            time.sleep(POLL_S)
+            if time.time() >= next_kill:
+                next_kill += args.kill_every
+                pid = _stalwart_rank_pid(run_dir, rank=1)
+                if pid is not None and _sigkill(pid):
+                    kills.append({"time": time.time(), "pid": pid})
+        t_stop = time.time()
+        proc.send_signal(signal.SIGINT)  # stop after the step in flight, checkpoint it
+        try:
+            code = proc.wait(timeout=120)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            code = proc.wait()
+    steps, starts = _stalwart_steps(run_dir)
+    events = read_jsonl(run_dir / "events.jsonl")
+    recovered = [e for e in events if e["kind"] == "recovered"]
+    out = {"system": "stalwart", "exit_code": code, "kills": len(kills),
+           "failures": sum(e["kind"] == "failure" for e in events),
+           "recoveries": len(recovered),
+           "lost_steps": sum(e["lost_steps"] for e in recovered),
+           "median_recovery_s": _median([e["recovery_s"] for e in recovered]),
+           **goodput(steps, starts, t0, t_stop), "run_dir": str(run_dir)}
+    report = subprocess.run([str(Path(sys.executable).with_name("stalwart")), "report",
+                             str(run_dir), "--json"], capture_output=True, text=True)
+    if report.returncode == 0:  # stalwart's own report of the same run, for comparison
+        out["stalwart_report"] = json.loads(report.stdout)
+    return out
+
+
+def _stalwart_rank_pid(run_dir: Path, rank: int) -> int | None:
+    started = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "workers_started"]
+    if not started:
+        return None
+    return next((w["pid"] for w in started[-1]["workers"] if w["rank"] == rank), None)
+
+
+# ---------------------------------------------------------------------------------- Ray Train
+
+
+def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Ray Train on the same schedule: a local Ray of 2 CPUs, the bench train loop."""
+    import ray
+    import ray.cloudpickle
+    from ray.cluster_utils import Cluster
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    workdir = work / "raytrain"
+    workdir.mkdir()
+    job = load_config(common.DEFAULT_CONFIG, [])
+    build_task(job.task.path, job.task.args).prepare_data(job)  # tokenize outside the clock
+    ray.cloudpickle.register_pickle_by_value(rt)
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": rt.NUM_WORKERS,
+                                                            "include_dashboard": False})
+    kills: list[dict[str, Any]] = []
+    fit_out: dict[str, Any] = {}
+    try:
+        ray.init(address=cluster.address, runtime_env={"env_vars": {"RAY_ADDRESS":
+                                                                    cluster.address}})
+        trainer = TorchTrainer(
+            rt.train_loop_per_worker,
+            train_loop_config={"workdir": str(workdir), "config": str(common.DEFAULT_CONFIG),
+                               "overrides": ["train.steps=1000000"], "fault": "kill",
+                               "fault_step": 0, "checkpoint_every": job.checkpoint.persist_every,
+                               "commit_checkpoints": True},
+            scaling_config=ScalingConfig(num_workers=rt.NUM_WORKERS, use_gpu=False,
+                                         resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(name="raytrain-goodput", storage_path=str(workdir / "storage"),
+                                 failure_config=FailureConfig(max_failures=-1)))
+
+        def fit() -> None:
+            try:
+                res = trainer.fit()
+                fit_out["error"] = None if res.error is None else repr(res.error)
+            except BaseException as exc:  # reported, not raised
+                fit_out["error"] = repr(exc)
+
+        t0 = time.time()
+        thread = threading.Thread(target=fit, daemon=True)
+        thread.start()
+        next_kill, t_stop = t0 + args.kill_every, t0 + args.duration
+        while thread.is_alive() and time.time() < t_stop:
+            thread.join(POLL_S)
+            if time.time() >= next_kill:
+                next_kill += args.kill_every
+                pid = _raytrain_rank_pid(workdir, rank=1)
+                if pid is not None and _sigkill(pid):
+                    kills.append({"time": time.time(), "pid": pid})
+        t_stop = time.time()
+        (workdir / rt.STOP_FILE).write_text(json.dumps({"time": t_stop}))
+        thread.join(180)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    attempts = read_jsonl(workdir / rt.ATTEMPTS_FILE)
+    starts = {a["pid"]: a["time"] for a in attempts if a["event"] == "ready" and a["rank"] == 0}
+    steps = [(s["step"], s["time"], s["pid"]) for s in read_jsonl(workdir / rt.STEPS_FILE)]
+    restarts = [a for a in attempts if a["event"] == "ready" and a["rank"] == 0][1:]
+    return {"system": "ray_train", "kills": len(kills), "recoveries": len(restarts),
+            "fit_error": fit_out.get("error"), **goodput(steps, starts, t0, t_stop),
+            "workdir": str(workdir)}
+
+
+def _raytrain_rank_pid(workdir: Path, rank: int) -> int | None:
+    ready = [a for a in read_jsonl(workdir / rt.ATTEMPTS_FILE)
+             if a["event"] == "ready" and a["rank"] == rank]
+    return ready[-1]["pid"] if ready else None
+
+
+# ---------------------------------------------------------------------------------- main
+
+
+def _sigkill(pid: int) -> bool:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of training per run")
+    p.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
+    p.add_argument("--only", choices=("stalwart", "raytrain"), help="run one side only")
+    p.add_argument("--out", default=str(common.ROOT / "bench" / "results" / "goodput.json"))
+    args = p.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="goodput-") as tmp:
+        work = Path(tmp)
+        if args.only in (None, "stalwart"):
+            results.append(run_stalwart(args, work))
+        if args.only in (None, "raytrain"):
+            results.append(run_raytrain(args, work))
+        print(f"{'system':10} {'goodput':>8} {'kills':>6} {'recov':>6} {'steps':>7} "
+              f"{'redone':>7} {'productive s':>13} {'wall s':>8}")
+        for r in results:
+            print(f"{r['system']:10} {r['goodput']:8.3f} {r['kills']:6d} {r['recoveries']:6d} "
+                  f"{r['final_step']:7d} {r['steps_redone']:7d} {r['productive_s']:13.1f} "
+                  f"{r['wall_s']:8.1f}")
+        report = {"duration_s": args.duration, "kill_every_s": args.kill_every,
+                  "target": {"stalwart_goodput": 0.95}}
+        common.write_report(args.out, report, results)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
