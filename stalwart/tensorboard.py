@@ -17,9 +17,10 @@ Scalars, against the training step (wall time: when the step ended on the worker
 TensorBoard has no markers on a chart, so the events are step-aligned scalars: the staircase of
 events/failures sits under the loss curve at the same x, and a jump in the loss or a dip in
 tokens_per_s can be matched to the failure or resize that caused it. What happened is in the
-Text tab, one tag per kind (events/failure, events/recovered, ...): TensorBoard drops a tag's
-points at or after a step that comes again lower (a restore trains steps again), and a shared tag
-would lose a failure to the recovery that restores to an earlier step.
+Text tab, one tag per kind (events/failure, events/recovered, ...; tensorboardX appends
+/text_summary): TensorBoard drops a tag's points at or after a step that comes again lower (a
+restore trains steps again), and a shared tag would lose a failure to the recovery that
+restores to an earlier step.
 """
 
 from __future__ import annotations
