@@ -1,4 +1,5 @@
-"""The `stalwart` command line: run, export, plan, sweep.
+"""The `stalwart` command line: run, export, plan, sweep, report, and Ray jobs (submit,
+status, logs, stop).
 
 Exit codes: 0 finished, 1 the run failed, 2 bad input (nothing was started or changed),
 130 stopped by Ctrl-C after checkpointing the last completed step.

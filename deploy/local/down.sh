@@ -64,5 +64,13 @@ if [ ${#sessions[@]} -gt 0 ]; then
     fi
 fi
 
+# The cluster's own Ray temp dir (written by up.sh; only a /tmp/stalwart-ray-* path is removed)
+if [ -f "$STATE_DIR/ray_temp_dir" ]; then
+    ray_tmp=$(cat "$STATE_DIR/ray_temp_dir")
+    case "$ray_tmp" in
+        /tmp/stalwart-ray-*) rm -rf -- "$ray_tmp" ;;
+    esac
+    rm -f "$STATE_DIR/ray_temp_dir"
+fi
 rm -f "$PIDS_FILE" "$STATE_DIR/env" "$STATE_DIR/auth_token"
 echo "cluster in $STATE_DIR stopped (logs kept in $STATE_DIR/logs)"

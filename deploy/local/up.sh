@@ -13,6 +13,8 @@
 #   auth_token  the cluster's token (mode 600), generated here; ~/.ray/auth_token is untouched
 #   pids        one `node-I PID` line per node (PID = its session and process group id)
 #   logs/       each `ray start`'s output
+#   ray_temp_dir  the path of the cluster's own Ray temp dir (/tmp/stalwart-ray-*: Ray's
+#               session logs), removed by down.sh
 #
 # Ports: P (the head's GCS), P+1 (Ray Client server), D (dashboard); node I uses
 # P+10(I+1) .. P+10(I+1)+5 for its raylet, object manager, agents and metrics, and
@@ -114,6 +116,12 @@ RAY_AUTH_TOKEN=$(cat "$TOKEN_FILE")
 export RAY_AUTH_TOKEN
 # A RAY_ADDRESS left in this shell (another cluster's env) must not steer `ray start`.
 unset RAY_ADDRESS RAY_API_SERVER_ADDRESS
+# A Ray temp dir of this cluster's own: Ray's job supervisor finds the cluster a job's driver
+# joins through <temp dir>/ray_current_cluster, which in the shared /tmp/ray names whichever
+# Ray started last on this machine (a `stalwart run` of its own Ray, another test's).
+# Short, under /tmp: Ray's socket paths inside it must stay under 108 bytes.
+RAY_TMP=$(mktemp -d /tmp/stalwart-ray-XXXXXX)
+echo "$RAY_TMP" >"$STATE_DIR/ray_temp_dir"
 
 pids=()
 started_ok=0
@@ -139,7 +147,7 @@ start_node() {
         --dashboard-agent-listen-port=$((base + 2)) --dashboard-agent-grpc-port=$((base + 3)) \
         --runtime-env-agent-port=$((base + 4)) --metrics-export-port=$((base + 5)) \
         --min-worker-port=$workers --max-worker-port=$((workers + 199)) \
-        --disable-usage-stats --log-style=record --block \
+        --temp-dir="$RAY_TMP" --disable-usage-stats --log-style=record --block \
         </dev/null >"$STATE_DIR/logs/node-$i.log" 2>&1 &
     local pid=$!
     pids+=("$pid")

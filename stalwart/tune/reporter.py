@@ -5,7 +5,8 @@ the run directory holds. A checkpoint is committed asynchronously, after the ste
 it goes to Tune as a copy Tune persists under the trial:
 
 - by default with the first logged step at or after its own (ASHA and FIFO need no
-  checkpoint in any particular report; the final one comes with a last report at the end);
+  checkpoint in any particular report); the run's last row waits for the final checkpoint and
+  goes with it, since a scheduler may stop the trial at that report (ASHA at `max_t`);
 - `with_checkpoints=True` (Population Based Training, which clones a trial from the checkpoint
   of that trial's latest report): a row at a checkpoint step is held until its checkpoint
   commits and reported together with it, so every such report carries one.
@@ -35,9 +36,11 @@ def tune_checkpoint(path: str) -> Any:
 
 
 class TuneReporter(Callback):
-    def __init__(self, metric: str | None = None, *, with_checkpoints: bool = False) -> None:
+    def __init__(self, metric: str | None = None, *, with_checkpoints: bool = False,
+                 final_step: int | None = None) -> None:
         self.metric = metric
         self.with_checkpoints = with_checkpoints
+        self.final_step = final_step
         self._carried: dict[str, Any] = {}
         self._last: dict[str, Any] | None = None
         self._commits: dict[int, str] = {}  # step -> path of commits not yet reported
@@ -47,7 +50,7 @@ class TuneReporter(Callback):
         if event["kind"] != "checkpoint_committed":
             return
         self._commits[event["step"]] = event["path"]
-        if self.with_checkpoints and any(m["step"] == event["step"] for m in self._held):
+        if any(m["step"] == event["step"] for m in self._held):
             self._flush_held(up_to=event["step"])
 
     def on_metrics(self, row: dict[str, Any]) -> None:
@@ -56,7 +59,7 @@ class TuneReporter(Callback):
         if self.metric is not None and self.metric not in metrics:
             return  # e.g. val_loss before the first validation: Tune needs it in every report
         self._last = metrics
-        if self.with_checkpoints:
+        if self.with_checkpoints or row["step"] == self.final_step:
             self._held.append(metrics)
             if row["step"] in self._commits:  # its commit was written first
                 self._flush_held(up_to=row["step"])

@@ -171,7 +171,24 @@ def test_up_refuses_a_running_cluster_and_taken_ports(cluster, tmp_path):
     assert not (tmp_path / "other" / "pids").exists()
 
 
-def test_submit_then_logs_follow_to_success(cluster):
+@pytest.fixture()
+def another_ray_started_later():
+    """A Ray of its own started after the cluster, as a `stalwart run` without --address
+    does: it becomes /tmp/ray's "current cluster", which must not capture the jobs' drivers."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", "import ray, sys; ray.init(address='local', num_cpus=1, "
+         "include_dashboard=False, logging_level='ERROR'); print('up', flush=True); "
+         "sys.stdin.read(); ray.shutdown()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=_user_env())
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        yield
+    finally:
+        proc.stdin.close()  # it shuts its Ray down and exits
+        proc.wait(timeout=60)
+
+
+def test_submit_then_logs_follow_to_success(cluster, another_ray_started_later):
     submit = cluster.stalwart("submit", CONFIG, "--address", cluster.dashboard,
                               *sets(*TINY, "train.steps=30"), "--run-dir", "runs/ok",
                               "--job-id", "stalwart-ok")

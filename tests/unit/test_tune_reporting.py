@@ -128,3 +128,16 @@ def test_for_pbt_a_commit_written_before_its_row(tmp_path: Path, reports: list) 
     r.on_metrics(_row(5))
     r.on_metrics(_row(10))
     assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports] == [(5, 5), (10, 10)]
+
+
+def test_the_last_row_waits_for_the_final_checkpoint(tmp_path: Path, reports: list) -> None:
+    """A scheduler may stop the trial at its last report (ASHA at max_t): the final
+    checkpoint must come with that report, not after it."""
+    r = TuneReporter(final_step=20)
+    r.on_metrics(_row(15))
+    r.on_metrics(_row(20))
+    assert [m["step"] for m, _ in reports] == [15]
+    r.on_event({"kind": "checkpoint_committed", "step": 20, "path": _checkpoint(tmp_path, 20)})
+    assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports] == [(15, None), (20, 20)]
+    r.on_end(None)
+    assert len(reports) == 2
