@@ -14,42 +14,60 @@ it goes to Tune as a copy Tune persists under the trial:
 
 from __future__ import annotations
 
+import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 from stalwart.callbacks import Callback
-from stalwart.checkpointing.layout import filesystem
+from stalwart.checkpointing.catalog import read_step_dir
+from stalwart.checkpointing.errors import CheckpointError
+from stalwart.checkpointing.layout import MANIFEST, filesystem
+from stalwart.checkpointing.transfer import copy_checkpoint
 
 # Metrics that hold their last value between the steps that produce them.
 CARRIED = ("val_loss",)
 
 
-def tune_checkpoint(path: str) -> Any:
-    """A ray.tune.Checkpoint of a committed step directory on any fsspec storage."""
-    from ray import tune
-
+def stage(path: str, staging: Path) -> Path | None:
+    """A copy of a committed step directory that the run's retention (checkpoint.keep_last)
+    cannot delete while Tune waits to copy it: hard links on this machine's filesystem (no
+    bytes copied), a download from any other. None if it is already gone."""
     fs, root = filesystem(path)
-    if "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
-        return tune.Checkpoint.from_directory(root)
-    import pyarrow.fs
-
-    return tune.Checkpoint(root, filesystem=pyarrow.fs.PyFileSystem(pyarrow.fs.FSSpecHandler(fs)))
+    dest = staging / root.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        info = read_step_dir(path)
+        if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
+            return Path(copy_checkpoint(info, str(dest), as_step_dir=False).path)
+        dest.mkdir(parents=True, exist_ok=True)
+        for name in [*info.manifest["files"], MANIFEST]:
+            os.link(f"{root}/{name}", dest / name)
+        return dest
+    except (CheckpointError, FileNotFoundError, FileExistsError):
+        shutil.rmtree(dest, ignore_errors=True)
+        return None  # deleted by retention meanwhile: a newer checkpoint comes with a later row
 
 
 class TuneReporter(Callback):
-    def __init__(self, metric: str | None = None, *, with_checkpoints: bool = False,
-                 final_step: int | None = None) -> None:
+    def __init__(self, staging: Path, metric: str | None = None, *,
+                 with_checkpoints: bool = False, final_step: int | None = None) -> None:
+        self.staging = Path(staging)
+        """Where committed checkpoints wait for Tune (see `stage`); emptied as they go."""
         self.metric = metric
         self.with_checkpoints = with_checkpoints
         self.final_step = final_step
         self._carried: dict[str, Any] = {}
         self._last: dict[str, Any] | None = None
-        self._commits: dict[int, str] = {}  # step -> path of commits not yet reported
+        self._commits: dict[int, Path] = {}  # step -> staged copy of a commit not reported
         self._held: list[dict[str, Any]] = []  # rows waiting for their checkpoint
 
     def on_event(self, event: dict[str, Any]) -> None:
         if event["kind"] != "checkpoint_committed":
             return
-        self._commits[event["step"]] = event["path"]
+        staged = stage(event["path"], self.staging)
+        if staged is None:
+            return
+        self._commits[event["step"]] = staged
         if any(m["step"] == event["step"] for m in self._held):
             self._flush_held(up_to=event["step"])
 
@@ -88,11 +106,16 @@ class TuneReporter(Callback):
         from ray import tune
 
         steps = [s for s in self._commits if s <= metrics["step"]] if checkpoint else []
-        ckpt = None
-        if steps:
-            step = max(steps)
-            path = self._commits[step]
-            self._commits = {s: p for s, p in self._commits.items() if s > step}
-            metrics["checkpoint_step"] = step
-            ckpt = tune_checkpoint(path)
-        tune.report(metrics, checkpoint=ckpt)
+        if not steps:
+            tune.report(metrics)
+            return
+        step = max(steps)
+        path = self._commits[step]
+        for older in [s for s in self._commits if s < step]:  # superseded: never reported
+            shutil.rmtree(self._commits.pop(older), ignore_errors=True)
+        del self._commits[step]
+        metrics["checkpoint_step"] = step
+        try:
+            tune.report(metrics, checkpoint=tune.Checkpoint.from_directory(str(path)))
+        finally:  # Tune has its own copy now
+            shutil.rmtree(path, ignore_errors=True)

@@ -103,8 +103,8 @@ def trainable(config: str | Path, overrides: Sequence[str] = (), *, metric: str 
         job = config_from_dict(apply_overrides(data, [*base, *as_overrides(params)]))
         run_dir = _next_run_dir(_trial_dir())
         checkpoint = tune.get_checkpoint()
-        reporter = TuneReporter(metric, with_checkpoints=with_checkpoints,
-                                final_step=job.train.steps)
+        reporter = TuneReporter(run_dir / ".tune-staging", metric,
+                                with_checkpoints=with_checkpoints, final_step=job.train.steps)
         with checkpoint.as_directory() if checkpoint else nullcontext(None) as start_from:
             result = Trainer(job, run_dir=run_dir, start_from=start_from, workdir=code_dir,
                              live_progress=False, callbacks=[reporter]).fit()

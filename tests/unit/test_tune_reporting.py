@@ -15,6 +15,15 @@ from stalwart.tune.reporter import TuneReporter
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
+STAGING = Path("/nonexistent")  # each test's own, set by the `staging` fixture
+
+
+@pytest.fixture(autouse=True)
+def staging(tmp_path: Path) -> Path:
+    global STAGING
+    STAGING = tmp_path / "staging"
+    return STAGING
+
 
 def _checkpoint(root: Path, step: int) -> str:
     step_dir = root / f"step_{step:09d}"
@@ -31,8 +40,14 @@ def reports(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict[str, Any], Any]]
     from ray import tune
 
     seen: list[tuple[dict[str, Any], Any]] = []
-    monkeypatch.setattr(tune, "report", lambda metrics, checkpoint=None: seen.append(
-        (metrics, checkpoint)))
+
+    def report(metrics: dict[str, Any], checkpoint: Any = None) -> None:
+        # What Tune would copy: the files as they are at the call (they go after it).
+        files = None if checkpoint is None else sorted(p.name for p in
+                                                        Path(checkpoint.path).iterdir())
+        seen.append((metrics, files))
+
+    monkeypatch.setattr(tune, "report", report)
     return seen
 
 
@@ -41,7 +56,7 @@ def _row(step: int, **extra: Any) -> dict[str, Any]:
 
 
 def test_every_row_is_reported_with_val_loss_carried(reports: list) -> None:
-    r = TuneReporter()
+    r = TuneReporter(STAGING)
     r.on_metrics(_row(5))
     r.on_metrics(_row(10, val_loss=4.0))
     r.on_metrics(_row(15))
@@ -51,7 +66,7 @@ def test_every_row_is_reported_with_val_loss_carried(reports: list) -> None:
 
 
 def test_reports_wait_for_the_sweeps_metric(reports: list) -> None:
-    r = TuneReporter(metric="val_loss")
+    r = TuneReporter(STAGING, metric="val_loss")
     r.on_metrics(_row(5))
     r.on_metrics(_row(10, val_loss=4.0))
     r.on_metrics(_row(15))
@@ -61,7 +76,7 @@ def test_reports_wait_for_the_sweeps_metric(reports: list) -> None:
 def test_a_checkpoint_goes_with_metrics_of_its_step_or_later(tmp_path: Path,
                                                               reports: list) -> None:
     path = _checkpoint(tmp_path, 20)
-    r = TuneReporter()
+    r = TuneReporter(STAGING)
     r.on_metrics(_row(20))
     r.on_event({"kind": "checkpoint_committed", "step": 20, "path": path})
     r.on_metrics(_row(15))  # a row of a recovery that went back: too old for step 20
@@ -69,12 +84,29 @@ def test_a_checkpoint_goes_with_metrics_of_its_step_or_later(tmp_path: Path,
     r.on_metrics(_row(30))
     assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports] == [
         (20, None), (15, None), (25, 20), (30, None)]
-    checkpoint = reports[2][1]
-    assert Path(checkpoint.path) == Path(path)
+    assert reports[2][1] == [".metadata", "__0_0.distcp", "manifest.json"]
+    assert not list(STAGING.iterdir())  # Tune has its copy: the staged one is gone
+
+
+def test_a_checkpoint_deleted_by_retention_still_reaches_tune(tmp_path: Path,
+                                                              reports: list) -> None:
+    """keep_last deletes old checkpoints while the controller is busy reporting: what was
+    staged at its commit event survives (hard links), what was gone by then is skipped."""
+    import shutil
+
+    r = TuneReporter(STAGING)
+    kept, gone = _checkpoint(tmp_path, 5), _checkpoint(tmp_path, 10)
+    shutil.rmtree(gone)
+    r.on_event({"kind": "checkpoint_committed", "step": 10, "path": gone})
+    r.on_event({"kind": "checkpoint_committed", "step": 5, "path": kept})
+    shutil.rmtree(kept)  # retention, after the event
+    r.on_metrics(_row(10))
+    assert reports == [({**_row(10), "checkpoint_step": 5},
+                        [".metadata", "__0_0.distcp", "manifest.json"])]
 
 
 def test_the_final_checkpoint_is_reported_at_the_end(tmp_path: Path, reports: list) -> None:
-    r = TuneReporter()
+    r = TuneReporter(STAGING)
     r.on_metrics(_row(40))
     r.on_event({"kind": "checkpoint_committed", "step": 40, "path": _checkpoint(tmp_path, 40)})
     r.on_end(None)
@@ -103,7 +135,7 @@ def test_an_uncommitted_directory_is_no_checkpoint(tmp_path: Path) -> None:
 
 def test_for_pbt_a_checkpoint_steps_row_waits_for_its_checkpoint(tmp_path: Path,
                                                                   reports: list) -> None:
-    r = TuneReporter(with_checkpoints=True)
+    r = TuneReporter(STAGING, with_checkpoints=True)
     r.on_metrics(_row(5))
     r.on_metrics(_row(10))
     assert reports == []  # held: no checkpoint for them yet
@@ -121,7 +153,7 @@ def test_for_pbt_a_checkpoint_steps_row_waits_for_its_checkpoint(tmp_path: Path,
 
 def test_for_pbt_a_commit_written_before_its_row(tmp_path: Path, reports: list) -> None:
     """The controller handles a poll's commits before its rows: both orders pair up."""
-    r = TuneReporter(with_checkpoints=True)
+    r = TuneReporter(STAGING, with_checkpoints=True)
     for step in (5, 10):
         r.on_event({"kind": "checkpoint_committed", "step": step,
                     "path": _checkpoint(tmp_path, step)})
@@ -133,7 +165,7 @@ def test_for_pbt_a_commit_written_before_its_row(tmp_path: Path, reports: list) 
 def test_the_last_row_waits_for_the_final_checkpoint(tmp_path: Path, reports: list) -> None:
     """A scheduler may stop the trial at its last report (ASHA at max_t): the final
     checkpoint must come with that report, not after it."""
-    r = TuneReporter(final_step=20)
+    r = TuneReporter(STAGING, final_step=20)
     r.on_metrics(_row(15))
     r.on_metrics(_row(20))
     assert [m["step"] for m, _ in reports] == [15]
