@@ -36,6 +36,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -100,21 +101,17 @@ def run_stalwart(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     run_dir = work / "stalwart"
     cmd = common.stalwart_command(str(common.DEFAULT_CONFIG), STALWART_OVERRIDES, run_dir)
     log = work / "stalwart.log"
-    kills: list[dict[str, Any]] = []
     with log.open("w") as f:
         t0 = time.time()
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=common.ROOT,
                                 env=common.child_env(), start_new_session=True)
-        next_kill = t0 + args.kill_every
-        t_stop = t0 + args.duration
-        while proc.poll() is None and time.time() < t_stop:
+
+        def running() -> bool:
             time.sleep(POLL_S)
-            if time.time() >= next_kill:
-                next_kill += args.kill_every
-                pid = _stalwart_rank_pid(run_dir, rank=1)
-                if pid is not None and _sigkill(pid):
-                    kills.append({"time": time.time(), "pid": pid})
-        t_stop = time.time()
+            return proc.poll() is None
+
+        kills, t_stop = kill_on_schedule(running, lambda: _stalwart_rank_pid(run_dir, 1), t0,
+                                         args)
         proc.send_signal(signal.SIGINT)  # stop after the step in flight, checkpoint it
         try:
             code = proc.wait(timeout=120)
@@ -162,7 +159,6 @@ def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     ray.cloudpickle.register_pickle_by_value(rt)
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": rt.NUM_WORKERS,
                                                             "include_dashboard": False})
-    kills: list[dict[str, Any]] = []
     fit_out: dict[str, Any] = {}
     try:
         ray.init(address=cluster.address, runtime_env={"env_vars": {"RAY_ADDRESS":
@@ -188,15 +184,13 @@ def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         t0 = time.time()
         thread = threading.Thread(target=fit, daemon=True)
         thread.start()
-        next_kill, t_stop = t0 + args.kill_every, t0 + args.duration
-        while thread.is_alive() and time.time() < t_stop:
+
+        def running() -> bool:
             thread.join(POLL_S)
-            if time.time() >= next_kill:
-                next_kill += args.kill_every
-                pid = _raytrain_rank_pid(workdir, rank=1)
-                if pid is not None and _sigkill(pid):
-                    kills.append({"time": time.time(), "pid": pid})
-        t_stop = time.time()
+            return thread.is_alive()
+
+        kills, t_stop = kill_on_schedule(running, lambda: _raytrain_rank_pid(workdir, 1), t0,
+                                         args)
         (workdir / rt.STOP_FILE).write_text(json.dumps({"time": t_stop}))
         thread.join(180)
     finally:
@@ -218,6 +212,21 @@ def _raytrain_rank_pid(workdir: Path, rank: int) -> int | None:
 
 
 # ---------------------------------------------------------------------------------- main
+
+
+def kill_on_schedule(running: Callable[[], bool], rank_pid: Callable[[], int | None],
+                     t0: float, args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
+    """SIGKILL rank 1's process every --kill-every s until --duration s after t0 (or the run
+    ends); returns the kills and when it stopped."""
+    kills: list[dict[str, Any]] = []
+    next_kill = t0 + args.kill_every
+    while running() and time.time() < t0 + args.duration:
+        if time.time() >= next_kill:
+            next_kill += args.kill_every
+            pid = rank_pid()
+            if pid is not None and _sigkill(pid):
+                kills.append({"time": time.time(), "pid": pid})
+    return kills, time.time()
 
 
 def _sigkill(pid: int) -> bool:
