@@ -88,6 +88,10 @@ def _answers(refs: list[Any], *, timeout: float) -> list[Any]:
     return out
 
 
+def task_name(rank: int, generation: int) -> str:
+    return f"stalwart-worker-r{rank}-g{generation}"
+
+
 def valid_world_sizes(config: JobConfig, up_to: int) -> list[int]:
     """World sizes <= up_to that the layout and the global batch can be split over."""
     out = []
@@ -238,8 +242,10 @@ class ElasticGroup:
         (rdzv,) = self._get([self.members[0].actor.rendezvous_address.remote()],
                             timeout=timeout)
         nodes = [w.info["node_id"] for w in self.members]
-        self._get([w.actor.setup.remote(rank, world_size, rdzv, generation, armed.get(rank, []),
-                                        nodes)
+        # Named by rank and generation: the Ray Dashboard's task list tells which actor is
+        # which rank of which world (an actor's own name and repr are fixed at its creation).
+        self._get([w.actor.setup.options(name=f"{task_name(rank, generation)}.setup").remote(
+                       rank, world_size, rdzv, generation, armed.get(rank, []), nodes)
                    for rank, w in enumerate(self.members)], timeout=timeout)
         return workers
 
@@ -298,7 +304,8 @@ class ElasticGroup:
             w.actor.forget_snapshots.remote(self.generation)
 
     def launch(self) -> None:
-        self._get([w.actor.start.remote() for w in self.members])
+        self._get([w.actor.start.options(name=f"{task_name(r, self.generation)}.train").remote()
+                   for r, w in enumerate(self.members)])
 
     def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
         """Statuses of the ranks that answered within `wait_s`, and the ranks found dead."""

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import ray
-from ray.util.state import list_actors
+from ray.util.state import list_actors, list_tasks
 
 from stalwart.config import load_config, parse_fault
 from stalwart.run_dir import read_jsonl
@@ -78,6 +78,22 @@ def test_names_in_the_dashboard_and_the_log_prefix(tmp_path: Path, ray_with_dash
         assert a.name == f"stalwart-worker-{n}-{os.getpid()}"
         assert a.repr_name == f"stalwart-worker-{n}" or (a.pid not in trained
                                                           and a.repr_name == ""), a
+
+    # The dashboard's task list: each world's setup and training calls carry rank and
+    # generation, on the actor (pid) that had that rank.
+    actor_of = {a.pid: a.actor_id for a in actors}
+    wanted = {(f"stalwart-worker-r{rank}-g{gen}.{call}", actor_of[pid])
+              for gen, pids in worlds.items() for rank, pid in enumerate(pids)
+              for call in ("setup", "train")}
+    deadline = time.monotonic() + 20  # task events reach the dashboard asynchronously
+    while True:
+        tasks = {(t.name, t.actor_id) for t in list_tasks(
+            address=ray_with_dashboard, detail=True, limit=10_000,
+            filters=[("type", "=", "ACTOR_TASK")])}
+        if wanted <= tasks or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert wanted <= tasks, sorted(wanted - tasks)
 
     # The driver's console: each line under the name the worker had when it printed it.
     expected = {f"(stalwart-worker-{number_of[pid]} pid={pid}) building the model"
