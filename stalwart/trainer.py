@@ -20,7 +20,6 @@ from stalwart.checkpointing.catalog import CheckpointInfo, newest_valid, read_st
 from stalwart.checkpointing.errors import StorageURLError
 from stalwart.checkpointing.layout import filesystem
 from stalwart.checkpointing.transfer import copy_checkpoint
-from stalwart.cluster import check_reachable as _check_reachable  # noqa: F401 (old name)
 from stalwart.cluster import connect
 from stalwart.config import JobConfig, load_config
 from stalwart.errors import ClusterError, ConfigError, RunDirError

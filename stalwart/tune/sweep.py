@@ -29,7 +29,7 @@ class TrialRow:
 
 def trial_cpus(sweep: Sweep) -> float:
     """CPUs one trial's workers and warm spares hold."""
-    sc = sweep.job().scaling
+    sc = sweep.job.scaling
     return (sc.num_workers + sc.spare_workers) * sc.cpus_per_worker
 
 
@@ -84,7 +84,7 @@ def run_sweep(sweep: Sweep, *, resume: bool = False) -> Any:
 
 
 def trial_rows(sweep: Sweep, results: Any) -> list[TrialRow]:
-    steps = sweep.job().train.steps
+    steps = sweep.job.train.steps
     rows = []
     for result in results:
         m = result.metrics or {}

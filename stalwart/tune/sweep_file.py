@@ -72,14 +72,13 @@ class Sweep:
     concurrency: int | None
     storage: Path
     search: dict[str, Any]
+    job: JobConfig
+    """The job config every trial starts from (the file and `set`, before [search])."""
     scheduler: dict[str, Any] = field(default_factory=dict)
 
     @property
     def scheduler_type(self) -> str:
         return self.scheduler.get("type", "fifo")
-
-    def job(self) -> JobConfig:
-        return load_config(self.config, self.overrides)
 
     def param_space(self) -> dict[str, Any]:
         return {key: domain(spec) for key, spec in self.search.items()}
@@ -89,7 +88,7 @@ class Sweep:
 
         options = {k: v for k, v in self.scheduler.items() if k != "type"}
         if self.scheduler_type == "asha":
-            options.setdefault("max_t", self.job().train.steps)
+            options.setdefault("max_t", self.job.train.steps)
             return ASHAScheduler(time_attr="step", **options)
         if self.scheduler_type == "pbt":
             mutations = {k: domain(v) for k, v in options.pop("mutations").items()}
@@ -214,7 +213,7 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     return Sweep(path=p, name=str(data.get("name", p.stem)), config=config,
                  overrides=tuple(all_overrides), metric=metric, mode=mode, trials=trials,
                  concurrency=concurrency, storage=storage.resolve(), search=search,
-                 scheduler=scheduler)
+                 job=job, scheduler=scheduler)
 
 
 def _check_scheduler(p: Path, scheduler: Any, config: Path, overrides: list[str],

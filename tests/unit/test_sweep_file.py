@@ -53,7 +53,7 @@ def test_defaults_and_relative_paths(tmp_path: Path) -> None:
     sweep = load_sweep(path, ["train.steps=30"])
     assert sweep.config == tmp_path / "jobs" / "job.toml"
     assert (sweep.name, sweep.mode, sweep.trials, sweep.concurrency) == ("lr", "min", 2, None)
-    assert sweep.job().train.steps == 30  # --set applies to every trial's job
+    assert sweep.job.train.steps == 30  # --set applies to every trial's job
     assert sweep.scheduler_type == "fifo"
 
 
