@@ -9,6 +9,10 @@ above `factor` x the median of the other ranks' for `steps` steps in a row is a 
 The other ranks' median (not the whole world's) so that a world of two can tell which of
 its ranks is slow. A small absolute margin keeps scheduler jitter of millisecond-long steps
 from counting.
+
+A rank is reported once per slow spell: after its report it must be back within the factor
+for `steps` steps in a row before a new streak can report it again. Without that, one noisy
+step of a peer (a shared, loaded host) would split a single slow spell into several reports.
 """
 
 from __future__ import annotations
@@ -39,6 +43,8 @@ class StragglerDetector:
         self.world_size = 0
         self._times: dict[int, dict[int, float]] = {}  # step -> rank -> local seconds
         self._streak: dict[int, int] = {}
+        # Reported ranks -> consecutive steps back within the factor since (see module doc).
+        self._reported: dict[int, int] = {}
         self._checked = 0  # steps up to here are judged
 
     @property
@@ -50,6 +56,7 @@ class StragglerDetector:
         self.world_size = world_size
         self._times.clear()
         self._streak.clear()
+        self._reported.clear()
         self._checked = 0
 
     def observe(self, rank: int, step: int, local_s: float) -> None:
@@ -58,7 +65,7 @@ class StragglerDetector:
 
     def check(self) -> list[Straggler]:
         """Judge every step all ranks have reported, in order; the stragglers whose streak
-        reached `steps` on one of them (once per streak)."""
+        reached `steps` on one of them (once per slow spell)."""
         found = []
         for step in sorted(s for s, t in self._times.items() if len(t) == self.world_size):
             times = self._times.pop(step)
@@ -67,7 +74,13 @@ class StragglerDetector:
                 peers = statistics.median(t for r, t in times.items() if r != rank)
                 slow = local > self.factor * peers and local - peers > MIN_EXCESS_S
                 self._streak[rank] = self._streak.get(rank, 0) + 1 if slow else 0
+                if rank in self._reported:
+                    self._reported[rank] = 0 if slow else self._reported[rank] + 1
+                    if self._reported[rank] >= self.steps:  # the spell is over
+                        del self._reported[rank]
+                    continue
                 if self._streak[rank] == self.steps:
+                    self._reported[rank] = 0
                     found.append(Straggler(rank=rank, step=step, local_s=local,
                                            peers_median_s=peers, steps=self.steps,
                                            ratio=local / peers if peers > 0 else float("inf")))

@@ -40,6 +40,20 @@ def test_a_break_in_the_streak_starts_it_again() -> None:
     assert [(s.rank, s.step) for s in found] == [(2, 6)]
 
 
+def test_one_slow_spell_is_one_report_though_a_noisy_step_breaks_it() -> None:
+    d = StragglerDetector(factor=2.0, steps=3)
+    d.reset(3)
+    slow, fast = [0.1, 0.1, 0.5], [0.1, 0.1, 0.1]
+    # reported at step 3; one step within the factor (a peer's hiccup) does not end the spell
+    spell = [slow, slow, slow, fast, slow, slow, slow, slow]
+    found = [s for step, times in enumerate(spell, 1) for s in feed(d, step, times)]
+    assert [(s.rank, s.step) for s in found] == [(2, 3)]
+    # back within the factor for `steps` steps ends it; a later spell is reported again
+    later = [fast, fast, fast, slow, slow, slow]
+    found = [s for step, times in enumerate(later, len(spell) + 1) for s in feed(d, step, times)]
+    assert [(s.rank, s.step) for s in found] == [(2, 14)]
+
+
 def test_jitter_of_short_steps_and_equal_ranks_are_not_stragglers() -> None:
     d = StragglerDetector(factor=2.0, steps=2)
     d.reset(2)
