@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from stalwart.errors import StalwartError
 from stalwart.job_cli import JOB_COMMANDS, add_job_commands, run_job_command
+from stalwart.run_options import RESUME_HELP, add_inject_option, add_set_option, run_config
 
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
@@ -38,17 +39,14 @@ def _parser() -> argparse.ArgumentParser:
 
     run = sub.add_parser("run", help="train a task described by a TOML config")
     run.add_argument("config", help="TOML config file (see examples/gpt/config.toml)")
-    run.add_argument("--set", dest="overrides", action="append", default=[],
-                     metavar="KEY=VALUE", help="override a config key, e.g. --set train.steps=100"
-                     " (repeatable)")
+    add_set_option(run, "override a config key, e.g. --set train.steps=100 (repeatable)")
     run.add_argument("--run-dir", help="run directory (default runs/<run.name>-<timestamp>)")
     run.add_argument("--address", help="Ray cluster to join (default: start Ray on this machine)")
-    run.add_argument("--inject", action="append", default=[], metavar="FAULT",
-                     help="inject a fault, e.g. kill:rank=1,step=20, hang:rank=0,step=40, "
-                          "raise:rank=1,step=60, term:rank=1,step=30, kill-node:node=1,step=80, "
-                          "drain:node=1,step=50 (repeatable; adds to the config's [[faults]])")
-    run.add_argument("--resume", action="store_true",
-                     help="continue the run in --run-dir from its newest committed checkpoint")
+    add_inject_option(run, "inject a fault, e.g. kill:rank=1,step=20, hang:rank=0,step=40, "
+                           "raise:rank=1,step=60, term:rank=1,step=30, kill-node:node=1,"
+                           "step=80, drain:node=1,step=50 (repeatable; adds to the config's "
+                           "[[faults]])")
+    run.add_argument("--resume", action="store_true", help=RESUME_HELP)
     run.add_argument("--profile", metavar="STEPS",
                      help="trace these steps with the PyTorch profiler on every rank: 20 or "
                           "20-22 (inclusive); traces go to RUN_DIR/profile/ (sets "
@@ -62,9 +60,7 @@ def _parser() -> argparse.ArgumentParser:
 
     sw = sub.add_parser("sweep", help="sweep hyperparameters with Ray Tune, as SWEEP.toml says")
     sw.add_argument("sweep", help="TOML sweep file (see examples/gpt/sweep_asha.toml)")
-    sw.add_argument("--set", dest="overrides", action="append", default=[],
-                    metavar="KEY=VALUE", help="override a key of the job config for every "
-                    "trial (repeatable)")
+    add_set_option(sw, "override a key of the job config for every trial (repeatable)")
     sw.add_argument("--address", help="Ray cluster to join (default: start Ray on this machine)")
     sw.add_argument("--resume", action="store_true",
                     help="continue the sweep's Tune experiment (Tune's own restore)")
@@ -115,16 +111,11 @@ def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
 def _cmd_run(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from stalwart.config import load_config, parse_fault, parse_profile_steps
-    from stalwart.errors import ConfigError, RunDirError
+    from stalwart.config import parse_profile_steps
+    from stalwart.errors import ConfigError
     from stalwart.trainer import Trainer, summarize
 
-    if args.resume and not args.run_dir:
-        raise RunDirError("--resume needs --run-dir: the run directory to continue")
-    config = load_config(args.config, args.overrides)
-    if args.inject:
-        config = dataclasses.replace(config, faults=(
-            *config.faults, *(parse_fault(text) for text in args.inject)))
+    config = run_config(args)
     if args.profile is not None:
         steps = parse_profile_steps(args.profile)
         try:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stalwart import jobs
+from stalwart.run_options import RESUME_HELP, add_inject_option, add_set_option, run_config
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -29,15 +30,12 @@ def add_job_commands(sub: argparse._SubParsersAction) -> None:
     s = sub.add_parser("submit", help="run a config as a Ray job on a cluster (ships the "
                        "current directory)")
     s.add_argument("config", help="TOML config file, inside the current directory")
-    s.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="override a config key (repeatable)")
+    add_set_option(s, "override a config key (repeatable)")
     s.add_argument("--run-dir", help="run directory, made absolute against the current "
                    "directory (default runs/<run.name>-<timestamp>); on a remote cluster, a "
                    "path its nodes can write")
-    s.add_argument("--inject", action="append", default=[], metavar="FAULT",
-                   help="inject a fault, as for `stalwart run` (repeatable)")
-    s.add_argument("--resume", action="store_true",
-                   help="continue the run in --run-dir from its newest committed checkpoint")
+    add_inject_option(s, "inject a fault, as for `stalwart run` (repeatable)")
+    s.add_argument("--resume", action="store_true", help=RESUME_HELP)
     s.add_argument("--address", help=ADDRESS_HELP)
     s.add_argument("--follow", action="store_true", help="stream the job's output until it "
                    "ends; exit 0 if it succeeded, 1 if it failed or was stopped")
@@ -62,19 +60,13 @@ def run_job_command(args: argparse.Namespace) -> int:
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from stalwart.config import load_config, parse_fault
-    from stalwart.errors import RunDirError
     from stalwart.run_dir import RunDir
 
     # Everything local first: a refused job leaves nothing on the cluster.
     address = jobs.resolve_address(args.address)
-    if args.resume and not args.run_dir:
-        raise RunDirError("--resume needs --run-dir: the run directory to continue")
     cwd = Path.cwd().resolve()
     config_path = jobs.config_in(args.config, cwd)
-    config = load_config(args.config, args.overrides)
-    for text in args.inject:
-        parse_fault(text)
+    config = run_config(args)  # the config the job's `stalwart run` will build
     jobs.check_storage(config.checkpoint.storage)
     spec = jobs.JobSpec(config=config_path, overrides=tuple(args.overrides),
                         injects=tuple(args.inject), resume=args.resume,

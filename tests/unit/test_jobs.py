@@ -256,3 +256,17 @@ def test_submit_checks_the_config_before_the_cluster(dashboard, tmp_path, monkey
     code = main(["submit", "config.toml", "--set", "train.stepz=10", "--address", server.address])
     assert code == 2 and "unknown key train.stepz" in capsys.readouterr().err
     assert server.requests == []
+
+
+def test_submit_checks_injected_faults_against_the_config_before_the_cluster(
+        dashboard, tmp_path, monkeypatch, capsys):
+    # As `stalwart run` would on the cluster: the reference run has 2 workers, no rank 7.
+    shutil.copy(REFERENCE_CONFIG, tmp_path / "config.toml")
+    monkeypatch.chdir(tmp_path)
+    server = dashboard(ray.__version__)
+    code = main(["submit", "config.toml", "--inject", "kill:rank=7,step=15",
+                 "--address", server.address])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1
+    assert "faults.rank" in err and "must be < scaling.num_workers" in err
+    assert server.requests == []

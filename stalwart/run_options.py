@@ -1,0 +1,42 @@
+"""Options that `stalwart run`, `submit` and `sweep` share, declared once so that they parse
+into the same names, and the config that `run` and `submit` build from them.
+
+`submit` builds the run's config exactly as `run` will on the cluster, so every problem a run
+would refuse (an unknown key, a fault on a rank the run does not have) is refused before
+anything is uploaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stalwart.config import JobConfig
+
+RESUME_HELP = "continue the run in --run-dir from its newest committed checkpoint"
+
+
+def add_set_option(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help=help)
+
+
+def add_inject_option(parser: argparse.ArgumentParser, help: str) -> None:
+    parser.add_argument("--inject", action="append", default=[], metavar="FAULT", help=help)
+
+
+def run_config(args: argparse.Namespace) -> JobConfig:
+    """The config file with its --set overrides, and the --inject faults added to its
+    [[faults]] (each checked against the config, as the config's own faults are)."""
+    from stalwart.config import load_config, parse_fault
+    from stalwart.errors import RunDirError
+
+    if args.resume and not args.run_dir:
+        raise RunDirError("--resume needs --run-dir: the run directory to continue")
+    config = load_config(args.config, args.overrides)
+    if args.inject:
+        config = dataclasses.replace(config, faults=(
+            *config.faults, *(parse_fault(text) for text in args.inject)))
+    return config
