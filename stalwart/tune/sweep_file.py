@@ -24,11 +24,12 @@ job's config refuses, a metric a run never reports, a PBT that could never explo
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stalwart.config import JobConfig, load_config, read_toml
+from stalwart.config import JobConfig, apply_overrides, config_from_dict, read_toml
 from stalwart.errors import ConfigError
 from stalwart.tune.trainable import as_overrides
 
@@ -149,12 +150,16 @@ def _check_rule(where: str, spec: Any) -> list[Any]:
     return [low, high - 1 if rule == "randint" else high]
 
 
-def _check_values(sweep_path: Path, config: Path, overrides: list[str], where: str,
-                  key: str, values: list[Any]) -> None:
+# The job's config with more overrides on top (the job's file is read once, by load_sweep).
+JobWith = Callable[[list[str]], JobConfig]
+
+
+def _check_values(sweep_path: Path, job_with: JobWith, where: str, key: str,
+                  values: list[Any]) -> None:
     """The job's own validation on each edge value: a bad key or value fails as in `--set`."""
     for value in values:
         try:
-            load_config(config, [*overrides, *as_overrides({key: value})])
+            job_with(as_overrides({key: value}))
         except ConfigError as exc:
             raise _fail(f"{sweep_path} {where}", f"{key} = {value!r}: {exc}") from None
 
@@ -182,7 +187,12 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     if not isinstance(set_list, list) or not all(isinstance(s, str) for s in set_list):
         raise _fail(f"{p} set", f"{set_list!r} is not a list of \"key=value\" strings")
     all_overrides = [*set_list, *overrides]
-    job = load_config(config, all_overrides)  # names the config's own problems
+    job_data = read_toml(config)
+
+    def job_with(extra: list[str]) -> JobConfig:
+        return config_from_dict(apply_overrides(job_data, [*all_overrides, *extra]))
+
+    job = job_with([])  # names the config's own problems
 
     metric = data.get("metric")
     if metric not in METRICS:
@@ -206,9 +216,8 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
         raise _fail(f"{p} [search]", "a sweep needs at least one key to search, e.g. "
                                      "\"train.lr\" = { loguniform = [1e-4, 1e-2] }")
     for key, spec in search.items():
-        _check_values(p, config, all_overrides, "[search]", key,
-                      _check_rule(f"{p} [search] {key}", spec))
-    scheduler = _check_scheduler(p, data.get("scheduler", {}), config, all_overrides, job)
+        _check_values(p, job_with, "[search]", key, _check_rule(f"{p} [search] {key}", spec))
+    scheduler = _check_scheduler(p, data.get("scheduler", {}), job_with, job)
     storage = Path(data.get("storage", "sweeps"))
     return Sweep(path=p, name=str(data.get("name", p.stem)), config=config,
                  overrides=tuple(all_overrides), metric=metric, mode=mode, trials=trials,
@@ -216,8 +225,8 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
                  job=job, scheduler=scheduler)
 
 
-def _check_scheduler(p: Path, scheduler: Any, config: Path, overrides: list[str],
-                     job: JobConfig) -> dict[str, Any]:
+def _check_scheduler(p: Path, scheduler: Any, job_with: JobWith, job: JobConfig
+                     ) -> dict[str, Any]:
     where = f"{p} [scheduler]"
     if not isinstance(scheduler, dict):
         raise _fail(where, "must be a table")
@@ -235,12 +244,12 @@ def _check_scheduler(p: Path, scheduler: Any, config: Path, overrides: list[str]
         if not ok(_typed(f"{where} {key}", value, kind_of, described)):
             raise _fail(f"{where} {key}", f"{value!r} is not allowed: {described}")
     if kind == "pbt":
-        _check_pbt(where, scheduler, p, config, overrides, job)
+        _check_pbt(where, scheduler, p, job_with, job)
     return dict(scheduler)
 
 
-def _check_pbt(where: str, scheduler: dict[str, Any], p: Path, config: Path,
-               overrides: list[str], job: JobConfig) -> None:
+def _check_pbt(where: str, scheduler: dict[str, Any], p: Path, job_with: JobWith,
+               job: JobConfig) -> None:
     interval = scheduler.get("perturbation_interval")
     if interval is None:
         raise _fail(where, "pbt needs perturbation_interval (in training steps)")
@@ -261,5 +270,5 @@ def _check_pbt(where: str, scheduler: dict[str, Any], p: Path, config: Path,
                         f"so it cannot change {', '.join(PBT_FIXED)}*; mutate keys such as "
                         f"train.lr or train.weight_decay")
         values = _check_rule(f"{where} mutations {key}", spec)
-        _check_values(p, config, overrides, "[scheduler.mutations]", key, values)
+        _check_values(p, job_with, "[scheduler.mutations]", key, values)
 
