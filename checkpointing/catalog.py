@@ -25,6 +25,11 @@ class CheckpointInfo:
     """URL of the step directory."""
     manifest: dict[str, Any]
 
+    def files_in_commit_order(self) -> list[str]:
+        """Every file of the step directory, the manifest last: a copy made in this order
+        is committed only once all its data is there (the manifest is the commit)."""
+        return [*sorted(self.manifest["files"]), MANIFEST]
+
 
 def list_step_dirs(url: str) -> list[tuple[int, bool]]:
     """(step, committed) for every step directory under `url`, oldest first."""

@@ -22,7 +22,7 @@ def copy_checkpoint(info: CheckpointInfo, dest: str, *, as_step_dir: bool = True
     if dst_fs.exists(f"{dst_root}/{MANIFEST}"):
         raise FileExistsError(f"{target} already holds a committed checkpoint")
     dst_fs.makedirs(dst_root, exist_ok=True)
-    for name in [*sorted(info.manifest["files"]), MANIFEST]:
+    for name in info.files_in_commit_order():
         with src_fs.open(f"{src_root}/{name}", "rb") as src, \
                 dst_fs.open(f"{dst_root}/{name}", "wb") as dst:
             for block in iter(lambda: src.read(1 << 22), b""):  # noqa: B023 (read at once)

@@ -22,7 +22,7 @@ from typing import Any
 from stalwart.callbacks import Callback
 from stalwart.checkpointing.catalog import read_step_dir
 from stalwart.checkpointing.errors import CheckpointError
-from stalwart.checkpointing.layout import MANIFEST, filesystem
+from stalwart.checkpointing.layout import filesystem
 from stalwart.checkpointing.transfer import copy_checkpoint
 
 # Metrics that hold their last value between the steps that produce them.
@@ -40,7 +40,7 @@ def stage(path: str, staging: Path) -> Path | None:
         if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
             return Path(copy_checkpoint(info, str(dest), as_step_dir=False).path)
         dest.mkdir(parents=True, exist_ok=True)
-        for name in [*info.manifest["files"], MANIFEST]:
+        for name in info.files_in_commit_order():
             os.link(f"{root}/{name}", dest / name)
         return dest
     except (CheckpointError, FileNotFoundError, FileExistsError):
