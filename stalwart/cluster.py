@@ -49,9 +49,16 @@ def check_reachable(address: str) -> None:
     host, sep, port = address.rpartition(":")
     if "://" in address or not sep or not port.isdigit():
         return  # `auto`, ray:// and other forms: Ray's own errors are quick and clear
+    check_listening(host, int(port), subject=f"--address {address!r}",
+                    hint="start a cluster with `ray start --head` and pass its address, or "
+                         "omit --address to start Ray on this machine")
+
+
+def check_listening(host: str, port: int, *, subject: str, hint: str,
+                    timeout_s: float = 5.0) -> None:
+    """Fail in seconds, with one error naming `subject` and what to do (`hint`), unless
+    something accepts a connection at host:port."""
     try:
-        socket.create_connection((host, int(port)), timeout=5).close()
+        socket.create_connection((host, port), timeout=timeout_s).close()
     except OSError as exc:
-        raise ClusterError(f"--address {address!r}: nothing answers there ({exc}); start a "
-                           f"cluster with `ray start --head` and pass its address, or omit "
-                           f"--address to start Ray on this machine") from None
+        raise ClusterError(f"{subject}: nothing answers there ({exc}); {hint}") from None

@@ -19,7 +19,6 @@ import asyncio
 import logging
 import os
 import shlex
-import socket
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,6 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from stalwart.cluster import check_listening
 from stalwart.errors import ClusterError, ConfigError
 
 if TYPE_CHECKING:
@@ -162,12 +162,9 @@ def check_cluster(address: str, *, local_version: str | None = None) -> str:
         local_version = ray.__version__
     url = urlsplit(address)
     port = url.port or (443 if url.scheme == "https" else 80)
-    try:
-        socket.create_connection((url.hostname, port), timeout=CONNECT_TIMEOUT_S).close()
-    except OSError as exc:
-        raise ClusterError(f"--address {address}: nothing answers there ({exc}); start a "
-                           f"cluster (deploy/local/up.sh) and pass its head's dashboard "
-                           f"address, http://HEAD:8265") from None
+    check_listening(url.hostname, port, subject=f"--address {address}",
+                    hint="start a cluster (deploy/local/up.sh) and pass its head's dashboard "
+                         "address, http://HEAD:8265", timeout_s=CONNECT_TIMEOUT_S)
     # The headers JobSubmissionClient sends: the token when RAY_AUTH_MODE=token.
     headers = get_auth_headers_if_auth_enabled({})
     try:
