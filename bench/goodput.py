@@ -34,7 +34,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -174,16 +173,8 @@ def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             run_config=RunConfig(name="raytrain-goodput", storage_path=str(workdir / "storage"),
                                  failure_config=FailureConfig(max_failures=-1)))
 
-        def fit() -> None:
-            try:
-                res = trainer.fit()
-                fit_out["error"] = None if res.error is None else repr(res.error)
-            except BaseException as exc:  # reported, not raised
-                fit_out["error"] = repr(exc)
-
         t0 = time.time()
-        thread = threading.Thread(target=fit, daemon=True)
-        thread.start()
+        thread = rt.start_fit(trainer, fit_out)
 
         def running() -> bool:
             thread.join(POLL_S)
@@ -224,17 +215,9 @@ def kill_on_schedule(running: Callable[[], bool], rank_pid: Callable[[], int | N
         if time.time() >= next_kill:
             next_kill += args.kill_every
             pid = rank_pid()
-            if pid is not None and _sigkill(pid):
+            if pid is not None and rt.sigkill(pid):
                 kills.append({"time": time.time(), "pid": pid})
     return kills, time.time()
-
-
-def _sigkill(pid: int) -> bool:
-    try:
-        os.kill(pid, signal.SIGKILL)
-        return True
-    except ProcessLookupError:
-        return False
 
 
 def _median(values: list[float]) -> float | None:

@@ -311,7 +311,8 @@ def _proc_state(pid: int) -> str | None:
     return stat[stat.rindex(")") + 2]
 
 
-def _sigkill(pid: int) -> bool:
+def sigkill(pid: int) -> bool:
+    """SIGKILL `pid`; False if it is already gone."""
     try:
         os.kill(pid, signal.SIGKILL)
         return True
@@ -339,6 +340,21 @@ def _health_settings() -> dict[str, Any]:
         "worker_group_start_timeout_s": float(os.environ.get(
             c.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR, c.DEFAULT_WORKER_GROUP_START_TIMEOUT_S)),
     }
+
+
+def start_fit(trainer: Any, fit_out: dict[str, Any]) -> threading.Thread:
+    """`trainer.fit()` on a thread of its own, so the caller can watch and kill meanwhile;
+    its error (None when it succeeded) lands in fit_out["error"] when it returns."""
+    def fit() -> None:
+        try:
+            res = trainer.fit()
+            fit_out["error"] = None if res.error is None else repr(res.error)
+        except BaseException as e:  # reported, not raised
+            fit_out["error"] = repr(e)
+
+    thread = threading.Thread(target=fit, name="raytrain-fit", daemon=True)
+    thread.start()
+    return thread
 
 
 def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: int = 10,
@@ -451,15 +467,7 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
                                  failure_config=FailureConfig(max_failures=3)),
         )
 
-        def fit() -> None:
-            try:
-                res = trainer.fit()
-                fit_out["error"] = None if res.error is None else repr(res.error)
-            except BaseException as e:  # reported, not raised
-                fit_out["error"] = repr(e)
-
-        thread = threading.Thread(target=fit, name="raytrain-fit", daemon=True)
-        thread.start()
+        thread = start_fit(trainer, fit_out)
         deadline = t_start + timeout_s
         aborted: str | None = None
         killed_pids: list[int] = []
@@ -489,7 +497,7 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
                 (workdir / STOP_FILE).write_text(json.dumps({"time": abort_time,
                                                              "reason": aborted}))
                 if info is not None and _proc_state(info["pid"]) == "T":
-                    if _sigkill(info["pid"]):
+                    if sigkill(info["pid"]):
                         killed_pids.append(info["pid"])
                 deadline = time.time() + 120  # for the teardown itself
             elif aborted is not None and now > deadline:
@@ -518,7 +526,7 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
     time.sleep(1.0)
     leftover = sorted(p for p in pids if _proc_state(p) not in (None, "Z"))
     for p in leftover:
-        _sigkill(p)
+        sigkill(p)
     result["leftover_pids_killed"] = leftover
 
     result.update(_analyse(workdir, attempts, info, fault, steps, node_info))
