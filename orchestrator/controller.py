@@ -117,6 +117,9 @@ class Controller:
         self.stragglers = StragglerDetector(fc.straggler_factor, fc.straggler_steps)
         self.state: State = Scheduling(generation=0, since=time.time())
         self.last_step = resume_from.step if resume_from else 0
+        # The newest step logged as checkpoint_committed (a resume's own step was logged by
+        # the run that wrote it).
+        self._newest_commit_logged = resume_from.step if resume_from else -1
         self.last_loss: float | None = None
         self.last_val_loss: float | None = None
         self.world_size = 0
@@ -263,6 +266,7 @@ class Controller:
         if state.generation == 0:
             return Restoring(generation=0, checkpoint=self.resume_from)
         checkpoint = newest_valid(self.storage_url, on_skip=self._on_damaged_checkpoint)
+        self._found_commit(checkpoint)
         return Restoring(generation=state.generation, checkpoint=checkpoint,
                          memory=self._choose_memory(checkpoint, state.generation))
 
@@ -410,7 +414,19 @@ class Controller:
         for commit in commits:
             self.events.emit("checkpoint_committed", step=commit.step, path=commit.path,
                              save_s=round(commit.save_s, 3))
+            self._newest_commit_logged = max(self._newest_commit_logged, commit.step)
             self._next_resize_check = 0.0  # a checkpoint boundary: look for room now
+
+    def _found_commit(self, checkpoint: CheckpointInfo | None) -> None:
+        """Log a commit that storage holds but no rank reported: rank 0 writes the manifest
+        and reports it at the next poll, so a rank 0 lost in between (its node gone) leaves
+        a committed checkpoint the log would otherwise never name, though the restore uses
+        it. Tune and `stalwart report` learn of checkpoints from this event."""
+        if checkpoint is None or checkpoint.step <= self._newest_commit_logged:
+            return
+        self.events.emit("checkpoint_committed", step=checkpoint.step, path=checkpoint.path,
+                         save_s=None, found_on_restore=True)
+        self._newest_commit_logged = checkpoint.step
 
     def _save_profile(self, trace: ProfileReport) -> None:
         """Write a rank's profiler trace into the run dir (where events.jsonl is)."""

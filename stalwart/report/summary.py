@@ -227,6 +227,6 @@ def summarize(events: list[dict[str, Any]], rows: list[dict[str, Any]], *, now: 
         resizes=[{"step": e["step"], "old_world_size": e["old_world_size"],
                   "new_world_size": e["new_world_size"], "reason": e["reason"],
                   "time": e["time"]} for e in of.get("resized", [])],
-        checkpoints=len(saves), checkpoint_save_s=sum(e["save_s"] for e in saves),
+        checkpoints=len(saves), checkpoint_save_s=sum(e["save_s"] or 0.0 for e in saves),
         async_save=async_save, productive_s=productive, untimed_steps=untimed,
         goodput=goodput, notes=notes)

@@ -766,19 +766,57 @@ def test_recovery_restores_the_newest_valid_checkpoint(
     _commit_checkpoint(storage, 4)
     (storage / "step_000000004" / "__0_0.distcp").write_bytes(b"damaged")
     w = FakeWorld(tmp_path, monkeypatch, [
-        Plan(polls=[statuses([1, 2, 3, 4, 5]), Poll([status(0)], dead=[1])]),
+        Plan(polls=[statuses([1, 2, 3, 4, 5], commits=[2, 4]), Poll([status(0)], dead=[1])]),
         Plan(polls=[statuses([3, 4, 5, 6], done=True, t0=T1)]),
     ], ["failure.max_failures=1"], storage=storage)
     assert w.run() == Finished(step=6)
 
     assert [(c.state, c.generation, c.args) for c in w.named("restore")] == [
         ("RESTORING", 1, (join(str(storage), "step_000000002"),))]
-    assert w.kinds() == ["started", "failure", "checkpoint_skipped", "recovered", "finished"]
+    assert w.kinds() == ["started", "checkpoint_committed", "checkpoint_committed", "failure",
+                         "checkpoint_skipped", "recovered", "finished"]
     skipped = w.event("checkpoint_skipped")
     assert skipped["step"] == 4 and "file __0_0.distcp is damaged" in skipped["message"]
     assert any("skipping damaged checkpoint" in m for m in w.display.logs)
     rec = w.event("recovered")
     assert rec["from_step"] == 2 and rec["lost_steps"] == 3 and rec["source"] == "storage"
+
+
+def test_a_commit_rank_0_did_not_live_to_report_is_logged_when_a_restore_finds_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 wrote step 4's manifest and died before the poll that would have reported it:
+    the restore uses step 4, and the log names it, so every restored step was committed."""
+    storage = tmp_path / "checkpoints"
+    _commit_checkpoint(storage, 2)
+    _commit_checkpoint(storage, 4)
+    w = FakeWorld(tmp_path, monkeypatch, [
+        Plan(polls=[statuses([1, 2, 3], commits=[2]), Poll([status(1, [4, 5])], dead=[0])]),
+        Plan(polls=[statuses([5, 6], done=True, t0=T1)]),
+    ], ["failure.max_failures=1"], storage=storage)
+    assert w.run() == Finished(step=6)
+
+    assert w.kinds() == ["started", "checkpoint_committed", "failure", "checkpoint_committed",
+                         "recovered", "finished"]
+    reported, found = w.all("checkpoint_committed")
+    assert reported["step"] == 2 and reported["save_s"] == 0.25 and "found_on_restore" not in \
+        reported
+    assert found == {**found, "step": 4, "path": join(str(storage), "step_000000004"),
+                     "save_s": None, "found_on_restore": True}
+    assert w.event("recovered")["from_step"] == 4
+
+
+def test_a_resumed_runs_own_checkpoint_is_not_logged_again_when_a_restore_finds_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    storage = tmp_path / "checkpoints"
+    _commit_checkpoint(storage, 4)
+    resume = CheckpointInfo(step=4, path=join(str(storage), "step_000000004"), manifest={})
+    w = FakeWorld(tmp_path, monkeypatch, [
+        Plan(polls=[Poll([status(0, [5])], dead=[1])]),
+        Plan(polls=[statuses([5, 6], done=True, t0=T1)]),
+    ], ["failure.max_failures=1"], storage=storage, resume_from=resume)
+    assert w.run() == Finished(step=6)
+    assert w.all("checkpoint_committed") == []
+    assert w.event("recovered")["from_step"] == 4
 
 
 def _kill_at_5(storage: Path, memory: list[int], extra: list[str] = (),
