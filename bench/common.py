@@ -65,7 +65,7 @@ def child_env() -> dict[str, str]:
 def stalwart_command(config: str, overrides: list[str], run_dir: Path) -> list[str]:
     """`stalwart run config --set o ... --run-dir run_dir`, one --set per override."""
     exe = Path(sys.executable).with_name("stalwart")
-    cli = [str(exe)] if exe.exists() else [sys.executable, "-m", "stalwart.cli"]
+    cli = [str(exe)] if exe.exists() else [sys.executable, "-m", "stalwart.cli.main"]
     sets = [x for o in overrides for x in ("--set", o)]
     return [*cli, "run", config, *sets, "--run-dir", str(run_dir)]
 

@@ -12,7 +12,7 @@ step). N = 1 is stalwart's single-rank layout, the model unwrapped.
 
 Target: the busiest rank's parameters + gradients + optimizer state are within 10% of the
 ZeRO formula for fp32 AdamW, 16 x params / N (4 params + 4 grads + 8 for m and v). The table
-also shows stalwart.parallel.memory.estimate for the same layout. Exit code 0 whether or not
+also shows stalwart.plan.estimate.estimate for the same layout. Exit code 0 whether or not
 the target is met (a measurement); 1 only if a rank failed.
 """
 
@@ -123,7 +123,7 @@ def run_world(world: int) -> list[dict[str, int]]:
 def main() -> int:
     args = parse_args()
     from stalwart.examples.gpt.model import GPTConfig
-    from stalwart.parallel.memory import Layout, ModelShape, estimate
+    from stalwart.plan.estimate import Layout, ModelShape, estimate
 
     shape = ModelShape.from_gpt_config(GPTConfig(**MODEL))
     rows = []

@@ -18,9 +18,9 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
-from stalwart.checkpointing.catalog import CheckpointInfo, newest_valid
-from stalwart.checkpointing.memory_catalog import MemoryChoice, newest_complete
-from stalwart.checkpointing.memory_store import Inventory
+from stalwart.checkpointing.memory.catalog import MemoryChoice, newest_complete
+from stalwart.checkpointing.memory.store import Inventory
+from stalwart.checkpointing.storage.catalog import CheckpointInfo, newest_valid
 from stalwart.orchestrator.failures import (
     FailDecision,
     FailureKind,

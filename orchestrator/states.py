@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from stalwart.checkpointing.catalog import CheckpointInfo
-from stalwart.checkpointing.memory_catalog import MemoryChoice
+from stalwart.checkpointing.memory.catalog import MemoryChoice
+from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.orchestrator.errors import InvalidTransition
 from stalwart.orchestrator.failures import WorkerFailure
 

@@ -29,8 +29,8 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from stalwart.checkpointing.memory_catalog import MemoryChoice
-from stalwart.checkpointing.memory_store import Inventory
+from stalwart.checkpointing.memory.catalog import MemoryChoice
+from stalwart.checkpointing.memory.store import Inventory
 from stalwart.config import JobConfig
 from stalwart.errors import ConfigError
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure

@@ -20,7 +20,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from stalwart.checkpointing.catalog import list_step_dirs
+from stalwart.checkpointing.storage.catalog import list_step_dirs
 from stalwart.config import JobConfig, dump_config
 from stalwart.errors import RunDirError
 

@@ -16,20 +16,25 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.callbacks import Callback
-from stalwart.checkpointing.catalog import CheckpointInfo, newest_valid, read_step_dir, verify
 from stalwart.checkpointing.errors import StorageURLError
-from stalwart.checkpointing.layout import filesystem
-from stalwart.checkpointing.transfer import copy_checkpoint
-from stalwart.cluster import connect
+from stalwart.checkpointing.storage.catalog import (
+    CheckpointInfo,
+    newest_valid,
+    read_step_dir,
+    verify,
+)
+from stalwart.checkpointing.storage.layout import filesystem
+from stalwart.checkpointing.storage.transfer import copy_checkpoint
+from stalwart.cli.cluster import connect
+from stalwart.cli.progress import ProgressDisplay
 from stalwart.config import JobConfig, load_config
 from stalwart.errors import ClusterError, ConfigError, RunDirError
+from stalwart.integrations.tensorboard import tensorboard_callbacks
 from stalwart.orchestrator.controller import Controller
 from stalwart.orchestrator.states import Failed, Finished, State, Stopped
 from stalwart.parallel.dims import ParallelDims
-from stalwart.progress import ProgressDisplay
 from stalwart.run_dir import RunDir, read_jsonl
 from stalwart.task import build_task
-from stalwart.tensorboard import tensorboard_callbacks
 
 # Keys that define what is being trained: changing them on --resume would silently mix two
 # different runs (another model, another data order), so it is refused.

@@ -26,10 +26,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from stalwart.checkpointing.memory_store import Inventory
-from stalwart.checkpointing.memory_tier import Engine, MemoryTier
+from stalwart.checkpointing.memory.store import Inventory
+from stalwart.checkpointing.memory.tier import Engine, MemoryTier
 from stalwart.checkpointing.snapshot import Layout
-from stalwart.checkpointing.storage import StorageCheckpointer
+from stalwart.checkpointing.storage.writer import StorageCheckpointer
 from stalwart.config import JobConfig, config_from_dict
 from stalwart.parallel.distributed import (
     Rendezvous,

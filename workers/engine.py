@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from stalwart.checkpointing.memory_tier import Engine
+from stalwart.checkpointing.memory.tier import Engine
 from stalwart.parallel.data_parallel import gradient_sync
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
 from stalwart.parallel.grad_norm import clip_grad_norm
@@ -99,7 +99,7 @@ class TrainEngine:
         `before_update` runs before the optimizer changes the weights (a snapshot's
         device-to-host copy must be done by then), `before_summary` before the step's last
         all-reduce (the previous snapshot must be on its holders by then: see
-        checkpointing/replication.py).
+        checkpointing/memory/replication.py).
         """
         t0 = time.perf_counter()
         cfg = self.config.train

@@ -16,8 +16,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from stalwart import TrainTask
 from stalwart.errors import TaskError
+from stalwart.task import TrainTask
 
 if TYPE_CHECKING:
     from stalwart.config import JobConfig

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-from stalwart.checkpointing.layout import join, step_dir_name
-from stalwart.checkpointing.storage import StorageCheckpointer
+from stalwart.checkpointing.storage.layout import join, step_dir_name
+from stalwart.checkpointing.storage.writer import StorageCheckpointer
 from stalwart.task import build_task
 from stalwart.workers.engine import TrainEngine
 from tests.dist.launcher import run_ranks

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stalwart.checkpointing.memory_catalog import newest_complete
-from stalwart.checkpointing.memory_store import Inventory
-from stalwart.checkpointing.memory_tier import MemoryTier
+from stalwart.checkpointing.memory.catalog import newest_complete
+from stalwart.checkpointing.memory.store import Inventory
+from stalwart.checkpointing.memory.tier import MemoryTier
 from stalwart.checkpointing.snapshot import Shard
 from tests.dist.launcher import run_ranks
 from tests.dist.test_checkpoint_reshard import full_weights, make_engine

@@ -11,7 +11,7 @@ import textwrap
 
 import pytest
 
-from stalwart.checkpointing.catalog import committed_checkpoints, verify
+from stalwart.checkpointing.storage.catalog import committed_checkpoints, verify
 from stalwart.run_dir import read_jsonl
 from tests.cli_helpers import (
     REFERENCE_CONFIG,

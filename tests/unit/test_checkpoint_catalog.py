@@ -14,7 +14,8 @@ from pathlib import Path
 import fsspec
 import pytest
 
-from stalwart.checkpointing.catalog import (
+from stalwart.checkpointing.errors import CheckpointError
+from stalwart.checkpointing.storage.catalog import (
     committed_checkpoints,
     find_step,
     list_step_dirs,
@@ -22,9 +23,8 @@ from stalwart.checkpointing.catalog import (
     read_checkpoint,
     verify,
 )
-from stalwart.checkpointing.errors import CheckpointError
-from stalwart.checkpointing.layout import MANIFEST, join, step_dir_name
-from stalwart.checkpointing.storage import apply_retention, write_manifest
+from stalwart.checkpointing.storage.layout import MANIFEST, join, step_dir_name
+from stalwart.checkpointing.storage.writer import apply_retention, write_manifest
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

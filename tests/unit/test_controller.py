@@ -27,11 +27,11 @@ import pytest
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-from stalwart.checkpointing.catalog import CheckpointInfo
-from stalwart.checkpointing.layout import join, step_dir_name
-from stalwart.checkpointing.memory_catalog import MemoryChoice
-from stalwart.checkpointing.memory_store import Holding, Inventory
+from stalwart.checkpointing.memory.catalog import MemoryChoice
+from stalwart.checkpointing.memory.store import Holding, Inventory
 from stalwart.checkpointing.snapshot import Layout
+from stalwart.checkpointing.storage.catalog import CheckpointInfo
+from stalwart.checkpointing.storage.layout import join, step_dir_name
 from stalwart.config import JobConfig, load_config, parse_fault
 from stalwart.errors import ConfigError
 from stalwart.orchestrator import controller as controller_module
@@ -482,7 +482,7 @@ class FakeWorld:
 
 
 def _commit_checkpoint(storage: Path, step: int) -> None:
-    from stalwart.checkpointing.storage import write_manifest
+    from stalwart.checkpointing.storage.writer import write_manifest
 
     d = storage / step_dir_name(step)
     d.mkdir(parents=True)

@@ -23,7 +23,7 @@ import yaml
 from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
-from stalwart.cli import _parser
+from stalwart.cli.main import _parser
 from stalwart.config import JobConfig, load_config
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

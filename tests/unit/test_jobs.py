@@ -23,8 +23,8 @@ from pathlib import Path, PurePosixPath
 import pytest
 import ray
 
-from stalwart import jobs
-from stalwart.cli import _parser, main
+from stalwart.cli import jobs
+from stalwart.cli.main import _parser, main
 from stalwart.errors import ClusterError, ConfigError
 from stalwart.parallel.distributed import free_port
 

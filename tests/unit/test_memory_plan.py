@@ -7,10 +7,10 @@ import itertools
 import pytest
 import torch
 
-from stalwart.cli import parse_count
+from stalwart.cli.main import parse_count
 from stalwart.examples.gpt.model import GPT, GPTConfig
-from stalwart.parallel.memory import Layout, ModelShape, PlanError, estimate
-from stalwart.parallel.planner import (
+from stalwart.plan.estimate import Layout, ModelShape, PlanError, estimate
+from stalwart.plan.search import (
     Candidate,
     NoLayoutFits,
     format_bytes,

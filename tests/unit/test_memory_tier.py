@@ -28,10 +28,10 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
 
-from stalwart.checkpointing.memory_catalog import MemoryChoice, newest_complete
-from stalwart.checkpointing.memory_reader import MemoryReader, build_metadata
-from stalwart.checkpointing.memory_store import KEEP, Holding, Inventory, MemoryStore
-from stalwart.checkpointing.replication import exchanges, holders_for
+from stalwart.checkpointing.memory.catalog import MemoryChoice, newest_complete
+from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
+from stalwart.checkpointing.memory.replication import exchanges, holders_for
+from stalwart.checkpointing.memory.store import KEEP, Holding, Inventory, MemoryStore
 from stalwart.checkpointing.snapshot import Layout, Shard, SnapshotStager, build_layout
 from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
 from stalwart.config import JobConfig, load_config

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from stalwart.cli import main as cli_main
+from stalwart.cli.main import main as cli_main
 from stalwart.report import load
 from stalwart.report.summary import kept_rows, summarize
 from stalwart.run_dir import read_jsonl

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.tune.sweep_file import SweepError, load_sweep
-from stalwart.tune.trainable import as_overrides
+from stalwart.integrations.tune.sweep_file import SweepError, load_sweep
+from stalwart.integrations.tune.trainable import as_overrides
 from tests.cli_helpers import REFERENCE_CONFIG
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

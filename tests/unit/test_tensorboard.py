@@ -11,7 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from stalwart.config import load_config
 from stalwart.errors import ConfigError
-from stalwart.tensorboard import TensorBoardLogger
+from stalwart.integrations.tensorboard import TensorBoardLogger
 from stalwart.trainer import Trainer
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

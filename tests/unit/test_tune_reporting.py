@@ -7,11 +7,11 @@ from typing import Any
 
 import pytest
 
-from stalwart.checkpointing.catalog import read_checkpoint, read_step_dir, verify
 from stalwart.checkpointing.errors import CheckpointError
-from stalwart.checkpointing.storage import write_manifest
-from stalwart.checkpointing.transfer import copy_checkpoint
-from stalwart.tune.reporter import TuneReporter
+from stalwart.checkpointing.storage.catalog import read_checkpoint, read_step_dir, verify
+from stalwart.checkpointing.storage.transfer import copy_checkpoint
+from stalwart.checkpointing.storage.writer import write_manifest
+from stalwart.integrations.tune.reporter import TuneReporter
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -10,8 +10,8 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.errors import RunDirError
-from stalwart.tune.sweep_file import Sweep
-from stalwart.tune.trainable import TRIAL_DRIVER_RESOURCES, trainable
+from stalwart.integrations.tune.sweep_file import Sweep
+from stalwart.integrations.tune.trainable import TRIAL_DRIVER_RESOURCES, trainable
 
 RESULTS_FILE = "sweep_results.json"
 

@@ -27,7 +27,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from stalwart.cluster import check_listening
+from stalwart.cli.cluster import check_listening
 from stalwart.errors import ClusterError, ConfigError
 
 if TYPE_CHECKING:

@@ -13,8 +13,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 
-from stalwart.checkpointing.catalog import CheckpointInfo, find_step, newest_valid
 from stalwart.checkpointing.errors import CheckpointError
+from stalwart.checkpointing.storage.catalog import CheckpointInfo, find_step, newest_valid
 
 SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 

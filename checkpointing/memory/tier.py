@@ -1,10 +1,10 @@
 """One worker's memory tier, across the generations of the world it joins.
 
 Per generation it stages this rank's snapshots (checkpointing/snapshot.py) and replicates
-them to holders on other nodes (checkpointing/replication.py); across generations it keeps
-the store (checkpointing/memory_store.py) of its own and its peers' snapshots, so that the
+them to holders on other nodes (checkpointing/memory/replication.py); across generations it keeps
+the store (checkpointing/memory/store.py) of its own and its peers' snapshots, so that the
 next world can restore from survivors. Restoring reads the chosen step through DCP with the
-in-memory reader (checkpointing/memory_reader.py), resharding it to the new world.
+in-memory reader (checkpointing/memory/reader.py), resharding it to the new world.
 
 After any restore, the restored step is staged and replicated once more in the new world
 before older generations are dropped: a failure right after a recovery restores from
@@ -22,9 +22,9 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from stalwart.checkpointing.memory_reader import MemoryReader, build_metadata
-from stalwart.checkpointing.memory_store import Inventory, MemoryStore
-from stalwart.checkpointing.replication import Replicator, holders_for
+from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
+from stalwart.checkpointing.memory.replication import Replicator, holders_for
+from stalwart.checkpointing.memory.store import Inventory, MemoryStore
 from stalwart.checkpointing.snapshot import Layout, Shard, SnapshotStager
 from stalwart.errors import ConfigError
 

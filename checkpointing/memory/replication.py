@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from stalwart.checkpointing.memory_store import MemoryStore
+from stalwart.checkpointing.memory.store import MemoryStore
 from stalwart.checkpointing.snapshot import Layout, Shard
 
 

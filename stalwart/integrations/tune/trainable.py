@@ -1,7 +1,7 @@
-"""stalwart.tune.trainable: a stalwart job as a Ray Tune function trainable.
+"""stalwart.integrations.tune.trainable: a stalwart job as a Ray Tune function trainable.
 
     from ray import tune
-    from stalwart.tune import trainable
+    from stalwart.integrations.tune import trainable
 
     tuner = tune.Tuner(
         trainable("examples/gpt/config.toml", ["train.steps=200"], metric="loss"),
@@ -95,8 +95,8 @@ def trainable(config: str | Path, overrides: Sequence[str] = (), *, metric: str 
     def stalwart_trial(params: dict[str, Any]) -> None:
         from ray import tune
 
+        from stalwart.integrations.tune.reporter import TuneReporter
         from stalwart.trainer import Trainer
-        from stalwart.tune.reporter import TuneReporter
 
         if code_dir not in sys.path:  # Tune runs a trial in its own directory
             sys.path.insert(0, code_dir)

@@ -2,7 +2,7 @@
 
 A layout is dp_replicate x dp_shard x tp x pp = devices (TorchTitan's ParallelDims, without
 context parallel). `valid_layouts` enumerates every factorization the model can be split by,
-`plan` estimates each one's per-rank memory (parallel/memory.py), and `recommend` picks one
+`plan` estimates each one's per-rank memory (stalwart/plan/estimate.py), and `recommend` picks one
 by a fixed rule, documented on `preference`. Pure arithmetic: runs on the driver, or on a
 laptop planning for a cluster it is not on.
 """
@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-from stalwart.parallel.memory import Layout, MemoryEstimate, ModelShape, PlanError, estimate
+from stalwart.plan.estimate import Layout, MemoryEstimate, ModelShape, PlanError, estimate
 
 
 class NoLayoutFits(PlanError):

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from stalwart.checkpointing.errors import CheckpointError
-from stalwart.checkpointing.layout import (
+from stalwart.checkpointing.storage.layout import (
     FORMAT_VERSION,
     MANIFEST,
     filesystem,

@@ -8,8 +8,8 @@ workers read, so they only ever need to see the run's own storage.
 
 from __future__ import annotations
 
-from stalwart.checkpointing.catalog import CheckpointInfo, read_step_dir, verify
-from stalwart.checkpointing.layout import MANIFEST, filesystem, join, step_dir_name
+from stalwart.checkpointing.storage.catalog import CheckpointInfo, read_step_dir, verify
+from stalwart.checkpointing.storage.layout import MANIFEST, filesystem, join, step_dir_name
 
 
 def copy_checkpoint(info: CheckpointInfo, dest: str, *, as_step_dir: bool = True

@@ -31,7 +31,7 @@ from typing import Any
 
 from stalwart.config import JobConfig, apply_overrides, config_from_dict, read_toml
 from stalwart.errors import ConfigError
-from stalwart.tune.trainable import as_overrides
+from stalwart.integrations.tune.trainable import as_overrides
 
 # Columns of metrics.jsonl that are numbers a sweep can rank trials by.
 METRICS = ("loss", "val_loss", "lr", "tokens_per_s", "world_size", "samples_seen", "step")

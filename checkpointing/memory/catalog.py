@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from stalwart.checkpointing.memory_store import Inventory
+from stalwart.checkpointing.memory.store import Inventory
 from stalwart.checkpointing.snapshot import Layout
 
 

@@ -15,13 +15,13 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stalwart.cli.job_commands import JOB_COMMANDS, add_job_commands, run_job_command
+from stalwart.cli.run_options import RESUME_HELP, add_inject_option, add_set_option, run_config
 from stalwart.errors import StalwartError
-from stalwart.job_cli import JOB_COMMANDS, add_job_commands, run_job_command
-from stalwart.run_options import RESUME_HELP, add_inject_option, add_set_option, run_config
 
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
-    from stalwart.parallel.memory import ModelShape
+    from stalwart.plan.estimate import ModelShape
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 130
 
@@ -74,7 +74,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _add_plan_parser(sub: argparse._SubParsersAction) -> None:
-    from stalwart.parallel.memory import AC_MODES, PP_SCHEDULES, PRECISIONS
+    from stalwart.plan.estimate import AC_MODES, PP_SCHEDULES, PRECISIONS
 
     pl = sub.add_parser("plan", help="estimate per-device memory of every parallel layout and "
                         "recommend one")
@@ -137,7 +137,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 def _cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from stalwart.checkpointing.export import export_weights, pick_checkpoint
+    from stalwart.checkpointing.storage.export import export_weights, pick_checkpoint
     from stalwart.config import load_config
     from stalwart.run_dir import RunDir
     from stalwart.task import build_task
@@ -156,8 +156,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     import ray
 
-    from stalwart.cluster import connect
-    from stalwart.tune.sweep import (
+    from stalwart.cli.cluster import connect
+    from stalwart.integrations.tune.sweep import (
         check_experiment_dir,
         embedded_cpus,
         format_results,
@@ -165,7 +165,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         trial_rows,
         write_results,
     )
-    from stalwart.tune.sweep_file import load_sweep
+    from stalwart.integrations.tune.sweep_file import load_sweep
 
     sweep = load_sweep(args.sweep, args.overrides)
     check_experiment_dir(sweep, args.resume)
@@ -190,7 +190,7 @@ def parse_count(text: str) -> int:
     except ValueError:
         value = float("nan")
     if not value >= 1 or value == float("inf"):
-        from stalwart.parallel.memory import PlanError
+        from stalwart.plan.estimate import PlanError
 
         raise PlanError(f"--params {text!r} is not a parameter count >= 1: write e.g. 7e9, "
                         f"1.3B or 350M")
@@ -202,7 +202,7 @@ def _plan_model(args: argparse.Namespace, config: JobConfig | None) -> tuple[Mod
     import torch
 
     from stalwart.examples.gpt.model import GPTConfig
-    from stalwart.parallel.memory import ModelShape, PlanError
+    from stalwart.plan.estimate import ModelShape, PlanError
     from stalwart.task import build_task
 
     shape_flags = {"n_layers": args.layers, "n_heads": args.heads, "d_model": args.d_model,
@@ -229,8 +229,8 @@ def _plan_model(args: argparse.Namespace, config: JobConfig | None) -> tuple[Mod
 
 def _cmd_plan(args: argparse.Namespace) -> int:
     from stalwart.config import ParallelConfig, load_config
-    from stalwart.parallel.memory import Layout, PlanError
-    from stalwart.parallel.planner import format_bytes, format_plan, plan, recommend
+    from stalwart.plan.estimate import Layout, PlanError
+    from stalwart.plan.search import format_bytes, format_plan, plan, recommend
 
     if args.config is None and args.params is None:
         raise PlanError("plan needs CONFIG or --params N (e.g. stalwart plan --params 7e9 "

@@ -14,8 +14,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stalwart import jobs
-from stalwart.run_options import RESUME_HELP, add_inject_option, add_set_option, run_config
+from stalwart.cli import jobs
+from stalwart.cli.run_options import RESUME_HELP, add_inject_option, add_set_option, run_config
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient

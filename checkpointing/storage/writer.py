@@ -24,9 +24,11 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
 
-from stalwart.checkpointing.catalog import list_step_dirs
 from stalwart.checkpointing.errors import CheckpointError
-from stalwart.checkpointing.layout import (
+from stalwart.checkpointing.snapshot import Shard
+from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
+from stalwart.checkpointing.storage.catalog import list_step_dirs
+from stalwart.checkpointing.storage.layout import (
     FORMAT_VERSION,
     MANIFEST,
     filesystem,
@@ -34,8 +36,6 @@ from stalwart.checkpointing.layout import (
     sha256_of,
     step_dir_name,
 )
-from stalwart.checkpointing.snapshot import Shard
-from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
 from stalwart.workers.reports import CommitReport
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.callbacks import Callback
-from stalwart.checkpointing.catalog import read_step_dir
 from stalwart.checkpointing.errors import CheckpointError
-from stalwart.checkpointing.layout import filesystem
-from stalwart.checkpointing.transfer import copy_checkpoint
+from stalwart.checkpointing.storage.catalog import read_step_dir
+from stalwart.checkpointing.storage.layout import filesystem
+from stalwart.checkpointing.storage.transfer import copy_checkpoint
 
 # Metrics that hold their last value between the steps that produce them.
 CARRIED = ("val_loss",)

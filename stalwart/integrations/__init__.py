@@ -1,0 +1,1 @@
+"""What stalwart plugs into: Ray Tune (`stalwart.integrations.tune`) and TensorBoard."""
