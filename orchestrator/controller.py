@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol
 
+from stalwart import events as ev
 from stalwart.checkpointing.memory.catalog import MemoryChoice, newest_complete
 from stalwart.checkpointing.memory.store import Inventory
 from stalwart.checkpointing.storage.catalog import CheckpointInfo, newest_valid
@@ -47,7 +48,7 @@ from stalwart.orchestrator.stragglers import StragglerDetector
 
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
-    from stalwart.run_dir import EventLog, JsonlWriter
+    from stalwart.run_dir import EventLog, MetricsLog
     from stalwart.workers.reports import CommitReport, ProfileReport, StepReport, WorkerStatus
 
 
@@ -96,7 +97,7 @@ class Controller:
     COLLECTIVE_GRACE_S = 3.0
 
     def __init__(self, config: JobConfig, *, storage_url: str, group: WorkerGroup,
-                 group_error: type[Exception], events: EventLog, metrics: JsonlWriter,
+                 group_error: type[Exception], events: EventLog, metrics: MetricsLog,
                  display: Display, resume_from: CheckpointInfo | None,
                  draining_nodes: Callable[[], set[str]] | None = None) -> None:
         self.config = config
@@ -231,7 +232,7 @@ class Controller:
         if self._stop_requested:  # between worlds: the newest checkpoint is where a resume starts
             newest = newest_valid(self.storage_url)
             step = newest.step if newest else 0
-            self.events.emit("stopped", step=step, kept_unlogged=self._kept_unlogged(step))
+            self.events.emit(ev.Stopped(step=step, kept_unlogged=self._kept_unlogged(step)))
             return Stopped(step=step)
         if enough:
             return Rendezvous(generation=state.generation, world_size=best)
@@ -258,9 +259,9 @@ class Controller:
         if old_world and (old_world != self.world_size or self._planned):
             reason = self._planned[0] if self._planned else "shrink" \
                 if self.world_size < old_world else "grow"
-            self.events.emit("resized", old_world_size=old_world, new_world_size=self.world_size,
+            self.events.emit(ev.Resized(old_world_size=old_world, new_world_size=self.world_size,
                              old_layout=old_layout, new_layout=self.layout, reason=reason,
-                             step=self.last_step, generation=state.generation)
+                             step=self.last_step, generation=state.generation))
             self.display.log(f"world resized {old_world} -> {self.world_size} ({reason})")
         self._planned = None
         if state.generation == 0:
@@ -296,15 +297,15 @@ class Controller:
     def _chosen(self, source: str, memory_step: int | None, storage_step: int | None,
                 reason: str, generation: int) -> None:
         """Log where a world restores from, with both candidates and why."""
-        self.events.emit("checkpoint_chosen", source=source, step=memory_step
+        self.events.emit(ev.CheckpointChosen(source=source, step=memory_step
                          if source == "memory" else storage_step, memory_step=memory_step,
-                         storage_step=storage_step, reason=reason, generation=generation)
+                         storage_step=storage_step, reason=reason, generation=generation))
         self.display.log(f"restoring from {source}: {reason}")
 
     def _arm_faults(self, workers: list[dict[str, Any]]) -> dict[int, list[tuple[int, str, str]]]:
         armed, unresolved = self.faults.arm(workers, self.group.driver_node_id)
         for message in unresolved:
-            self.events.emit("fault_skipped", message=message)
+            self.events.emit(ev.FaultSkipped(message=message))
         return armed
 
     def _on_restoring(self, state: Restoring) -> State:
@@ -352,12 +353,12 @@ class Controller:
         self._tokens_since_log, self._unlogged_ends = 0, {}
         if not self._started_emitted:  # once, even if the first world never launched
             self._started_emitted = True
-            self.events.emit("started", world_size=self.world_size,
+            self.events.emit(ev.Started(world_size=self.world_size,
                              steps=self.config.train.steps, start_step=start_step,
-                             task=self.config.task.path)
-        self.events.emit("workers_started", generation=state.generation,
-                         world_size=self.world_size, workers=self.workers,
-                         kept_unlogged=kept)
+                             task=self.config.task.path))
+        self.events.emit(ev.WorkersStarted(generation=state.generation,
+                         world_size=self.world_size, workers=tuple(ev.WorkerPlace(**w) for w in self.workers),
+                         kept_unlogged=kept))
         return Running(generation=state.generation, start_step=start_step)
 
     # ------------------------------------------------------------------ running
@@ -389,8 +390,8 @@ class Controller:
         for fired in st.faults:
             self.faults.fired(fired.fault)
             self._fault_times[fired.rank] = now  # the fault happens when it is acknowledged
-            self.events.emit("fault_injected", fault=fired.fault, rank=fired.rank,
-                             step=fired.step)
+            self.events.emit(ev.FaultInjected(fault=fired.fault, rank=fired.rank,
+                             step=fired.step))
         if st.faults:
             self.group.ack_faults(rank)
         for trace in st.profiles:  # every rank traces its own part of the steps
@@ -412,8 +413,8 @@ class Controller:
 
     def _committed(self, commits: list[CommitReport]) -> None:
         for commit in commits:
-            self.events.emit("checkpoint_committed", step=commit.step, path=commit.path,
-                             save_s=round(commit.save_s, 3))
+            self.events.emit(ev.CheckpointCommitted(step=commit.step, path=commit.path,
+                             save_s=round(commit.save_s, 3)))
             self._newest_commit_logged = max(self._newest_commit_logged, commit.step)
             self._next_resize_check = 0.0  # a checkpoint boundary: look for room now
 
@@ -424,16 +425,16 @@ class Controller:
         it. Tune and `stalwart report` learn of checkpoints from this event."""
         if checkpoint is None or checkpoint.step <= self._newest_commit_logged:
             return
-        self.events.emit("checkpoint_committed", step=checkpoint.step, path=checkpoint.path,
-                         save_s=None, found_on_restore=True)
+        self.events.emit(ev.CheckpointCommitted(step=checkpoint.step, path=checkpoint.path,
+                         save_s=None, found_on_restore=True))
         self._newest_commit_logged = checkpoint.step
 
     def _save_profile(self, trace: ProfileReport) -> None:
         """Write a rank's profiler trace into the run dir (where events.jsonl is)."""
         path = save_trace(self.events.path.parent / "profile", trace)
-        self.events.emit("profile_saved", rank=trace.rank, steps=list(trace.steps),
+        self.events.emit(ev.ProfileSaved(rank=trace.rank, steps=list(trace.steps),
                          path=str(path.resolve()), generation=trace.generation,
-                         export_s=round(trace.export_s, 3))
+                         export_s=round(trace.export_s, 3)))
 
     def _report_tier(self) -> None:
         """Once per world, when every rank has reported after the world's first few
@@ -445,10 +446,10 @@ class Controller:
             return
         self._tier_reported = generation
         ck = self.config.checkpoint
-        self.events.emit("memory_tier", generation=generation,
+        self.events.emit(ev.MemoryTier(generation=generation,
                          bytes_per_worker=max(self._tier_bytes.values()),
                          bytes_total=sum(self._tier_bytes.values()),
-                         snapshot_every=ck.snapshot_every, replicas=ck.replicas)
+                         snapshot_every=ck.snapshot_every, replicas=ck.replicas))
 
     def _find_failure(self, answered: dict[int, WorkerStatus], dead: list[WorkerFailure],
                       now: float) -> WorkerFailure | None:
@@ -499,10 +500,10 @@ class Controller:
         replace = self.config.failure.replace_stragglers
         for s in self.stragglers.check():
             worker = self.workers[s.rank] if s.rank < len(self.workers) else {}
-            self.events.emit("straggler", rank=s.rank, node_ip=worker.get("node_ip"),
+            self.events.emit(ev.Straggler(rank=s.rank, node_ip=worker.get("node_ip"),
                              step=s.step, local_s=round(s.local_s, 4),
                              peers_median_s=round(s.peers_median_s, 4),
-                             ratio=round(s.ratio, 2), steps=s.steps, replaced=replace)
+                             ratio=round(s.ratio, 2), steps=s.steps, replaced=replace))
             self.display.log(f"rank {s.rank} is a straggler: {s.ratio:.1f}x its peers' local "
                              f"time per step for {s.steps} steps")
             if replace:
@@ -527,12 +528,12 @@ class Controller:
     def _on_all_done(self) -> State:
         statuses = self._done.values()
         if not any(st.stopped_early for st in statuses):
-            self.events.emit("finished", step=self.last_step, loss=self.last_loss,
-                             val_loss=self.last_val_loss)
+            self.events.emit(ev.Finished(step=self.last_step, loss=self.last_loss,
+                             val_loss=self.last_val_loss))
             return Finished(step=self.last_step)
         if self._stop_requested:
-            self.events.emit("stopped", step=self.last_step,
-                             kept_unlogged=self._kept_unlogged(self.last_step))
+            self.events.emit(ev.Stopped(step=self.last_step,
+                             kept_unlogged=self._kept_unlogged(self.last_step)))
             return Stopped(step=self.last_step)
         for rank, st in self._done.items():  # a preempted rank may stop the world on its own
             if st.preempted:
@@ -580,11 +581,11 @@ class Controller:
                      round(max(0.0, failure.detected_at - failure.last_seen), 3))
         nodes = sorted({self.workers[r]["node_ip"] for r in failure.failed_ranks
                         if r < len(self.workers)})
-        self.events.emit("failure", failure_kind=failure.kind.value, rank=failure.rank,
+        self.events.emit(ev.Failure(failure_kind=failure.kind.value, rank=failure.rank,
                          ranks=list(failure.failed_ranks), nodes=nodes,
                          message=failure.message, step=self.last_step,
                          retry=not isinstance(decision, FailDecision),
-                         detection_s=detection, attempt=self.policy.failures)
+                         detection_s=detection, attempt=self.policy.failures))
         if isinstance(decision, FailDecision):
             return Failed(reason=f"{decision.reason}: {failure.message}")
         generation = getattr(self.state, "generation", 0)
@@ -630,11 +631,11 @@ class Controller:
                      "joined": "join", "restored": "restore", "first_step": "first_step"}
             phases = {names[b[0]]: round(b[1] - a[1], 3) for a, b in itertools.pairwise(marks)
                       if b[0] in names}
-            self.events.emit("recovered", from_step=from_step, source=self._restored_from,
+            self.events.emit(ev.Recovered(from_step=from_step, source=self._restored_from,
                              peer_fetches=self._peer_fetches,
                              world_size=self.world_size, lost_steps=lost,
                              recovery_s=round(r.time - since, 3), phases=phases,
-                             generation=getattr(self.state, "generation", 0))
+                             generation=getattr(self.state, "generation", 0)))
         if self._last_log_time is None:  # first step of a world: its window starts on its clock
             self._last_log_time = r.time - r.step_time_s
         self.train_time_s += r.time - (self._last_step_end or self._last_log_time)
@@ -646,29 +647,27 @@ class Controller:
                 or r.val_loss is not None:
             elapsed = max(r.time - self._last_log_time, 1e-9)
             tokens_per_s = self._tokens_since_log / elapsed
-            row: dict[str, Any] = {"step": r.step, "loss": r.loss, "lr": r.lr,
-                                   "tokens_per_s": round(tokens_per_s, 1),
-                                   "world_size": self.world_size,
-                                   "samples_seen": r.samples_seen, "time": r.time,
-                                   "window_s": round(elapsed, 6),
-                                   "steps_in_window": len(self._unlogged_ends)}
-            if r.val_loss is not None:
-                row["val_loss"] = r.val_loss
+            row = ev.MetricsRow(step=r.step, loss=r.loss, lr=r.lr,
+                                tokens_per_s=round(tokens_per_s, 1), world_size=self.world_size,
+                                samples_seen=r.samples_seen, time=r.time,
+                                window_s=round(elapsed, 6),
+                                steps_in_window=len(self._unlogged_ends), val_loss=r.val_loss)
             self.metrics.write(row)
             self._last_log_time, self._tokens_since_log = r.time, 0
             self._unlogged_ends = {}
         self.display.update(r, tokens_per_s)
 
-    def _kept_unlogged(self, kept_up_to: int) -> dict[str, Any] | None:
+    def _kept_unlogged(self, kept_up_to: int) -> ev.KeptUnlogged | None:
         """The steps of the world that just ended after its last metrics row, up to the step
         the run goes on from, and their seconds on the workers' clock (a row's window, for
         steps that got no row); None if there are none."""
         kept = [s for s in self._unlogged_ends if s <= kept_up_to]
         if not kept or self._last_log_time is None:
             return None
-        return {"first_step": min(kept), "last_step": max(kept),
-                "window_s": round(self._unlogged_ends[max(kept)] - self._last_log_time, 6)}
+        return ev.KeptUnlogged(
+            first_step=min(kept), last_step=max(kept),
+            window_s=round(self._unlogged_ends[max(kept)] - self._last_log_time, 6))
 
     def _on_damaged_checkpoint(self, step: int, message: str) -> None:
-        self.events.emit("checkpoint_skipped", step=step, message=message)
+        self.events.emit(ev.CheckpointSkipped(step=step, message=message))
         self.display.log(f"skipping damaged checkpoint: {message}")

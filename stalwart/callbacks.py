@@ -3,7 +3,7 @@ it goes, through exactly what the run writes to its run directory.
 
     class PrintLoss(stalwart.Callback):
         def on_metrics(self, row):
-            print(row["step"], row["loss"])
+            print(row.step, row.loss)
 
     Trainer(config, callbacks=[PrintLoss()]).fit()
 
@@ -14,16 +14,18 @@ hook ends the run as an interrupted driver would: workers are stopped, checkpoin
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stalwart.events import Event, MetricsRow
 
 
 class Callback:
-    def on_metrics(self, row: dict[str, Any]) -> None:
-        """One row of metrics.jsonl (step, loss, lr, tokens_per_s, world_size, samples_seen,
-        time, and val_loss at validation steps)."""
+    def on_metrics(self, row: MetricsRow) -> None:
+        """One row of metrics.jsonl, typed (stalwart/events.py: MetricsRow)."""
 
-    def on_event(self, event: dict[str, Any]) -> None:
-        """One row of events.jsonl ({"time", "kind", ...}; see README, The run directory)."""
+    def on_event(self, event: Event) -> None:
+        """One event of events.jsonl, typed: one dataclass per kind (stalwart/events.py)."""
 
     def on_end(self, result: Any) -> None:
         """The run's RunResult, after the workers have stopped."""

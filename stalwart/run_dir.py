@@ -12,60 +12,51 @@ can overwrite another's work.
 
 from __future__ import annotations
 
-import json
 import threading
-import time
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Generic, TypeVar
 
 from stalwart.checkpointing.storage.catalog import list_step_dirs
 from stalwart.config import JobConfig, dump_config
 from stalwart.errors import RunDirError
+from stalwart.events import Event, MetricsRow, dumps, read_jsonl
+
+__all__ = ["EventLog", "MetricsLog", "RunDir", "read_jsonl"]
+
+R = TypeVar("R", Event, MetricsRow)
 
 
-class JsonlWriter:
-    """Appends one JSON object per line and flushes it, so a reader (or a crash) sees whole lines.
+class JsonlLog(Generic[R]):
+    """Appends one record per line and flushes it, so a reader (or a crash) sees whole lines.
 
-    Listeners (a run's callbacks) see each row after it is on disk, on the writer's thread.
+    Listeners (a run's callbacks) see each record after it is on disk, on the writer's thread.
     """
 
     def __init__(self, path: Path) -> None:
         self.path = path
         self._lock = threading.Lock()
-        self.listeners: list[Callable[[dict[str, Any]], None]] = []
+        self.listeners: list[Callable[[R], None]] = []
 
-    def write(self, row: dict[str, Any]) -> None:
-        line = json.dumps(row, default=str)
+    def write(self, record: R) -> None:
+        line = dumps(record)  # type: ignore[arg-type]
         with self._lock, self.path.open("a") as f:
             f.write(line + "\n")
         for listener in self.listeners:
-            listener(row)
+            listener(record)
 
 
-class EventLog(JsonlWriter):
-    def emit(self, kind: str, **fields: Any) -> dict[str, Any]:
-        row = {"time": time.time(), "kind": kind, **fields}
-        self.write(row)
-        return row
+class EventLog(JsonlLog[Event]):
+    """events.jsonl: the run's typed events (stalwart/events.py is the schema)."""
+
+    def emit(self, event: Event) -> Event:
+        self.write(event)
+        return event
 
 
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    """Every row of a JSONL file, which a running (or crashed) writer may have left with a
-    half-written last line: that one is left out. A damaged line before it still raises."""
-    if not path.exists():
-        return []
-    text = path.read_text()
-    lines = [line for line in text.splitlines() if line.strip()]
-    rows = [json.loads(line) for line in lines[:-1]]
-    if lines:
-        try:
-            rows.append(json.loads(lines[-1]))
-        except json.JSONDecodeError:
-            if text.endswith("\n"):  # a whole line the writer finished: damaged, not partial
-                raise
-    return rows
+class MetricsLog(JsonlLog[MetricsRow]):
+    """metrics.jsonl: one MetricsRow per logged step."""
 
 
 class RunDir:
@@ -73,7 +64,7 @@ class RunDir:
         self.path = path
         self.config_file = path / "config.toml"
         self.events = EventLog(path / "events.jsonl")
-        self.metrics = JsonlWriter(path / "metrics.jsonl")
+        self.metrics = MetricsLog(path / "metrics.jsonl")
 
     @staticmethod
     def default_path(config: JobConfig) -> Path:

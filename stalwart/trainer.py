@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from stalwart import events as ev
 from stalwart.callbacks import Callback
 from stalwart.checkpointing.errors import StorageURLError
 from stalwart.checkpointing.storage.catalog import (
@@ -33,7 +34,7 @@ from stalwart.integrations.tensorboard import tensorboard_callbacks
 from stalwart.orchestrator.controller import Controller
 from stalwart.orchestrator.states import Failed, Finished, State, Stopped
 from stalwart.parallel.dims import ParallelDims
-from stalwart.run_dir import RunDir, read_jsonl
+from stalwart.run_dir import RunDir
 from stalwart.task import build_task
 
 # Keys that define what is being trained: changing them on --resume would silently mix two
@@ -216,14 +217,14 @@ class Trainer:
                 self.run_dir.events.listeners.append(cb.on_event)
             self.run_dir.write_config(self.config)
             for message in skipped:
-                self.run_dir.events.emit("checkpoint_skipped", message=message)
+                self.run_dir.events.emit(ev.CheckpointSkipped(message=message))
             if resume_from is not None:
-                self.run_dir.events.emit("resumed", from_step=resume_from.step,
-                                         path=resume_from.path, config_changes=changes)
+                self.run_dir.events.emit(ev.Resumed(from_step=resume_from.step,
+                                         path=resume_from.path, config_changes=changes))
             if origin is not None:
                 resume_from = copy_checkpoint(origin, storage_url)
-                self.run_dir.events.emit("started_from", from_step=origin.step,
-                                         origin=origin.path, path=resume_from.path)
+                self.run_dir.events.emit(ev.StartedFrom(from_step=origin.step,
+                                         origin=origin.path, path=resume_from.path))
             t0 = time.time()
             display = ProgressDisplay(
                 total_steps=self.config.train.steps,
@@ -239,8 +240,8 @@ class Trainer:
             try:
                 final = controller.run()
             except BaseException as exc:  # a second Ctrl-C; Tune stopping a trial; a callback
-                self.run_dir.events.emit("interrupted", step=controller.last_step,
-                                         reason=f"{type(exc).__name__}: {exc}".rstrip(": "))
+                self.run_dir.events.emit(ev.Interrupted(step=controller.last_step,
+                                         reason=f"{type(exc).__name__}: {exc}".rstrip(": ")))
                 raise
         finally:
             if display is not None:
@@ -258,7 +259,7 @@ class Trainer:
         reason = None
         if isinstance(final, Failed):
             reason = final.reason
-            self.run_dir.events.emit("failed", reason=final.reason, step=controller.last_step)
+            self.run_dir.events.emit(ev.Failed(reason=final.reason, step=controller.last_step))
         elif not isinstance(final, Finished | Stopped):
             raise ValueError(f"unexpected final state {final!r}")
         return RunResult(run_dir=self.run_dir.path, state=final.name, step=controller.last_step,
@@ -280,8 +281,8 @@ def draining_nodes() -> set[str]:
 
 def summarize(result: RunResult) -> str:
     """The closing summary the CLI prints."""
-    events = read_jsonl(result.run_dir / "events.jsonl")
-    commits = [e for e in events if e["kind"] == "checkpoint_committed"]
+    commits = [e for e in ev.read_events(result.run_dir / "events.jsonl")
+               if isinstance(e, ev.CheckpointCommitted)]
     lines = [f"{result.state} at step {result.step} in {result.wall_s:.1f}s"]
     if result.loss is not None:
         val = f", val_loss {result.val_loss:.4f}" if result.val_loss is not None else ""
@@ -290,7 +291,7 @@ def summarize(result: RunResult) -> str:
         lines.append(f"  throughput {result.tokens_per_s:,.0f} tokens/s")
     if commits:
         lines.append(f"  checkpoints committed: {len(commits)}, newest step "
-                     f"{commits[-1]['step']} at {commits[-1]['path']}")
+                     f"{commits[-1].step} at {commits[-1].path}")
     lines.append(f"  run dir: {result.run_dir}")
     if result.reason:
         lines.append(f"  reason: {result.reason}")

@@ -31,8 +31,10 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from stalwart import events as ev
 from stalwart.callbacks import Callback
 from stalwart.errors import ConfigError
+from stalwart.events import Event, MetricsRow
 
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
@@ -58,33 +60,33 @@ def tensorboard_callbacks(config: JobConfig, run_dir: Path) -> list[Callback]:
     return [TensorBoardLogger(run_dir / "tensorboard")]
 
 
-def _describe(event: dict[str, Any]) -> str | None:
+def _describe(event: Event) -> str | None:
     """One line of text for the events worth reading next to the curves (None: not shown)."""
-    kind, e = event["kind"], event
-    if kind == "failure":
-        message = (e.get("message") or "").strip().splitlines()
-        return (f"{e['failure_kind']} at step {e['step']} (ranks {e['ranks']}, attempt "
-                f"{e['attempt']}, {'recovering' if e['retry'] else 'not retried'}): "
+    e = event
+    if isinstance(e, ev.Failure):
+        message = e.message.strip().splitlines()
+        return (f"{e.failure_kind} at step {e.step} (ranks {e.ranks}, attempt "
+                f"{e.attempt}, {'recovering' if e.retry else 'not retried'}): "
                 f"{message[-1] if message else ''}")
-    if kind == "recovered":
-        return (f"recovered from step {e['from_step']} ({e['source']}) in {e['recovery_s']} s, "
-                f"{e['lost_steps']} steps lost, world size {e['world_size']}")
-    if kind == "resized":
-        return (f"world {e['old_world_size']} -> {e['new_world_size']} ({e['reason']}) at step "
-                f"{e['step']}")
-    if kind == "fault_injected":
-        return f"injected {e['fault']} on rank {e['rank']} at step {e['step']}"
-    if kind in ("finished", "stopped", "failed", "interrupted"):
-        reason = f": {e['reason']}" if e.get("reason") else ""
-        return f"{kind} at step {e['step']}{reason}"
+    if isinstance(e, ev.Recovered):
+        return (f"recovered from step {e.from_step} ({e.source}) in {e.recovery_s} s, "
+                f"{e.lost_steps} steps lost, world size {e.world_size}")
+    if isinstance(e, ev.Resized):
+        return f"world {e.old_world_size} -> {e.new_world_size} ({e.reason}) at step {e.step}"
+    if isinstance(e, ev.FaultInjected):
+        return f"injected {e.fault} on rank {e.rank} at step {e.step}"
+    if isinstance(e, ev.Finished | ev.Stopped):
+        return f"{e.kind} at step {e.step}"
+    if isinstance(e, ev.Failed | ev.Interrupted):
+        return f"{e.kind} at step {e.step}: {e.reason}" if e.reason else f"{e.kind} at step {e.step}"
     return None
 
 
-def _event_step(event: dict[str, Any]) -> int:
+def _event_step(event: Event) -> int:
     """The step an event belongs to on the x axis."""
-    if event["kind"] == "recovered":
-        return int(event["from_step"])
-    return int(event.get("step") or 0)
+    if isinstance(event, ev.Recovered):
+        return event.from_step
+    return int(getattr(event, "step", None) or 0)
 
 
 class TensorBoardLogger(Callback):
@@ -114,19 +116,19 @@ class TensorBoardLogger(Callback):
             atexit.register(self.close)
         return self._writer
 
-    def on_metrics(self, row: dict[str, Any]) -> None:
+    def on_metrics(self, row: MetricsRow) -> None:
         with self._lock:
             writer = self._open()
             for name in SCALARS:
-                if row.get(name) is not None:
-                    writer.add_scalar(name, row[name], global_step=row["step"],
-                                      walltime=row.get("time"))
+                value = getattr(row, name)
+                if value is not None:
+                    writer.add_scalar(name, value, global_step=row.step, walltime=row.time)
 
-    def on_event(self, event: dict[str, Any]) -> None:
+    def on_event(self, event: Event) -> None:
         text = _describe(event)
         if text is None:
             return
-        kind, step, when = event["kind"], _event_step(event), event.get("time")
+        kind, step, when = event.kind, _event_step(event), event.time
         with self._lock:
             writer = self._open()
             if kind == "failure":
@@ -137,10 +139,10 @@ class TensorBoardLogger(Callback):
                 self._resizes += 1
                 writer.add_scalar("events/resizes", self._resizes, global_step=step,
                                   walltime=when)
-            elif kind == "recovered":
-                writer.add_scalar("events/lost_steps", event["lost_steps"], global_step=step,
+            elif isinstance(event, ev.Recovered):
+                writer.add_scalar("events/lost_steps", event.lost_steps, global_step=step,
                                   walltime=when)
-                writer.add_scalar("events/recovery_s", event["recovery_s"], global_step=step,
+                writer.add_scalar("events/recovery_s", event.recovery_s, global_step=step,
                                   walltime=when)
             writer.add_text(f"events/{kind}", text, global_step=step, walltime=when)
 

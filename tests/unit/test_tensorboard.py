@@ -11,6 +11,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from stalwart.config import load_config
 from stalwart.errors import ConfigError
+from stalwart.events import MetricsRow, parse_event
 from stalwart.integrations.tensorboard import TensorBoardLogger
 from stalwart.trainer import Trainer
 
@@ -19,9 +20,9 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 T0 = 1_700_000_000.0
 
 
-def row(step: int, loss: float, **extra: float) -> dict:
-    return {"step": step, "loss": loss, "lr": 1e-3 * step, "tokens_per_s": 100.0 * step,
-            "world_size": 2, "samples_seen": 8 * step, "time": T0 + step, **extra}
+def row(step: int, loss: float, **extra: float) -> MetricsRow:
+    return MetricsRow(step=step, loss=loss, lr=1e-3 * step, tokens_per_s=100.0 * step,
+                      world_size=2, samples_seen=8 * step, time=T0 + step, **extra)
 
 
 def read(log_dir: Path) -> EventAccumulator:
@@ -64,23 +65,23 @@ def test_metrics_rows_become_scalars_against_the_step(tmp_path: Path) -> None:
 def test_failures_recoveries_and_resizes_line_up_with_the_loss(tmp_path: Path) -> None:
     tb = TensorBoardLogger(tmp_path)
     tb.on_metrics(row(10, 2.5))
-    tb.on_event({"time": T0 + 11, "kind": "checkpoint_committed", "step": 10, "path": "x",
-                 "save_s": 0.1})  # not one of the events shown
-    tb.on_event({"time": T0 + 12, "kind": "failure", "failure_kind": "worker_died", "rank": 1,
+    tb.on_event(parse_event({"time": T0 + 11, "kind": "checkpoint_committed", "step": 10, "path": "x",
+                 "save_s": 0.1}))  # not one of the events shown
+    tb.on_event(parse_event({"time": T0 + 12, "kind": "failure", "failure_kind": "worker_died", "rank": 1,
                  "ranks": [1], "nodes": ["10.0.0.2"], "step": 12, "retry": True,
                  "attempt": 1, "detection_s": 0.2,
-                 "message": "Traceback ...\nworker rank 1 died: SIGKILL"})
-    tb.on_event({"time": T0 + 14, "kind": "recovered", "from_step": 12, "source": "memory",
+                 "message": "Traceback ...\nworker rank 1 died: SIGKILL"}))
+    tb.on_event(parse_event({"time": T0 + 14, "kind": "recovered", "from_step": 12, "source": "memory",
                  "peer_fetches": 0, "world_size": 2, "lost_steps": 0, "recovery_s": 0.8,
-                 "phases": {}, "generation": 1})
-    tb.on_event({"time": T0 + 30, "kind": "resized", "old_world_size": 2, "new_world_size": 1,
+                 "phases": {}, "generation": 1}))
+    tb.on_event(parse_event({"time": T0 + 30, "kind": "resized", "old_world_size": 2, "new_world_size": 1,
                  "old_layout": {}, "new_layout": {}, "reason": "shrink", "step": 25,
-                 "generation": 2})
-    tb.on_event({"time": T0 + 40, "kind": "failure", "failure_kind": "hang", "rank": None,
+                 "generation": 2}))
+    tb.on_event(parse_event({"time": T0 + 40, "kind": "failure", "failure_kind": "hang", "rank": None,
                  "ranks": [], "nodes": [], "step": 31, "retry": False, "attempt": 2,
-                 "detection_s": 5.0, "message": "hang: no rank completed a step"})
-    tb.on_event({"time": T0 + 41, "kind": "failed", "reason": "too many failures",
-                 "step": 31})
+                 "detection_s": 5.0, "message": "hang: no rank completed a step"}))
+    tb.on_event(parse_event({"time": T0 + 41, "kind": "failed", "reason": "too many failures",
+                 "step": 31}))
     tb.on_end(None)
 
     acc = read(tmp_path)

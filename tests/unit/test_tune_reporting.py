@@ -11,6 +11,7 @@ from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.storage.catalog import read_checkpoint, read_step_dir, verify
 from stalwart.checkpointing.storage.transfer import copy_checkpoint
 from stalwart.checkpointing.storage.writer import write_manifest
+from stalwart.events import CheckpointCommitted, MetricsRow
 from stalwart.integrations.tune.reporter import TuneReporter
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -51,15 +52,21 @@ def reports(monkeypatch: pytest.MonkeyPatch) -> list[tuple[dict[str, Any], Any]]
     return seen
 
 
+def _metrics(step: int, **extra: Any) -> MetricsRow:
+    return MetricsRow(step=step, loss=5.0 - step / 10, lr=1e-3, tokens_per_s=100.0,
+                      world_size=2, samples_seen=8 * step, time=1.0 * step, **extra)
+
+
 def _row(step: int, **extra: Any) -> dict[str, Any]:
-    return {"step": step, "loss": 5.0 - step / 10, "lr": 1e-3, **extra}
+    """The row as metrics.jsonl holds it, which is what Tune is sent."""
+    return _metrics(step, **extra).to_row()
 
 
 def test_every_row_is_reported_with_val_loss_carried(reports: list) -> None:
     r = TuneReporter(STAGING)
-    r.on_metrics(_row(5))
-    r.on_metrics(_row(10, val_loss=4.0))
-    r.on_metrics(_row(15))
+    r.on_metrics(_metrics(5))
+    r.on_metrics(_metrics(10, val_loss=4.0))
+    r.on_metrics(_metrics(15))
     assert [m["step"] for m, _ in reports] == [5, 10, 15]
     assert "val_loss" not in reports[0][0]
     assert reports[2][0]["val_loss"] == 4.0 and all(c is None for _, c in reports)
@@ -67,9 +74,9 @@ def test_every_row_is_reported_with_val_loss_carried(reports: list) -> None:
 
 def test_reports_wait_for_the_sweeps_metric(reports: list) -> None:
     r = TuneReporter(STAGING, metric="val_loss")
-    r.on_metrics(_row(5))
-    r.on_metrics(_row(10, val_loss=4.0))
-    r.on_metrics(_row(15))
+    r.on_metrics(_metrics(5))
+    r.on_metrics(_metrics(10, val_loss=4.0))
+    r.on_metrics(_metrics(15))
     assert [(m["step"], m["val_loss"]) for m, _ in reports] == [(10, 4.0), (15, 4.0)]
 
 
@@ -77,11 +84,11 @@ def test_a_checkpoint_goes_with_metrics_of_its_step_or_later(tmp_path: Path,
                                                               reports: list) -> None:
     path = _checkpoint(tmp_path, 20)
     r = TuneReporter(STAGING)
-    r.on_metrics(_row(20))
-    r.on_event({"kind": "checkpoint_committed", "step": 20, "path": path})
-    r.on_metrics(_row(15))  # a row of a recovery that went back: too old for step 20
-    r.on_metrics(_row(25))
-    r.on_metrics(_row(30))
+    r.on_metrics(_metrics(20))
+    r.on_event(CheckpointCommitted(save_s=0.1, step=20, path=path))
+    r.on_metrics(_metrics(15))  # a row of a recovery that went back: too old for step 20
+    r.on_metrics(_metrics(25))
+    r.on_metrics(_metrics(30))
     assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports] == [
         (20, None), (15, None), (25, 20), (30, None)]
     assert reports[2][1] == [".metadata", "__0_0.distcp", "manifest.json"]
@@ -97,18 +104,18 @@ def test_a_checkpoint_deleted_by_retention_still_reaches_tune(tmp_path: Path,
     r = TuneReporter(STAGING)
     kept, gone = _checkpoint(tmp_path, 5), _checkpoint(tmp_path, 10)
     shutil.rmtree(gone)
-    r.on_event({"kind": "checkpoint_committed", "step": 10, "path": gone})
-    r.on_event({"kind": "checkpoint_committed", "step": 5, "path": kept})
+    r.on_event(CheckpointCommitted(save_s=0.1, step=10, path=gone))
+    r.on_event(CheckpointCommitted(save_s=0.1, step=5, path=kept))
     shutil.rmtree(kept)  # retention, after the event
-    r.on_metrics(_row(10))
+    r.on_metrics(_metrics(10))
     assert reports == [({**_row(10), "checkpoint_step": 5},
                         [".metadata", "__0_0.distcp", "manifest.json"])]
 
 
 def test_the_final_checkpoint_is_reported_at_the_end(tmp_path: Path, reports: list) -> None:
     r = TuneReporter(STAGING)
-    r.on_metrics(_row(40))
-    r.on_event({"kind": "checkpoint_committed", "step": 40, "path": _checkpoint(tmp_path, 40)})
+    r.on_metrics(_metrics(40))
+    r.on_event(CheckpointCommitted(save_s=0.1, step=40, path=_checkpoint(tmp_path, 40)))
     r.on_end(None)
     assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports] == [(40, None), (40, 40)]
     r.on_end(None)
@@ -136,16 +143,16 @@ def test_an_uncommitted_directory_is_no_checkpoint(tmp_path: Path) -> None:
 def test_for_pbt_a_checkpoint_steps_row_waits_for_its_checkpoint(tmp_path: Path,
                                                                   reports: list) -> None:
     r = TuneReporter(STAGING, with_checkpoints=True)
-    r.on_metrics(_row(5))
-    r.on_metrics(_row(10))
+    r.on_metrics(_metrics(5))
+    r.on_metrics(_metrics(10))
     assert reports == []  # held: no checkpoint for them yet
-    r.on_event({"kind": "checkpoint_committed", "step": 5, "path": _checkpoint(tmp_path, 5)})
-    r.on_event({"kind": "checkpoint_committed", "step": 10, "path": _checkpoint(tmp_path, 10)})
+    r.on_event(CheckpointCommitted(save_s=0.1, step=5, path=_checkpoint(tmp_path, 5)))
+    r.on_event(CheckpointCommitted(save_s=0.1, step=10, path=_checkpoint(tmp_path, 10)))
     assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports] == [(5, 5), (10, 10)]
-    r.on_metrics(_row(12, val_loss=3.0))  # a validation row off the checkpoint steps
-    r.on_metrics(_row(15))
-    r.on_event({"kind": "checkpoint_committed", "step": 15, "path": _checkpoint(tmp_path, 15)})
-    r.on_metrics(_row(20))
+    r.on_metrics(_metrics(12, val_loss=3.0))  # a validation row off the checkpoint steps
+    r.on_metrics(_metrics(15))
+    r.on_event(CheckpointCommitted(save_s=0.1, step=15, path=_checkpoint(tmp_path, 15)))
+    r.on_metrics(_metrics(20))
     r.on_end(None)  # the run ended before step 20's commit: the row still goes
     assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports][2:] == [
         (12, None), (15, 15), (20, None)]
@@ -155,10 +162,9 @@ def test_for_pbt_a_commit_written_before_its_row(tmp_path: Path, reports: list) 
     """The controller handles a poll's commits before its rows: both orders pair up."""
     r = TuneReporter(STAGING, with_checkpoints=True)
     for step in (5, 10):
-        r.on_event({"kind": "checkpoint_committed", "step": step,
-                    "path": _checkpoint(tmp_path, step)})
-    r.on_metrics(_row(5))
-    r.on_metrics(_row(10))
+        r.on_event(CheckpointCommitted(save_s=0.1, step=step, path=_checkpoint(tmp_path, step)))
+    r.on_metrics(_metrics(5))
+    r.on_metrics(_metrics(10))
     assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports] == [(5, 5), (10, 10)]
 
 
@@ -166,10 +172,10 @@ def test_the_last_row_waits_for_the_final_checkpoint(tmp_path: Path, reports: li
     """A scheduler may stop the trial at its last report (ASHA at max_t): the final
     checkpoint must come with that report, not after it."""
     r = TuneReporter(STAGING, final_step=20)
-    r.on_metrics(_row(15))
-    r.on_metrics(_row(20))
+    r.on_metrics(_metrics(15))
+    r.on_metrics(_metrics(20))
     assert [m["step"] for m, _ in reports] == [15]
-    r.on_event({"kind": "checkpoint_committed", "step": 20, "path": _checkpoint(tmp_path, 20)})
+    r.on_event(CheckpointCommitted(save_s=0.1, step=20, path=_checkpoint(tmp_path, 20)))
     assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports] == [(15, None), (20, 20)]
     r.on_end(None)
     assert len(reports) == 2

@@ -24,6 +24,7 @@ from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.storage.catalog import read_step_dir
 from stalwart.checkpointing.storage.layout import filesystem
 from stalwart.checkpointing.storage.transfer import copy_checkpoint
+from stalwart.events import CheckpointCommitted, Event, MetricsRow
 
 # Metrics that hold their last value between the steps that produce them.
 CARRIED = ("val_loss",)
@@ -61,17 +62,18 @@ class TuneReporter(Callback):
         self._commits: dict[int, Path] = {}  # step -> staged copy of a commit not reported
         self._held: list[dict[str, Any]] = []  # rows waiting for their checkpoint
 
-    def on_event(self, event: dict[str, Any]) -> None:
-        if event["kind"] != "checkpoint_committed":
+    def on_event(self, event: Event) -> None:
+        if not isinstance(event, CheckpointCommitted):
             return
-        staged = stage(event["path"], self.staging)
+        staged = stage(event.path, self.staging)
         if staged is None:
             return
-        self._commits[event["step"]] = staged
-        if any(m["step"] == event["step"] for m in self._held):
-            self._flush_held(up_to=event["step"])
+        self._commits[event.step] = staged
+        if any(m["step"] == event.step for m in self._held):
+            self._flush_held(up_to=event.step)
 
-    def on_metrics(self, row: dict[str, Any]) -> None:
+    def on_metrics(self, metrics_row: MetricsRow) -> None:
+        row = metrics_row.to_row()
         self._carried.update({k: row[k] for k in CARRIED if k in row})
         metrics = {**self._carried, **row}
         if self.metric is not None and self.metric not in metrics:

@@ -1,0 +1,410 @@
+"""The run directory's record: one frozen dataclass per event kind, and the metrics row.
+
+This module is the schema of `events.jsonl` and `metrics.jsonl` (docs/run-directory.md is
+generated from it). Writers build these objects (`EventLog.emit(Failure(...))`); readers
+(`stalwart report`, Tune, TensorBoard, bench/) get them back with `read_events`, never by
+picking keys out of dicts. A line is `{"time", "kind", ...fields}`.
+
+Old run directories stay readable: a field added later has a default, and a key this
+version does not know is ignored (`from_row`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkerPlace:
+    """Where one rank of a world runs."""
+
+    rank: int
+    pid: int
+    node_ip: str
+    node_id: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class KeptUnlogged:
+    """Steps a world ended with after its last metrics row that the run keeps."""
+
+    first_step: int
+    last_step: int
+    window_s: float
+    """Seconds from the end of the last logged step to the end of `last_step`, on the
+    workers' clock."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Event:
+    """One line of events.jsonl."""
+
+    kind: ClassVar[str]
+    time: float = field(default_factory=time.time)
+    """time.time() when the event was written."""
+
+    def to_row(self) -> dict[str, Any]:
+        fields = {f.name: _plain(getattr(self, f.name)) for f in dataclasses.fields(self)}
+        return {"time": fields.pop("time"), "kind": self.kind, **fields}
+
+
+# ---------------------------------------------------------------- the run's life
+
+
+@dataclass(frozen=True, kw_only=True)
+class Started(Event):
+    """The first world launched (once per invocation of `stalwart run`)."""
+
+    kind: ClassVar[str] = "started"
+    world_size: int
+    steps: int
+    """train.steps: the step the run ends at."""
+    start_step: int
+    task: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resumed(Event):
+    """`--resume`: the run continues from a committed checkpoint."""
+
+    kind: ClassVar[str] = "resumed"
+    from_step: int
+    path: str
+    config_changes: dict[str, Any] = field(default_factory=dict)
+    """key -> [old, new] for each config key the resume changed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class StartedFrom(Event):
+    """A new run starts from another run's checkpoint (Tune's PBT, Tuner.restore), copied
+    into this run's storage first."""
+
+    kind: ClassVar[str] = "started_from"
+    from_step: int
+    origin: str
+    path: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class WorkersStarted(Event):
+    """A world (generation) launched its training loops."""
+
+    kind: ClassVar[str] = "workers_started"
+    generation: int
+    world_size: int
+    workers: tuple[WorkerPlace, ...] = ()
+    kept_unlogged: KeptUnlogged | None = None
+    """The previous world's steps after its last row that this world goes on from."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class Finished(Event):
+    kind: ClassVar[str] = "finished"
+    step: int
+    loss: float | None = None
+    val_loss: float | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Stopped(Event):
+    """Stopped on request (Ctrl-C, `stalwart stop`) after checkpointing `step`."""
+
+    kind: ClassVar[str] = "stopped"
+    step: int
+    kept_unlogged: KeptUnlogged | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failed(Event):
+    """The run ended in failure (budget exhausted, an error not retried, no workers)."""
+
+    kind: ClassVar[str] = "failed"
+    reason: str
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Interrupted(Event):
+    """The driver ended without a final checkpoint (a second Ctrl-C, Tune stopping a trial,
+    a callback's exception)."""
+
+    kind: ClassVar[str] = "interrupted"
+    step: int
+    reason: str
+
+
+# ---------------------------------------------------------------- failures and recovery
+
+
+@dataclass(frozen=True, kw_only=True)
+class Failure(Event):
+    """A failure was detected; `retry` says whether the run recovers from it."""
+
+    kind: ClassVar[str] = "failure"
+    failure_kind: str
+    """worker_died, node_died, hang, user_error, collective_error, start_error, straggler."""
+    rank: int | None
+    ranks: list[int]
+    nodes: list[str]
+    """IPs of the nodes the failed ranks ran on."""
+    message: str
+    step: int
+    """The last step the controller had heard of."""
+    retry: bool
+    detection_s: float | None
+    """Seconds from the last sign of life (or the injected fault) to detection."""
+    attempt: int
+    """Failures so far in this invocation, this one included."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointChosen(Event):
+    """Where a new world restores from, both candidates, and why."""
+
+    kind: ClassVar[str] = "checkpoint_chosen"
+    source: str
+    """memory, storage or none."""
+    step: int | None
+    memory_step: int | None
+    storage_step: int | None
+    reason: str
+    generation: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Recovered(Event):
+    """The first step after a failure completed."""
+
+    kind: ClassVar[str] = "recovered"
+    from_step: int
+    source: str
+    """memory, storage or none (started afresh)."""
+    peer_fetches: int
+    """Shards the memory restore read from peers."""
+    world_size: int
+    lost_steps: int
+    """Steps trained before the failure that must be trained again."""
+    recovery_s: float
+    """Seconds from the failure to the end of the first step after it."""
+    phases: dict[str, float]
+    """Seconds in each phase: detect, teardown, wait, join, restore, first_step."""
+    generation: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Resized(Event):
+    kind: ClassVar[str] = "resized"
+    old_world_size: int
+    new_world_size: int
+    old_layout: dict[str, int]
+    new_layout: dict[str, int]
+    reason: str
+    """shrink, grow, preempted or drain."""
+    step: int
+    generation: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class Straggler(Event):
+    """A rank stayed slower than its peers' median local time per step."""
+
+    kind: ClassVar[str] = "straggler"
+    rank: int
+    node_ip: str | None
+    step: int
+    local_s: float
+    peers_median_s: float
+    ratio: float
+    steps: int
+    """Steps in a row the rank was slow."""
+    replaced: bool
+
+
+# ---------------------------------------------------------------- checkpoints
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointCommitted(Event):
+    """A storage checkpoint is complete (its manifest is written)."""
+
+    kind: ClassVar[str] = "checkpoint_committed"
+    step: int
+    path: str
+    save_s: float | None
+    """Seconds from the start of the save to the manifest; None when found on restore."""
+    found_on_restore: bool = False
+    """No rank lived to report it; the restore found it on storage."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointSkipped(Event):
+    """A damaged checkpoint was skipped, never loaded."""
+
+    kind: ClassVar[str] = "checkpoint_skipped"
+    message: str
+    step: int | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryTier(Event):
+    """The memory tier's size in a world, once its first snapshots are held."""
+
+    kind: ClassVar[str] = "memory_tier"
+    generation: int
+    bytes_per_worker: int
+    bytes_total: int
+    snapshot_every: int
+    replicas: int
+
+
+# ---------------------------------------------------------------- faults and profiles
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultInjected(Event):
+    kind: ClassVar[str] = "fault_injected"
+    fault: str
+    """The fault as written, e.g. kill:rank=1,step=20."""
+    rank: int
+    step: int
+
+
+@dataclass(frozen=True, kw_only=True)
+class FaultSkipped(Event):
+    """An injected fault has no target in this world (yet)."""
+
+    kind: ClassVar[str] = "fault_skipped"
+    message: str
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProfileSaved(Event):
+    kind: ClassVar[str] = "profile_saved"
+    rank: int
+    steps: list[int]
+    """[first, last] step of the trace, both included."""
+    path: str
+    generation: int
+    export_s: float
+
+
+# ---------------------------------------------------------------- metrics.jsonl
+
+
+@dataclass(frozen=True, kw_only=True)
+class MetricsRow:
+    """One line of metrics.jsonl: a logged step (every run.log_every, the last step, and
+    each validation)."""
+
+    step: int
+    loss: float
+    lr: float
+    tokens_per_s: float
+    world_size: int
+    samples_seen: int
+    time: float
+    """time.time() at the end of the step, on the workers' clock."""
+    window_s: float | None = None
+    """Seconds since the previous row's step ended (or the world's first step began)."""
+    steps_in_window: int | None = None
+    val_loss: float | None = None
+
+    def to_row(self) -> dict[str, Any]:
+        row = dataclasses.asdict(self)
+        if row["val_loss"] is None:
+            del row["val_loss"]
+        return row
+
+
+# ---------------------------------------------------------------- reading back
+
+EVENT_TYPES: dict[str, type[Event]] = {
+    cls.kind: cls for cls in (
+        Started, Resumed, StartedFrom, WorkersStarted, Finished, Stopped, Failed, Interrupted,
+        Failure, CheckpointChosen, Recovered, Resized, Straggler, CheckpointCommitted,
+        CheckpointSkipped, MemoryTier, FaultInjected, FaultSkipped, ProfileSaved)
+}
+
+T = TypeVar("T")
+
+
+def parse_event(row: dict[str, Any]) -> Event:
+    """The typed event of one events.jsonl row."""
+    kind = row.get("kind")
+    cls = EVENT_TYPES.get(kind)  # type: ignore[arg-type]
+    if cls is None:
+        raise ValueError(f"unknown event kind {kind!r}; known: {sorted(EVENT_TYPES)}")
+    return from_row(cls, row)
+
+
+def from_row(cls: type[T], row: dict[str, Any]) -> T:
+    """Build `cls` from a JSON row: nested records rebuilt, unknown keys ignored."""
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+        if f.name in row:
+            kwargs[f.name] = _build(hints[f.name], row[f.name])
+    return cls(**kwargs)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """Every row of a JSONL file, which a running (or crashed) writer may have left with a
+    half-written last line: that one is left out. A damaged line before it still raises."""
+    if not path.exists():
+        return []
+    text = path.read_text()
+    lines = [line for line in text.splitlines() if line.strip()]
+    rows = [json.loads(line) for line in lines[:-1]]
+    if lines:
+        try:
+            rows.append(json.loads(lines[-1]))
+        except json.JSONDecodeError:
+            if text.endswith("\n"):  # a whole line the writer finished: damaged, not partial
+                raise
+    return rows
+
+
+def read_events(path: Path) -> list[Event]:
+    """Every event of an events.jsonl (a half-written last line is left out)."""
+    return [parse_event(row) for row in read_jsonl(path)]
+
+
+def read_metrics(path: Path) -> list[MetricsRow]:
+    """Every row of a metrics.jsonl (a half-written last line is left out)."""
+    return [from_row(MetricsRow, row) for row in read_jsonl(path)]
+
+
+def dumps(record: Event | MetricsRow) -> str:
+    return json.dumps(record.to_row(), default=str)
+
+
+def _build(hint: Any, value: Any) -> Any:
+    """A JSON value as the field's type: nested dataclasses and tuples of them."""
+    if value is None:
+        return None
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        for arg in typing.get_args(hint):
+            if arg is not type(None):
+                return _build(arg, value)
+    if dataclasses.is_dataclass(hint) and isinstance(value, dict):
+        return from_row(hint, value)  # type: ignore[arg-type]
+    if origin is tuple:
+        (item, *_) = typing.get_args(hint)
+        return tuple(_build(item, v) for v in value)
+    return value
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return dataclasses.asdict(value)
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    return value
