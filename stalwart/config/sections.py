@@ -1,19 +1,14 @@
-"""JobConfig: the one frozen dataclass tree that describes a run, loaded from TOML.
+"""The config's sections: one frozen dataclass per TOML table, and the [[faults]] tables.
 
 Every section is a frozen, keyword-only dataclass whose fields carry their own docstrings
-and whose ``__post_init__`` rejects bad values with a message that names the field, the
-value and what is allowed. ``load_config`` reads TOML, applies ``--set a.b=value``
-overrides and refuses unknown keys, so a typo never silently falls back to a default.
+(docs/configuration.md is generated from them) and whose ``__post_init__`` rejects bad values
+with a message that names the field, the value and what is allowed. Checks that span sections
+live on JobConfig (job.py).
 """
 
 from __future__ import annotations
 
-import dataclasses
-import tomllib
-import types
-import typing
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from stalwart.errors import ConfigError
@@ -345,9 +340,13 @@ class FaultSpec:
     """
 
     kind: str
+    """kill, kill-staging, kill-replicating, hang, raise, term, slow (a rank); kill-node, drain (a node)."""
     step: int
+    """The fault fires once, when its target reaches the start of this step."""
     rank: int = -1
+    """The rank of a rank fault, as numbered in the world at the time."""
     node: int = -1
+    """The node of a node fault: 0 is the driver's node (it cannot be killed), then 1, 2, ..."""
 
     def __post_init__(self) -> None:
         _require(self.kind in FAULT_KINDS, "faults.kind", self.kind,
@@ -401,185 +400,3 @@ def parse_profile_steps(text: str) -> list[int]:
         raise ConfigError(f"--profile {text!r} is invalid: steps count from 1, and FIRST "
                           f"must be <= LAST")
     return [steps[0], steps[-1]]
-
-
-@dataclass(frozen=True, kw_only=True)
-class JobConfig:
-    task: TaskConfig = field(default_factory=TaskConfig)
-    scaling: ScalingConfig = field(default_factory=ScalingConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
-    failure: FailureConfig = field(default_factory=FailureConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    run: RunConfig = field(default_factory=RunConfig)
-    faults: tuple[FaultSpec, ...] = ()
-    """Faults to inject, as [[faults]] tables (kind, step, rank or node); see FaultSpec."""
-
-    def __post_init__(self) -> None:
-        for fault in self.faults:
-            _require(fault.step <= self.train.steps, "faults.step", fault.step,
-                     f"must be <= train.steps = {self.train.steps} ({fault})")
-            _require(fault.rank < self.scaling.num_workers, "faults.rank", fault.rank,
-                     f"must be < scaling.num_workers = {self.scaling.num_workers} ({fault})")
-        _require(not self.run.profile_steps or self.run.profile_steps[-1] <= self.train.steps,
-                 "run.profile_steps", self.run.profile_steps,
-                 f"steps must be <= train.steps = {self.train.steps}")
-        for name in ("floor", "ceiling"):
-            # Every world size the run may take must split into the layout and the batch.
-            self._check_world(getattr(self.scaling, name))
-        # Cross-section checks: the world must be splittable into the data-parallel layout,
-        # and the global batch into micro-batches on each data-parallel rank.
-        self._check_world(self.scaling.num_workers)
-
-    def _check_world(self, world: int) -> None:
-        replicate, shard = self.parallel.degrees(world)
-        dp = replicate * shard
-        _require(not self.parallel.cpu_offload or self.scaling.gpus_per_worker > 0,
-                 "parallel.cpu_offload", self.parallel.cpu_offload,
-                 "needs GPU workers (scaling.gpus_per_worker > 0); on CPU workers the "
-                 "parameters and optimizer state already live in host memory")
-        if self.parallel.pp > 1:
-            microbatches = self.train.global_batch_size // max(1, self.train.micro_batch_size * dp)
-            _require(microbatches >= self.parallel.pp, "train.global_batch_size",
-                     self.train.global_batch_size,
-                     f"with parallel.pp = {self.parallel.pp} each data-parallel rank needs at "
-                     f"least pp micro-batches per step (global_batch_size >= micro_batch_size x "
-                     f"data-parallel ranks x pp = {self.train.micro_batch_size * dp * self.parallel.pp})")
-        per_step = self.train.micro_batch_size * dp
-        _require(self.train.global_batch_size % per_step == 0, "train.global_batch_size",
-                 self.train.global_batch_size,
-                 f"must be a multiple of micro_batch_size x data-parallel ranks = "
-                 f"{self.train.micro_batch_size} x {dp} = {per_step}")
-
-    @property
-    def dp_size(self) -> int:
-        """Data-parallel ranks of the configured world (dp_replicate x dp_shard)."""
-        replicate, shard = self.parallel.degrees(self.scaling.num_workers)
-        return replicate * shard
-
-    @property
-    def grad_accum_steps(self) -> int:
-        return self.train.global_batch_size // (self.train.micro_batch_size * self.dp_size)
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-
-# ---------------------------------------------------------------------------- loading
-
-
-def _coerce(value: Any, hint: Any, name: str) -> Any:
-    """Check a TOML value against a field's type hint (TOML already has typed values)."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):
-        raise ConfigError(f"{name}: union types are not supported in config")  # never declared
-    if hint is bool:
-        ok = isinstance(value, bool)
-    elif hint is int:
-        ok = isinstance(value, int) and not isinstance(value, bool)
-    elif hint is float:
-        ok = isinstance(value, int | float) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif hint is str:
-        ok = isinstance(value, str)
-    elif origin is dict or hint is dict:
-        ok = isinstance(value, dict)
-    elif origin is list and typing.get_args(hint) == (int,):
-        ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
-                                             for v in value)
-        value = list(value) if ok else value
-    else:
-        raise ConfigError(f"{name}: unexpected field type {hint!r}")
-    if not ok:
-        type_name = getattr(hint, "__name__", None) or str(hint)
-        raise ConfigError(f"{name} = {value!r} is invalid: expected a {type_name}")
-    return value
-
-
-def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(known))
-    if unknown:
-        where = f"[{prefix}]" if prefix else "the top level"
-        raise ConfigError(
-            f"unknown key {prefix + '.' if prefix else ''}{unknown[0]} in {where}; "
-            f"allowed: {', '.join(known)}")
-    kwargs = {}
-    for key, value in data.items():
-        name = f"{prefix}.{key}" if prefix else key
-        hint = hints[key]
-        if typing.get_origin(hint) is tuple:  # [[faults]]: an array of tables
-            (item,) = {a for a in typing.get_args(hint) if a is not Ellipsis}
-            if not isinstance(value, list | tuple) or not all(isinstance(v, dict)
-                                                                for v in value):
-                raise ConfigError(f"{name} must be an array of tables ([[{name}]]), "
-                                  f"got {value!r}")
-            kwargs[key] = tuple(_build(item, v, name) for v in value)
-        elif dataclasses.is_dataclass(hint):
-            if not isinstance(value, dict):
-                raise ConfigError(f"{name} must be a table ([{name}]), got {value!r}")
-            kwargs[key] = _build(hint, value, name)
-        else:
-            kwargs[key] = _coerce(value, hint, name)
-    return cls(**kwargs)
-
-
-def _parse_value(raw: str) -> Any:
-    """Parse an override's value as TOML (so 2, 1e-3, true, "x", [1] work); bare words are strings."""
-    try:
-        return tomllib.loads(f"v = {raw}")["v"]
-    except tomllib.TOMLDecodeError:
-        return raw
-
-
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Apply `a.b=value` overrides to a nested dict (copying what it changes)."""
-    data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}
-    for item in overrides:
-        key, sep, raw = item.partition("=")
-        key = key.strip()
-        if not sep or not key or any(not part for part in key.split(".")):
-            raise ConfigError(f"--set {item!r} is invalid: expected section.key=value, "
-                              f"e.g. --set train.steps=100")
-        node = data
-        *parents, leaf = key.split(".")
-        for part in parents:
-            child = node.setdefault(part, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"--set {item!r}: {part} is not a section")
-            child = dict(child)
-            node[part] = child
-            node = child
-        node[leaf] = _parse_value(raw.strip())
-    return data
-
-
-def config_from_dict(data: dict[str, Any]) -> JobConfig:
-    return _build(JobConfig, data, "")
-
-
-def read_toml(path: str | Path, what: str = "config file",
-              error: type[ConfigError] = ConfigError) -> dict[str, Any]:
-    """A TOML file's table; `error` names `what` the file is when it is missing or invalid."""
-    p = Path(path)
-    if not p.is_file():
-        raise error(f"{what} {str(p)!r} does not exist (expected a TOML file)")
-    try:
-        return tomllib.loads(p.read_text())
-    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
-        raise error(f"{what} {str(p)!r} is not valid TOML: {exc}") from None
-
-
-def load_config(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> JobConfig:
-    """Load a JobConfig from a TOML file (None: defaults) plus `--set` overrides."""
-    data = read_toml(path) if path is not None else {}
-    return config_from_dict(apply_overrides(data, list(overrides)))
-
-
-def dump_config(config: JobConfig) -> str:
-    """The resolved config as TOML; load_config of it gives back an equal JobConfig."""
-    import tomli_w
-
-    return tomli_w.dumps(config.to_dict())

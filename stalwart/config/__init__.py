@@ -1,0 +1,58 @@
+"""JobConfig: the one frozen dataclass tree that describes a run, loaded from TOML.
+
+sections.py holds one dataclass per TOML table (and the [[faults]] tables), job.py the tree
+and its cross-section checks, loading.py reading TOML, ``--set`` overrides and dumping.
+Every public name is re-exported here: import from ``stalwart.config``.
+"""
+
+from __future__ import annotations
+
+from stalwart.config.job import JobConfig
+from stalwart.config.loading import (
+    apply_overrides,
+    config_from_dict,
+    dump_config,
+    load_config,
+    read_toml,
+)
+from stalwart.config.sections import (
+    AC_MODES,
+    FAULT_KINDS,
+    PP_SCHEDULES,
+    PRECISIONS,
+    CheckpointConfig,
+    DataConfig,
+    FailureConfig,
+    FaultSpec,
+    ParallelConfig,
+    RunConfig,
+    ScalingConfig,
+    TaskConfig,
+    TrainConfig,
+    parse_fault,
+    parse_profile_steps,
+)
+
+__all__ = [
+    "AC_MODES",
+    "FAULT_KINDS",
+    "PP_SCHEDULES",
+    "PRECISIONS",
+    "CheckpointConfig",
+    "DataConfig",
+    "FailureConfig",
+    "FaultSpec",
+    "JobConfig",
+    "ParallelConfig",
+    "RunConfig",
+    "ScalingConfig",
+    "TaskConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "config_from_dict",
+    "dump_config",
+    "load_config",
+    "parse_fault",
+    "parse_profile_steps",
+    "read_toml",
+]

@@ -1,0 +1,95 @@
+"""JobConfig: the tree of sections that describes a run, and the checks that span sections.
+
+A world size must split into the parallel layout and the global batch into micro-batches,
+for every world size the run may take (scaling's floor, ceiling and num_workers).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from stalwart.config.sections import (
+    CheckpointConfig,
+    DataConfig,
+    FailureConfig,
+    FaultSpec,
+    ParallelConfig,
+    RunConfig,
+    ScalingConfig,
+    TaskConfig,
+    TrainConfig,
+    _require,
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class JobConfig:
+    task: TaskConfig = field(default_factory=TaskConfig)
+    """What to train: the TrainTask and its constructor's arguments."""
+    scaling: ScalingConfig = field(default_factory=ScalingConfig)
+    """How many workers, their resources, and how the world shrinks and grows."""
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the model is split: data, tensor and pipeline parallel degrees and their options."""
+    train: TrainConfig = field(default_factory=TrainConfig)
+    """The optimisation: steps, batch sizes, learning-rate schedule, seed."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """Storage checkpoints and the in-memory snapshot tier."""
+    failure: FailureConfig = field(default_factory=FailureConfig)
+    """Failure budget, hang and straggler detection."""
+    data: DataConfig = field(default_factory=DataConfig)
+    """Prepared data and validation."""
+    run: RunConfig = field(default_factory=RunConfig)
+    """The run's name, logging, progress, TensorBoard and profiling."""
+    faults: tuple[FaultSpec, ...] = ()
+    """Faults to inject, as [[faults]] tables (kind, step, rank or node); see FaultSpec."""
+
+    def __post_init__(self) -> None:
+        for fault in self.faults:
+            _require(fault.step <= self.train.steps, "faults.step", fault.step,
+                     f"must be <= train.steps = {self.train.steps} ({fault})")
+            _require(fault.rank < self.scaling.num_workers, "faults.rank", fault.rank,
+                     f"must be < scaling.num_workers = {self.scaling.num_workers} ({fault})")
+        _require(not self.run.profile_steps or self.run.profile_steps[-1] <= self.train.steps,
+                 "run.profile_steps", self.run.profile_steps,
+                 f"steps must be <= train.steps = {self.train.steps}")
+        for name in ("floor", "ceiling"):
+            # Every world size the run may take must split into the layout and the batch.
+            self._check_world(getattr(self.scaling, name))
+        # Cross-section checks: the world must be splittable into the data-parallel layout,
+        # and the global batch into micro-batches on each data-parallel rank.
+        self._check_world(self.scaling.num_workers)
+
+    def _check_world(self, world: int) -> None:
+        replicate, shard = self.parallel.degrees(world)
+        dp = replicate * shard
+        _require(not self.parallel.cpu_offload or self.scaling.gpus_per_worker > 0,
+                 "parallel.cpu_offload", self.parallel.cpu_offload,
+                 "needs GPU workers (scaling.gpus_per_worker > 0); on CPU workers the "
+                 "parameters and optimizer state already live in host memory")
+        if self.parallel.pp > 1:
+            microbatches = self.train.global_batch_size // max(1, self.train.micro_batch_size * dp)
+            _require(microbatches >= self.parallel.pp, "train.global_batch_size",
+                     self.train.global_batch_size,
+                     f"with parallel.pp = {self.parallel.pp} each data-parallel rank needs at "
+                     f"least pp micro-batches per step (global_batch_size >= micro_batch_size x "
+                     f"data-parallel ranks x pp = {self.train.micro_batch_size * dp * self.parallel.pp})")
+        per_step = self.train.micro_batch_size * dp
+        _require(self.train.global_batch_size % per_step == 0, "train.global_batch_size",
+                 self.train.global_batch_size,
+                 f"must be a multiple of micro_batch_size x data-parallel ranks = "
+                 f"{self.train.micro_batch_size} x {dp} = {per_step}")
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel ranks of the configured world (dp_replicate x dp_shard)."""
+        replicate, shard = self.parallel.degrees(self.scaling.num_workers)
+        return replicate * shard
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.dp_size)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
