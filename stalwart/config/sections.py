@@ -26,9 +26,9 @@ def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
     path: str = "stalwart.examples.gpt.task:GPTTask"
-    """The TrainTask to run, as `module:attribute` (the module must be importable)."""
+    """The TrainTask to run, as `module:attribute` (importable from the current directory or the environment)."""
     args: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments passed to the task's constructor (e.g. model width)."""
+    """Keyword arguments passed to the task's constructor (for GPTTask: any `GPTConfig` field, e.g. `d_model`, `n_layers`, `seq_len`, and `val_fraction`)."""
 
     def __post_init__(self) -> None:
         mod, _, attr = self.path.partition(":")
@@ -39,25 +39,25 @@ class TaskConfig:
 @dataclass(frozen=True, kw_only=True)
 class ScalingConfig:
     num_workers: int = 2
-    """Worker actors (= ranks) the run starts with and returns to after a failure."""
+    """Worker actors (= ranks = the world size) the run starts with and returns to after a failure."""
     min_workers: int = 0
-    """Fewest workers to keep training on after losing some; 0 means num_workers (no shrinking)."""
+    """Fewest workers to keep training on after losing some (the world shrinks to the largest valid size); 0 means `num_workers` (no shrinking)."""
     max_workers: int = 0
-    """Most workers to grow to when the cluster has room; 0 means num_workers (no growing)."""
+    """Most workers to grow to when the cluster has room; 0 means `num_workers` (no growing)."""
     spare_workers: int = 0
-    """Warm spares: idle actors started ahead with the task loaded, to replace a lost worker."""
+    """Warm spares: idle actors started ahead with the task imported and its data prepared; a lost worker is replaced by one in about a second instead of a cold start."""
     cpus_per_worker: float = 1.0
-    """Ray CPUs reserved for each worker actor."""
+    """Ray CPUs reserved for each worker actor (also its torch thread count)."""
     gpus_per_worker: float = 0.0
     """Ray GPUs reserved for each worker; > 0 trains on CUDA with NCCL, 0 on CPU with gloo."""
     placement_strategy: str = "PACK"
-    """PACK (fill nodes one by one) or SPREAD (one worker per node where possible)."""
+    """`PACK` (Ray's default: fill nodes) or `SPREAD` (one worker per node where possible). Workers are placed one actor at a time, so the gang strategies (`STRICT_*`) do not apply."""
     start_timeout_s: float = 120.0
-    """How long to wait for the cluster to place and start the workers before failing."""
+    """How long to wait for the cluster to place and set up the workers before failing (and the hang limit before a world's first step)."""
     resize_check_s: float = 10.0
-    """How often a run below max_workers checks whether the cluster has room to grow."""
+    """How often a run below `max_workers` (or `num_workers` after a shrink) checks for room to grow, and for nodes Ray is draining."""
     wait_for_workers_s: float = 300.0
-    """How long a run below min_workers waits for workers to come back before failing."""
+    """How long a run below `min_workers` after a failure waits for workers to come back before it fails (its checkpoints intact)."""
 
     @property
     def floor(self) -> int:
@@ -94,30 +94,29 @@ class ScalingConfig:
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     dp_replicate: int = 1
-    """Data-parallel replicas (DDP when dp_shard == 1; the outer dimension of HSDP otherwise); -1 takes every rank dp_shard leaves."""
+    """Data-parallel replicas (DDP when `dp_shard` is 1; the outer dimension of HSDP otherwise); -1 takes every rank `dp_shard` leaves."""
     dp_shard: int = -1
-    """Data-parallel sharding degree with FSDP2; -1 takes every rank dp_replicate leaves."""
+    """Data-parallel sharding degree with FSDP2; -1 takes every rank `dp_replicate` leaves."""
     reshard_after_forward: bool = True
-    """FSDP2: free the gathered parameters after forward (ZeRO-3) or keep them (ZeRO-2)."""
+    """FSDP2: free gathered parameters after forward (ZeRO-3) or keep them for backward (ZeRO-2)."""
     tp: int = 1
-    """Tensor-parallel degree: each layer's matrices are split over this many ranks (the task supplies the plan)."""
+    """Tensor-parallel degree: each layer's matrices are split over this many ranks by the task's plan (`TrainTask.apply_tensor_parallel`). Must divide the attention heads."""
     pp: int = 1
-    """Pipeline-parallel degree: the model's blocks are cut into stages on this many ranks (the task supplies the split)."""
+    """Pipeline-parallel degree: the blocks are cut into stages on this many ranks by the task's split (`TrainTask.split_pipeline`). `pp x dp_replicate x dp_shard x tp = scaling.num_workers`; at least `pp` accumulation micro-batches per step."""
     pp_schedule: str = "1f1b"
-    """Pipeline schedule: gpipe, 1f1b, interleaved_1f1b (2 stages per rank) or zero_bubble (interleaved, split backward)."""
+    """`gpipe`, `1f1b`, `interleaved_1f1b` (2 stages per rank) or `zero_bubble` (interleaved, with backward split into input and weight gradients)."""
     sequence_parallel: bool = True
-    """With tp > 1, also split the norms' activations along the sequence (saves activation memory)."""
+    """With `tp > 1`, also split the norms and the residual stream along the sequence (less activation memory, same communication volume)."""
     activation_checkpointing: str = "none"
-    """Recompute activations in backward: none, selective (keep matmul outputs) or full (keep block inputs only)."""
+    """Recompute activations in backward: `none`, `selective` (keep matmul and attention outputs, recompute the cheap ops) or `full` (keep only each block's input)."""
     compile: bool = False
-    """torch.compile each transformer block (needs a C++ compiler on CPU)."""
+    """`torch.compile` each transformer block (inductor; needs a C++ compiler on CPU)."""
     mixed_precision: str = "fp32"
-    """Parameter dtype for compute with FSDP2: fp32, or bf16 (fp32 master weights and gradient reduction)."""
+    """`bf16`: FSDP2 computes in bfloat16 with fp32 master weights and fp32 gradient reduction."""
     cpu_offload: bool = False
-    """FSDP2: keep sharded parameters, gradients and optimizer state in host memory (ZeRO-Offload)."""
+    """FSDP2 keeps sharded parameters, gradients and optimizer state in host memory (ZeRO-Offload); needs GPU workers."""
     invariant_reduction: bool = False
-    """Sum gradients in one fixed order whatever the data-parallel degree, so a run that
-    shrinks and grows back ends bit-identical to one that never resized (replicated DP only)."""
+    """Sum gradients in one fixed order (a pairwise tree over the micro-batches) whatever the data-parallel degree, so a run that resizes ends bit-identical to one that never did. Replicated data parallelism only (`dp_shard = 1`, `tp = pp = 1`, fp32)."""
 
     def __post_init__(self) -> None:
         _require(self.dp_replicate == -1 or self.dp_replicate >= 1, "parallel.dp_replicate",
@@ -176,17 +175,17 @@ class TrainConfig:
     steps: int = 200
     """Optimizer steps to train for; the LR schedule spans them."""
     global_batch_size: int = 32
-    """Sequences per optimizer step over all ranks; constant whatever the world size."""
+    """Sequences per optimizer step over all ranks, constant whatever the world size; a multiple of `micro_batch_size x` data-parallel ranks."""
     micro_batch_size: int = 8
-    """Sequences per forward/backward on one rank; accumulation makes up the rest."""
+    """Sequences per forward/backward on one rank; gradient accumulation makes up the rest."""
     lr: float = 3e-3
     """Peak learning rate."""
     min_lr_ratio: float = 0.1
-    """The cosine schedule decays to lr x min_lr_ratio at the last step."""
+    """The cosine schedule decays to `lr x min_lr_ratio` at the last step."""
     warmup_steps: int = 20
     """Linear warm-up steps before the cosine decay."""
     weight_decay: float = 0.1
-    """AdamW decoupled weight decay."""
+    """AdamW decoupled weight decay (matrices only)."""
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value; 0 disables clipping."""
     seed: int = 0
@@ -214,7 +213,7 @@ class TrainConfig:
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     storage: str = ""
-    """Checkpoint directory as a path or fsspec URL (file://, s3://, gs://, ... shared by all workers); empty means <run dir>/checkpoints."""
+    """Checkpoint directory, a path or fsspec URL shared by all workers (`file://`, `s3://`, `gs://`, …; the filesystem's fsspec package must be installed); empty means `<run dir>/checkpoints`."""
     persist_every: int = 50
     """Write a storage checkpoint every this many steps (the final step is always written)."""
     keep_last: int = 3
@@ -222,11 +221,11 @@ class CheckpointConfig:
     async_save: bool = True
     """Write checkpoints in the background while training goes on."""
     snapshot_every: int = 1
-    """Stage a snapshot in CPU memory every this many steps and replicate it to peers (the in-memory tier restored first after a failure); 0 turns the memory tier off."""
+    """Stage a snapshot in CPU memory every this many steps and replicate it to peers (the in-memory tier, restored first after a failure); `0` turns the memory tier off."""
     replicas: int = 1
-    """Copies of each snapshot on peers, on as many other nodes: how many nodes can be lost at once without losing a step."""
+    """Copies of each snapshot on peers, each on another node: how many nodes can be lost at once without losing a step (on one node: other processes)."""
     memory_limit_gb: float = 0.0
-    """Most memory the in-memory tier may hold per worker (its snapshots and its peers' replicas); 0: 40% of the node's memory shared among its workers."""
+    """Most memory the in-memory tier may hold per worker (two snapshots of its shard and of each peer shard it holds); `0`: 40% of the node's memory shared among its workers. Checked at the first snapshot."""
 
     def __post_init__(self) -> None:
         _require(self.snapshot_every >= 0, "checkpoint.snapshot_every", self.snapshot_every,
@@ -243,24 +242,23 @@ class CheckpointConfig:
 @dataclass(frozen=True, kw_only=True)
 class FailureConfig:
     max_failures: int = 0
-    """Failures to recover from in place before the run fails (-1: no limit)."""
+    """Failures (a dead worker or node, a hang, a failed collective, a worker that cannot start) to recover from in place before the run fails; -1: no limit."""
     retry_user_errors: bool = False
-    """Also recover from exceptions raised by the task's code (by default they fail the run)."""
+    """Also recover from exceptions raised by the task's code; by default they fail the run at once with the traceback."""
     backoff_s: float = 0.0
-    """Pause before the n-th consecutive recovery: backoff_s x 2^(n-1), at most 60 s."""
+    """Pause before the n-th recovery in a row (no step completed in between): `backoff_s x 2^(n-1)`, at most 60 s."""
     hang_timeout_floor_s: float = 5.0
-    """A rank is hung after max(this, hang_factor x median step time) without a heartbeat."""
+    """A rank is hung after `max(hang_timeout_floor_s, hang_factor x median step time)` without a heartbeat."""
     hang_factor: float = 10.0
     """Multiple of the median step time a rank may go without a heartbeat (see the floor)."""
     collective_timeout_s: float = 300.0
-    """Process-group timeout: a collective stuck longer than this raises on the workers."""
+    """Process-group timeout: a collective stuck longer than this raises on the workers (hangs are normally caught sooner by the heartbeat)."""
     straggler_factor: float = 2.0
-    """A rank whose local time per step (its work before its first gradient sync) exceeds
-    this x the other ranks' median is slow; 0 turns straggler detection off."""
+    """A rank whose local time per step (its work before its first gradient synchronisation) is above this x the other ranks' median is slow; `0` turns straggler detection off."""
     straggler_steps: int = 10
     """Consecutive slow steps that make a rank a straggler (a `straggler` event)."""
     replace_stragglers: bool = False
-    """Also replace a straggler, as a failure (it counts against max_failures)."""
+    """Also replace a straggler as a failure (`failure_kind` `straggler`, counted against `max_failures`), by a warm spare or a new actor."""
 
     def __post_init__(self) -> None:
         _require(self.max_failures >= -1, "failure.max_failures", self.max_failures,
@@ -280,7 +278,7 @@ class DataConfig:
     cache_dir: str = "~/.cache/stalwart"
     """Where tasks keep prepared data (tokenized files), shared between runs on a machine."""
     val_every: int = 50
-    """Compute the validation loss every this many steps (and at the end); 0 disables it."""
+    """Compute the validation loss every this many steps (and at the last); 0 disables it."""
     val_batches: int = 4
     """Size of the fixed validation set, in global batches (the same samples for any world size)."""
 
@@ -292,15 +290,15 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     name: str = "run"
-    """Run name; the default run directory is runs/<name>-<timestamp>."""
+    """Run name; the default run directory is `runs/<name>-<timestamp>`."""
     log_every: int = 10
-    """Write a metrics.jsonl row (globally averaged loss) every this many steps."""
+    """Write a `metrics.jsonl` row every this many steps."""
     progress: bool = True
     """Show a live progress bar on a terminal (plain log lines otherwise)."""
     tensorboard: bool = False
-    """Also write metrics and events as TensorBoard event files under <run dir>/tensorboard/."""
+    """Also write the metrics and the run's failures, recoveries and resizes as TensorBoard event files under `<run dir>/tensorboard/`; needs `pip install 'stalwart[tensorboard]'`."""
     profile_steps: list[int] = field(default_factory=list)
-    """Trace these steps with the PyTorch profiler on every rank: [] (off), [STEP] or [FIRST, LAST] (inclusive)."""
+    """Trace these steps with the PyTorch profiler on every rank: `[STEP]` or `[FIRST, LAST]` (inclusive), at most `train.steps`; `[]` is off. `--profile 20-22` sets it."""
 
     def __post_init__(self) -> None:
         _require(bool(self.name) and "/" not in self.name, "run.name", self.name,
@@ -340,13 +338,13 @@ class FaultSpec:
     """
 
     kind: str
-    """kill, kill-staging, kill-replicating, hang, raise, term, slow (a rank); kill-node, drain (a node)."""
+    """The fault: `kill`, `kill-staging`, `kill-replicating`, `hang`, `raise`, `term`, `slow` (a rank); `kill-node`, `drain` (a node). The TOML form of `--inject`."""
     step: int
     """The fault fires once, when its target reaches the start of this step."""
     rank: int = -1
-    """The rank of a rank fault, as numbered in the world at the time."""
+    """The rank of a rank fault (as numbered in the world at the time)."""
     node: int = -1
-    """The node of a node fault: 0 is the driver's node (it cannot be killed), then 1, 2, ..."""
+    """The node of a node fault: 0 is the driver's node (it cannot be killed), 1, 2, … the others in the order of their lowest rank."""
 
     def __post_init__(self) -> None:
         _require(self.kind in FAULT_KINDS, "faults.kind", self.kind,
