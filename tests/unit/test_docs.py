@@ -10,6 +10,7 @@ import argparse
 import dataclasses
 import importlib.util
 import re
+import sys
 import typing
 from pathlib import Path
 
@@ -27,6 +28,7 @@ DOCS = ROOT / "docs"
 def load_generator():
     spec = importlib.util.spec_from_file_location("docs_generate", DOCS / "generate.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
     spec.loader.exec_module(module)
     return module
 
