@@ -81,6 +81,14 @@ def test_every_event_kind_is_in_the_run_directory_schema():
         assert f"#### `{kind}`" in text, f"event kind {kind} is missing from docs/run-directory.md"
 
 
+def test_every_metrics_field_is_in_the_run_directory_schema():
+    from stalwart.events import MetricsRow
+
+    text = (DOCS / "run-directory.md").read_text().split("### Metrics rows", 1)[1]
+    for f in dataclasses.fields(MetricsRow):
+        assert f"| `{f.name}` |" in text, f"metrics field {f.name} is missing from docs/run-directory.md"
+
+
 @pytest.mark.parametrize("command,flag", cli_flags())
 def test_every_cli_command_and_flag_is_in_docs_cli(command, flag):
     text = (DOCS / "cli.md").read_text()
