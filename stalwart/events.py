@@ -27,8 +27,10 @@ class WorkerPlace:
 
     rank: int
     pid: int
+    """The worker's process id on its node."""
     node_ip: str
     node_id: str
+    """Ray's node id."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +69,9 @@ class Started(Event):
     steps: int
     """train.steps: the step the run ends at."""
     start_step: int
+    """0 for a fresh run; the restored step on --resume."""
     task: str
+    """task.path."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -77,6 +81,7 @@ class Resumed(Event):
     kind: ClassVar[str] = "resumed"
     from_step: int
     path: str
+    """The checkpoint the run continues from."""
     config_changes: dict[str, Any] = field(default_factory=dict)
     """key -> [old, new] for each config key the resume changed."""
 
@@ -89,7 +94,9 @@ class StartedFrom(Event):
     kind: ClassVar[str] = "started_from"
     from_step: int
     origin: str
+    """The checkpoint the run started from: another run's, or one Ray Tune handed a trial."""
     path: str
+    """Its verified copy in this run's storage, which the workers load."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -98,10 +105,13 @@ class WorkersStarted(Event):
 
     kind: ClassVar[str] = "workers_started"
     generation: int
+    """0 for the first world, then +1 per recovery or resize."""
     world_size: int
     workers: tuple[WorkerPlace, ...] = ()
+    """Where each rank runs, in rank order."""
     kept_unlogged: KeptUnlogged | None = None
-    """The previous world's steps after its last row that this world goes on from."""
+    """The previous world's steps after its last metrics row that this world goes on from,
+    with their seconds as in a metrics row; null if none."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -118,7 +128,9 @@ class Stopped(Event):
 
     kind: ClassVar[str] = "stopped"
     step: int
+    """The last completed step; it was checkpointed."""
     kept_unlogged: KeptUnlogged | None = None
+    """As in workers_started: the steps after the last metrics row up to `step`."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,8 +144,8 @@ class Failed(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Interrupted(Event):
-    """The driver ended without a final checkpoint (a second Ctrl-C, Tune stopping a trial,
-    a callback's exception)."""
+    """The driver ended without a final checkpoint (a second Ctrl-C, Tune stopping or pausing
+    a trial, a callback's exception). Workers were stopped; committed checkpoints are intact."""
 
     kind: ClassVar[str] = "interrupted"
     step: int
@@ -151,29 +163,37 @@ class Failure(Event):
     failure_kind: str
     """worker_died, node_died, hang, user_error, collective_error, start_error, straggler."""
     rank: int | None
+    """The rank to blame first, or null."""
     ranks: list[int]
+    """Every rank that is replaced."""
     nodes: list[str]
     """IPs of the nodes the failed ranks ran on."""
     message: str
+    """One line; the traceback for a user error."""
     step: int
-    """The last step the controller had heard of."""
+    """The last completed step the controller had heard of."""
     retry: bool
     detection_s: float | None
-    """Seconds from the last sign of life (or the injected fault) to detection."""
+    """Seconds from the failure (the injected fault, or the ranks' last heartbeat) to its
+    detection."""
     attempt: int
     """Failures so far in this invocation, this one included."""
 
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointChosen(Event):
-    """Where a new world restores from, both candidates, and why."""
+    """Where a new world restores from, both candidates, and why. Written at every restore
+    after a failure or resize, and when a restore from memory fails and falls back."""
 
     kind: ClassVar[str] = "checkpoint_chosen"
     source: str
     """memory, storage or none."""
     step: int | None
+    """The step restored."""
     memory_step: int | None
+    """The newest step complete in memory, or null."""
     storage_step: int | None
+    """The newest valid storage checkpoint, or null."""
     reason: str
     generation: int
 
@@ -185,12 +205,12 @@ class Recovered(Event):
     kind: ClassVar[str] = "recovered"
     from_step: int
     source: str
-    """memory, storage or none (started afresh)."""
+    """memory, storage or none (no checkpoint existed yet)."""
     peer_fetches: int
-    """Shards the memory restore read from peers."""
+    """Shards the new ranks fetched from peers rather than their own memory."""
     world_size: int
     lost_steps: int
-    """Steps trained before the failure that must be trained again."""
+    """Steps completed before the failure that were trained again."""
     recovery_s: float
     """Seconds from the failure to the end of the first step after it."""
     phases: dict[str, float]
@@ -204,6 +224,7 @@ class Resized(Event):
     old_world_size: int
     new_world_size: int
     old_layout: dict[str, int]
+    """{"dp_replicate", "dp_shard", "tp", "pp"}."""
     new_layout: dict[str, int]
     reason: str
     """shrink, grow, preempted or drain."""
@@ -219,12 +240,15 @@ class Straggler(Event):
     rank: int
     node_ip: str | None
     step: int
+    """When its streak reached `steps`."""
     local_s: float
+    """Its local work (before the first gradient sync) that step."""
     peers_median_s: float
     ratio: float
     steps: int
-    """Steps in a row the rank was slow."""
+    """Steps in a row the rank was slow: failure.straggler_steps."""
     replaced: bool
+    """failure.replace_stragglers: the rank is replaced as a failure."""
 
 
 # ---------------------------------------------------------------- checkpoints
@@ -238,9 +262,11 @@ class CheckpointCommitted(Event):
     step: int
     path: str
     save_s: float | None
-    """Seconds from the start of the save to the manifest; None when found on restore."""
+    """Seconds from the start of the save to the manifest written; null when found on
+    restore."""
     found_on_restore: bool = False
-    """No rank lived to report it; the restore found it on storage."""
+    """Rank 0 did not live to report it (its node lost just after the manifest landed); a
+    restore found it on storage."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -249,16 +275,19 @@ class CheckpointSkipped(Event):
 
     kind: ClassVar[str] = "checkpoint_skipped"
     message: str
+    """What is wrong with it, and where."""
     step: int | None = None
 
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryTier(Event):
-    """The memory tier's size in a world, once its first snapshots are held."""
+    """The memory tier's size in a world: once per world, after its first three steps."""
 
     kind: ClassVar[str] = "memory_tier"
     generation: int
     bytes_per_worker: int
+    """The most any worker's tier holds: its staging buffers and the snapshots it keeps for
+    itself and its peers."""
     bytes_total: int
     snapshot_every: int
     replicas: int
@@ -273,12 +302,13 @@ class FaultInjected(Event):
     fault: str
     """The fault as written, e.g. kill:rank=1,step=20."""
     rank: int
+    """The rank that carried it out."""
     step: int
 
 
 @dataclass(frozen=True, kw_only=True)
 class FaultSkipped(Event):
-    """An injected fault has no target in this world (yet)."""
+    """An injected fault has no target in this world, e.g. a node that does not exist."""
 
     kind: ClassVar[str] = "fault_skipped"
     message: str
@@ -291,8 +321,10 @@ class ProfileSaved(Event):
     steps: list[int]
     """[first, last] step of the trace, both included."""
     path: str
+    """The trace, in RUN_DIR/profile/."""
     generation: int
     export_s: float
+    """Seconds the rank spent stopping the profiler and exporting the trace."""
 
 
 # ---------------------------------------------------------------- metrics.jsonl
@@ -305,16 +337,24 @@ class MetricsRow:
 
     step: int
     loss: float
+    """The step's mean training loss over all ranks."""
     lr: float
+    """The learning rate the step used."""
     tokens_per_s: float
+    """Tokens of all ranks over the row's window (`window_s`)."""
     world_size: int
     samples_seen: int
+    """The global sample index after the step: it trained samples
+    [samples_seen - global_batch_size, samples_seen)."""
     time: float
-    """time.time() at the end of the step, on the workers' clock."""
+    """Unix seconds at the end of the step, on the workers' clock."""
     window_s: float | None = None
-    """Seconds since the previous row's step ended (or the world's first step began)."""
+    """Seconds, on the workers' clock, from the end of the previous row's step (or the start
+    of the world's first step) to the end of this one."""
     steps_in_window: int | None = None
+    """How many steps the window holds."""
     val_loss: float | None = None
+    """On validation steps only."""
 
     def to_row(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)
