@@ -1,4 +1,4 @@
-"""The run directory: the files a run leaves for its user (an interface; see README).
+"""The run directory: the files a run leaves for its user (an interface; see docs/run-directory.md).
 
     config.toml     the resolved JobConfig (defaults filled in, overrides applied)
     events.jsonl    one JSON object per line: {"time", "kind", ...fields}
