@@ -32,6 +32,7 @@ from stalwart.config import JobConfig, load_config
 from stalwart.errors import ClusterError, ConfigError, RunDirError
 from stalwart.integrations.tensorboard import tensorboard_callbacks
 from stalwart.orchestrator.controller import Controller
+from stalwart.orchestrator.policies import default_policies
 from stalwart.orchestrator.states import Failed, Finished, State, Stopped
 from stalwart.parallel.dims import ParallelDims
 from stalwart.run_dir import RunDir
@@ -236,7 +237,8 @@ class Trainer:
                 group=ElasticGroup(self.config, storage_url, runtime_env=runtime_env),
                 group_error=GroupFailed, events=self.run_dir.events,
                 metrics=self.run_dir.metrics, display=display, resume_from=resume_from,
-                draining_nodes=draining_nodes)
+                policies=default_policies(self.config, storage_url=storage_url,
+                                          draining_nodes=draining_nodes))
             try:
                 final = controller.run()
             except BaseException as exc:  # a second Ctrl-C; Tune stopping a trial; a callback
