@@ -1,11 +1,9 @@
 """The controller: a synchronous state machine on the driver that carries out decisions.
 
 Each `_on_<state>` handler does that state's work and returns the next state; `run` checks
-every change against the transition table (orchestrator/states.py). Policies decide (failure:
-retry or fail; scaling: form, wait, resize or give up; restore: memory or storage) and are
-passed in (orchestrator/policies.py builds the defaults); observers keep the accounts and
-write the reports (orchestrator/observers.py); the worker group is an abstract base class
-(orchestrator/group.py), so tests drive the controller with a fake group and a fake clock.
+every change against the transition table (orchestrator/states.py). Policies, passed in,
+decide (orchestrator/policies.py); observers keep the accounts and write the reports
+(orchestrator/observers.py); the worker group is an abstract base (orchestrator/group.py).
 
 Recovery is in place: failed ranks are killed, survivors leave their process group and
 keep their processes, the next world forms from survivors, warm spares and new actors (or
@@ -14,20 +12,18 @@ shrinks to what the cluster can hold) and restores from the newest complete chec
 
 from __future__ import annotations
 
-import signal
-import threading
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from stalwart import events as ev
 from stalwart.checkpointing.storage.catalog import CheckpointInfo, newest_valid
+from stalwart.orchestrator import reporting
 from stalwart.orchestrator.accounting import RecoveryTimer, Throughput
 from stalwart.orchestrator.detection import FailureDetector
 from stalwart.orchestrator.failures import FailDecision, WorkerFailure
 from stalwart.orchestrator.fault_watch import FaultWatch
+from stalwart.orchestrator.interrupt import StopRequest
 from stalwart.orchestrator.observers import Clock, ControllerObserver, Display, Restored
-from stalwart.orchestrator.reporting import ProfileSaver, StragglerReporter, TierReporter
-from stalwart.orchestrator.restore import RestoreDecision
 from stalwart.orchestrator.scaling import FormDecision, GiveUpDecision, ResizeDecision, WaitDecision
 from stalwart.orchestrator.states import (
     Failed,
@@ -69,41 +65,32 @@ class Controller:
         self.faults = FaultWatch(config, events, group)
         self.detector = FailureDetector(config, collective_grace_s=collective_grace_s,
                                         nodes_alive=group.nodes_alive)
-        self.stragglers = StragglerReporter(config, events, display)
+        self.stragglers = reporting.StragglerReporter(config, events, display)
         self.throughput = Throughput(config, metrics, display)
+        self.commits = reporting.CommitLog(events, resume_from)
         # In the order their events are written: faults and traces before the commits and
         # steps of the same answer, a recovery's `recovered` before the step's metrics row.
         self.observers: list[ControllerObserver] = [
-            self.faults, ProfileSaver(events), TierReporter(config, events), self.stragglers,
+            self.faults, reporting.ProfileSaver(events), reporting.TierReporter(config, events),
+            self.stragglers,
             self.detector, RecoveryTimer(events), self.throughput, *observers]
         self.state: State = Scheduling(generation=0, since=self.clock.time())
         self.last_step = resume_from.step if resume_from else 0
-        # The newest step logged as checkpoint_committed (a resume's own step was logged by
-        # the run that wrote it).
-        self._newest_commit_logged = resume_from.step if resume_from else -1
         self.last_loss: float | None = None
         self.last_val_loss: float | None = None
         self.world_size = 0
         self.layout: dict[str, int] = {}
         self.workers: list[dict[str, Any]] = []
-        self._stop_requested = False  # set by the SIGINT handler
+        self.stop = StopRequest()  # the first Ctrl-C
         self._stop_sent = False
         self._planned: ResizeDecision | None = None  # waiting for every rank to stop
         self._started_emitted = False
         self._done: dict[int, WorkerStatus] = {}
 
-    @property
-    def tokens_total(self) -> int:
-        return self.throughput.tokens_total
-
-    @property
-    def train_time_s(self) -> float:
-        return self.throughput.train_time_s
-
     # ------------------------------------------------------------------ driver loop
 
     def run(self) -> State:
-        previous_handler = self._install_interrupt_handler()
+        self.stop.install()
         try:
             while not self.state.terminal:
                 try:
@@ -115,34 +102,14 @@ class Controller:
                     self.state = new
         finally:
             self.group.shutdown(graceful=isinstance(self.state, Finished | Stopped))
-            if previous_handler is not None:
-                signal.signal(signal.SIGINT, previous_handler)
+            self.stop.uninstall()
         return self.state
 
-    def _install_interrupt_handler(self) -> Any:
-        """First Ctrl-C: stop after the step in flight and checkpoint it. Second: abandon.
-
-        A flag rather than KeyboardInterrupt, so the interrupt never lands half-way through
-        the controller's own bookkeeping. Only the main thread may own signal handlers.
-        """
-        if threading.current_thread() is not threading.main_thread():
-            return None
-
-        def on_sigint(signum: int, frame: Any) -> None:
-            if self._stop_requested:
-                raise KeyboardInterrupt
-            self._stop_requested = True
-
-        return signal.signal(signal.SIGINT, on_sigint)
-
     def _handle(self, state: State) -> State:
-        handlers = {Scheduling: self._on_scheduling, Rendezvous: self._on_rendezvous,
-                    Restoring: self._on_restoring, Running: self._on_running,
-                    Recovering: self._on_recovering, Resizing: self._on_resizing}
-        handler = handlers.get(type(state))
+        handler = getattr(self, f"_on_{state.name.lower()}", None)  # _on_running...
         if handler is None:
             raise ValueError(f"unexpected state {state!r}")
-        return handler(state)  # type: ignore[operator]
+        return handler(state)
 
     # ------------------------------------------------------------------ forming a world
 
@@ -155,7 +122,7 @@ class Controller:
         decision = self.scaling.schedule(self.group, generation=state.generation,
                                          world_size=self.world_size,
                                          waited=self.clock.time() - state.since)
-        if self._stop_requested:  # between worlds: the newest checkpoint is where a resume starts
+        if self.stop.requested:  # between worlds: the newest checkpoint is where a resume starts
             newest = newest_valid(self.storage_url)
             step = newest.step if newest else 0
             self.events.emit(ev.Stopped(step=step,
@@ -188,19 +155,13 @@ class Controller:
         if state.generation == 0:
             return Restoring(generation=0, checkpoint=self.resume_from)
         checkpoint = newest_valid(self.storage_url, on_skip=self._on_damaged_checkpoint)
-        self._found_commit(checkpoint)
+        self.commits.found(checkpoint)
         decision = self.restore.choose(self.group.memory_inventory, checkpoint)
-        if decision is not None:
-            self._chosen(decision, state.generation)
+        if decision is not None:  # where the world restores from, both candidates and why
+            self.events.emit(decision.event(state.generation))
+            self.display.log(decision.message)
         return Restoring(generation=state.generation, checkpoint=checkpoint,
                          memory=decision.memory if decision else None)
-
-    def _chosen(self, decision: RestoreDecision, generation: int) -> None:
-        """Log where a world restores from, with both candidates and why."""
-        self.events.emit(ev.CheckpointChosen(source=decision.source, step=decision.step,
-                         memory_step=decision.memory_step, storage_step=decision.storage_step,
-                         reason=decision.reason, generation=generation))
-        self.display.log(f"restoring from {decision.source}: {decision.reason}")
 
     def _on_restoring(self, state: Restoring) -> State:
         start_step, source, peer_fetches = 0, "none", 0
@@ -213,7 +174,8 @@ class Controller:
                                                  exc.failure)  # type: ignore[attr-defined]
                 if fallback is None:
                     raise
-                self._chosen(fallback, state.generation)
+                self.events.emit(fallback.event(state.generation))
+                self.display.log(fallback.message)
         if source == "none" and state.checkpoint is not None:
             start_step, source = self.group.restore(state.checkpoint.path), "storage"
         if source != "none" or state.generation > 0:
@@ -245,7 +207,7 @@ class Controller:
     # ------------------------------------------------------------------ running
 
     def _on_running(self, state: Running) -> State:
-        if self._stop_requested and not self._stop_sent:
+        if self.stop.requested and not self._stop_sent:
             self._stop_sent = True
             self.display.log("stopping after the step in flight and checkpointing it "
                              "(Ctrl-C again to abandon the checkpoint)")
@@ -265,7 +227,7 @@ class Controller:
             return self._on_failure(failure)
         if len(self._done) == self.world_size:
             return self._on_all_done(state)
-        if self._planned is None and not self._stop_requested:
+        if self._planned is None and not self.stop.requested:
             decision = self.scaling.make_decision(now, world_size=self.world_size,
                                                   workers=self.workers, room=self._room)
             if isinstance(decision, ResizeDecision):
@@ -280,7 +242,7 @@ class Controller:
                 self._on_step(report)
         if st.done:
             self._done[rank] = st
-        if st.preempted and not self._stop_requested:
+        if st.preempted and not self.stop.requested:
             self._preempted(rank)
 
     def _on_step(self, r: StepReport) -> None:
@@ -291,22 +253,9 @@ class Controller:
         self._notify("on_step", r)
 
     def _committed(self, commits: list[CommitReport]) -> None:
-        for commit in commits:
-            self.events.emit(ev.CheckpointCommitted(step=commit.step, path=commit.path,
-                             save_s=round(commit.save_s, 3)))
-            self._newest_commit_logged = max(self._newest_commit_logged, commit.step)
+        self.commits.reported(commits)
+        if commits:
             self.scaling.checkpoint_committed()
-
-    def _found_commit(self, checkpoint: CheckpointInfo | None) -> None:
-        """Log a commit that storage holds but no rank reported: rank 0 writes the manifest
-        and reports it at the next poll, so a rank 0 lost in between (its node gone) leaves
-        a committed checkpoint the log would otherwise never name, though the restore uses
-        it. Tune and `stalwart report` learn of checkpoints from this event."""
-        if checkpoint is None or checkpoint.step <= self._newest_commit_logged:
-            return
-        self.events.emit(ev.CheckpointCommitted(step=checkpoint.step, path=checkpoint.path,
-                         save_s=None, found_on_restore=True))
-        self._newest_commit_logged = checkpoint.step
 
     def _last_seen(self, ranks: tuple[int, ...], heartbeat: float | None = None) -> float | None:
         """The moment the failure happened, as well as we know it: an injected fault's own
@@ -321,7 +270,7 @@ class Controller:
             self.events.emit(ev.Finished(step=self.last_step, loss=self.last_loss,
                              val_loss=self.last_val_loss))
             return Finished(step=self.last_step)
-        if self._stop_requested:
+        if self.stop.requested:
             self.events.emit(ev.Stopped(step=self.last_step,
                              kept_unlogged=self.throughput.kept_unlogged(self.last_step)))
             return Stopped(step=self.last_step)

@@ -1,7 +1,7 @@
-"""Reports on a running world: profiler traces, the memory tier's size, stragglers.
+"""Reports on a running world: commits, profiler traces, the memory tier's size, stragglers.
 
-Each is an observer of the controller (orchestrator/observers.py) that writes its own event:
-`profile_saved`, `memory_tier` and `straggler`. Only the straggler reporter answers back:
+Each writes its own event: `checkpoint_committed`, and as observers of the controller
+(orchestrator/observers.py) `profile_saved`, `memory_tier` and `straggler`. Only the straggler reporter answers back:
 with failure.replace_stragglers, a straggler is a failure for the controller to act on.
 """
 
@@ -17,15 +17,43 @@ from stalwart.orchestrator.profiles import save_trace
 from stalwart.orchestrator.stragglers import StragglerDetector
 
 if TYPE_CHECKING:
+    from stalwart.checkpointing.storage.catalog import CheckpointInfo
     from stalwart.config import JobConfig
     from stalwart.orchestrator.observers import Display
     from stalwart.orchestrator.states import Running
     from stalwart.run_dir import EventLog
-    from stalwart.workers.reports import WorkerStatus
+    from stalwart.workers.reports import CommitReport, WorkerStatus
 
 # Steps into a world after which its memory tier holds what it will hold from then on (two
 # snapshots of each shard it keeps, the newest of them replicated): when its size is reported.
 TIER_STEADY_AFTER = 3
+
+
+class CommitLog:
+    """Logs each committed checkpoint once, as `checkpoint_committed`."""
+
+    def __init__(self, events: EventLog, resume_from: CheckpointInfo | None) -> None:
+        self.events = events
+        # The newest step logged (a resume's own step was logged by the run that wrote it).
+        self.newest = resume_from.step if resume_from else -1
+
+    def reported(self, commits: list[CommitReport]) -> None:
+        """Commits rank 0 reported (it commits for everyone)."""
+        for commit in commits:
+            self.events.emit(ev.CheckpointCommitted(step=commit.step, path=commit.path,
+                             save_s=round(commit.save_s, 3)))
+            self.newest = max(self.newest, commit.step)
+
+    def found(self, checkpoint: CheckpointInfo | None) -> None:
+        """A commit that storage holds but no rank reported: rank 0 writes the manifest
+        and reports it at the next poll, so a rank 0 lost in between (its node gone) leaves
+        a committed checkpoint the log would otherwise never name, though the restore uses
+        it. Tune and `stalwart report` learn of checkpoints from this event."""
+        if checkpoint is None or checkpoint.step <= self.newest:
+            return
+        self.events.emit(ev.CheckpointCommitted(step=checkpoint.step, path=checkpoint.path,
+                         save_s=None, found_on_restore=True))
+        self.newest = checkpoint.step
 
 
 class ProfileSaver(ControllerObserver):

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from stalwart import events as ev
 from stalwart.checkpointing.memory.catalog import MemoryChoice, newest_complete
 from stalwart.orchestrator.failures import FailureKind
 
@@ -41,6 +42,16 @@ class RestoreDecision:
     def step(self) -> int | None:
         """The step restored from (None: a fresh start)."""
         return self.memory_step if self.source == "memory" else self.storage_step
+
+    @property
+    def message(self) -> str:
+        return f"restoring from {self.source}: {self.reason}"
+
+    def event(self, generation: int) -> ev.CheckpointChosen:
+        """The `checkpoint_chosen` event: both candidates and why."""
+        return ev.CheckpointChosen(source=self.source, step=self.step,
+                                   memory_step=self.memory_step, storage_step=self.storage_step,
+                                   reason=self.reason, generation=generation)
 
 
 class RestorePolicy:

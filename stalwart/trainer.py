@@ -267,8 +267,9 @@ class Trainer:
         return RunResult(run_dir=self.run_dir.path, state=final.name, step=controller.last_step,
                          loss=controller.last_loss, val_loss=controller.last_val_loss,
                          wall_s=wall_s, reason=reason,
-                         tokens_per_s=(controller.tokens_total / controller.train_time_s
-                                       if controller.train_time_s > 0 else None))
+                         tokens_per_s=(controller.throughput.tokens_total
+                                       / controller.throughput.train_time_s
+                                       if controller.throughput.train_time_s > 0 else None))
 
 
 def draining_nodes() -> set[str]:

@@ -198,7 +198,7 @@ def _commit_checkpoint(storage: Path, step: int) -> None:
 
 def ctrl_c(w: FakeWorld) -> None:
     """What the first Ctrl-C does (the SIGINT handler sets this flag)."""
-    w.controller._stop_requested = True
+    w.controller.stop.requested = True
 
 
 HAPPY = ["SCHEDULING", "RENDEZVOUS", "RESTORING", "RUNNING", "FINISHED"]

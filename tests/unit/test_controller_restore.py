@@ -70,7 +70,7 @@ def test_rows_time_their_window_and_a_restore_reports_the_unlogged_steps_it_keep
     assert first["kept_unlogged"] is None
     assert second["kept_unlogged"] == {"first_step": 5, "last_step": 5, "window_s": 1.0}
     # every second of step time is in a row or in kept_unlogged
-    assert sum(r["window_s"] for r in rows) + 1.0 == pytest.approx(w.controller.train_time_s)
+    assert sum(r["window_s"] for r in rows) + 1.0 == pytest.approx(w.controller.throughput.train_time_s)
 
 
 def test_unlogged_steps_a_restore_rolls_back_are_not_reported_as_kept(

@@ -88,7 +88,8 @@ def test_normal_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert [s for s, rate in w.display.updates if rate is not None] == [2, 4, 6]
     c = w.controller
     assert c.last_step == 6 and c.last_loss == pytest.approx(10.0 / 6)
-    assert c.tokens_total == 6 * TOKENS and c.train_time_s == pytest.approx(5.1)
+    assert c.throughput.tokens_total == 6 * TOKENS
+    assert c.throughput.train_time_s == pytest.approx(5.1)
 
 
 def test_last_step_and_val_loss_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
