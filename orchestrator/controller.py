@@ -72,8 +72,7 @@ class Controller:
         # steps of the same answer, a recovery's `recovered` before the step's metrics row.
         self.observers: list[ControllerObserver] = [
             self.faults, reporting.ProfileSaver(events), reporting.TierReporter(config, events),
-            self.stragglers,
-            self.detector, RecoveryTimer(events), self.throughput, *observers]
+            self.stragglers, self.detector, RecoveryTimer(events), self.throughput, *observers]
         self.state: State = Scheduling(generation=0, since=self.clock.time())
         self.last_step = resume_from.step if resume_from else 0
         self.last_loss: float | None = None

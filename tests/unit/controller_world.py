@@ -21,6 +21,7 @@ from stalwart.config import JobConfig, load_config, parse_fault
 from stalwart.orchestrator import controller as controller_module
 from stalwart.orchestrator.controller import Controller
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
+from stalwart.orchestrator.observers import ControllerObserver
 from stalwart.orchestrator.policies import default_policies
 from stalwart.orchestrator.states import State
 from stalwart.run_dir import EventLog, MetricsLog, read_jsonl
@@ -107,7 +108,8 @@ class FakeWorld:
     def __init__(self, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, plans: list[Plan],
                  overrides: list[str] = (), *, resume_from: CheckpointInfo | None = None,
                  storage: Path | None = None, cluster: list[Actor] | None = None,
-                 faults: list[str] = (), collective_grace_s: float = 3.0) -> None:
+                 faults: list[str] = (), collective_grace_s: float = 3.0,
+                 observers: list[ControllerObserver] = ()) -> None:
         self.plans = plans
         self.calls: list[Call] = []
         self.transitions: list[tuple[str, str]] = []
@@ -136,7 +138,7 @@ class FakeWorld:
             group_error=FakeGroupError, events=EventLog(self.events_path),
             metrics=MetricsLog(self.metrics_path), display=self.display,
             resume_from=resume_from, clock=self.clock, poll_interval_s=0,
-            collective_grace_s=collective_grace_s,
+            collective_grace_s=collective_grace_s, observers=observers,
             policies=default_policies(config, storage_url=str(self.storage),
                                       draining_nodes=lambda: set(self.draining)))
 

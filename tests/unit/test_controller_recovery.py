@@ -9,8 +9,10 @@ import pytest
 
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.checkpointing.storage.layout import join
-from stalwart.orchestrator.failures import FailureKind
-from stalwart.orchestrator.states import Failed, Finished
+from stalwart.orchestrator.failures import FailureKind, WorkerFailure
+from stalwart.orchestrator.observers import ControllerObserver, Restored
+from stalwart.orchestrator.states import Failed, Finished, Running
+from stalwart.workers.reports import StepReport, WorkerStatus
 from tests.unit.controller_world import (
     HAPPY,
     PHASES,
@@ -290,3 +292,61 @@ def test_no_backoff_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     ], ["failure.max_failures=1"])
     assert w.run() == Finished(step=6)
     assert [s for s in w.clock.sleeps if s] == []  # 0: poll pacing
+
+
+class Recorder(ControllerObserver):
+    """An observer passed in: records the hooks the controller calls, in order."""
+
+    def __init__(self) -> None:
+        self.seen: list[str] = []
+
+    def _saw(self, what: str) -> None:
+        if not self.seen or self.seen[-1] != what:  # a poll's ranks and steps: once
+            self.seen.append(what)
+
+    def before_form(self, generation: int, now: float) -> None:
+        self._saw(f"before_form {generation}")
+
+    def after_form(self, generation: int, workers: list, now: float) -> None:
+        self._saw(f"after_form {generation} ({len(workers)} workers)")
+
+    def after_restore(self, restored: Restored, now: float) -> None:
+        self._saw(f"after_restore {restored.source} step {restored.start_step}")
+
+    def after_launch(self, generation: int, world_size: int, now: float) -> None:
+        self._saw(f"after_launch {generation}")
+
+    def on_status(self, rank: int, status: WorkerStatus, now: float) -> None:
+        self._saw("on_status")
+
+    def on_step(self, report: StepReport) -> None:
+        self._saw("on_step")
+
+    def after_poll(self, state: Running, last_step: int, now: float) -> None:
+        self._saw("after_poll")
+
+    def before_recovery(self, failure: WorkerFailure) -> None:
+        self._saw(f"before_recovery {failure.kind.value}")
+
+    def after_recovery_teardown(self, survivor_steps: list[int], now: float) -> None:
+        self._saw(f"after_recovery_teardown {survivor_steps}")
+
+
+def test_an_observer_passed_in_sees_the_transitions_and_reports_in_order(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    recorder = Recorder()
+    storage = tmp_path / "checkpoints"
+    _commit_checkpoint(storage, 2)
+    w = FakeWorld(tmp_path, monkeypatch, [
+        Plan(polls=[statuses([1, 2], commits=[2]), Poll([status(0)], dead=[1])]),
+        Plan(polls=[statuses([3, 4, 5, 6], done=True, t0=T1)]),
+    ], ["failure.max_failures=1", "checkpoint.snapshot_every=0"], storage=storage,
+        observers=[recorder])
+    assert w.run() == Finished(step=6)
+    assert recorder.seen == [
+        "before_form 0", "after_form 0 (2 workers)", "after_restore none step 0",
+        "after_launch 0", "on_status", "on_step", "on_status", "after_poll",
+        "on_status", "after_poll",  # rank 1 found dead
+        "before_recovery worker_died", "after_recovery_teardown [2]",
+        "before_form 1", "after_form 1 (2 workers)", "after_restore storage step 2",
+        "after_launch 1", "on_status", "on_step", "on_status", "after_poll"]
