@@ -19,11 +19,12 @@ from stalwart import events as ev
 from stalwart.checkpointing.storage.catalog import CheckpointInfo, newest_valid
 from stalwart.orchestrator import reporting
 from stalwart.orchestrator.accounting import RecoveryTimer, Throughput
+from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.detection import FailureDetector
 from stalwart.orchestrator.failures import FailDecision, WorkerFailure
 from stalwart.orchestrator.fault_watch import FaultWatch
 from stalwart.orchestrator.interrupt import StopRequest
-from stalwart.orchestrator.observers import Clock, ControllerObserver, Display, Restored
+from stalwart.orchestrator.observers import ControllerObserver, Display, Restored
 from stalwart.orchestrator.scaling import FormDecision, GiveUpDecision, ResizeDecision, WaitDecision
 from stalwart.orchestrator.states import (
     Failed,

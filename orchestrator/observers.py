@@ -1,14 +1,14 @@
-"""What watches the controller: a typed observer interface with no-op hooks, and the clock.
+"""What watches the controller: a typed observer interface with no-op hooks.
 
 The controller decides; observers keep accounts and report (orchestrator/accounting.py,
 orchestrator/reporting.py, orchestrator/detection.py, orchestrator/fault_watch.py). Each hook
 is called at one point of a transition or of a poll, in the order the observers were given,
-so the events they write keep one order. A hook never changes what the controller decides.
+so the events they write keep one order. Hooks return nothing; the controller asks the
+few observers it needs an answer from (failure detector, straggler reporter) directly.
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -16,16 +16,6 @@ if TYPE_CHECKING:
     from stalwart.orchestrator.failures import WorkerFailure
     from stalwart.orchestrator.states import Running
     from stalwart.workers.reports import StepReport, WorkerStatus
-
-
-class Clock:
-    """The controller's time (time.time) and its pauses; tests pass a fake one."""
-
-    def time(self) -> float:
-        return time.time()
-
-    def sleep(self, seconds: float) -> None:
-        time.sleep(seconds)
 
 
 class Display(Protocol):

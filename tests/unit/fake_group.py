@@ -26,9 +26,9 @@ from stalwart.checkpointing.memory.catalog import MemoryChoice
 from stalwart.checkpointing.memory.store import Holding, Inventory
 from stalwart.checkpointing.snapshot import Layout
 from stalwart.errors import ConfigError
+from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.group import WorkerGroup
-from stalwart.orchestrator.observers import Clock
 from stalwart.workers.reports import WorkerStatus
 
 if TYPE_CHECKING:
