@@ -25,10 +25,6 @@ class FailureKind(StrEnum):
     STRAGGLER = "straggler"
     """A rank stayed slower than its peers (failure.replace_stragglers)."""
 
-    @property
-    def retryable(self) -> bool:
-        return self is not FailureKind.USER_ERROR
-
 
 @dataclass(frozen=True)
 class WorkerFailure:

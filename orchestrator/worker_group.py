@@ -34,6 +34,7 @@ from stalwart.checkpointing.memory.store import Inventory
 from stalwart.config import JobConfig
 from stalwart.errors import ConfigError
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
+from stalwart.orchestrator.group import WorkerGroup
 from stalwart.workers.actor import TrainWorker
 from stalwart.workers.reports import CommitReport, WorkerStatus
 
@@ -104,7 +105,7 @@ def valid_world_sizes(config: JobConfig, up_to: int) -> list[int]:
     return out
 
 
-class ElasticGroup:
+class ElasticGroup(WorkerGroup):
     # How long a survivor may take to unwind its training thread and leave its world.
     LEAVE_TIMEOUT_S = 10.0
 

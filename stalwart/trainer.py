@@ -32,6 +32,7 @@ from stalwart.config import JobConfig, load_config
 from stalwart.errors import ClusterError, ConfigError, RunDirError
 from stalwart.integrations.tensorboard import tensorboard_callbacks
 from stalwart.orchestrator.controller import Controller
+from stalwart.orchestrator.policies import default_policies
 from stalwart.orchestrator.states import Failed, Finished, State, Stopped
 from stalwart.parallel.dims import ParallelDims
 from stalwart.run_dir import RunDir
@@ -236,7 +237,8 @@ class Trainer:
                 group=ElasticGroup(self.config, storage_url, runtime_env=runtime_env),
                 group_error=GroupFailed, events=self.run_dir.events,
                 metrics=self.run_dir.metrics, display=display, resume_from=resume_from,
-                draining_nodes=draining_nodes)
+                policies=default_policies(self.config, storage_url=storage_url,
+                                          draining_nodes=draining_nodes))
             try:
                 final = controller.run()
             except BaseException as exc:  # a second Ctrl-C; Tune stopping a trial; a callback
@@ -265,8 +267,9 @@ class Trainer:
         return RunResult(run_dir=self.run_dir.path, state=final.name, step=controller.last_step,
                          loss=controller.last_loss, val_loss=controller.last_val_loss,
                          wall_s=wall_s, reason=reason,
-                         tokens_per_s=(controller.tokens_total / controller.train_time_s
-                                       if controller.train_time_s > 0 else None))
+                         tokens_per_s=(controller.throughput.tokens_total
+                                       / controller.throughput.train_time_s
+                                       if controller.throughput.train_time_s > 0 else None))
 
 
 def draining_nodes() -> set[str]:

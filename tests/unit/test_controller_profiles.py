@@ -1,6 +1,6 @@
 """The controller writes the profiler traces that ranks hand back in their polls into the run
 dir (beside events.jsonl) and logs each as `profile_saved`; driven by the fake worker group of
-test_controller.py."""
+tests/unit/controller_world.py."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import pytest
 
 from stalwart.orchestrator.states import Finished
 from stalwart.workers.reports import ProfileReport, WorkerStatus
-from tests.unit.test_controller import FakeWorld, Plan, statuses
-from tests.unit.test_controller import no_poll_sleep as no_poll_sleep  # autouse fixture
+from tests.unit.controller_world import FakeWorld, statuses
+from tests.unit.fake_group import Plan
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -20,8 +20,12 @@ def failure(kind: FailureKind = FailureKind.WORKER_DIED, rank: int | None = 1) -
                          detected_at=0.0)
 
 
-def test_only_user_errors_are_not_retryable_by_kind() -> None:
-    assert {k for k in FailureKind if not k.retryable} == {FailureKind.USER_ERROR}
+def test_only_user_errors_are_not_retried_by_kind() -> None:
+    """Within the budget, the policy retries every kind of failure but the task's own
+    exceptions (failure.retry_user_errors=false by default)."""
+    not_retried = {k for k in FailureKind
+                   if isinstance(FailurePolicy(10).make_decision(failure(k)), FailDecision)}
+    assert not_retried == {FailureKind.USER_ERROR}
 
 
 @pytest.mark.parametrize(("rank", "ranks", "expected"), [

@@ -1,0 +1,93 @@
+"""Finding the failure to act on in a poll's answers: deaths, hangs, exceptions, collectives.
+
+An observer of the controller (it keeps the hang detector's heartbeats) that the controller
+asks once per poll. A dead rank outranks a silent one, which outranks an exception, which
+outranks a failed collective (that is a symptom of the others).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from stalwart.orchestrator.failures import FailureKind, WorkerFailure
+from stalwart.orchestrator.health import HangDetector
+from stalwart.orchestrator.observers import ControllerObserver
+
+if TYPE_CHECKING:
+    from stalwart.config import JobConfig
+    from stalwart.workers.reports import StepReport, WorkerStatus
+
+LastSeen = Callable[..., "float | None"]
+
+
+class FailureDetector(ControllerObserver):
+    def __init__(self, config: JobConfig, *, collective_grace_s: float,
+                 nodes_alive: Callable[[set[str]], bool]) -> None:
+        fc = config.failure
+        self.hangs = HangDetector(floor_s=fc.hang_timeout_floor_s, factor=fc.hang_factor,
+                                  start_timeout_s=config.scaling.start_timeout_s)
+        # A failed collective means some peer failed: give its death this long to show up,
+        # so the rank that died is blamed (and replaced) rather than the ranks that noticed.
+        self.collective_grace_s = collective_grace_s
+        self.nodes_alive = nodes_alive
+        self.workers: list[dict[str, Any]] = []
+        self._collective_error_since: float | None = None
+
+    def after_form(self, generation: int, workers: list[dict[str, Any]], now: float) -> None:
+        self.workers = workers
+
+    def after_launch(self, generation: int, world_size: int, now: float) -> None:
+        self.hangs.reset(range(world_size), now)
+        self._collective_error_since = None
+
+    def on_step(self, report: StepReport) -> None:
+        self.hangs.step_time(report.step_time_s)
+
+    def on_status(self, rank: int, status: WorkerStatus, now: float) -> None:
+        self.hangs.answered(rank, now, progressed=bool(status.steps or status.commits))
+        if status.done:
+            self.hangs.finished(rank)  # done ranks wait for their peers: not a stall
+
+    def find(self, answered: dict[int, WorkerStatus], dead: list[WorkerFailure], now: float,
+             last_seen: LastSeen) -> WorkerFailure | None:
+        """The failure to act on, if any (last_seen(ranks, heartbeat=None): when it began)."""
+        if dead:
+            ranks = tuple(sorted({r for f in dead for r in f.failed_ranks}))
+            first = dead[0]
+            node_ids = {self.workers[r]["node_id"] for r in ranks if r < len(self.workers)}
+            lost_node = not self.nodes_alive(node_ids)
+            return WorkerFailure(
+                kind=FailureKind.NODE_DIED if lost_node else FailureKind.WORKER_DIED,
+                rank=ranks[0], ranks=ranks, message=first.message if len(dead) == 1 else
+                f"worker ranks {list(ranks)} died (node(s) {sorted(node_ids)}): {first.message}",
+                detected_at=now, last_seen=last_seen(ranks))
+        hang = self.hangs.check(now)
+        if hang is not None:
+            blame = () if hang.answering else hang.ranks
+            what = ("no rank completed a step" if hang.answering else
+                    f"worker rank(s) {list(hang.ranks)} stopped answering")
+            return WorkerFailure(
+                kind=FailureKind.HANG, rank=blame[0] if blame else None, ranks=blame,
+                message=f"hang: {what} for {hang.silent_s:.1f}s (limit {hang.limit_s:.1f}s = "
+                        f"max(failure.hang_timeout_floor_s, failure.hang_factor x median "
+                        f"step time))",
+                detected_at=now, last_seen=last_seen(hang.ranks, hang.last_heartbeat))
+        errors = {r: st for r, st in answered.items() if st.error is not None}
+        user = {r: st for r, st in errors.items() if st.error_kind != "collective"}
+        if user:
+            rank, st = min(user.items())
+            # The rank that raised is replaced: its peers are stuck in the next collective
+            # waiting for it, and only its exit releases them.
+            return WorkerFailure(kind=FailureKind.USER_ERROR, rank=rank, ranks=(rank,),
+                                 message=st.error or "", detected_at=now,
+                                 last_seen=last_seen((rank,)))
+        if errors:
+            self._collective_error_since = self._collective_error_since or now
+            if now - self._collective_error_since >= self.collective_grace_s:
+                rank, st = min(errors.items())
+                return WorkerFailure(kind=FailureKind.COLLECTIVE_ERROR, rank=None,
+                                     message=f"worker rank {rank}: a collective failed with "
+                                             f"no rank to blame:\n{st.error}",
+                                     detected_at=now, last_seen=last_seen(()))
+        return None

@@ -1,0 +1,103 @@
+"""The worker group's interface: what the controller asks of the run's workers.
+
+An abstract base class rather than a Protocol, so that every implementation (ElasticGroup on
+Ray, the tests' fake group) breaks at once when a method changes. One group lives across
+every generation of the world; a method that finds a worker failed raises the group's error
+(the controller's `group_error`), which carries a WorkerFailure.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from stalwart.checkpointing.memory.catalog import MemoryChoice
+    from stalwart.checkpointing.memory.store import Inventory
+    from stalwart.orchestrator.failures import WorkerFailure
+    from stalwart.workers.reports import CommitReport, WorkerStatus
+
+# Given the new world's workers (rank order), the faults each rank must carry out.
+Arm = Callable[[list[dict[str, Any]]], dict[int, list[tuple[int, str, str]]]]
+
+
+class WorkerGroup(ABC):
+    """The run's workers across generations (orchestrator/worker_group.py: ElasticGroup)."""
+
+    driver_node_id: str
+    """Ray's id of the driver's node (node 0 when faults are numbered by node)."""
+
+    # -- the pool of actors
+    @abstractmethod
+    def top_up(self) -> None:
+        """Ask Ray for actors up to scaling.ceiling plus the warm spares."""
+
+    @abstractmethod
+    def refresh(self, timeout: float = 0.0) -> None:
+        """Collect actors that finished warming up, waiting up to `timeout` seconds."""
+
+    @abstractmethod
+    def placed_starting(self) -> int:
+        """Actors Ray has placed that are still warming up."""
+
+    @abstractmethod
+    def available(self) -> int:
+        """Warm actors: members and idle."""
+
+    @abstractmethod
+    def best_world(self, up_to: int | None = None) -> int:
+        """The largest valid world the warm actors can form (0: none)."""
+
+    @abstractmethod
+    def nodes_alive(self, node_ids: set[str]) -> bool:
+        """Whether every one of these nodes is alive."""
+
+    # -- one generation of the world
+    @abstractmethod
+    def form(self, world_size: int, generation: int, arm: Arm) -> list[dict[str, Any]]:
+        """Form a world (survivors first); returns its workers (pid, node_ip, node_id, rank)."""
+
+    @abstractmethod
+    def restore(self, path: str) -> int:
+        """Load a storage checkpoint on every rank; returns its step."""
+
+    @abstractmethod
+    def memory_inventory(self) -> dict[str, Inventory]:
+        """What each warm actor's memory tier holds."""
+
+    @abstractmethod
+    def restore_memory(self, choice: MemoryChoice) -> tuple[int, list[list[int]]]:
+        """Load a step from the memory tier: (step, shards each rank fetched from peers)."""
+
+    @abstractmethod
+    def finish_restore(self) -> None:
+        """Stage the restored step in this world; drop older worlds' snapshots."""
+
+    @abstractmethod
+    def launch(self) -> None:
+        """Start the training loops."""
+
+    @abstractmethod
+    def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
+        """Each answering rank's status, and the ranks found dead."""
+
+    @abstractmethod
+    def ack_faults(self, rank: int) -> None:
+        """Tell a rank its fired faults were heard."""
+
+    @abstractmethod
+    def request_stop(self) -> None:
+        """Every rank stops after the same step and checkpoints it."""
+
+    @abstractmethod
+    def remove(self, ranks: tuple[int, ...]) -> None:
+        """Kill these ranks' actors."""
+
+    @abstractmethod
+    def disband(self) -> tuple[list[int], list[CommitReport]]:
+        """Survivors leave their world: (their engine steps, commits not yet reported)."""
+
+    @abstractmethod
+    def shutdown(self, *, graceful: bool) -> None:
+        """End every actor (graceful: let them finish their checkpoints)."""

@@ -1,0 +1,141 @@
+"""Reports on a running world: commits, profiler traces, the memory tier's size, stragglers.
+
+Each writes its own event: `checkpoint_committed`, and as observers of the controller
+(orchestrator/observers.py) `profile_saved`, `memory_tier` and `straggler`. Only the straggler reporter answers back:
+with failure.replace_stragglers, a straggler is a failure for the controller to act on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from stalwart import events as ev
+from stalwart.orchestrator.failures import FailureKind, WorkerFailure
+from stalwart.orchestrator.observers import ControllerObserver
+from stalwart.orchestrator.profiles import save_trace
+from stalwart.orchestrator.stragglers import StragglerDetector
+
+if TYPE_CHECKING:
+    from stalwart.checkpointing.storage.catalog import CheckpointInfo
+    from stalwart.config import JobConfig
+    from stalwart.orchestrator.observers import Display
+    from stalwart.orchestrator.states import Running
+    from stalwart.run_dir import EventLog
+    from stalwart.workers.reports import CommitReport, WorkerStatus
+
+# Steps into a world after which its memory tier holds what it will hold from then on (two
+# snapshots of each shard it keeps, the newest of them replicated): when its size is reported.
+TIER_STEADY_AFTER = 3
+
+
+class CommitLog:
+    """Logs each committed checkpoint once, as `checkpoint_committed`."""
+
+    def __init__(self, events: EventLog, resume_from: CheckpointInfo | None) -> None:
+        self.events = events
+        # The newest step logged (a resume's own step was logged by the run that wrote it).
+        self.newest = resume_from.step if resume_from else -1
+
+    def reported(self, commits: list[CommitReport]) -> None:
+        """Commits rank 0 reported (it commits for everyone)."""
+        for commit in commits:
+            self.events.emit(ev.CheckpointCommitted(step=commit.step, path=commit.path,
+                             save_s=round(commit.save_s, 3)))
+            self.newest = max(self.newest, commit.step)
+
+    def found(self, checkpoint: CheckpointInfo | None) -> None:
+        """A commit that storage holds but no rank reported: rank 0 writes the manifest
+        and reports it at the next poll, so a rank 0 lost in between (its node gone) leaves
+        a committed checkpoint the log would otherwise never name, though the restore uses
+        it. Tune and `stalwart report` learn of checkpoints from this event."""
+        if checkpoint is None or checkpoint.step <= self.newest:
+            return
+        self.events.emit(ev.CheckpointCommitted(step=checkpoint.step, path=checkpoint.path,
+                         save_s=None, found_on_restore=True))
+        self.newest = checkpoint.step
+
+
+class ProfileSaver(ControllerObserver):
+    """Writes each rank's profiler trace into the run dir (where events.jsonl is)."""
+
+    def __init__(self, events: EventLog) -> None:
+        self.events = events
+
+    def on_status(self, rank: int, status: WorkerStatus, now: float) -> None:
+        for trace in status.profiles:  # every rank traces its own part of the steps
+            path = save_trace(self.events.path.parent / "profile", trace)
+            self.events.emit(ev.ProfileSaved(rank=trace.rank, steps=list(trace.steps),
+                             path=str(path.resolve()), generation=trace.generation,
+                             export_s=round(trace.export_s, 3)))
+
+
+class TierReporter(ControllerObserver):
+    """Once per world, when every rank has reported after the world's first few snapshots
+    (two of its own and its peers' copies held): the memory tier's size."""
+
+    def __init__(self, config: JobConfig, events: EventLog) -> None:
+        self.checkpoint = config.checkpoint
+        self.events = events
+        self.world_size = 0
+        self._reported = -1  # the generation whose memory-tier size was last reported
+        self._bytes: dict[int, int] = {}
+
+    def after_launch(self, generation: int, world_size: int, now: float) -> None:
+        self.world_size, self._bytes = world_size, {}
+
+    def on_status(self, rank: int, status: WorkerStatus, now: float) -> None:
+        if status.snapshot_bytes:
+            self._bytes[rank] = max(status.snapshot_bytes, self._bytes.get(rank, 0))
+
+    def after_poll(self, state: Running, last_step: int, now: float) -> None:
+        if self._reported == state.generation or len(self._bytes) < self.world_size \
+                or last_step < state.start_step + TIER_STEADY_AFTER:
+            return
+        self._reported = state.generation
+        ck = self.checkpoint
+        self.events.emit(ev.MemoryTier(generation=state.generation,
+                         bytes_per_worker=max(self._bytes.values()),
+                         bytes_total=sum(self._bytes.values()),
+                         snapshot_every=ck.snapshot_every, replicas=ck.replicas))
+
+
+class StragglerReporter(ControllerObserver):
+    """Reports each new straggler; with failure.replace_stragglers, the first is a failure."""
+
+    def __init__(self, config: JobConfig, events: EventLog, display: Display) -> None:
+        fc = config.failure
+        self.detector = StragglerDetector(fc.straggler_factor, fc.straggler_steps)
+        self.replace = fc.replace_stragglers
+        self.events = events
+        self.display = display
+        self.workers: list[dict[str, Any]] = []
+
+    def after_form(self, generation: int, workers: list[dict[str, Any]], now: float) -> None:
+        self.workers = workers
+
+    def after_launch(self, generation: int, world_size: int, now: float) -> None:
+        self.detector.reset(world_size)
+
+    def on_status(self, rank: int, status: WorkerStatus, now: float) -> None:
+        for report in status.steps:
+            self.detector.observe(rank, report.step, report.local_s)
+
+    def check(self, now: float, last_seen: Callable[[tuple[int, ...]], float | None]
+              ) -> WorkerFailure | None:
+        for s in self.detector.check():
+            worker = self.workers[s.rank] if s.rank < len(self.workers) else {}
+            self.events.emit(ev.Straggler(rank=s.rank, node_ip=worker.get("node_ip"),
+                             step=s.step, local_s=round(s.local_s, 4),
+                             peers_median_s=round(s.peers_median_s, 4),
+                             ratio=round(s.ratio, 2), steps=s.steps, replaced=self.replace))
+            self.display.log(f"rank {s.rank} is a straggler: {s.ratio:.1f}x its peers' local "
+                             f"time per step for {s.steps} steps")
+            if self.replace:
+                return WorkerFailure(
+                    kind=FailureKind.STRAGGLER, rank=s.rank, ranks=(s.rank,), detected_at=now,
+                    message=f"rank {s.rank} took {s.ratio:.1f}x its peers' median local time "
+                            f"per step for {s.steps} steps (failure.straggler_factor="
+                            f"{self.detector.factor:g}, failure.replace_stragglers=true)",
+                    last_seen=last_seen((s.rank,)))
+        return None

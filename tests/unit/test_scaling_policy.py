@@ -1,0 +1,150 @@
+"""ScalingPolicy on its own: the size to wait for, form / wait / give up, and the planned
+resizes of a running world (drain, grow, preemption), as plain decisions."""
+
+from __future__ import annotations
+
+import pytest
+
+from stalwart.config import load_config
+from stalwart.orchestrator.scaling import (
+    FormDecision,
+    GiveUpDecision,
+    NoopDecision,
+    ResizeDecision,
+    ScalingPolicy,
+    WaitDecision,
+)
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+class Pool:
+    """What the policy reads of a worker group between worlds (a pure unit test's stub)."""
+
+    def __init__(self, best: int, placed: int = 0, available: int | None = None) -> None:
+        self.best, self.placed = best, placed
+        self.warm = best if available is None else available
+
+    def best_world(self, up_to: int | None = None) -> int:
+        return self.best
+
+    def placed_starting(self) -> int:
+        return self.placed
+
+    def available(self) -> int:
+        return self.warm
+
+
+def policy(*overrides: str, draining: set[str] = frozenset()) -> ScalingPolicy:
+    config = load_config(None, ["scaling.num_workers=4", "train.micro_batch_size=1",
+                                "train.global_batch_size=840", *overrides])
+    return ScalingPolicy(config.scaling, storage_url="/ckpt", draining_nodes=lambda: draining)
+
+
+def test_waits_for_the_size_it_had_never_below_the_floor() -> None:
+    p = policy("scaling.min_workers=2", "scaling.max_workers=8")
+    assert p.target(0) == 4  # the first world: num_workers
+    assert p.target(6) == 6  # back to the size the run had
+    assert p.target(1) == 2  # never below min_workers
+
+
+def test_forms_at_once_when_the_target_is_warm() -> None:
+    assert policy().schedule(Pool(best=4), generation=0, world_size=0, waited=0.0) == \
+        FormDecision(world_size=4)
+
+
+def test_forms_smaller_only_when_nothing_placed_is_still_coming() -> None:
+    p = policy("scaling.min_workers=2", "scaling.start_timeout_s=10")
+    # two more are placed and warming up: wait for them
+    assert p.schedule(Pool(best=2, placed=2), generation=1, world_size=4,
+                      waited=5.0) == WaitDecision()
+    # nothing placed is coming: form what there is
+    assert p.schedule(Pool(best=2, placed=0), generation=1, world_size=4,
+                      waited=0.0) == FormDecision(world_size=2)
+    # placed ones that take longer than start_timeout_s are not waited for
+    assert p.schedule(Pool(best=2, placed=2), generation=1, world_size=4,
+                      waited=10.5) == FormDecision(world_size=2)
+
+
+@pytest.mark.parametrize(("generation", "key", "limit"), [
+    (0, "start_timeout_s", 2.0), (3, "wait_for_workers_s", 5.0)])
+def test_gives_up_below_the_floor_after_its_limit(generation: int, key: str,
+                                                  limit: float) -> None:
+    p = policy("scaling.min_workers=3", "scaling.start_timeout_s=2",
+               "scaling.wait_for_workers_s=5")
+    pool = Pool(best=2, available=2)
+    assert p.schedule(pool, generation=generation, world_size=4, waited=limit) == \
+        WaitDecision()
+    assert p.schedule(pool, generation=generation, world_size=4, waited=limit + 0.5) == \
+        GiveUpDecision(reason=f"only 2 workers could be started, scaling.min_workers=3 are "
+                              f"needed; waited {limit + 0.5:.1f}s (scaling.{key}={limit:g}); "
+                              f"checkpoints are intact under /ckpt")
+
+
+def test_give_up_names_num_workers_when_there_is_no_min_workers() -> None:
+    decision = policy().schedule(Pool(best=0, available=1), generation=0, world_size=0,
+                                 waited=1000.0)
+    assert isinstance(decision, GiveUpDecision)
+    assert "scaling.num_workers=4 (no scaling.min_workers set) are needed" in decision.reason
+
+
+def test_resize_reason() -> None:
+    grow = ResizeDecision(reason="grow")
+    assert ScalingPolicy.resize_reason(0, 4, None) is None  # the first world
+    assert ScalingPolicy.resize_reason(4, 4, None) is None
+    assert ScalingPolicy.resize_reason(4, 2, None) == "shrink"
+    assert ScalingPolicy.resize_reason(2, 4, None) == "grow"
+    # a planned resize names its reason, also when the world comes back the same size
+    assert ScalingPolicy.resize_reason(4, 4, ResizeDecision(reason="drain")) == "drain"
+    assert ScalingPolicy.resize_reason(2, 4, grow) == "grow"
+
+
+WORKERS = [{"node_id": "a"}, {"node_id": "b"}, {"node_id": "b"}, {"node_id": "c"}]
+
+
+def test_checks_only_every_resize_check_s_or_after_a_commit() -> None:
+    p = policy("scaling.max_workers=8", "scaling.resize_check_s=10")
+    asked: list[int] = []
+
+    def room() -> int:
+        asked.append(1)
+        return 4
+
+    p.world_started(100.0)
+    assert p.make_decision(105.0, world_size=4, workers=WORKERS, room=room) == NoopDecision()
+    assert asked == []  # too early: the cluster is not asked
+    assert p.make_decision(110.0, world_size=4, workers=WORKERS, room=room) == NoopDecision()
+    assert asked == [1]
+    assert p.make_decision(111.0, world_size=4, workers=WORKERS, room=room) == NoopDecision()
+    assert asked == [1]
+    p.checkpoint_committed()  # a checkpoint boundary: look now
+    assert p.make_decision(112.0, world_size=4, workers=WORKERS, room=lambda: 6) == \
+        ResizeDecision(reason="grow")
+
+
+def test_no_growing_at_the_ceiling() -> None:
+    p = policy()  # max_workers unset: num_workers is the ceiling
+    assert p.make_decision(0.0, world_size=4, workers=WORKERS,
+                           room=lambda: pytest.fail("asked for room")) == NoopDecision()
+
+
+def test_ranks_on_a_draining_node_leave_before_any_growing() -> None:
+    p = policy("scaling.max_workers=8", draining={"b"})
+    decision = p.make_decision(0.0, world_size=4, workers=WORKERS, room=lambda: 8)
+    assert decision == ResizeDecision(reason="drain", leaving=(1, 2))
+    assert decision.message == ("planned resize (drain, rank(s) [1, 2] leaving): "
+                                "checkpointing the next step")
+    assert ResizeDecision(reason="grow").message == \
+        "planned resize (grow, room for more workers): checkpointing the next step"
+
+
+def test_every_preempted_rank_leaves() -> None:
+    first = ScalingPolicy.preempted(None, 2)
+    assert first == ResizeDecision(reason="preempted", leaving=(2,))
+    assert ScalingPolicy.preempted(first, 2) is first
+    assert ScalingPolicy.preempted(first, 0) == ResizeDecision(reason="preempted",
+                                                               leaving=(2, 0))
+    # preempted during a planned drain: the drain's ranks leave too, as a preemption
+    drain = ResizeDecision(reason="drain", leaving=(1,))
+    assert ScalingPolicy.preempted(drain, 3) == ResizeDecision(reason="preempted",
+                                                               leaving=(1, 3))
