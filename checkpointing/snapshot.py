@@ -3,7 +3,7 @@
 A shard is described once by DCP's own save planner (the WriteItems a `dcp.save` of this
 rank would write, with each tensor's chunk of the global tensor), so a snapshot can be read
 back through DCP and resharded to any world, exactly like a storage checkpoint. Its tensors
-live back to back in one flat uint8 buffer (`Layout.tensors` says where), which is at once
+live back to back in one flat uint8 buffer (`ShardLayout.slots` says where), which is at once
 the staged copy, the payload sent to peers and what the storage tier persists. Its
 non-tensor leaves (LR schedule, step, data position, optimizer hyperparameters) are kept as
 plain values by their flattened DCP name.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import pickle
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ class TensorSlot:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ShardLayout:
     """What one rank's shard holds, in DCP's terms, and where each tensor sits in the buffer."""
 
     items: tuple[WriteItem, ...]
@@ -62,7 +61,7 @@ class Shard:
     """One rank's staged state at one step."""
 
     step: int
-    layout: Layout
+    layout: ShardLayout
     buffer: torch.Tensor
     """uint8, layout.nbytes long (pinned CPU memory when training on a GPU)."""
     values: dict[str, Any] = field(default_factory=dict)
@@ -79,15 +78,12 @@ class Shard:
             self.ready_event.synchronize()
             self.ready_event = None
 
-    def pack_values(self) -> bytes:
-        return pickle.dumps(self.values, protocol=pickle.HIGHEST_PROTOCOL)
-
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def build_layout(state_dict: dict[str, Any]) -> tuple[Layout, list[tuple[TensorSlot,
+def build_layout(state_dict: dict[str, Any]) -> tuple[ShardLayout, list[tuple[TensorSlot,
                                                                           torch.Tensor]]]:
     """Describe a rank's state dict as DCP would save it; also return each tensor slot's source.
 
@@ -117,7 +113,7 @@ def build_layout(state_dict: dict[str, Any]) -> tuple[Layout, list[tuple[TensorS
         slots[item.index] = slot
         sources.append((slot, src))
         offset += nbytes
-    layout = Layout(items=tuple(plan.items), slots=slots, planner_data=dict(plan.planner_data),
+    layout = ShardLayout(items=tuple(plan.items), slots=slots, planner_data=dict(plan.planner_data),
                     nbytes=offset, key=digest.hexdigest()[:16])
     return layout, sources
 
@@ -132,13 +128,13 @@ class SnapshotStager:
     def __init__(self, *, state_dict: Callable[[], dict[str, Any]],
                  scalar_state: Callable[[], dict[str, Any]],
                  signature: Callable[[], Any], device: torch.device,
-                 on_layout: Callable[[Layout], None] | None = None) -> None:
+                 on_layout: Callable[[ShardLayout], None] | None = None) -> None:
         self._state_dict = state_dict
         self._on_layout = on_layout  # told of each new layout before its buffers exist
         self._scalar_state = scalar_state
         self._signature = signature
         self.device = device
-        self.layout: Layout | None = None
+        self.layout: ShardLayout | None = None
         self._sources: list[tuple[TensorSlot, torch.Tensor]] = []
         self._constant_values: dict[str, Any] = {}
         self._sig: Any = None

@@ -27,12 +27,12 @@ import numpy as np
 import torch
 
 from stalwart.checkpointing.memory.store import Inventory
-from stalwart.checkpointing.memory.tier import Engine, MemoryTier
-from stalwart.checkpointing.snapshot import Layout
+from stalwart.checkpointing.memory.tier import MemoryTier, StateAccess
+from stalwart.checkpointing.snapshot import ShardLayout
 from stalwart.checkpointing.storage.writer import StorageCheckpointer
 from stalwart.config import JobConfig, config_from_dict
 from stalwart.parallel.distributed import (
-    Rendezvous,
+    RendezvousAddress,
     abort_process_groups,
     destroy_process_group,
     forget_dtensor_caches,
@@ -164,11 +164,11 @@ class TrainWorker:
             announce_name(repr(self))  # warm: a spare until it joins a world
         return self.describe()
 
-    def rendezvous_address(self) -> Rendezvous:
+    def rendezvous_address(self) -> RendezvousAddress:
         """Called on the next rank 0 only: this node's address and a port free on it now."""
         import ray
 
-        return Rendezvous(host=ray.util.get_node_ip_address(), port=free_port())
+        return RendezvousAddress(host=ray.util.get_node_ip_address(), port=free_port())
 
     def describe(self) -> dict[str, Any]:
         """Where this worker runs, for the event log, fault injection and tests that kill it."""
@@ -177,7 +177,7 @@ class TrainWorker:
         return {"rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
                 "node_id": ray.get_runtime_context().get_node_id()}
 
-    def setup(self, rank: int, world_size: int, rdzv: Rendezvous, generation: int,
+    def setup(self, rank: int, world_size: int, rdzv: RendezvousAddress, generation: int,
               faults: list[tuple[int, str, str]], nodes: list[str]) -> None:
         """Join generation `generation`'s process group, then build the model and optimizer.
 
@@ -211,7 +211,7 @@ class TrainWorker:
                            replicas=ck.replicas, limit_gb=ck.memory_limit_gb,
                            replica_class=[dims.replica_class(r) for r in range(world_size)])
 
-    def _engine_view(self) -> Engine:
+    def _engine_view(self) -> StateAccess:
         assert self.engine is not None
         return self.engine.tier_view()
 
@@ -233,7 +233,7 @@ class TrainWorker:
         self.engine.load_state_dict(state)
         return self.engine.step
 
-    def restore_memory(self, generation: int, step: int, layouts: dict[int, Layout],
+    def restore_memory(self, generation: int, step: int, layouts: dict[int, ShardLayout],
                        sources: dict[int, Any]) -> dict[str, Any]:
         """Load step `step` of generation `generation` from the memory tier, resharded to
         this world. `sources` maps each source rank to an ObjectRef of its exported shard;

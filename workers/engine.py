@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from stalwart.checkpointing.memory.tier import Engine
+from stalwart.checkpointing.memory.tier import StateAccess
 from stalwart.parallel.data_parallel import gradient_sync
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
 from stalwart.parallel.grad_norm import clip_grad_norm
@@ -240,9 +240,9 @@ class TrainEngine:
                     sig.append(local.data_ptr())
         return tuple(sig)
 
-    def tier_view(self) -> Engine:
+    def tier_view(self) -> StateAccess:
         """This engine as the in-memory checkpoint tier sees it."""
-        return Engine(state_dict=self.state_dict, scalar_state=self.scalar_state,
+        return StateAccess(state_dict=self.state_dict, scalar_state=self.scalar_state,
                       signature=self.state_signature, load_state_dict=self.load_state_dict,
                       device=self.device)
 

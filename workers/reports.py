@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stalwart.checkpointing.storage.writer import CommitReport
 from stalwart.workers.faults import FaultFired
 
 
@@ -26,16 +27,6 @@ class StepReport:
     local_s: float = 0.0
     """Seconds of this rank's own work before its first gradient synchronisation (what a
     straggler takes longer for; see orchestrator/stragglers.py)."""
-
-
-@dataclass(frozen=True)
-class CommitReport:
-    """A storage checkpoint is complete and visible (its manifest is written)."""
-
-    step: int
-    path: str
-    save_s: float
-    """Seconds from the start of the save to the manifest being written."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from stalwart.checkpointing.memory.store import MemoryStore
-from stalwart.checkpointing.snapshot import Layout, Shard
+from stalwart.checkpointing.snapshot import Shard, ShardLayout
 
 
 class ReplicationAbandoned(RuntimeError):
@@ -96,7 +96,7 @@ class Replicator:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replicate")
         self._pending: Future[None] | None = None
         self._layouts_sent: set[tuple[int, str]] = set()  # (holder, layout key)
-        self._layouts_seen: dict[tuple[int, str], Layout] = {}
+        self._layouts_seen: dict[tuple[int, str], ShardLayout] = {}
         self.fault: Callable[[], None] | None = None
         """Fault injection: runs after the headers are exchanged, before the payload."""
         self._abandoned = threading.Event()
@@ -127,7 +127,7 @@ class Replicator:
     def abandon(self) -> None:
         self._abandoned.set()
 
-    def _share_names(self, layout: Layout) -> None:
+    def _share_names(self, layout: ShardLayout) -> None:
         """Once per world: every rank learns the names in every rank's shard, so that a
         shard lost with all its copies is known to be missing (a pipeline stage's layers
         are in no other shard). The first snapshot is taken at the same step everywhere."""

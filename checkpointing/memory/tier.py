@@ -25,7 +25,7 @@ import torch.distributed.checkpoint as dcp
 from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
 from stalwart.checkpointing.memory.replication import Replicator, holders_for
 from stalwart.checkpointing.memory.store import Inventory, MemoryStore
-from stalwart.checkpointing.snapshot import Layout, Shard, SnapshotStager
+from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager
 from stalwart.errors import ConfigError
 
 GIB = 1 << 30
@@ -45,8 +45,8 @@ def memory_limit_bytes(limit_gb: float, ranks_on_node: int) -> int:
 
 
 @dataclass(frozen=True)
-class Engine:
-    """What the tier needs from the training engine (workers/engine.py)."""
+class StateAccess:
+    """How the tier reads and writes the training state (the engine gives it: workers/engine.py)."""
 
     state_dict: Callable[[], dict[str, Any]]
     scalar_state: Callable[[], dict[str, Any]]
@@ -66,7 +66,7 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ per generation
 
-    def join(self, engine: Engine, *, rank: int, generation: int, nodes: list[str],
+    def join(self, engine: StateAccess, *, rank: int, generation: int, nodes: list[str],
              replicas: int, limit_gb: float, replica_class: list[Any] | None = None) -> None:
         """Set up for a new world. Collective: every rank calls it, in the same order as the
         other process groups it creates. `replica_class` tells data-parallel replicas apart
@@ -91,7 +91,7 @@ class MemoryTier:
         self.replicator.replicate(shard)
         return shard
 
-    def _check_limit(self, layout: Layout) -> None:
+    def _check_limit(self, layout: ShardLayout) -> None:
         assert self.replicator is not None
         held = len(self.replicator.receives_from)
         # Two buffers of our own, two per shard held for a peer (peers' shards are the
@@ -157,8 +157,8 @@ class MemoryTier:
         shard.ready()
         return shard.buffer.numpy().copy(), dict(shard.values)
 
-    def restore(self, engine: Engine, *, generation: int, step: int,
-                layouts: dict[int, Layout], fetch: Callable[[int], tuple[Any, dict[str, Any]]]
+    def restore(self, engine: StateAccess, *, generation: int, step: int,
+                layouts: dict[int, ShardLayout], fetch: Callable[[int], tuple[Any, dict[str, Any]]]
                 ) -> list[int]:
         """Load step `step` of generation `generation` into the engine, resharded to this
         world; returns the source ranks whose shards came from peers."""

@@ -29,7 +29,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from stalwart.checkpointing.memory.catalog import MemoryChoice
 from stalwart.checkpointing.memory.store import Holding, Inventory
-from stalwart.checkpointing.snapshot import Layout
+from stalwart.checkpointing.snapshot import ShardLayout
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.checkpointing.storage.layout import join, step_dir_name
 from stalwart.config import JobConfig, load_config, parse_fault
@@ -158,7 +158,7 @@ class Call:
 # ---------------------------------------------------------------------------- fakes
 
 # A state of one value: whoever holds a step holds all of it.
-ONE_VALUE = Layout(items=(WriteItem(index=MetadataIndex("train.step"), type=WriteItemType.BYTE_IO),),
+ONE_VALUE = ShardLayout(items=(WriteItem(index=MetadataIndex("train.step"), type=WriteItemType.BYTE_IO),),
                    slots={}, planner_data={}, nbytes=0, key="one-value")
 
 

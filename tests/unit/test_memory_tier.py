@@ -32,7 +32,7 @@ from stalwart.checkpointing.memory.catalog import MemoryChoice, newest_complete
 from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
 from stalwart.checkpointing.memory.replication import exchanges, holders_for
 from stalwart.checkpointing.memory.store import KEEP, Holding, Inventory, MemoryStore
-from stalwart.checkpointing.snapshot import Layout, Shard, SnapshotStager, build_layout
+from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager, build_layout
 from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
 from stalwart.config import JobConfig, load_config
 from stalwart.parallel.dims import ParallelDims
@@ -134,9 +134,9 @@ def _value(fqn: str) -> WriteItem:
     return WriteItem(index=MetadataIndex(fqn), type=WriteItemType.BYTE_IO)
 
 
-def _layout(key: str, *items: WriteItem) -> Layout:
+def _layout(key: str, *items: WriteItem) -> ShardLayout:
     # Only the items matter to the catalog and to build_metadata; the store only reads key.
-    return Layout(items=items, slots={}, planner_data={}, nbytes=0, key=key)
+    return ShardLayout(items=items, slots={}, planner_data={}, nbytes=0, key=key)
 
 
 # "w" of 4 elements split over two source ranks (FSDP-style), plus one value on each.
@@ -149,7 +149,7 @@ REPLICA = _layout("replica", _chunk("w", 0, 4, 4), _value("train.step"))
 # ---------------------------------------------------------------------------- MemoryStore
 
 
-def _shard(step: int, nbytes: int = 8, layout: Layout = SHARD0) -> Shard:
+def _shard(step: int, nbytes: int = 8, layout: ShardLayout = SHARD0) -> Shard:
     return Shard(step=step, layout=layout, buffer=torch.zeros(nbytes, dtype=torch.uint8))
 
 
@@ -565,7 +565,7 @@ def test_snapshot_save_matches_a_plain_save_of_the_live_state(gpt, tmp_path: Pat
 # ---------------------------------------------------------------------------- newest_complete
 
 
-def _inventory(*held: tuple[int, int, int, Layout]) -> Inventory:
+def _inventory(*held: tuple[int, int, int, ShardLayout]) -> Inventory:
     """A worker's inventory from (generation, source, step, layout) tuples."""
     return Inventory(holdings=tuple(Holding(g, src, step, lay.key) for g, src, step, lay in held),
                      layouts={lay.key: lay for *_, lay in held}, nbytes=0)
@@ -703,9 +703,9 @@ def test_nothing_is_sent_to_a_data_parallel_twin() -> None:
 
 def test_a_layout_is_checked_before_its_buffers_exist(gpt) -> None:
     engine = _engine(gpt, STAGED_AT)
-    seen: list[Layout] = []
+    seen: list[ShardLayout] = []
 
-    def refuse(layout: Layout) -> None:
+    def refuse(layout: ShardLayout) -> None:
         seen.append(layout)
         raise MemoryError("too big")
 
