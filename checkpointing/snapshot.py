@@ -167,13 +167,13 @@ class SnapshotStager:
                              for _ in range(2)]
         self.layout, self._sources, self._sig = layout, sources, sig
 
-    def stage(self, step: int, on_half: Callable[[], None] | None = None,
+    def stage(self, step: int, mid_copy: Callable[[], None] | None = None,
               before_overwrite: Callable[[torch.Tensor], None] | None = None) -> Shard:
         """Copy the live state into the older buffer; returns the new snapshot.
 
         `before_overwrite` is told which buffer is about to be overwritten (so that the
-        store forgets the snapshot in it first); `on_half` runs after half of the tensors
-        are copied (fault injection: a kill while a snapshot is being staged).
+        store forgets the snapshot in it first); `mid_copy` runs after half of the tensors
+        are copied (a test, or a fault injected while a snapshot is being staged).
         """
         self._refresh_layout()
         assert self.layout is not None
@@ -193,11 +193,11 @@ class SnapshotStager:
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                self._copy(shard, half, on_half, non_blocking=True)
+                self._copy(shard, half, mid_copy, non_blocking=True)
                 shard.ready_event = torch.cuda.Event()
                 shard.ready_event.record(self._stream)
         else:
-            self._copy(shard, half, on_half, non_blocking=False)
+            self._copy(shard, half, mid_copy, non_blocking=False)
         return shard
 
     def _values(self) -> dict[str, Any]:
@@ -205,11 +205,11 @@ class SnapshotStager:
         layout's full state dict)."""
         return {**self._constant_values, **flatten_state_dict(self._scalar_state())[0]}
 
-    def _copy(self, shard: Shard, half: int, on_half: Callable[[], None] | None, *,
+    def _copy(self, shard: Shard, half: int, mid_copy: Callable[[], None] | None, *,
               non_blocking: bool) -> None:
         for i, (slot, src) in enumerate(self._sources):
-            if i == half and on_half is not None:
-                on_half()
+            if i == half and mid_copy is not None:
+                mid_copy()
             view = shard.buffer[slot.offset:slot.offset + slot.nbytes].view(slot.dtype)
             view.view(slot.shape).copy_(src, non_blocking=non_blocking)
 

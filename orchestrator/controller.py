@@ -47,7 +47,7 @@ from stalwart.orchestrator.states import (
 from stalwart.orchestrator.stragglers import StragglerDetector
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.config import FaultSpec, JobConfig
     from stalwart.run_dir import EventLog, MetricsLog
     from stalwart.workers.reports import CommitReport, ProfileReport, StepReport, WorkerStatus
 
@@ -64,8 +64,8 @@ class WorkerGroup(Protocol):
     def best_world(self, up_to: int | None = None) -> int: ...
     def nodes_alive(self, node_ids: set[str]) -> bool: ...
     def form(self, world_size: int, generation: int,
-             arm: Callable[[list[dict[str, Any]]], dict[int, list[tuple[int, str, str]]]]
-             ) -> list[dict[str, Any]]: ...
+             arm: Callable[[list[ev.WorkerPlace]], dict[int, list[FaultSpec]]]
+             ) -> list[ev.WorkerPlace]: ...
     def restore(self, path: str) -> int: ...
     def memory_inventory(self) -> dict[str, Inventory]: ...
     def restore_memory(self, choice: MemoryChoice) -> tuple[int, list[list[int]]]: ...
@@ -125,7 +125,7 @@ class Controller:
         self.last_val_loss: float | None = None
         self.world_size = 0
         self.layout: dict[str, int] = {}
-        self.workers: list[dict[str, Any]] = []
+        self.workers: list[ev.WorkerPlace] = []
         # Metrics windows run on the workers' clock: from the end of the step of the last
         # row (or the start of a world's first step) to the end of the current step.
         self._last_log_time: float | None = None
@@ -302,7 +302,7 @@ class Controller:
                          storage_step=storage_step, reason=reason, generation=generation))
         self.display.log(f"restoring from {source}: {reason}")
 
-    def _arm_faults(self, workers: list[dict[str, Any]]) -> dict[int, list[tuple[int, str, str]]]:
+    def _arm_faults(self, workers: list[ev.WorkerPlace]) -> dict[int, list[FaultSpec]]:
         armed, unresolved = self.faults.arm(workers, self.group.driver_node_id)
         for message in unresolved:
             self.events.emit(ev.FaultSkipped(message=message))
@@ -357,7 +357,7 @@ class Controller:
                              steps=self.config.train.steps, start_step=start_step,
                              task=self.config.task.path))
         self.events.emit(ev.WorkersStarted(generation=state.generation,
-                         world_size=self.world_size, workers=tuple(ev.WorkerPlace(**w) for w in self.workers),
+                         world_size=self.world_size, workers=tuple(self.workers),
                          kept_unlogged=kept))
         return Running(generation=state.generation, start_step=start_step)
 
@@ -390,7 +390,7 @@ class Controller:
         for fired in st.faults:
             self.faults.fired(fired.fault)
             self._fault_times[fired.rank] = now  # the fault happens when it is acknowledged
-            self.events.emit(ev.FaultInjected(fault=fired.fault, rank=fired.rank,
+            self.events.emit(ev.FaultInjected(fault=str(fired.fault), rank=fired.rank,
                              step=fired.step))
         if st.faults:
             self.group.ack_faults(rank)
@@ -458,7 +458,7 @@ class Controller:
         if dead:
             ranks = tuple(sorted({r for f in dead for r in f.failed_ranks}))
             first = dead[0]
-            node_ids = {self.workers[r]["node_id"] for r in ranks if r < len(self.workers)}
+            node_ids = {self.workers[r].node_id for r in ranks if r < len(self.workers)}
             lost_node = not self.group.nodes_alive(node_ids)
             return WorkerFailure(
                 kind=FailureKind.NODE_DIED if lost_node else FailureKind.WORKER_DIED,
@@ -499,8 +499,8 @@ class Controller:
         """Report each new straggler; with failure.replace_stragglers, replace the first."""
         replace = self.config.failure.replace_stragglers
         for s in self.stragglers.check():
-            worker = self.workers[s.rank] if s.rank < len(self.workers) else {}
-            self.events.emit(ev.Straggler(rank=s.rank, node_ip=worker.get("node_ip"),
+            node_ip = self.workers[s.rank].node_ip if s.rank < len(self.workers) else None
+            self.events.emit(ev.Straggler(rank=s.rank, node_ip=node_ip,
                              step=s.step, local_s=round(s.local_s, 4),
                              peers_median_s=round(s.peers_median_s, 4),
                              ratio=round(s.ratio, 2), steps=s.steps, replaced=replace))
@@ -563,7 +563,7 @@ class Controller:
             return
         self._next_resize_check = now + self.config.scaling.resize_check_s
         draining = self.draining_nodes()
-        leaving = tuple(r for r, w in enumerate(self.workers) if w["node_id"] in draining)
+        leaving = tuple(r for r, w in enumerate(self.workers) if w.node_id in draining)
         if leaving:
             self._plan("drain", ranks=leaving)
             return
@@ -579,7 +579,7 @@ class Controller:
         decision = self.policy.make_decision(failure)
         detection = (None if failure.last_seen is None else
                      round(max(0.0, failure.detected_at - failure.last_seen), 3))
-        nodes = sorted({self.workers[r]["node_ip"] for r in failure.failed_ranks
+        nodes = sorted({self.workers[r].node_ip for r in failure.failed_ranks
                         if r < len(self.workers)})
         self.events.emit(ev.Failure(failure_kind=failure.kind.value, rank=failure.rank,
                          ranks=list(failure.failed_ranks), nodes=nodes,

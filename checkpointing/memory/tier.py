@@ -17,7 +17,8 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -55,6 +56,17 @@ class StateAccess:
     device: torch.device
 
 
+class SnapshotHooks(Protocol):
+    """Moments inside taking one snapshot, for a caller that acts at them (the worker's
+    fault injector). Each is told the snapshot's step."""
+
+    def mid_copy(self, step: int) -> None:
+        """Half of the snapshot's tensors are staged."""
+
+    def before_payload(self, step: int) -> None:
+        """The snapshot's headers are exchanged with its holders; its payload is not."""
+
+
 class MemoryTier:
     def __init__(self) -> None:
         self.store = MemoryStore()
@@ -82,13 +94,18 @@ class MemoryTier:
                                      signature=engine.signature, device=engine.device,
                                      on_layout=self._check_limit)
 
-    def snapshot(self, step: int, on_half: Callable[[], None] | None = None) -> Shard:
+    def snapshot(self, step: int, hooks: SnapshotHooks | None = None) -> Shard:
         """Stage this rank's state as `step` and start replicating it."""
         assert self.stager is not None and self.replicator is not None
         self.replicator.wait()  # normally done already (see replication.py: ordering)
-        shard = self.stager.stage(step, on_half=on_half, before_overwrite=self.store.forget_buffer)
+        mid_copy = before_payload = None
+        if hooks is not None:
+            mid_copy, before_payload = (partial(hooks.mid_copy, step),
+                                        partial(hooks.before_payload, step))
+        shard = self.stager.stage(step, mid_copy=mid_copy,
+                                  before_overwrite=self.store.forget_buffer)
         self.store.put(self.generation, self.rank, shard)
-        self.replicator.replicate(shard)
+        self.replicator.replicate(shard, before_payload=before_payload)
         return shard
 
     def _check_limit(self, layout: ShardLayout) -> None:

@@ -32,8 +32,9 @@ from stalwart.checkpointing.memory.store import Holding, Inventory
 from stalwart.checkpointing.snapshot import ShardLayout
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.checkpointing.storage.layout import join, step_dir_name
-from stalwart.config import JobConfig, load_config, parse_fault
+from stalwart.config import FaultSpec, JobConfig, load_config, parse_fault
 from stalwart.errors import ConfigError
+from stalwart.events import WorkerPlace
 from stalwart.orchestrator import controller as controller_module
 from stalwart.orchestrator.controller import Controller
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
@@ -201,7 +202,7 @@ class FakeGroup:
         self.killed: list[Actor] = []
         self.dead_nodes: set[str] = set()
         self.cannot_leave: set[int] = set()  # pids that fail to leave at the next disband
-        self.armed: dict[int, dict[int, list[tuple[int, str, str]]]] = {}  # generation ->
+        self.armed: dict[int, dict[int, list[FaultSpec]]] = {}  # generation ->
         self.generation = -1
         self._steps: dict[int, int] = {}  # pid -> engine step in this generation
         self.memory: dict[int, list[int]] = {}  # pid -> steps its memory tier holds
@@ -286,15 +287,15 @@ class FakeGroup:
     # -- one generation
 
     def form(self, world_size: int, generation: int,
-             arm: Callable[[list[dict[str, Any]]], dict[int, list[tuple[int, str, str]]]]
-             ) -> list[dict[str, Any]]:
+             arm: Callable[[list[WorkerPlace]], dict[int, list[FaultSpec]]]
+             ) -> list[WorkerPlace]:
         self._record("form", world_size, generation)
         pool = self.members + self.idle
         assert len(pool) >= world_size, f"form({world_size}) with {len(pool)} warm actors"
         self.members, self.idle = pool[:world_size], pool[world_size:]
         self.generation = generation
         self._steps = {a.pid: 0 for a in self.members}
-        workers = [dict(a.info, rank=r) for r, a in enumerate(self.members)]
+        workers = [WorkerPlace(rank=r, **a.info) for r, a in enumerate(self.members)]
         self.armed[generation] = arm(workers)
         self._maybe_raise("form")
         return workers
@@ -370,8 +371,8 @@ class FakeGroup:
         self.members, self.idle = [], survivors + self.idle
         return steps, []
 
-    def describe(self) -> list[dict[str, Any]]:
-        return [dict(a.info, rank=r) for r, a in enumerate(self.members)]
+    def describe(self) -> list[WorkerPlace]:
+        return [WorkerPlace(rank=r, **a.info) for r, a in enumerate(self.members)]
 
     def shutdown(self, *, graceful: bool) -> None:
         self._record("shutdown", graceful)
@@ -1229,8 +1230,7 @@ def test_shrink_when_only_a_smaller_world_can_form(tmp_path: Path,
     # ranks 0, 1 on the driver's node (node 0), ranks 2, 3 on node-b (node 1)
     cluster = [*actors(2, node=DRIVER_NODE, ip="10.0.0.1"),
                *actors(2, first_pid=2000, node="node-b", ip="10.0.0.2")]
-    fired = FaultFired(fault="kill-node:node=1,step=3", kind="kill-node", rank=2, step=3,
-                       time=T0 + 2.2)
+    fired = FaultFired(fault=parse_fault("kill-node:node=1,step=3"), rank=2, time=T0 + 2.2)
     w = FakeWorld(tmp_path, monkeypatch, [
         Plan(polls=[
             Poll(statuses([1, 2], world=4, commits=[2]), hook=lambda w: w.commit(2)),
@@ -1243,8 +1243,8 @@ def test_shrink_when_only_a_smaller_world_can_form(tmp_path: Path,
     assert w.run() == Finished(step=6)
 
     # the node fault went to the lowest rank on node 1, and is not armed again
-    assert w.group.armed == {0: {2: [(3, "kill-node", "kill-node:node=1,step=3")],
-                                 3: [(5, "kill", "kill:rank=3,step=5")]},
+    assert w.group.armed == {0: {2: [parse_fault("kill-node:node=1,step=3")],
+                                 3: [parse_fault("kill:rank=3,step=5")]},
                              1: {}}
     assert [c.args for c in w.named("form")] == [(4, 0), (2, 1)]
     assert w.killed() == [2000, 2001] and w.members(1) == [1000, 1001]
@@ -1414,7 +1414,7 @@ def test_a_draining_node_is_left_at_a_planned_resize(tmp_path: Path,
 
 def test_an_injected_fault_is_reported_acknowledged_and_not_armed_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fired = FaultFired(fault="kill:rank=1,step=3", kind="kill", rank=1, step=3, time=T0 + 2.1)
+    fired = FaultFired(fault=parse_fault("kill:rank=1,step=3"), rank=1, time=T0 + 2.1)
     w = FakeWorld(tmp_path, monkeypatch, [
         Plan(polls=[
             statuses([1, 2]),
@@ -1425,7 +1425,7 @@ def test_an_injected_fault_is_reported_acknowledged_and_not_armed_again(
     ], ["failure.max_failures=1"], faults=["kill:rank=1,step=3"])
     assert w.run() == Finished(step=6)
 
-    assert w.group.armed == {0: {1: [(3, "kill", "kill:rank=1,step=3")]}, 1: {}}
+    assert w.group.armed == {0: {1: [parse_fault("kill:rank=1,step=3")]}, 1: {}}
     assert w.controller.faults.pending == []
     assert [(c.state, c.args) for c in w.named("ack_faults")] == [("RUNNING", (1,))]
     assert w.kinds() == ["started", "fault_injected", "failure", "recovered", "finished"]
@@ -1451,7 +1451,7 @@ def test_a_fault_with_no_target_is_reported(tmp_path: Path,
 
 def test_an_old_fault_does_not_date_a_later_failure(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    fired = FaultFired(fault="kill:rank=1,step=3", kind="kill", rank=1, step=3, time=T0 + 2.1)
+    fired = FaultFired(fault=parse_fault("kill:rank=1,step=3"), rank=1, time=T0 + 2.1)
     w = FakeWorld(tmp_path, monkeypatch, [
         Plan(polls=[statuses([1, 2]), [status(0), status(1, faults=[fired])],
                     Poll([status(0)], dead=[1])]),

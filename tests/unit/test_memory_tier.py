@@ -419,7 +419,7 @@ def test_staging_alternates_between_two_buffers(gpt) -> None:
     halves: list[int] = []
     shards = []
     for _ in range(3):
-        shards.append(stager.stage(engine.step, on_half=lambda: halves.append(engine.step),
+        shards.append(stager.stage(engine.step, mid_copy=lambda: halves.append(engine.step),
                                    before_overwrite=overwritten.append))
         engine.train_step()
     ptrs = [s.buffer.data_ptr() for s in shards]
@@ -432,7 +432,7 @@ def test_staging_alternates_between_two_buffers(gpt) -> None:
     assert shards[0].layout is shards[1].layout is shards[2].layout
 
 
-def test_stage_tells_before_overwriting_and_on_half_runs_midway(gpt) -> None:
+def test_stage_tells_before_overwriting_and_mid_copy_runs_midway(gpt) -> None:
     engine = _engine(gpt, STAGED_AT)
     stager = _stager(engine)
     first = stager.stage(engine.step)
@@ -445,7 +445,7 @@ def test_stage_tells_before_overwriting_and_on_half_runs_midway(gpt) -> None:
     at_half: list[torch.Tensor] = []
     third = stager.stage(engine.step,
                          before_overwrite=lambda b: at_overwrite.append(b.clone()),
-                         on_half=lambda: at_half.append(first.buffer.clone()))
+                         mid_copy=lambda: at_half.append(first.buffer.clone()))
     assert third.buffer is first.buffer
     assert len(at_overwrite) == 1 and len(at_half) == 1
     # Told before a byte is written, so the store can forget the old step first.
@@ -456,7 +456,7 @@ def test_stage_tells_before_overwriting_and_on_half_runs_midway(gpt) -> None:
     def region(buffer: torch.Tensor, i: int) -> torch.Tensor:
         return buffer[slots[i].offset:slots[i].offset + slots[i].nbytes]
 
-    # At on_half the first half holds the new step and the second half still the old one.
+    # At mid_copy the first half holds the new step and the second half still the old one.
     for i in range(half):
         assert torch.equal(region(at_half[0], i), region(third.buffer, i)), i
     for i in range(half, len(slots)):
