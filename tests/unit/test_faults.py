@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from stalwart.config import FAULT_KINDS, FaultSpec, JobConfig, dump_config, load_config, parse_fault
 from stalwart.errors import ConfigError
@@ -16,6 +17,7 @@ from stalwart.events import WorkerPlace
 from stalwart.orchestrator.faults import FaultPlan, number_nodes
 from stalwart.workers import faults as fault_module
 from stalwart.workers.faults import SLOWDOWN, STRIKES_AT, FaultInjector, InjectedFault
+from stalwart.workers.local_timer import LocalTimer
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -323,3 +325,11 @@ def test_leaving_a_world_disarms_its_faults() -> None:
     injector.disarm()
     injector.at_step(2)
     assert injector.drain() == []
+
+
+def test_the_local_timer_tells_how_long_the_local_work_took() -> None:
+    told: list[float] = []
+    timer = LocalTimer(torch.device("cpu"), after_local_work=told.append)
+    timer.done()
+    assert len(told) == 1 and told[0] >= 0
+    assert timer.seconds() >= told[0]  # the hook's own time counts as local work

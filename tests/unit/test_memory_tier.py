@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
+from stalwart.checkpointing.memory.tier import MemoryTier
 from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager, build_layout
 from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
 from stalwart.config import JobConfig, load_config
@@ -354,3 +355,33 @@ def test_a_layout_is_checked_before_its_buffers_exist(gpt) -> None:
         stager.stage(engine.step)
     assert len(seen) == 1 and seen[0].nbytes > 0
     assert stager.buffers == []  # nothing was allocated
+
+
+# ---------------------------------------------------------------------------- hooks
+
+
+class RecordingHooks:
+    """The moments a snapshot marks, as the worker's fault injector is told them."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, int]] = []
+
+    def mid_copy(self, step: int) -> None:
+        self.seen.append(("mid_copy", step))
+
+    def before_payload(self, step: int) -> None:
+        self.seen.append(("before_payload", step))
+
+
+def test_the_tier_tells_its_hooks_the_snapshots_step(gpt) -> None:
+    engine = _engine(gpt, STAGED_AT)
+    tier = MemoryTier()
+    tier.join(engine.tier_view(), rank=0, generation=0, nodes=["a"], replicas=0, limit_gb=1.0)
+    hooks = RecordingHooks()
+    try:
+        tier.snapshot(engine.step, hooks=hooks)
+        tier.snapshot(engine.step)  # no hooks: nobody is told
+    finally:
+        tier.leave()
+    # no process group here, so no exchange: only the staging's moment comes
+    assert hooks.seen == [("mid_copy", STAGED_AT)]
