@@ -3,7 +3,7 @@
 A shard is described once by DCP's own save planner (the WriteItems a `dcp.save` of this
 rank would write, with each tensor's chunk of the global tensor), so a snapshot can be read
 back through DCP and resharded to any world, exactly like a storage checkpoint. Its tensors
-live back to back in one flat uint8 buffer (`Layout.tensors` says where), which is at once
+live back to back in one flat uint8 buffer (`ShardLayout.slots` says where), which is at once
 the staged copy, the payload sent to peers and what the storage tier persists. Its
 non-tensor leaves (LR schedule, step, data position, optimizer hyperparameters) are kept as
 plain values by their flattened DCP name.
@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import pickle
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -41,7 +40,7 @@ class TensorSlot:
 
 
 @dataclass(frozen=True)
-class Layout:
+class ShardLayout:
     """What one rank's shard holds, in DCP's terms, and where each tensor sits in the buffer."""
 
     items: tuple[WriteItem, ...]
@@ -62,7 +61,7 @@ class Shard:
     """One rank's staged state at one step."""
 
     step: int
-    layout: Layout
+    layout: ShardLayout
     buffer: torch.Tensor
     """uint8, layout.nbytes long (pinned CPU memory when training on a GPU)."""
     values: dict[str, Any] = field(default_factory=dict)
@@ -79,15 +78,12 @@ class Shard:
             self.ready_event.synchronize()
             self.ready_event = None
 
-    def pack_values(self) -> bytes:
-        return pickle.dumps(self.values, protocol=pickle.HIGHEST_PROTOCOL)
-
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def build_layout(state_dict: dict[str, Any]) -> tuple[Layout, list[tuple[TensorSlot,
+def build_layout(state_dict: dict[str, Any]) -> tuple[ShardLayout, list[tuple[TensorSlot,
                                                                           torch.Tensor]]]:
     """Describe a rank's state dict as DCP would save it; also return each tensor slot's source.
 
@@ -117,7 +113,7 @@ def build_layout(state_dict: dict[str, Any]) -> tuple[Layout, list[tuple[TensorS
         slots[item.index] = slot
         sources.append((slot, src))
         offset += nbytes
-    layout = Layout(items=tuple(plan.items), slots=slots, planner_data=dict(plan.planner_data),
+    layout = ShardLayout(items=tuple(plan.items), slots=slots, planner_data=dict(plan.planner_data),
                     nbytes=offset, key=digest.hexdigest()[:16])
     return layout, sources
 
@@ -132,13 +128,13 @@ class SnapshotStager:
     def __init__(self, *, state_dict: Callable[[], dict[str, Any]],
                  scalar_state: Callable[[], dict[str, Any]],
                  signature: Callable[[], Any], device: torch.device,
-                 on_layout: Callable[[Layout], None] | None = None) -> None:
+                 on_layout: Callable[[ShardLayout], None] | None = None) -> None:
         self._state_dict = state_dict
         self._on_layout = on_layout  # told of each new layout before its buffers exist
         self._scalar_state = scalar_state
         self._signature = signature
         self.device = device
-        self.layout: Layout | None = None
+        self.layout: ShardLayout | None = None
         self._sources: list[tuple[TensorSlot, torch.Tensor]] = []
         self._constant_values: dict[str, Any] = {}
         self._sig: Any = None
@@ -171,13 +167,13 @@ class SnapshotStager:
                              for _ in range(2)]
         self.layout, self._sources, self._sig = layout, sources, sig
 
-    def stage(self, step: int, on_half: Callable[[], None] | None = None,
+    def stage(self, step: int, mid_copy: Callable[[], None] | None = None,
               before_overwrite: Callable[[torch.Tensor], None] | None = None) -> Shard:
         """Copy the live state into the older buffer; returns the new snapshot.
 
         `before_overwrite` is told which buffer is about to be overwritten (so that the
-        store forgets the snapshot in it first); `on_half` runs after half of the tensors
-        are copied (fault injection: a kill while a snapshot is being staged).
+        store forgets the snapshot in it first); `mid_copy` runs after half of the tensors
+        are copied (a test, or a fault injected while a snapshot is being staged).
         """
         self._refresh_layout()
         assert self.layout is not None
@@ -197,11 +193,11 @@ class SnapshotStager:
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self._stream):
-                self._copy(shard, half, on_half, non_blocking=True)
+                self._copy(shard, half, mid_copy, non_blocking=True)
                 shard.ready_event = torch.cuda.Event()
                 shard.ready_event.record(self._stream)
         else:
-            self._copy(shard, half, on_half, non_blocking=False)
+            self._copy(shard, half, mid_copy, non_blocking=False)
         return shard
 
     def _values(self) -> dict[str, Any]:
@@ -209,11 +205,11 @@ class SnapshotStager:
         layout's full state dict)."""
         return {**self._constant_values, **flatten_state_dict(self._scalar_state())[0]}
 
-    def _copy(self, shard: Shard, half: int, on_half: Callable[[], None] | None, *,
+    def _copy(self, shard: Shard, half: int, mid_copy: Callable[[], None] | None, *,
               non_blocking: bool) -> None:
         for i, (slot, src) in enumerate(self._sources):
-            if i == half and on_half is not None:
-                on_half()
+            if i == half and mid_copy is not None:
+                mid_copy()
             view = shard.buffer[slot.offset:slot.offset + slot.nbytes].view(slot.dtype)
             view.view(slot.shape).copy_(src, non_blocking=non_blocking)
 

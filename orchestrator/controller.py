@@ -80,7 +80,7 @@ class Controller:
         self.last_val_loss: float | None = None
         self.world_size = 0
         self.layout: dict[str, int] = {}
-        self.workers: list[dict[str, Any]] = []
+        self.workers: list[ev.WorkerPlace] = []
         self.stop = StopRequest()  # the first Ctrl-C
         self._stop_sent = False
         self._planned: ResizeDecision | None = None  # waiting for every rank to stop
@@ -200,7 +200,7 @@ class Controller:
                              task=self.config.task.path))
         self.events.emit(ev.WorkersStarted(generation=state.generation,
                          world_size=self.world_size,
-                         workers=tuple(ev.WorkerPlace(**w) for w in self.workers),
+                         workers=tuple(self.workers),
                          kept_unlogged=kept))
         return Running(generation=state.generation, start_step=start_step)
 
@@ -313,7 +313,7 @@ class Controller:
         decision = self.policy.make_decision(failure)
         detection = (None if failure.last_seen is None else
                      round(max(0.0, failure.detected_at - failure.last_seen), 3))
-        nodes = sorted({self.workers[r]["node_ip"] for r in failure.failed_ranks
+        nodes = sorted({self.workers[r].node_ip for r in failure.failed_ranks
                         if r < len(self.workers)})
         self.events.emit(ev.Failure(failure_kind=failure.kind.value, rank=failure.rank,
                          ranks=list(failure.failed_ranks), nodes=nodes,

@@ -8,7 +8,7 @@ outranks a failed collective (that is a symptom of the others).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.health import HangDetector
@@ -16,6 +16,7 @@ from stalwart.orchestrator.observers import ControllerObserver
 
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
+    from stalwart.events import WorkerPlace
     from stalwart.workers.reports import StepReport, WorkerStatus
 
 LastSeen = Callable[..., "float | None"]
@@ -31,10 +32,10 @@ class FailureDetector(ControllerObserver):
         # so the rank that died is blamed (and replaced) rather than the ranks that noticed.
         self.collective_grace_s = collective_grace_s
         self.nodes_alive = nodes_alive
-        self.workers: list[dict[str, Any]] = []
+        self.workers: list[WorkerPlace] = []
         self._collective_error_since: float | None = None
 
-    def after_form(self, generation: int, workers: list[dict[str, Any]], now: float) -> None:
+    def after_form(self, generation: int, workers: list[WorkerPlace], now: float) -> None:
         self.workers = workers
 
     def after_launch(self, generation: int, world_size: int, now: float) -> None:
@@ -55,7 +56,7 @@ class FailureDetector(ControllerObserver):
         if dead:
             ranks = tuple(sorted({r for f in dead for r in f.failed_ranks}))
             first = dead[0]
-            node_ids = {self.workers[r]["node_id"] for r in ranks if r < len(self.workers)}
+            node_ids = {self.workers[r].node_id for r in ranks if r < len(self.workers)}
             lost_node = not self.nodes_alive(node_ids)
             return WorkerFailure(
                 kind=FailureKind.NODE_DIED if lost_node else FailureKind.WORKER_DIED,

@@ -7,14 +7,15 @@ armed again; its time dates the failure it causes (detection latency).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from stalwart import events as ev
 from stalwart.orchestrator.faults import FaultPlan
 from stalwart.orchestrator.observers import ControllerObserver
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.config import FaultSpec, JobConfig
+    from stalwart.events import WorkerPlace
     from stalwart.orchestrator.group import WorkerGroup
     from stalwart.run_dir import EventLog
     from stalwart.workers.reports import WorkerStatus
@@ -27,7 +28,7 @@ class FaultWatch(ControllerObserver):
         self.group = group
         self._fault_times: dict[int, float] = {}  # rank -> when an injected fault hit it
 
-    def arm(self, workers: list[dict[str, Any]]) -> dict[int, list[tuple[int, str, str]]]:
+    def arm(self, workers: list[WorkerPlace]) -> dict[int, list[FaultSpec]]:
         """What each rank of a forming world must carry out (group.form's `arm`)."""
         armed, unresolved = self.plan.arm(workers, self.group.driver_node_id)
         for message in unresolved:
@@ -41,7 +42,7 @@ class FaultWatch(ControllerObserver):
         for fired in status.faults:
             self.plan.fired(fired.fault)
             self._fault_times[fired.rank] = now  # the fault happens when it is acknowledged
-            self.events.emit(ev.FaultInjected(fault=fired.fault, rank=fired.rank,
+            self.events.emit(ev.FaultInjected(fault=str(fired.fault), rank=fired.rank,
                              step=fired.step))
         if status.faults:
             self.group.ack_faults(rank)

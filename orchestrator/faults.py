@@ -10,34 +10,37 @@ node fault is carried out by the lowest rank on that node.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 from stalwart.config import FAULT_KINDS, FaultSpec
+from stalwart.events import WorkerPlace
 
 
-def number_nodes(workers: Sequence[dict[str, Any]], driver_node_id: str) -> dict[str, int]:
-    """node_id -> node number, for workers described in rank order."""
+def number_nodes(workers: Sequence[WorkerPlace], driver_node_id: str) -> dict[str, int]:
+    """node_id -> node number, for workers in rank order."""
     numbers = {driver_node_id: 0}
     for w in workers:
-        numbers.setdefault(w["node_id"], len(numbers))
+        numbers.setdefault(w.node_id, len(numbers))
     return numbers
 
 
 class FaultPlan:
+    """The run's faults not yet fired, and which rank carries out each in a world."""
+
     def __init__(self, faults: Sequence[FaultSpec]) -> None:
         self.pending = list(faults)
 
-    def fired(self, text: str) -> None:
-        self.pending = [f for f in self.pending if str(f) != text]
+    def fired(self, fault: FaultSpec) -> None:
+        """The controller heard `fault` fire (once or more): it is never armed again."""
+        self.pending = [f for f in self.pending if f != fault]
 
-    def arm(self, workers: Sequence[dict[str, Any]], driver_node_id: str
-            ) -> tuple[dict[int, list[tuple[int, str, str]]], list[str]]:
-        """(rank -> [(step, kind, text)], messages for faults with no target in this world)."""
+    def arm(self, workers: Sequence[WorkerPlace], driver_node_id: str
+            ) -> tuple[dict[int, list[FaultSpec]], list[str]]:
+        """(rank -> its faults, messages for faults with no target in this world)."""
         nodes = number_nodes(workers, driver_node_id)
-        lowest_rank = {}
+        lowest_rank: dict[int, int] = {}
         for rank, w in enumerate(workers):
-            lowest_rank.setdefault(nodes[w["node_id"]], rank)
-        armed: dict[int, list[tuple[int, str, str]]] = {}
+            lowest_rank.setdefault(nodes[w.node_id], rank)
+        armed: dict[int, list[FaultSpec]] = {}
         unresolved = []
         for f in self.pending:
             if FAULT_KINDS[f.kind] == "rank":
@@ -50,5 +53,5 @@ class FaultPlan:
             if rank is None:
                 unresolved.append(f"fault {f} has no target now: {where}")
                 continue
-            armed.setdefault(rank, []).append((f.step, f.kind, str(f)))
+            armed.setdefault(rank, []).append(f)
         return armed, unresolved

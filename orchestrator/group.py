@@ -10,7 +10,10 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from stalwart.config import FaultSpec
+from stalwart.events import WorkerPlace
 
 if TYPE_CHECKING:
     from stalwart.checkpointing.memory.catalog import MemoryChoice
@@ -19,7 +22,7 @@ if TYPE_CHECKING:
     from stalwart.workers.reports import CommitReport, WorkerStatus
 
 # Given the new world's workers (rank order), the faults each rank must carry out.
-Arm = Callable[[list[dict[str, Any]]], dict[int, list[tuple[int, str, str]]]]
+Arm = Callable[[list[WorkerPlace]], dict[int, list[FaultSpec]]]
 
 
 class WorkerGroup(ABC):
@@ -55,7 +58,7 @@ class WorkerGroup(ABC):
 
     # -- one generation of the world
     @abstractmethod
-    def form(self, world_size: int, generation: int, arm: Arm) -> list[dict[str, Any]]:
+    def form(self, world_size: int, generation: int, arm: Arm) -> list[WorkerPlace]:
         """Form a world (survivors first); returns its workers (pid, node_ip, node_id, rank)."""
 
     @abstractmethod

@@ -10,9 +10,10 @@ few observers it needs an answer from (failure detector, straggler reporter) dir
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
+    from stalwart.events import WorkerPlace
     from stalwart.orchestrator.failures import WorkerFailure
     from stalwart.orchestrator.states import Running
     from stalwart.workers.reports import StepReport, WorkerStatus
@@ -46,7 +47,7 @@ class ControllerObserver:
     def before_form(self, generation: int, now: float) -> None:
         """Warm workers are enough: the world is about to form."""
 
-    def after_form(self, generation: int, workers: list[dict[str, Any]], now: float) -> None:
+    def after_form(self, generation: int, workers: list[WorkerPlace], now: float) -> None:
         """The world formed (workers: pid, node_ip, node_id, rank, in rank order)."""
 
     def after_restore(self, restored: Restored, now: float) -> None:

@@ -8,7 +8,7 @@ with failure.replace_stragglers, a straggler is a failure for the controller to 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from stalwart import events as ev
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
@@ -19,6 +19,7 @@ from stalwart.orchestrator.stragglers import StragglerDetector
 if TYPE_CHECKING:
     from stalwart.checkpointing.storage.catalog import CheckpointInfo
     from stalwart.config import JobConfig
+    from stalwart.events import WorkerPlace
     from stalwart.orchestrator.observers import Display
     from stalwart.orchestrator.states import Running
     from stalwart.run_dir import EventLog
@@ -109,9 +110,9 @@ class StragglerReporter(ControllerObserver):
         self.replace = fc.replace_stragglers
         self.events = events
         self.display = display
-        self.workers: list[dict[str, Any]] = []
+        self.workers: list[WorkerPlace] = []
 
-    def after_form(self, generation: int, workers: list[dict[str, Any]], now: float) -> None:
+    def after_form(self, generation: int, workers: list[WorkerPlace], now: float) -> None:
         self.workers = workers
 
     def after_launch(self, generation: int, world_size: int, now: float) -> None:

@@ -121,7 +121,7 @@ class ScalingPolicy:
             return NoopDecision()
         self._next_check = now + self.scaling.resize_check_s
         draining = self.draining_nodes()
-        leaving = tuple(r for r, w in enumerate(workers) if w["node_id"] in draining)
+        leaving = tuple(r for r, w in enumerate(workers) if w.node_id in draining)
         if leaving:
             return ResizeDecision(reason="drain", leaving=leaving)
         if world_size < self.scaling.ceiling and room() > world_size:

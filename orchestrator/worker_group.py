@@ -21,8 +21,8 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
@@ -31,12 +31,18 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from stalwart.checkpointing.memory.catalog import MemoryChoice
 from stalwart.checkpointing.memory.store import Inventory
-from stalwart.config import JobConfig
+from stalwart.config import FaultSpec, JobConfig
 from stalwart.errors import ConfigError
+from stalwart.events import WorkerPlace
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.group import WorkerGroup
 from stalwart.workers.actor import TrainWorker
-from stalwart.workers.reports import CommitReport, WorkerStatus
+from stalwart.workers.reports import (
+    CommitReport,
+    LeaveReport,
+    MemoryRestoreReport,
+    WorkerStatus,
+)
 
 
 class GroupFailed(Exception):
@@ -52,8 +58,8 @@ class Worker:
     actor: Any
     warm: Any
     """ObjectRef of warm_up(): ready when the actor can join a world."""
-    info: dict[str, Any] = field(default_factory=dict)
-    """pid, node_ip, node_id (from describe) once warm."""
+    place: WorkerPlace | None = None
+    """Where it runs (its pid, node_ip, node_id), once warm."""
     poll_ref: Any = None
     """The poll in flight: a rank that has not answered its last poll is not asked again."""
 
@@ -163,7 +169,7 @@ class ElasticGroup(WorkerGroup):
                 still.append(w)
                 continue
             try:
-                w.info = ray.get(w.warm)
+                w.place = ray.get(w.warm)
                 self.idle.append(w)
             except RayActorError:
                 pass  # its node went away while it started; top_up asks for another
@@ -227,28 +233,33 @@ class ElasticGroup(WorkerGroup):
     # ------------------------------------------------------------------ one generation
 
     def form(self, world_size: int, generation: int,
-             arm: Callable[[list[dict[str, Any]]], dict[int, list[tuple[int, str, str]]]]
-             ) -> list[dict[str, Any]]:
+             arm: Callable[[list[WorkerPlace]], dict[int, Sequence[FaultSpec]]]
+             ) -> list[WorkerPlace]:
         """Make a world of `world_size` ranks: survivors keep their order, then idle actors.
 
-        Returns the members' descriptions in rank order; `arm` maps them to the faults each
+        Returns where each member runs, in rank order; `arm` maps them to the faults each
         rank must inject in this generation.
         """
         pool = self.members + self.idle
         self.members, self.idle = pool[:world_size], pool[world_size:]
         self.generation = generation
-        workers = [dict(w.info, rank=r) for r, w in enumerate(self.members)]
+        workers = [replace(self._place(w), rank=r) for r, w in enumerate(self.members)]
         armed = arm(workers)
         timeout = self.config.scaling.start_timeout_s
         (rdzv,) = self._get([self.members[0].actor.rendezvous_address.remote()],
                             timeout=timeout)
-        nodes = [w.info["node_id"] for w in self.members]
+        nodes = [p.node_id for p in workers]
         # Named by rank and generation: the Ray Dashboard's task list tells which actor is
         # which rank of which world (an actor's own name and repr are fixed at its creation).
         self._get([w.actor.setup.options(name=f"{task_name(rank, generation)}.setup").remote(
-                       rank, world_size, rdzv, generation, armed.get(rank, []), nodes)
+                       rank, world_size, rdzv, generation, tuple(armed.get(rank, ())), nodes)
                    for rank, w in enumerate(self.members)], timeout=timeout)
         return workers
+
+    @staticmethod
+    def _place(w: Worker) -> WorkerPlace:
+        assert w.place is not None, f"{w.key} is not warm: it cannot join a world"
+        return w.place
 
     def restore(self, path: str) -> int:
         steps = self._get([w.actor.restore.remote(path) for w in self.members])
@@ -290,10 +301,11 @@ class ElasticGroup(WorkerGroup):
                 raise GroupFailed(WorkerFailure(
                     kind=FailureKind.START_ERROR, rank=None, detected_at=time.time(),
                     message=f"no live holder of rank {src}'s snapshot"))
-        out = self._get([w.actor.restore_memory.remote(choice.generation, choice.step,
-                                                       choice.layouts, sources)
-                         for w in self.members], kind=FailureKind.COLLECTIVE_ERROR)
-        return out[0]["step"], [o["fetched"] for o in out]
+        out: list[MemoryRestoreReport] = self._get(
+            [w.actor.restore_memory.remote(choice.generation, choice.step, choice.layouts,
+                                           sources)
+             for w in self.members], kind=FailureKind.COLLECTIVE_ERROR)
+        return out[0].step, [list(o.fetched) for o in out]
 
     def finish_restore(self) -> None:
         """Members stage the restored step and replicate it; idle workers forget older
@@ -349,16 +361,17 @@ class ElasticGroup(WorkerGroup):
         poll reported (a save that completed while the world ended). A member that cannot
         leave (stuck thread, dead process) is killed.
         """
-        answers = _answers([w.actor.leave.remote(self.LEAVE_TIMEOUT_S) for w in self.members],
-                           timeout=self.LEAVE_TIMEOUT_S + 5)
+        answers: list[LeaveReport | None] = _answers(
+            [w.actor.leave.remote(self.LEAVE_TIMEOUT_S) for w in self.members],
+            timeout=self.LEAVE_TIMEOUT_S + 5)
         steps, survivors, commits = [], [], []
         for rank, (w, ok) in enumerate(zip(self.members, answers, strict=True)):
             w.poll_ref = None
-            if ok is not None and ok["left"]:
+            if ok is not None and ok.left:
                 survivors.append(w)
-                steps.append(ok["step"])
+                steps.append(ok.step)
                 if rank == 0:
-                    commits = ok["commits"]
+                    commits = list(ok.commits)
             else:
                 if ok is not None:  # it answers, but its training thread is stuck
                     self._rescue(w)
@@ -395,7 +408,7 @@ class ElasticGroup(WorkerGroup):
         On another node the kill is a tiny task pinned there, not waited for; on a node that
         is gone there is nothing left to kill.
         """
-        pid, node_id = w.info.get("pid"), w.info.get("node_id")
+        pid, node_id = (w.place.pid, w.place.node_id) if w.place else (None, None)
         if pid is not None and node_id == self.driver_node_id:
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -15,8 +15,9 @@ import torch.distributed as dist
 
 
 @dataclass(frozen=True)
-class Rendezvous:
-    """Where a generation of workers meets: rank 0's node address and a free port."""
+class RendezvousAddress:
+    """Where a generation of workers meets to form its process group: rank 0's node address
+    and a port free on it (torch's TCP init method)."""
 
     host: str
     port: int
@@ -47,8 +48,8 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
-def init_process_group(rdzv: Rendezvous, *, rank: int, world_size: int, device: torch.device,
-                       timeout_s: float) -> None:
+def init_process_group(rdzv: RendezvousAddress, *, rank: int, world_size: int,
+                       device: torch.device, timeout_s: float) -> None:
     dist.init_process_group(
         backend=backend_for(device),
         init_method=rdzv.init_method,

@@ -17,9 +17,9 @@ import os
 import signal
 import sys
 import threading
-import time
 import traceback
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -27,12 +27,13 @@ import numpy as np
 import torch
 
 from stalwart.checkpointing.memory.store import Inventory
-from stalwart.checkpointing.memory.tier import Engine, MemoryTier
-from stalwart.checkpointing.snapshot import Layout
+from stalwart.checkpointing.memory.tier import MemoryTier, StateAccess
+from stalwart.checkpointing.snapshot import ShardLayout
 from stalwart.checkpointing.storage.writer import StorageCheckpointer
-from stalwart.config import JobConfig, config_from_dict
+from stalwart.config import FaultSpec, JobConfig, config_from_dict
+from stalwart.events import WorkerPlace
 from stalwart.parallel.distributed import (
-    Rendezvous,
+    RendezvousAddress,
     abort_process_groups,
     destroy_process_group,
     forget_dtensor_caches,
@@ -43,16 +44,16 @@ from stalwart.parallel.distributed import (
 from stalwart.task import TrainTask, build_task
 from stalwart.workers.engine import TrainEngine
 from stalwart.workers.errors import classify_exception
-from stalwart.workers.faults import FaultFired, carry_out
+from stalwart.workers.faults import FaultInjector
 from stalwart.workers.profiling import StepProfiler, init_profiler_here
-from stalwart.workers.reports import CommitReport, ProfileReport, StepReport, WorkerStatus
-
-# Faults that strike in the middle of a snapshot rather than at the start of a step.
-SNAPSHOT_FAULTS = ("kill-staging", "kill-replicating")
-# How long a fault waits for the controller to hear of it before it is carried out.
-FAULT_NOTICE_TIMEOUT_S = 5.0
-# A `slow` fault: the rank sleeps this x its local work each step (3x as long in all).
-SLOWDOWN = 2.0
+from stalwart.workers.reports import (
+    CommitReport,
+    LeaveReport,
+    MemoryRestoreReport,
+    ProfileReport,
+    StepReport,
+    WorkerStatus,
+)
 
 
 def announce_name(name: str) -> None:
@@ -108,13 +109,9 @@ class TrainWorker:
         self._tiered = False
         self._steps: deque[StepReport] = deque()
         self._commits: deque[CommitReport] = deque()
-        self._faults_fired: deque[FaultFired] = deque()
         self._profiles: deque[ProfileReport] = deque()
-        self._fault_heard = threading.Event()
-        self._armed: dict[int, tuple[str, str]] = {}  # step -> (kind, fault text)
-        self._slowdown = 0.0  # set by a `slow` fault, for the rest of this process's life
-        # Faults that strike during a snapshot: step -> (kind, fault text)
-        self._armed_snapshot: dict[int, tuple[str, str]] = {}
+        # The faults armed in this world; it outlives the worlds (a `slow` fault lasts).
+        self.faults = FaultInjector()
         self._thread: threading.Thread | None = None
         self._stop = threading.Event()
         self._done = False
@@ -150,7 +147,7 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ set-up
 
-    def warm_up(self) -> dict[str, Any]:
+    def warm_up(self) -> WorkerPlace:
         """Once per actor: import the task, prepare its data and build the model once (one
         training micro-step), so that joining a world costs only the process group and the
         restore. Warm spares stop here and wait."""
@@ -164,41 +161,39 @@ class TrainWorker:
             announce_name(repr(self))  # warm: a spare until it joins a world
         return self.describe()
 
-    def rendezvous_address(self) -> Rendezvous:
+    def rendezvous_address(self) -> RendezvousAddress:
         """Called on the next rank 0 only: this node's address and a port free on it now."""
         import ray
 
-        return Rendezvous(host=ray.util.get_node_ip_address(), port=free_port())
+        return RendezvousAddress(host=ray.util.get_node_ip_address(), port=free_port())
 
-    def describe(self) -> dict[str, Any]:
+    def describe(self) -> WorkerPlace:
         """Where this worker runs, for the event log, fault injection and tests that kill it."""
         import ray
 
-        return {"rank": self.rank, "pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(),
-                "node_id": ray.get_runtime_context().get_node_id()}
+        return WorkerPlace(rank=self.rank, pid=os.getpid(),
+                           node_ip=ray.util.get_node_ip_address(),
+                           node_id=ray.get_runtime_context().get_node_id())
 
-    def setup(self, rank: int, world_size: int, rdzv: Rendezvous, generation: int,
-              faults: list[tuple[int, str, str]], nodes: list[str]) -> None:
+    def setup(self, rank: int, world_size: int, rdzv: RendezvousAddress, generation: int,
+              faults: Sequence[FaultSpec], nodes: list[str]) -> None:
         """Join generation `generation`'s process group, then build the model and optimizer.
 
-        `nodes` is each rank's node id: snapshots are replicated to ranks on other nodes.
+        `faults` are those this rank carries out in this world. `nodes` is each rank's node
+        id: snapshots are replicated to ranks on other nodes.
         """
         self.warm_up()
         assert self.task is not None
         self.rank, self.generation = rank, generation
         announce_name(repr(self))
-        self._armed = {step: (kind, text) for step, kind, text in faults
-                       if kind not in SNAPSHOT_FAULTS}
-        self._armed_snapshot = {step: (kind, text) for step, kind, text in faults
-                                if kind in SNAPSHOT_FAULTS}
         self._reset_run_state()
+        self.faults.arm(rank, faults)
         device = pick_device(self.config.scaling.gpus_per_worker > 0)
         init_process_group(rdzv, rank=rank, world_size=world_size, device=device,
                            timeout_s=self.config.failure.collective_timeout_s)
         forget_dtensor_caches()  # the last world's meshes must not come back (see there)
         self.engine = TrainEngine(self.config, self.task, rank=rank, world_size=world_size,
                                   device=device)
-        self.engine.slowdown = self._slowdown
         self.checkpointer = StorageCheckpointer(
             self.storage_url, rank=rank, keep_last=self.config.checkpoint.keep_last,
             async_save=self.config.checkpoint.async_save,
@@ -211,14 +206,13 @@ class TrainWorker:
                            replicas=ck.replicas, limit_gb=ck.memory_limit_gb,
                            replica_class=[dims.replica_class(r) for r in range(world_size)])
 
-    def _engine_view(self) -> Engine:
+    def _engine_view(self) -> StateAccess:
         assert self.engine is not None
         return self.engine.tier_view()
 
     def _reset_run_state(self) -> None:
         self._steps.clear()
         self._commits.clear()
-        self._faults_fired.clear()
         self._profiles.clear()
         self._stop.clear()
         self._done = self._stopped_early = False
@@ -233,8 +227,8 @@ class TrainWorker:
         self.engine.load_state_dict(state)
         return self.engine.step
 
-    def restore_memory(self, generation: int, step: int, layouts: dict[int, Layout],
-                       sources: dict[int, Any]) -> dict[str, Any]:
+    def restore_memory(self, generation: int, step: int, layouts: dict[int, ShardLayout],
+                       sources: dict[int, Any]) -> MemoryRestoreReport:
         """Load step `step` of generation `generation` from the memory tier, resharded to
         this world. `sources` maps each source rank to an ObjectRef of its exported shard;
         only those this worker does not hold itself are fetched. Not collective."""
@@ -243,7 +237,7 @@ class TrainWorker:
         assert self.engine is not None
         fetched = self.tier.restore(self._engine_view(), generation=generation, step=step,
                                     layouts=layouts, fetch=lambda src: ray.get(sources[src]))
-        return {"step": self.engine.step, "fetched": fetched}
+        return MemoryRestoreReport(step=self.engine.step, fetched=tuple(fetched))
 
     def finish_restore(self) -> None:
         """After every rank restored: stage the restored step in this world and replicate
@@ -277,18 +271,19 @@ class TrainWorker:
             tier = self.tier if self._tiered else None
             ck = cfg.checkpoint
             while engine.step < cfg.train.steps:
-                self._maybe_inject(engine.step + 1)
+                self.faults.at_step(engine.step + 1)
                 profiler.begin(engine.step + 1)
                 report, stop = engine.train_step(
                     stop_requested=self._stop.is_set() or self._preempted,
                     before_update=tier.wait_copy_done if tier else None,
-                    before_summary=tier.wait_replicated if tier else None)
+                    before_summary=tier.wait_replicated if tier else None,
+                    after_local_work=self.faults.after_local_work)
                 step = engine.step
                 last = step == cfg.train.steps
                 persist = step % ck.persist_every == 0 or last or stop
                 shard = None
                 if tier is not None and (step % ck.snapshot_every == 0 or persist):
-                    shard = tier.snapshot(step, on_half=self._snapshot_fault(step))
+                    shard = tier.snapshot(step, hooks=self.faults)
                 if cfg.data.val_every and (step % cfg.data.val_every == 0 or last):
                     report = replace(report, val_loss=engine.validate())
                 self._steps.append(report)
@@ -308,43 +303,9 @@ class TrainWorker:
         finally:
             profiler.discard()  # a failure inside the window: no trace (see StepProfiler)
 
-    def _maybe_inject(self, step: int) -> None:
-        armed = self._armed.pop(step, None)
-        if armed is not None:
-            self._fire(step, *armed)
-
-    def _snapshot_fault(self, step: int) -> Any:
-        """The fault to strike while step `step`'s snapshot is staged or replicated."""
-        armed = self._armed_snapshot.pop(step, None)
-        if armed is None:
-            return None
-        kind, text = armed
-        if kind == "kill-replicating":  # in the exchange, between header and payload
-            assert self.tier.replicator is not None
-            self.tier.replicator.fault = lambda: self._fire(step, kind, text)
-            return None
-        return lambda: self._fire(step, kind, text)
-
-    def _fire(self, step: int, kind: str, text: str) -> None:
-        # The controller hears of the fault first (its exact time), then it happens.
-        self._fault_heard.clear()
-        self._faults_fired.append(FaultFired(fault=text, kind=kind, rank=self.rank, step=step,
-                                             time=time.time()))
-        self._fault_heard.wait(FAULT_NOTICE_TIMEOUT_S)
-        if kind == "slow":  # the engine's own timing of the rank's work carries it out
-            self._slowdown = SLOWDOWN
-            if self.engine is not None:
-                self.engine.slowdown = SLOWDOWN
-            return
-        carry_out(kind, text)
-
     def ack_faults(self) -> None:
-        """The controller has the poll that reported the faults: carry them out now.
-
-        Not when poll() returns: its reply could still be on its way when the process dies,
-        and the fault would then be armed again in the next world.
-        """
-        self._fault_heard.set()
+        """The controller has the poll that reported the faults: carry them out now."""
+        self.faults.ack()
 
     def request_stop(self) -> None:
         """Stop after the step in flight (all ranks agree on which) and checkpoint it."""
@@ -356,7 +317,7 @@ class TrainWorker:
         done, error = self._done, self._error
         steps = [self._steps.popleft() for _ in range(len(self._steps))]
         commits = [self._commits.popleft() for _ in range(len(self._commits))]
-        faults = [self._faults_fired.popleft() for _ in range(len(self._faults_fired))]
+        faults = self.faults.drain()
         profiles = [self._profiles.popleft() for _ in range(len(self._profiles))]
         return WorkerStatus(rank=self.rank, generation=self.generation, steps=steps,
                             commits=commits, done=done, stopped_early=self._stopped_early,
@@ -366,14 +327,13 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ leaving
 
-    def leave(self, timeout_s: float) -> dict[str, Any]:
+    def leave(self, timeout_s: float) -> LeaveReport:
         """Leave this generation's world and keep the process for the next one.
 
         The training thread has ended by now or soon will: a failed peer's collectives
         fail on every rank (the controller kills failed ranks before asking survivors to
-        leave). Returns {"left": False} if the thread is still stuck after `timeout_s`: the
-        process is then not reusable and the controller replaces it. "step" is the last step
-        this rank completed, so the controller can count the steps a failure cost.
+        leave). The report says left=False if the thread is still stuck after `timeout_s`:
+        the process is then not reusable and the controller replaces it.
         """
         step = self.engine.step if self.engine is not None else 0
         if self._thread is not None:
@@ -388,7 +348,7 @@ class TrainWorker:
                       f"within {timeout_s:.0f}s of leaving its world; its stacks:",
                       file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                return {"left": False, "step": step}
+                return LeaveReport(left=False, step=step)
             step = self.engine.step if self.engine is not None else step
         # Commits the controller has not polled yet, and the save in flight if it completes:
         # they are on storage, so they go on record (rank 0 reports them for everyone).
@@ -409,9 +369,10 @@ class TrainWorker:
         self.engine = None
         destroy_process_group()
         self._reset_run_state()
-        self.rank, self._armed, self._armed_snapshot = -1, {}, {}
+        self.rank = -1
+        self.faults.disarm()
         announce_name(repr(self))
-        return {"left": True, "step": step, "commits": commits}
+        return LeaveReport(left=True, step=step, commits=tuple(commits))
 
     def shutdown(self) -> None:
         """Leave the world cleanly (the controller kills the actor if this does not return)."""

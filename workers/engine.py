@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.tensor import DTensor
 
-from stalwart.checkpointing.memory.tier import Engine
+from stalwart.checkpointing.memory.tier import StateAccess
 from stalwart.parallel.data_parallel import gradient_sync
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
 from stalwart.parallel.grad_norm import clip_grad_norm
@@ -85,21 +85,21 @@ class TrainEngine:
         self.sampler = GlobalSampler(len(self.train_data), seed=config.train.seed)
         self.step = 0
         self.samples_seen = 0
-        # A `slow` fault makes this rank a straggler: it sleeps `slowdown` x its local work.
-        self.slowdown = 0.0
 
     # ------------------------------------------------------------------ training
 
     def train_step(self, *, stop_requested: bool = False,
                    before_update: Callable[[], None] | None = None,
-                   before_summary: Callable[[], None] | None = None
+                   before_summary: Callable[[], None] | None = None,
+                   after_local_work: Callable[[float], None] | None = None
                    ) -> tuple[StepReport, bool]:
         """Run one optimizer step; returns its report and whether any rank asked to stop.
 
         `before_update` runs before the optimizer changes the weights (a snapshot's
         device-to-host copy must be done by then), `before_summary` before the step's last
         all-reduce (the previous snapshot must be on its holders by then: see
-        checkpointing/memory/replication.py).
+        checkpointing/memory/replication.py). `after_local_work` is told how long this
+        rank's own work took, before its first synchronisation with its peers.
         """
         t0 = time.perf_counter()
         cfg = self.config.train
@@ -109,7 +109,7 @@ class TrainEngine:
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         tokens = 0
-        local = LocalTimer(self.device, self.slowdown)  # own work before the first sync
+        local = LocalTimer(self.device, after_local_work)  # own work before the first sync
         if self.pipeline is not None:
             # The schedule splits the rank's batch into the accumulation micro-batches.
             inputs, targets = (t.to(self.device) for t in self.train_data.get_batch(items))
@@ -240,9 +240,9 @@ class TrainEngine:
                     sig.append(local.data_ptr())
         return tuple(sig)
 
-    def tier_view(self) -> Engine:
+    def tier_view(self) -> StateAccess:
         """This engine as the in-memory checkpoint tier sees it."""
-        return Engine(state_dict=self.state_dict, scalar_state=self.scalar_state,
+        return StateAccess(state_dict=self.state_dict, scalar_state=self.scalar_state,
                       signature=self.state_signature, load_state_dict=self.load_state_dict,
                       device=self.device)
 

@@ -1,35 +1,130 @@
-"""Fault injection on the worker: the real thing, done to this process or this node.
+"""Fault injection on the worker: one injector, holding the faults armed on this rank.
 
-`kill` and `hang` signal this process (SIGKILL, SIGSTOP), `term` sends it the SIGTERM a
-preempted machine gets, `raise` throws from the training loop like a bug in user code,
-`kill-node` SIGKILLs this node's raylet (Ray's per-node daemon) and every process it started,
-exactly as when a machine is lost, and `drain` asks Ray to drain this node for
-preemption. The controller decides which rank carries out each fault (see
+The faults are real, done to this process or this node: `kill` and `hang` signal this
+process (SIGKILL, SIGSTOP), `term` sends it the SIGTERM a preempted machine gets, `raise`
+throws from the training loop like a bug in user code, `kill-node` SIGKILLs this node's
+raylet (Ray's per-node daemon) and every process it started, exactly as when a machine is
+lost, `drain` asks Ray to drain this node for preemption, and `slow` makes this rank a
+straggler. The controller decides which rank carries out each fault (see
 orchestrator/faults.py); this module only does it.
+
+The engine, the stager and the replicator know nothing of faults: they call small hooks at
+the moments they mark (the start of a step, `after_local_work`, `mid_copy`,
+`before_payload`), and FaultInjector implements them.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass
+
+from stalwart.config import FaultSpec
 
 
 class InjectedFault(RuntimeError):
     """Raised by a `raise` fault: stands for an exception in the task's code."""
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class FaultFired:
     """Told to the controller just before the fault is done, so it knows when it happened."""
 
-    fault: str
-    """The fault as the user wrote it, e.g. kill:rank=1,step=20."""
-    kind: str
+    fault: FaultSpec
+    """The fault as configured; str() gives it as the user wrote it, e.g. kill:rank=1,step=20."""
     rank: int
-    step: int
     time: float
+
+    @property
+    def step(self) -> int:
+        return self.fault.step
+
+
+# The moment each kind strikes at; every other kind strikes at the start of its step.
+STRIKES_AT = {
+    "kill-staging": "mid_copy",            # half of the snapshot's tensors are staged
+    "kill-replicating": "before_payload",  # the snapshot's headers are on its holders
+}
+# How long a fault waits for the controller to hear of it before it is carried out.
+FAULT_NOTICE_TIMEOUT_S = 5.0
+# A `slow` fault: the rank sleeps this x its local work each step (3x as long in all).
+SLOWDOWN = 2.0
+
+
+class FaultInjector:
+    """The faults armed on this worker for its current world, and the hooks they strike at.
+
+    Each fault is told to the controller (`fired`, drained by the worker's poll) and carried
+    out once the controller has acknowledged it (`ack`): not when the poll returns, as its
+    reply could still be on its way when the process dies, and the fault would then be
+    armed again in the next world. A `slow` fault lasts for the rest of the process's life.
+    """
+
+    def __init__(self, notice_timeout_s: float = FAULT_NOTICE_TIMEOUT_S) -> None:
+        self.notice_timeout_s = notice_timeout_s
+        self.rank = -1
+        self._armed: list[FaultSpec] = []
+        self._fired: deque[FaultFired] = deque()
+        self._heard = threading.Event()
+        self.slowdown = 0.0
+
+    def arm(self, rank: int, faults: Iterable[FaultSpec]) -> None:
+        """The faults this rank carries out in the world it joins (replacing any others)."""
+        self.rank, self._armed = rank, list(faults)
+        self._fired.clear()
+
+    def disarm(self) -> None:
+        """The world is left: its faults go with it (the controller arms them again)."""
+        self.rank, self._armed = -1, []
+        self._fired.clear()
+
+    def drain(self) -> list[FaultFired]:
+        """The faults fired since the last call, for the worker's poll."""
+        return [self._fired.popleft() for _ in range(len(self._fired))]
+
+    def ack(self) -> None:
+        """The controller has heard of the faults fired: carry them out now."""
+        self._heard.set()
+
+    # ------------------------------------------------------------------ the hooks
+
+    def at_step(self, step: int) -> None:
+        """At the start of step `step`, before any of its work."""
+        self._strike("step", step)
+
+    def mid_copy(self, step: int) -> None:
+        """Half of step `step`'s snapshot is staged."""
+        self._strike("mid_copy", step)
+
+    def before_payload(self, step: int) -> None:
+        """Step `step`'s snapshot headers are exchanged with its holders, not its payload."""
+        self._strike("before_payload", step)
+
+    def after_local_work(self, seconds: float) -> None:
+        """This rank's own work in a step took `seconds`: a straggler takes longer."""
+        if self.slowdown > 0:
+            time.sleep(self.slowdown * seconds)
+
+    def _strike(self, moment: str, step: int) -> None:
+        due = [f for f in self._armed
+               if f.step == step and STRIKES_AT.get(f.kind, "step") == moment]
+        for fault in due:
+            self._armed.remove(fault)
+            self._fire(fault)
+
+    def _fire(self, fault: FaultSpec) -> None:
+        # The controller hears of the fault first (its exact time), then it happens.
+        self._heard.clear()
+        self._fired.append(FaultFired(fault=fault, rank=self.rank, time=time.time()))
+        self._heard.wait(self.notice_timeout_s)
+        if fault.kind == "slow":  # after_local_work carries it out, from now on
+            self.slowdown = SLOWDOWN
+            return
+        carry_out(fault)
 
 
 def raylet_pid() -> int:
@@ -88,7 +183,9 @@ def drain_this_node(deadline_s: float = 60.0) -> None:
         raise RuntimeError(f"drain: Ray refused to drain this node: {why}")
 
 
-def carry_out(kind: str, fault: str) -> None:
+def carry_out(fault: FaultSpec) -> None:
+    """Do the fault to this process or this node (every kind but `slow`, a lasting state)."""
+    kind = fault.kind
     if kind in ("kill", "kill-staging", "kill-replicating"):
         os.kill(os.getpid(), signal.SIGKILL)
     elif kind == "hang":

@@ -9,14 +9,17 @@ final all-reduce has synchronised anyway.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
 
 class LocalTimer:
-    def __init__(self, device: torch.device, slowdown: float = 0.0) -> None:
-        self.slowdown = slowdown
-        """A `slow` fault: sleep this x the local work, as a throttled device would take."""
+    def __init__(self, device: torch.device,
+                 after_local_work: Callable[[float], None] | None = None) -> None:
+        # Told the seconds of local work when it ends, and counted in them (so a rank made
+        # a straggler there, by fault injection, is timed as one).
+        self._after_local_work = after_local_work
         self._t0 = time.perf_counter()
         self._local = 0.0
         self._cuda = device.type == "cuda"
@@ -27,8 +30,8 @@ class LocalTimer:
 
     def done(self) -> None:
         """The local work ends here (the first gradient synchronisation comes next)."""
-        if self.slowdown > 0:
-            time.sleep(self.slowdown * (time.perf_counter() - self._t0))
+        if self._after_local_work is not None:
+            self._after_local_work(time.perf_counter() - self._t0)
         if self._cuda:
             self._end = torch.cuda.Event(enable_timing=True)
             self._end.record()

@@ -1,9 +1,14 @@
-"""What workers tell the controller: plain, picklable records (the heartbeat is a StepReport)."""
+"""What workers tell the controller: plain, picklable records (the heartbeat is a StepReport).
+
+Every reply of a TrainWorker RPC is one of these, or stalwart.events.WorkerPlace for where
+the worker runs. CommitReport is the storage writer's (checkpointing never imports workers).
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stalwart.checkpointing.storage.writer import CommitReport
 from stalwart.workers.faults import FaultFired
 
 
@@ -28,14 +33,25 @@ class StepReport:
     straggler takes longer for; see orchestrator/stragglers.py)."""
 
 
-@dataclass(frozen=True)
-class CommitReport:
-    """A storage checkpoint is complete and visible (its manifest is written)."""
+@dataclass(frozen=True, kw_only=True)
+class LeaveReport:
+    """A worker's answer to leaving its world (TrainWorker.leave)."""
+
+    left: bool
+    """False when its training thread is still stuck: the process is not reusable."""
+    step: int
+    """The last step this rank completed (the controller counts the steps a failure cost)."""
+    commits: tuple[CommitReport, ...] = ()
+    """Commits no poll reported yet, and the save in flight if it completed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class MemoryRestoreReport:
+    """A worker's answer to restoring from the memory tier (TrainWorker.restore_memory)."""
 
     step: int
-    path: str
-    save_s: float
-    """Seconds from the start of the save to the manifest being written."""
+    fetched: tuple[int, ...]
+    """The source ranks whose shards came from peers (the rest it held itself)."""
 
 
 @dataclass(frozen=True)

@@ -18,20 +18,20 @@ from dataclasses import dataclass
 from torch.distributed.checkpoint.planner import WriteItemType
 
 from stalwart.checkpointing.memory.store import Inventory
-from stalwart.checkpointing.snapshot import Layout
+from stalwart.checkpointing.snapshot import ShardLayout
 
 
 @dataclass(frozen=True)
 class MemoryChoice:
     generation: int
     step: int
-    layouts: dict[int, Layout]
-    """Layout of each source rank's shard held at this step."""
+    layouts: dict[int, ShardLayout]
+    """ShardLayout of each source rank's shard held at this step."""
     holders: dict[int, list[str]]
     """Source rank -> keys of the live workers holding its shard at this step."""
 
 
-def _missing(layouts: dict[int, Layout], known: dict[str, int | None]) -> list[str]:
+def _missing(layouts: dict[int, ShardLayout], known: dict[str, int | None]) -> list[str]:
     """Names (of `known`: name -> numel, None for a value, -1 for a name of unknown kind)
     that `layouts` do not cover."""
     chunks: dict[str, set[tuple[tuple[int, ...], tuple[int, ...]]]] = defaultdict(set)
@@ -59,7 +59,7 @@ def _missing(layouts: dict[int, Layout], known: dict[str, int | None]) -> list[s
 def newest_complete(inventories: dict[str, Inventory]) -> tuple[MemoryChoice | None, str]:
     """The newest complete (generation, step), or None and why the newest one held is not."""
     held: dict[tuple[int, int], dict[int, list[str]]] = defaultdict(lambda: defaultdict(list))
-    layout_of: dict[tuple[int, int, int], Layout] = {}
+    layout_of: dict[tuple[int, int, int], ShardLayout] = {}
     known: dict[int, dict[str, int | None]] = defaultdict(dict)
     for worker, inv in inventories.items():
         for h in inv.holdings:

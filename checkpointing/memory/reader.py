@@ -26,10 +26,10 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from stalwart.checkpointing.snapshot import Layout, Shard
+from stalwart.checkpointing.snapshot import Shard, ShardLayout
 
 
-def build_metadata(layouts: dict[int, Layout]) -> Metadata:
+def build_metadata(layouts: dict[int, ShardLayout]) -> Metadata:
     """The global Metadata of a step whose shards, by source rank, have these layouts.
 
     storage_data maps each chunk (MetadataIndex) to the source ranks that hold it, in

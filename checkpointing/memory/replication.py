@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from stalwart.checkpointing.memory.store import MemoryStore
-from stalwart.checkpointing.snapshot import Layout, Shard
+from stalwart.checkpointing.snapshot import Shard, ShardLayout
 
 
 class ReplicationAbandoned(RuntimeError):
@@ -96,17 +96,18 @@ class Replicator:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="replicate")
         self._pending: Future[None] | None = None
         self._layouts_sent: set[tuple[int, str]] = set()  # (holder, layout key)
-        self._layouts_seen: dict[tuple[int, str], Layout] = {}
-        self.fault: Callable[[], None] | None = None
-        """Fault injection: runs after the headers are exchanged, before the payload."""
+        self._layouts_seen: dict[tuple[int, str], ShardLayout] = {}
         self._abandoned = threading.Event()
         self._names_shared = False
 
-    def replicate(self, shard: Shard) -> None:
-        """Start copying `shard` to this rank's holders (and receiving its sources')."""
+    def replicate(self, shard: Shard, before_payload: Callable[[], None] | None = None) -> None:
+        """Start copying `shard` to this rank's holders (and receiving its sources').
+
+        `before_payload` runs on the exchange's thread once the headers are exchanged,
+        before the payload is sent (a test, or a fault injected mid-exchange)."""
         self.wait()
         if self.group is not None:
-            self._pending = self._executor.submit(self._exchange, shard)
+            self._pending = self._executor.submit(self._exchange, shard, before_payload)
 
     def wait(self) -> None:
         """Block until the exchange in flight is complete; re-raises its error, or raises
@@ -127,7 +128,7 @@ class Replicator:
     def abandon(self) -> None:
         self._abandoned.set()
 
-    def _share_names(self, layout: Layout) -> None:
+    def _share_names(self, layout: ShardLayout) -> None:
         """Once per world: every rank learns the names in every rank's shard, so that a
         shard lost with all its copies is known to be missing (a pipeline stage's layers
         are in no other shard). The first snapshot is taken at the same step everywhere."""
@@ -137,7 +138,7 @@ class Replicator:
         self.store.set_names(self.generation, frozenset(n for ns in names for n in ns))
         self._names_shared = True
 
-    def _exchange(self, shard: Shard) -> None:
+    def _exchange(self, shard: Shard, before_payload: Callable[[], None] | None) -> None:
         shard.ready()
         group = self.group
         if not self._names_shared:
@@ -158,8 +159,8 @@ class Replicator:
             headers[q] = torch.zeros(3, dtype=torch.int64)
             ops.append(dist.P2POp(dist.irecv, headers[q], group=group, group_peer=q))
         self._run(ops)
-        if self.fault is not None:
-            self.fault()
+        if before_payload is not None:
+            before_payload()
         ops, incoming = [], {}
         for h in self.sends_to:
             ops.append(dist.P2POp(dist.isend, shard.buffer, group=group, group_peer=h))

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stalwart.checkpointing.snapshot import Layout, Shard
+from stalwart.checkpointing.snapshot import Shard, ShardLayout
 
 KEEP = 2
 
@@ -36,7 +36,7 @@ class Holding:
 @dataclass(frozen=True)
 class Inventory:
     holdings: tuple[Holding, ...]
-    layouts: dict[str, Layout]
+    layouts: dict[str, ShardLayout]
     nbytes: int
     names: dict[int, frozenset[str]] = field(default_factory=dict)
     """Per generation, the names in every rank's shard (when the world shared them)."""

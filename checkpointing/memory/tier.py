@@ -17,7 +17,8 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from functools import partial
+from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -25,7 +26,7 @@ import torch.distributed.checkpoint as dcp
 from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
 from stalwart.checkpointing.memory.replication import Replicator, holders_for
 from stalwart.checkpointing.memory.store import Inventory, MemoryStore
-from stalwart.checkpointing.snapshot import Layout, Shard, SnapshotStager
+from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager
 from stalwart.errors import ConfigError
 
 GIB = 1 << 30
@@ -45,14 +46,25 @@ def memory_limit_bytes(limit_gb: float, ranks_on_node: int) -> int:
 
 
 @dataclass(frozen=True)
-class Engine:
-    """What the tier needs from the training engine (workers/engine.py)."""
+class StateAccess:
+    """How the tier reads and writes the training state (the engine gives it: workers/engine.py)."""
 
     state_dict: Callable[[], dict[str, Any]]
     scalar_state: Callable[[], dict[str, Any]]
     signature: Callable[[], Any]
     load_state_dict: Callable[[dict[str, Any]], None]
     device: torch.device
+
+
+class SnapshotHooks(Protocol):
+    """Moments inside taking one snapshot, for a caller that acts at them (the worker's
+    fault injector). Each is told the snapshot's step."""
+
+    def mid_copy(self, step: int) -> None:
+        """Half of the snapshot's tensors are staged."""
+
+    def before_payload(self, step: int) -> None:
+        """The snapshot's headers are exchanged with its holders; its payload is not."""
 
 
 class MemoryTier:
@@ -66,7 +78,7 @@ class MemoryTier:
 
     # ------------------------------------------------------------------ per generation
 
-    def join(self, engine: Engine, *, rank: int, generation: int, nodes: list[str],
+    def join(self, engine: StateAccess, *, rank: int, generation: int, nodes: list[str],
              replicas: int, limit_gb: float, replica_class: list[Any] | None = None) -> None:
         """Set up for a new world. Collective: every rank calls it, in the same order as the
         other process groups it creates. `replica_class` tells data-parallel replicas apart
@@ -82,16 +94,21 @@ class MemoryTier:
                                      signature=engine.signature, device=engine.device,
                                      on_layout=self._check_limit)
 
-    def snapshot(self, step: int, on_half: Callable[[], None] | None = None) -> Shard:
+    def snapshot(self, step: int, hooks: SnapshotHooks | None = None) -> Shard:
         """Stage this rank's state as `step` and start replicating it."""
         assert self.stager is not None and self.replicator is not None
         self.replicator.wait()  # normally done already (see replication.py: ordering)
-        shard = self.stager.stage(step, on_half=on_half, before_overwrite=self.store.forget_buffer)
+        mid_copy = before_payload = None
+        if hooks is not None:
+            mid_copy, before_payload = (partial(hooks.mid_copy, step),
+                                        partial(hooks.before_payload, step))
+        shard = self.stager.stage(step, mid_copy=mid_copy,
+                                  before_overwrite=self.store.forget_buffer)
         self.store.put(self.generation, self.rank, shard)
-        self.replicator.replicate(shard)
+        self.replicator.replicate(shard, before_payload=before_payload)
         return shard
 
-    def _check_limit(self, layout: Layout) -> None:
+    def _check_limit(self, layout: ShardLayout) -> None:
         assert self.replicator is not None
         held = len(self.replicator.receives_from)
         # Two buffers of our own, two per shard held for a peer (peers' shards are the
@@ -157,8 +174,8 @@ class MemoryTier:
         shard.ready()
         return shard.buffer.numpy().copy(), dict(shard.values)
 
-    def restore(self, engine: Engine, *, generation: int, step: int,
-                layouts: dict[int, Layout], fetch: Callable[[int], tuple[Any, dict[str, Any]]]
+    def restore(self, engine: StateAccess, *, generation: int, step: int,
+                layouts: dict[int, ShardLayout], fetch: Callable[[int], tuple[Any, dict[str, Any]]]
                 ) -> list[int]:
         """Load step `step` of generation `generation` into the engine, resharded to this
         world; returns the source ranks whose shards came from peers."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -36,7 +37,16 @@ from stalwart.checkpointing.storage.layout import (
     sha256_of,
     step_dir_name,
 )
-from stalwart.workers.reports import CommitReport
+
+
+@dataclass(frozen=True)
+class CommitReport:
+    """A storage checkpoint is complete and visible (its manifest is written)."""
+
+    step: int
+    path: str
+    save_s: float
+    """Seconds from the start of the save to the manifest being written."""
 
 
 def write_manifest(url: str, step: int, extra: dict[str, Any]) -> None:

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from stalwart.parallel.distributed import (
-    Rendezvous,
+    RendezvousAddress,
     abort_process_groups,
     forget_dtensor_caches,
     free_port,
@@ -34,7 +34,7 @@ def offsets_in_two_worlds(rank, world, cache, port):
         if generation == 1:  # leave as a survivor does, join the next world as the other rank
             abort_process_groups()
             rank = world - 1 - rank
-            init_process_group(Rendezvous(host="127.0.0.1", port=port), rank=rank,
+            init_process_group(RendezvousAddress(host="127.0.0.1", port=port), rank=rank,
                                world_size=world, device=torch.device("cpu"), timeout_s=60)
         forget_dtensor_caches()
         engine = make_engine(rank, world, cache, ["parallel.dp_shard=2"])

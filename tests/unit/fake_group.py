@@ -24,8 +24,10 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
 from stalwart.checkpointing.memory.catalog import MemoryChoice
 from stalwart.checkpointing.memory.store import Holding, Inventory
-from stalwart.checkpointing.snapshot import Layout
+from stalwart.checkpointing.snapshot import ShardLayout
+from stalwart.config import FaultSpec
 from stalwart.errors import ConfigError
+from stalwart.events import WorkerPlace
 from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.group import WorkerGroup
@@ -99,7 +101,7 @@ class Call:
 
 
 # A state of one value: whoever holds a step holds all of it.
-ONE_VALUE = Layout(items=(WriteItem(index=MetadataIndex("train.step"), type=WriteItemType.BYTE_IO),),
+ONE_VALUE = ShardLayout(items=(WriteItem(index=MetadataIndex("train.step"), type=WriteItemType.BYTE_IO),),
                    slots={}, planner_data={}, nbytes=0, key="one-value")
 
 
@@ -142,7 +144,7 @@ class FakeGroup(WorkerGroup):
         self.killed: list[Actor] = []
         self.dead_nodes: set[str] = set()
         self.cannot_leave: set[int] = set()  # pids that fail to leave at the next disband
-        self.armed: dict[int, dict[int, list[tuple[int, str, str]]]] = {}  # generation ->
+        self.armed: dict[int, dict[int, list[FaultSpec]]] = {}  # generation ->
         self.generation = -1
         self._steps: dict[int, int] = {}  # pid -> engine step in this generation
         self.memory: dict[int, list[int]] = {}  # pid -> steps its memory tier holds
@@ -227,15 +229,15 @@ class FakeGroup(WorkerGroup):
     # -- one generation
 
     def form(self, world_size: int, generation: int,
-             arm: Callable[[list[dict[str, Any]]], dict[int, list[tuple[int, str, str]]]]
-             ) -> list[dict[str, Any]]:
+             arm: Callable[[list[WorkerPlace]], dict[int, list[FaultSpec]]]
+             ) -> list[WorkerPlace]:
         self._record("form", world_size, generation)
         pool = self.members + self.idle
         assert len(pool) >= world_size, f"form({world_size}) with {len(pool)} warm actors"
         self.members, self.idle = pool[:world_size], pool[world_size:]
         self.generation = generation
         self._steps = {a.pid: 0 for a in self.members}
-        workers = [dict(a.info, rank=r) for r, a in enumerate(self.members)]
+        workers = [WorkerPlace(rank=r, **a.info) for r, a in enumerate(self.members)]
         self.armed[generation] = arm(workers)
         self._maybe_raise("form")
         return workers
@@ -311,8 +313,8 @@ class FakeGroup(WorkerGroup):
         self.members, self.idle = [], survivors + self.idle
         return steps, []
 
-    def describe(self) -> list[dict[str, Any]]:
-        return [dict(a.info, rank=r) for r, a in enumerate(self.members)]
+    def describe(self) -> list[WorkerPlace]:
+        return [WorkerPlace(rank=r, **a.info) for r, a in enumerate(self.members)]
 
     def shutdown(self, *, graceful: bool) -> None:
         self._record("shutdown", graceful)

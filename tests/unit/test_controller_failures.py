@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from stalwart.config import parse_fault
 from stalwart.orchestrator.states import Failed, Finished
 from stalwart.workers.faults import FaultFired
 from stalwart.workers.reports import WorkerStatus
@@ -167,7 +168,7 @@ def test_a_death_within_the_grace_period_is_what_is_blamed(
 
 def test_an_injected_fault_is_reported_acknowledged_and_not_armed_again(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fired = FaultFired(fault="kill:rank=1,step=3", kind="kill", rank=1, step=3, time=T0 + 2.1)
+    fired = FaultFired(fault=parse_fault("kill:rank=1,step=3"), rank=1, time=T0 + 2.1)
     w = FakeWorld(tmp_path, monkeypatch, [
         Plan(polls=[
             statuses([1, 2]),
@@ -178,7 +179,7 @@ def test_an_injected_fault_is_reported_acknowledged_and_not_armed_again(
     ], ["failure.max_failures=1"], faults=["kill:rank=1,step=3"])
     assert w.run() == Finished(step=6)
 
-    assert w.group.armed == {0: {1: [(3, "kill", "kill:rank=1,step=3")]}, 1: {}}
+    assert w.group.armed == {0: {1: [parse_fault("kill:rank=1,step=3")]}, 1: {}}
     assert w.controller.faults.plan.pending == []
     assert [(c.state, c.args) for c in w.named("ack_faults")] == [("RUNNING", (1,))]
     assert w.kinds() == ["started", "fault_injected", "failure", "recovered", "finished"]
@@ -204,7 +205,7 @@ def test_a_fault_with_no_target_is_reported(tmp_path: Path,
 
 def test_an_old_fault_does_not_date_a_later_failure(tmp_path: Path,
                                                     monkeypatch: pytest.MonkeyPatch) -> None:
-    fired = FaultFired(fault="kill:rank=1,step=3", kind="kill", rank=1, step=3, time=T0 + 2.1)
+    fired = FaultFired(fault=parse_fault("kill:rank=1,step=3"), rank=1, time=T0 + 2.1)
     w = FakeWorld(tmp_path, monkeypatch, [
         Plan(polls=[statuses([1, 2]), [status(0), status(1, faults=[fired])],
                     Poll([status(0)], dead=[1])]),

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.checkpointing.storage.layout import join
+from stalwart.config import parse_fault
 from stalwart.orchestrator.states import Failed, Finished
 from stalwart.workers.faults import FaultFired
 from tests.unit.controller_world import HAPPY, T0, T1, FakeWorld, status, statuses
@@ -27,8 +28,7 @@ def test_shrink_when_only_a_smaller_world_can_form(tmp_path: Path,
     # ranks 0, 1 on the driver's node (node 0), ranks 2, 3 on node-b (node 1)
     cluster = [*actors(2, node=DRIVER_NODE, ip="10.0.0.1"),
                *actors(2, first_pid=2000, node="node-b", ip="10.0.0.2")]
-    fired = FaultFired(fault="kill-node:node=1,step=3", kind="kill-node", rank=2, step=3,
-                       time=T0 + 2.2)
+    fired = FaultFired(fault=parse_fault("kill-node:node=1,step=3"), rank=2, time=T0 + 2.2)
     w = FakeWorld(tmp_path, monkeypatch, [
         Plan(polls=[
             Poll(statuses([1, 2], world=4, commits=[2]), hook=lambda w: w.commit(2)),
@@ -41,8 +41,8 @@ def test_shrink_when_only_a_smaller_world_can_form(tmp_path: Path,
     assert w.run() == Finished(step=6)
 
     # the node fault went to the lowest rank on node 1, and is not armed again
-    assert w.group.armed == {0: {2: [(3, "kill-node", "kill-node:node=1,step=3")],
-                                 3: [(5, "kill", "kill:rank=3,step=5")]},
+    assert w.group.armed == {0: {2: [parse_fault("kill-node:node=1,step=3")],
+                                 3: [parse_fault("kill:rank=3,step=5")]},
                              1: {}}
     assert [c.args for c in w.named("form")] == [(4, 0), (2, 1)]
     assert w.killed() == [2000, 2001] and w.members(1) == [1000, 1001]

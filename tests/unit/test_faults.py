@@ -1,15 +1,23 @@
-"""Fault injection on the driver's side: --inject parsing, [[faults]] in TOML, and FaultPlan,
-which decides which rank carries out each fault in a generation of the world."""
+"""Fault injection: --inject parsing, [[faults]] in TOML, FaultPlan (the driver's: which rank
+carries out each fault in a generation of the world) and FaultInjector (the worker's: when
+each fault strikes)."""
 
 from __future__ import annotations
 
+import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from stalwart.config import FAULT_KINDS, FaultSpec, JobConfig, dump_config, load_config, parse_fault
 from stalwart.errors import ConfigError
+from stalwart.events import WorkerPlace
 from stalwart.orchestrator.faults import FaultPlan, number_nodes
+from stalwart.workers import faults as fault_module
+from stalwart.workers.faults import SLOWDOWN, STRIKES_AT, FaultInjector, InjectedFault
+from stalwart.workers.local_timer import LocalTimer
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -167,9 +175,9 @@ def test_bad_faults_tables(tmp_path: Path, text: str, expected: str) -> None:
 DRIVER = "node-driver"
 
 
-def workers(*node_ids: str) -> list[dict]:
+def workers(*node_ids: str) -> list[WorkerPlace]:
     """Members in rank order, as ElasticGroup.form describes them."""
-    return [{"rank": r, "pid": 100 + r, "node_ip": f"10.0.0.{r}", "node_id": n}
+    return [WorkerPlace(rank=r, pid=100 + r, node_ip=f"10.0.0.{r}", node_id=n)
             for r, n in enumerate(node_ids)]
 
 
@@ -185,8 +193,8 @@ def test_rank_faults_go_to_their_rank() -> None:
     faults = [parse_fault("kill:rank=1,step=5"), parse_fault("hang:rank=1,step=9"),
               parse_fault("raise:rank=0,step=3")]
     armed, unresolved = FaultPlan(faults).arm(workers("a", "a", "b"), DRIVER)
-    assert armed == {1: [(5, "kill", "kill:rank=1,step=5"), (9, "hang", "hang:rank=1,step=9")],
-                     0: [(3, "raise", "raise:rank=0,step=3")]}
+    assert armed == {1: [parse_fault("kill:rank=1,step=5"), parse_fault("hang:rank=1,step=9")],
+                     0: [parse_fault("raise:rank=0,step=3")]}
     assert unresolved == []
 
 
@@ -194,15 +202,15 @@ def test_node_faults_go_to_the_lowest_rank_on_the_node() -> None:
     faults = [parse_fault("kill-node:node=2,step=8"), parse_fault("drain:node=1,step=4")]
     # node 1 = "b" (rank 0 is there), node 2 = "a" (lowest rank 1)
     armed, unresolved = FaultPlan(faults).arm(workers("b", "a", "b", "a"), DRIVER)
-    assert armed == {1: [(8, "kill-node", "kill-node:node=2,step=8")],
-                     0: [(4, "drain", "drain:node=1,step=4")]}
+    assert armed == {1: [parse_fault("kill-node:node=2,step=8")],
+                     0: [parse_fault("drain:node=1,step=4")]}
     assert unresolved == []
 
 
 def test_the_drivers_node_is_node_0_even_when_workers_share_it() -> None:
     faults = [parse_fault("kill-node:node=1,step=8")]
     armed, _ = FaultPlan(faults).arm(workers(DRIVER, DRIVER, "x", "x"), DRIVER)
-    assert armed == {2: [(8, "kill-node", "kill-node:node=1,step=8")]}
+    assert armed == {2: [parse_fault("kill-node:node=1,step=8")]}
 
 
 def test_faults_without_a_target_in_this_world_are_reported() -> None:
@@ -210,7 +218,7 @@ def test_faults_without_a_target_in_this_world_are_reported() -> None:
               parse_fault("kill:rank=0,step=7")]
     plan = FaultPlan(faults)
     armed, unresolved = plan.arm(workers(DRIVER, "a"), DRIVER)
-    assert armed == {0: [(7, "kill", "kill:rank=0,step=7")]}
+    assert armed == {0: [parse_fault("kill:rank=0,step=7")]}
     assert unresolved == [
         "fault kill:rank=3,step=5 has no target now: the world has 2 ranks",
         "fault kill-node:node=2,step=6 has no target now: the workers are on node(s) [0, 1] "
@@ -218,9 +226,9 @@ def test_faults_without_a_target_in_this_world_are_reported() -> None:
     ]
     # still pending: a later, larger world may have a target
     armed, unresolved = plan.arm(workers("a", "a", "b", "b"), DRIVER)
-    assert armed == {3: [(5, "kill", "kill:rank=3,step=5")],
-                     2: [(6, "kill-node", "kill-node:node=2,step=6")],
-                     0: [(7, "kill", "kill:rank=0,step=7")]}
+    assert armed == {3: [parse_fault("kill:rank=3,step=5")],
+                     2: [parse_fault("kill-node:node=2,step=6")],
+                     0: [parse_fault("kill:rank=0,step=7")]}
     assert unresolved == []
 
 
@@ -234,11 +242,94 @@ def test_a_fired_fault_is_never_armed_again() -> None:
     kill, hang = parse_fault("kill:rank=1,step=5"), parse_fault("hang:rank=0,step=9")
     plan = FaultPlan([kill, hang])
     world = workers("a", "a")
-    assert plan.arm(world, DRIVER)[0] == {1: [(5, "kill", str(kill))],
-                                          0: [(9, "hang", str(hang))]}
-    plan.fired("kill:rank=1,step=5")
+    assert plan.arm(world, DRIVER)[0] == {1: [kill], 0: [hang]}
+    plan.fired(parse_fault("kill:rank=1,step=5"))  # compared by value, as specs travel
     assert plan.pending == [hang]
-    assert plan.arm(world, DRIVER) == ({0: [(9, "hang", str(hang))]}, [])
-    plan.fired("kill:rank=1,step=5")  # heard twice (two polls): harmless
-    plan.fired(str(hang))
+    assert plan.arm(world, DRIVER) == ({0: [hang]}, [])
+    plan.fired(kill)  # heard twice (two polls): harmless
+    plan.fired(hang)
     assert plan.arm(world, DRIVER) == ({}, [])
+
+
+# ---------------------------------------------------------------------------- FaultInjector
+
+
+def fired_faults(injector: FaultInjector) -> list[tuple[str, int, int]]:
+    return [(str(f.fault), f.rank, f.step) for f in injector.drain()]
+
+
+def test_a_step_fault_is_told_then_carried_out_at_its_step() -> None:
+    injector = FaultInjector(notice_timeout_s=0)
+    injector.arm(1, [parse_fault("raise:rank=1,step=3")])
+    injector.at_step(2)
+    assert injector.drain() == []
+    with pytest.raises(InjectedFault, match=r"injected fault raise:rank=1,step=3"):
+        injector.at_step(3)
+    assert fired_faults(injector) == [("raise:rank=1,step=3", 1, 3)]
+    injector.at_step(3)  # fired once: not again
+    assert injector.drain() == []
+
+
+def test_snapshot_faults_strike_only_inside_the_snapshot() -> None:
+    injector = FaultInjector(notice_timeout_s=0)
+    injector.arm(0, [parse_fault("kill-staging:rank=0,step=4"),
+                     parse_fault("kill-replicating:rank=0,step=6")])
+    for step in range(1, 8):  # neither strikes at the start of a step
+        injector.at_step(step)
+    injector.mid_copy(6)  # nor at the other moment, nor at another step
+    injector.before_payload(4)
+    injector.mid_copy(5)
+    assert injector.drain() == []
+    # STRIKES_AT decides where each kind strikes
+    assert STRIKES_AT == {"kill-staging": "mid_copy", "kill-replicating": "before_payload"}
+
+
+def test_a_fault_waits_for_the_controller_to_hear_of_it() -> None:
+    injector = FaultInjector(notice_timeout_s=60)
+    injector.arm(2, [parse_fault("raise:rank=2,step=1")])
+    errors: list[BaseException] = []
+
+    def train() -> None:
+        try:
+            injector.at_step(1)
+        except InjectedFault as exc:
+            errors.append(exc)
+
+    thread = threading.Thread(target=train)
+    thread.start()
+    while not (fired := injector.drain()):
+        time.sleep(0.01)
+    assert [(str(f.fault), f.rank) for f in fired] == [("raise:rank=2,step=1", 2)]
+    assert not errors  # told, not done yet
+    injector.ack()
+    thread.join(30)
+    assert len(errors) == 1
+
+
+def test_slow_makes_the_rank_sleep_twice_its_local_work(monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(fault_module.time, "sleep", slept.append)
+    injector = FaultInjector(notice_timeout_s=0)
+    injector.arm(0, [parse_fault("slow:rank=0,step=2")])
+    injector.after_local_work(1.0)
+    injector.at_step(2)
+    injector.after_local_work(1.5)
+    injector.disarm()  # a straggler stays one in its next worlds
+    injector.after_local_work(0.5)
+    assert slept == [SLOWDOWN * 1.5, SLOWDOWN * 0.5] == [3.0, 1.0]
+
+
+def test_leaving_a_world_disarms_its_faults() -> None:
+    injector = FaultInjector(notice_timeout_s=0)
+    injector.arm(0, [parse_fault("raise:rank=0,step=2")])
+    injector.disarm()
+    injector.at_step(2)
+    assert injector.drain() == []
+
+
+def test_the_local_timer_tells_how_long_the_local_work_took() -> None:
+    told: list[float] = []
+    timer = LocalTimer(torch.device("cpu"), after_local_work=told.append)
+    timer.done()
+    assert len(told) == 1 and told[0] >= 0
+    assert timer.seconds() >= told[0]  # the hook's own time counts as local work

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from stalwart.config import load_config
+from stalwart.events import WorkerPlace
 from stalwart.orchestrator.scaling import (
     FormDecision,
     GiveUpDecision,
@@ -99,7 +100,8 @@ def test_resize_reason() -> None:
     assert ScalingPolicy.resize_reason(2, 4, grow) == "grow"
 
 
-WORKERS = [{"node_id": "a"}, {"node_id": "b"}, {"node_id": "b"}, {"node_id": "c"}]
+WORKERS = [WorkerPlace(rank=r, pid=100 + r, node_ip=f"10.0.0.{r}", node_id=node)
+           for r, node in enumerate("abbc")]
 
 
 def test_checks_only_every_resize_check_s_or_after_a_commit() -> None:
