@@ -181,6 +181,9 @@ def test_a_world_forms_trains_stops_and_shuts_down(group: ElasticGroup) -> None:
     assert seen.dead == []
     assert all(seen.last[r].stopped_early and seen.last[r].error is None for r in (0, 1))
     assert seen.latest(0) == seen.latest(1)
+    # Rank 0 reports the commits (its save is the manifest); the stop step is the last one.
+    assert seen.commits[-1].step == seen.latest(0)
+    assert {c.step for c in seen.commits} >= set(range(3, seen.latest(0) + 1, 3))
 
     # A graceful shutdown, then no actor is left: not in Ray, not as a process.
     assert names <= named_actors()
