@@ -21,7 +21,6 @@ import os
 import signal
 import socket
 import time
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,11 +30,11 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from stalwart.checkpointing.memory.catalog import MemoryChoice
 from stalwart.checkpointing.memory.store import Inventory
-from stalwart.config import FaultSpec, JobConfig
+from stalwart.config import JobConfig
 from stalwart.errors import ConfigError
 from stalwart.events import WorkerPlace
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
-from stalwart.orchestrator.group import WorkerGroup
+from stalwart.orchestrator.group import Arm, WorkerGroup
 from stalwart.workers.actor import TrainWorker
 from stalwart.workers.reports import (
     CommitReport,
@@ -232,9 +231,7 @@ class ElasticGroup(WorkerGroup):
 
     # ------------------------------------------------------------------ one generation
 
-    def form(self, world_size: int, generation: int,
-             arm: Callable[[list[WorkerPlace]], dict[int, Sequence[FaultSpec]]]
-             ) -> list[WorkerPlace]:
+    def form(self, world_size: int, generation: int, arm: Arm) -> list[WorkerPlace]:
         """Make a world of `world_size` ranks: survivors keep their order, then idle actors.
 
         Returns where each member runs, in rank order; `arm` maps them to the faults each

@@ -45,12 +45,13 @@ RUN = [*TINY, "scaling.num_workers=2", "scaling.spare_workers=1", "train.steps=1
 def form(group: ElasticGroup, world_size: int, generation: int) -> list[int]:
     """Form a world with no faults armed; returns its pids in rank order."""
     workers = group.form(world_size, generation, arm=lambda workers: {})
-    assert [w["rank"] for w in workers] == list(range(world_size))
-    return [w["pid"] for w in workers]
+    assert [w.rank for w in workers] == list(range(world_size))
+    return [w.pid for w in workers]
 
 
 def pid_of(worker: Worker) -> int:
-    return worker.info["pid"]
+    assert worker.place is not None, "not warm yet"
+    return worker.place.pid
 
 
 def restore_from_memory(group: ElasticGroup, choice: MemoryChoice

@@ -17,6 +17,7 @@ import ray
 from stalwart.checkpointing.storage.catalog import newest_valid
 from stalwart.cli.cluster import EMBEDDED_RAY_SYSTEM_CONFIG
 from stalwart.config import JobConfig, load_config
+from stalwart.events import WorkerPlace
 from stalwart.task import build_task
 from stalwart.workers.actor import TrainWorker
 from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
@@ -37,16 +38,16 @@ RUN = [*TINY, "train.steps=100000", "checkpoint.persist_every=2", "checkpoint.ke
 # Every direct use of an RPC whose shape may change (typed replies, the fault injector) is
 # here, so that a change of interface is adapted in one place.
 
-def pid_of(description: Any) -> int:
-    return description["pid"]
+def pid_of(description: WorkerPlace) -> int:
+    return description.pid
 
 
-def rank_of(description: Any) -> int:
-    return description["rank"]
+def rank_of(description: WorkerPlace) -> int:
+    return description.rank
 
 
-def node_of(description: Any) -> str:
-    return description["node_id"]
+def node_of(description: WorkerPlace) -> str:
+    return description.node_id
 
 
 def join_alone(actor: Any, generation: int, node: str) -> None:
@@ -58,7 +59,7 @@ def join_alone(actor: Any, generation: int, node: str) -> None:
 def leave(actor: Any) -> tuple[bool, int, list[CommitReport]]:
     """(whether it left its world, its last step, commits no poll reported)."""
     reply = ray.get(actor.leave.remote(10.0), timeout=DEADLINE_S)
-    return reply["left"], reply["step"], list(reply.get("commits", []))
+    return reply.left, reply.step, list(reply.commits)
 
 
 # ------------------------------------------------------------------ helpers
