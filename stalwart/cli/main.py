@@ -13,11 +13,15 @@ import os
 import shlex
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stalwart.cli.job_commands import JOB_COMMANDS, add_job_commands, run_job_command
 from stalwart.cli.plan import add_plan_parser, cmd_plan
 from stalwart.cli.run_options import RESUME_HELP, add_inject_option, add_set_option, run_config
 from stalwart.errors import StalwartError
+
+if TYPE_CHECKING:
+    from stalwart.trainer import RunResult
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 130
 
@@ -73,7 +77,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from stalwart.config import parse_profile_steps
     from stalwart.errors import ConfigError
-    from stalwart.trainer import Trainer, summarize
+    from stalwart.trainer import Trainer
 
     config = run_config(args)
     if args.profile is not None:
@@ -85,13 +89,34 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--profile {args.profile!r}: {exc}") from None
     result = Trainer(config, run_dir=args.run_dir, address=args.address,
                      resume=args.resume).fit()
-    print(summarize(result))
+    print(closing_summary(result))
     if result.state == "STOPPED":
         again = " ".join(shlex.quote(a) for o in args.overrides for a in ("--set", o))
         print(f"resume with: stalwart run {shlex.quote(args.config)}{' ' if again else ''}"
               f"{again} --run-dir {shlex.quote(str(result.run_dir))} --resume")
         return EXIT_STOPPED
     return EXIT_OK if result.state == "FINISHED" else EXIT_FAILED
+
+
+def closing_summary(result: RunResult) -> str:
+    """What `stalwart run` prints when the run ends: state, loss, throughput, checkpoints."""
+    from stalwart import events as ev
+
+    commits = [e for e in ev.read_events(result.run_dir / "events.jsonl")
+               if isinstance(e, ev.CheckpointCommitted)]
+    lines = [f"{result.state} at step {result.step} in {result.wall_s:.1f}s"]
+    if result.loss is not None:
+        val = f", val_loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+        lines.append(f"  loss {result.loss:.4f}{val}")
+    if result.tokens_per_s is not None:
+        lines.append(f"  throughput {result.tokens_per_s:,.0f} tokens/s")
+    if commits:
+        lines.append(f"  checkpoints committed: {len(commits)}, newest step "
+                     f"{commits[-1].step} at {commits[-1].path}")
+    lines.append(f"  run dir: {result.run_dir}")
+    if result.reason:
+        lines.append(f"  reason: {result.reason}")
+    return "\n".join(lines)
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
