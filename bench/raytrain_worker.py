@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from ddp_step import ddp_step
 from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.config import load_config
@@ -183,28 +184,10 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
                 _inject(cfg["fault"], workdir)
         start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
         items = sampler.items(start, count)
-        ddp.train()
-        loss_sum = torch.zeros(())
-        for i in range(accum):
-            inputs, targets = data.get_batch(items[i * t.micro_batch_size:
-                                                   (i + 1) * t.micro_batch_size])
-            if i < accum - 1:
-                with ddp.no_sync():
-                    loss = task.loss(ddp, inputs, targets) / accum
-                    loss.backward()
-            else:
-                loss = task.loss(ddp, inputs, targets) / accum
-                loss.backward()
-            loss_sum += loss.detach()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), t.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_sum)  # the global mean loss, for logging
+        loss_sum, _ = ddp_step(ddp, task, data, items, t, accum, optimizer, scheduler)
         step += 1
         samples_seen += t.global_batch_size
-        loss_value = loss_sum.item() / world
+        loss_value = loss_sum / world
         if rank == 0:
             _append_jsonl(workdir / STEPS_FILE, {"step": step, "time": time.time(),
                                                  "loss": loss_value, "pid": os.getpid()})
