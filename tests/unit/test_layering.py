@@ -2,7 +2,8 @@
 
 workers/, parallel/ and checkpointing/ sit below the driver: they never import the CLI, the
 trainer, orchestrator/, examples/, integrations/, report/ or plan/. checkpointing/ never imports
-workers/. Every import counts, wherever it stands: a lazy one inside a function or one under
+workers/, and stalwart/plan/ never imports the example it used to read shapes from. Every
+import counts, wherever it stands: a lazy one inside a function or one under
 TYPE_CHECKING couples the modules all the same. Importing stalwart.parallel (and each of its
 modules) does not load Ray, and importing stalwart loads neither torch, Ray nor the trainer;
 those two are checked in a fresh interpreter, since this one has loaded everything already.
@@ -38,6 +39,12 @@ RULES: dict[str, tuple[str, tuple[str, ...]]] = {
     "workers": ("stalwart.workers", DRIVER),
     "parallel": ("stalwart.parallel", DRIVER),
     "checkpointing": ("stalwart.checkpointing", (*DRIVER, "stalwart.workers")),
+    # The plan room reads the model's shape from the task (TrainTask.model_dims), not from
+    # the example, and is pure arithmetic beside the driver.
+    "stalwart/plan": (
+        "stalwart.plan",
+        ("stalwart.examples", "stalwart.cli", "stalwart.trainer", "stalwart.orchestrator"),
+    ),
 }
 
 
