@@ -98,16 +98,17 @@ def stalwart_rate(run_dir: Path, exclude: int, tokens_per_step: int, *,
     cross_check adds tokens_counted_by_stalwart (the tokens stalwart itself counted over the
     window); final adds last_step and final_loss.
     """
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
-            if line.strip()]
-    by_step = {r["step"]: r for r in rows}
+    from stalwart.events import read_metrics
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    by_step = {r.step: r for r in rows}
     if exclude not in by_step:
         raise ValueError(f"no metrics row at step {exclude} in {run_dir / 'metrics.jsonl'}")
     last, first = rows[-1], by_step[exclude]
-    window = last["time"] - first["time"]
-    steps = last["step"] - first["step"]
+    window = last.time - first.time
+    steps = last.step - first.step
     if steps < 1 or window <= 0:
-        raise ValueError(f"empty window: steps {first['step']}..{last['step']}")
+        raise ValueError(f"empty window: steps {first.step}..{last.step}")
     rate: dict[str, Any] = {
         "tokens_per_s": steps * tokens_per_step / window,
         "window_s": window,
@@ -117,15 +118,15 @@ def stalwart_rate(run_dir: Path, exclude: int, tokens_per_step: int, *,
         # tokens_per_s is rounded to 0.1, so this agrees to a fraction of a token per second.
         counted, prev = 0.0, first
         for r in rows:
-            if r["step"] > exclude:
-                counted += r["tokens_per_s"] * (r["time"] - prev["time"])
+            if r.step > exclude:
+                counted += r.tokens_per_s * (r.time - prev.time)
                 prev = r
         rate["tokens_counted_by_stalwart"] = round(counted)
     if final:
-        rate["last_step"] = last["step"]
-        rate["final_loss"] = last["loss"]
-    rate["world_sizes"] = sorted({r["world_size"] for r in rows})
-    rate["loss_by_step"] = {str(r["step"]): r["loss"] for r in rows}
+        rate["last_step"] = last.step
+        rate["final_loss"] = last.loss
+    rate["world_sizes"] = sorted({r.world_size for r in rows})
+    rate["loss_by_step"] = {str(r.step): r.loss for r in rows}
     return rate
 
 

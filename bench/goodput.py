@@ -41,9 +41,12 @@ from typing import Any
 
 import common
 import raytrain_recovery as rt
+import raytrain_worker as rw
 
+from stalwart import events as ev
 from stalwart.config import load_config
-from stalwart.run_dir import read_jsonl
+from stalwart.events import read_events, read_jsonl, read_metrics
+from stalwart.report.summary import median
 from stalwart.task import build_task
 
 STALWART_OVERRIDES = ["train.steps=1000000", "failure.max_failures=-1", "run.log_every=1",
@@ -82,17 +85,17 @@ def goodput(steps: list[tuple[int, float, Any]], starts: dict[Any, float], t0: f
 
 def _stalwart_steps(run_dir: Path) -> tuple[list[tuple[int, float, Any]], dict[Any, float]]:
     """Per-step ends from metrics.jsonl (a row every step), worlds split at each restore."""
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    events = read_jsonl(run_dir / "events.jsonl")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    events = read_events(run_dir / "events.jsonl")
     # A world starts training after its restore; each row before the next world's start
     # belongs to the current one. window_s of a world's first row is its own step time.
-    world_starts = sorted(e["time"] for e in events if e["kind"] == "workers_started")
+    world_starts = sorted(e.time for e in events if isinstance(e, ev.WorkersStarted))
     steps, starts = [], {}
     for row in rows:
-        world = sum(1 for t in world_starts if t <= row["time"])
+        world = sum(1 for t in world_starts if t <= row.time)
         if world not in starts:
-            starts[world] = row["time"] - row.get("window_s", 0.0)
-        steps.append((row["step"], row["time"], world))
+            starts[world] = row.time - (row.window_s or 0.0)
+        steps.append((row.step, row.time, world))
     return steps, starts
 
 
@@ -118,13 +121,13 @@ def run_stalwart(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             os.killpg(proc.pid, signal.SIGKILL)
             code = proc.wait()
     steps, starts = _stalwart_steps(run_dir)
-    events = read_jsonl(run_dir / "events.jsonl")
-    recovered = [e for e in events if e["kind"] == "recovered"]
+    events = read_events(run_dir / "events.jsonl")
+    recovered = [e for e in events if isinstance(e, ev.Recovered)]
     out = {"system": "stalwart", "exit_code": code, "kills": len(kills),
-           "failures": sum(e["kind"] == "failure" for e in events),
+           "failures": sum(isinstance(e, ev.Failure) for e in events),
            "recoveries": len(recovered),
-           "lost_steps": sum(e["lost_steps"] for e in recovered),
-           "median_recovery_s": _median([e["recovery_s"] for e in recovered]),
+           "lost_steps": sum(e.lost_steps for e in recovered),
+           "median_recovery_s": median(e.recovery_s for e in recovered),
            **goodput(steps, starts, t0, t_stop), "run_dir": str(run_dir)}
     report = subprocess.run([str(Path(sys.executable).with_name("stalwart")), "report",
                              str(run_dir), "--json"], capture_output=True, text=True)
@@ -134,10 +137,11 @@ def run_stalwart(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def _stalwart_rank_pid(run_dir: Path, rank: int) -> int | None:
-    started = [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "workers_started"]
+    started = [e for e in read_events(run_dir / "events.jsonl")
+               if isinstance(e, ev.WorkersStarted)]
     if not started:
         return None
-    return next((w["pid"] for w in started[-1]["workers"] if w["rank"] == rank), None)
+    return next((w.pid for w in started[-1].workers if w.rank == rank), None)
 
 
 # ---------------------------------------------------------------------------------- Ray Train
@@ -156,19 +160,19 @@ def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     job = load_config(common.DEFAULT_CONFIG, [])
     build_task(job.task.path, job.task.args).prepare_data(job)  # tokenize outside the clock
     ray.cloudpickle.register_pickle_by_value(rt)
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": rt.NUM_WORKERS,
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": rw.NUM_WORKERS,
                                                             "include_dashboard": False})
     fit_out: dict[str, Any] = {}
     try:
         ray.init(address=cluster.address, runtime_env={"env_vars": {"RAY_ADDRESS":
                                                                     cluster.address}})
         trainer = TorchTrainer(
-            rt.train_loop_per_worker,
+            rw.train_loop_per_worker,
             train_loop_config={"workdir": str(workdir), "config": str(common.DEFAULT_CONFIG),
                                "overrides": ["train.steps=1000000"], "fault": "kill",
                                "fault_step": 0, "checkpoint_every": job.checkpoint.persist_every,
                                "commit_checkpoints": True},
-            scaling_config=ScalingConfig(num_workers=rt.NUM_WORKERS, use_gpu=False,
+            scaling_config=ScalingConfig(num_workers=rw.NUM_WORKERS, use_gpu=False,
                                          resources_per_worker={"CPU": 1}),
             run_config=RunConfig(name="raytrain-goodput", storage_path=str(workdir / "storage"),
                                  failure_config=FailureConfig(max_failures=-1)))
@@ -182,14 +186,14 @@ def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
         kills, t_stop = kill_on_schedule(running, lambda: _raytrain_rank_pid(workdir, 1), t0,
                                          args)
-        (workdir / rt.STOP_FILE).write_text(json.dumps({"time": t_stop}))
+        (workdir / rw.STOP_FILE).write_text(json.dumps({"time": t_stop}))
         thread.join(180)
     finally:
         ray.shutdown()
         cluster.shutdown()
-    attempts = read_jsonl(workdir / rt.ATTEMPTS_FILE)
+    attempts = read_jsonl(workdir / rw.ATTEMPTS_FILE)
     starts = {a["pid"]: a["time"] for a in attempts if a["event"] == "ready" and a["rank"] == 0}
-    steps = [(s["step"], s["time"], s["pid"]) for s in read_jsonl(workdir / rt.STEPS_FILE)]
+    steps = [(s["step"], s["time"], s["pid"]) for s in read_jsonl(workdir / rw.STEPS_FILE)]
     restarts = [a for a in attempts if a["event"] == "ready" and a["rank"] == 0][1:]
     return {"system": "ray_train", "kills": len(kills), "recoveries": len(restarts),
             "fit_error": fit_out.get("error"), **goodput(steps, starts, t0, t_stop),
@@ -197,7 +201,7 @@ def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def _raytrain_rank_pid(workdir: Path, rank: int) -> int | None:
-    ready = [a for a in read_jsonl(workdir / rt.ATTEMPTS_FILE)
+    ready = [a for a in read_jsonl(workdir / rw.ATTEMPTS_FILE)
              if a["event"] == "ready" and a["rank"] == rank]
     return ready[-1]["pid"] if ready else None
 
@@ -219,10 +223,6 @@ def kill_on_schedule(running: Callable[[], bool], rank_pid: Callable[[], int | N
                 kills.append({"time": time.time(), "pid": pid})
     return kills, time.time()
 
-
-def _median(values: list[float]) -> float | None:
-    values = sorted(values)
-    return values[len(values) // 2] if values else None
 
 
 def main() -> int:

@@ -122,10 +122,10 @@ def run_world(world: int) -> list[dict[str, int]]:
 
 def main() -> int:
     args = parse_args()
-    from stalwart.examples.gpt.model import GPTConfig
-    from stalwart.plan.estimate import Layout, ModelShape, estimate
+    from stalwart.examples.gpt.task import GPTTask
+    from stalwart.plan.estimate import ModelShape, PlanLayout, estimate
 
-    shape = ModelShape.from_gpt_config(GPTConfig(**MODEL))
+    shape = ModelShape.from_task(GPTTask(**MODEL), None)
     rows = []
     for world in args.worlds:
         try:
@@ -135,7 +135,7 @@ def main() -> int:
             return 1
         busiest = max(per_rank, key=lambda c: c["total"])
         formula = 16 * shape.n_params / world
-        est = estimate(shape, Layout(dp_shard=world, zero3=True)).state
+        est = estimate(shape, PlanLayout(dp_shard=world, zero3=True)).state
         rows.append({
             "world": world, "per_rank": per_rank, "max_rank": busiest,
             # every shard counted once: the shards must add up to the whole model

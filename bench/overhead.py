@@ -42,9 +42,12 @@ import tempfile
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import common
+
+if TYPE_CHECKING:
+    from stalwart.events import MemoryTier
 
 DEFAULT_OUT = common.ROOT / "bench" / "results" / "overhead.json"
 TARGET = 0.95
@@ -89,11 +92,11 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
     ]
 
 
-def memory_tier(run_dir: Path) -> dict[str, Any] | None:
+def memory_tier(run_dir: Path) -> MemoryTier | None:
     """The run's first `memory_tier` event (None if the tier is off or never reported)."""
-    from stalwart.run_dir import read_jsonl
+    from stalwart.events import MemoryTier, read_events
 
-    events = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("kind") == "memory_tier"]
+    events = [e for e in read_events(run_dir / "events.jsonl") if isinstance(e, MemoryTier)]
     return events[0] if events else None
 
 
@@ -114,7 +117,7 @@ def one_run(runner: str, rnd: int, *, args: argparse.Namespace, work: Path,
         result.update(common.stalwart_rate(run_dir, args.exclude, tps, final=True))
         tier = memory_tier(run_dir)  # read now: a measured run's folder goes when all is done
         if tier is not None:
-            result["memory_tier"] = {k: tier.get(k) for k in (
+            result["memory_tier"] = {k: getattr(tier, k) for k in (
                 "bytes_per_worker", "bytes_total", "snapshot_every", "replicas")}
         elif "checkpoint.snapshot_every=0" not in RUNNERS[runner]:
             result["warning"] = "no memory_tier event in events.jsonl"

@@ -1,8 +1,9 @@
 """Ray Train's side of the recovery benchmark: the reference task under Ray Train's TorchTrainer.
 
 bench/recovery.py compares how stalwart and Ray Train recover from a fault; this module is the
-Ray Train half. One call of `run_raytrain(fault, ...)` starts its own Ray (or, for "node", its
-own local multi-node cluster), trains the reference task with `TorchTrainer` on 2 workers
+Ray Train half. This file is the harness: bench/raytrain_worker.py is what each worker runs,
+bench/raytrain_measure.py reads the result. One call of `run_raytrain(fault, ...)` starts its
+own Ray (or, for "node", its own local multi-node cluster), trains the reference task with `TorchTrainer` on 2 workers
 (DDP over gloo on CPU), injects one fault on rank 1 at the start of step `fault_step`, lets Ray
 Train recover (or not), and returns when and how it recovered. Everything that decides what is
 trained comes from stalwart itself, as in bench/torchrun_ddp.py: the JobConfig (the same TOML +
@@ -71,235 +72,22 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
+from raytrain_measure import analyse, controller_events, read_fault
+from raytrain_worker import (
+    ATTEMPTS_FILE,
+    DEFAULT_CONFIG,
+    FAULTS,
+    NUM_WORKERS,
+    STOP_FILE,
+    TINY,
+    train_loop_per_worker,
+)
 
 from stalwart.config import load_config
-from stalwart.examples.gpt.data import TokenDataset, build_token_files
+from stalwart.events import read_jsonl
 from stalwart.task import build_task
-from stalwart.workers.sampler import GlobalSampler, rank_slice
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "examples" / "gpt" / "config.toml"
-FAULTS = ("kill", "hang", "node")
-NUM_WORKERS = 2
-
-# The tiny GPT of tests/cli_helpers.py TINY (seconds per run on 2 CPU cores).
-TINY = [
-    "task.args.seq_len=64", "task.args.d_model=64", "task.args.n_layers=2",
-    "task.args.n_heads=2", "train.global_batch_size=8", "train.micro_batch_size=2",
-    "train.warmup_steps=5", "data.val_batches=1",
-]
-
-# Files in workdir.
-STEPS_FILE = "steps.jsonl"        # rank 0: {"step", "time", "loss", "pid"} per completed step
-ATTEMPTS_FILE = "attempts.jsonl"  # every rank: {"event": "start"|"ready", "time", "rank", ...}
-FAULT_FILE = "fault.json"         # rank 1: {"fault", "time", "pid", ...}, written before the fault
-MARKER_FILE = "fault.injected"    # created with O_EXCL: a restarted attempt injects nothing
-STOP_FILE = "stop"                # harness: every train loop that sees it returns at once
-CHECKPOINTS_FILE = "checkpoints.jsonl"  # rank 0: {"step", "time", "pid"} after report()
-STATE_FILE = "state.pt"           # inside each Ray Train checkpoint
-
-
-# ----------------------------------------------------------------------------------------------
-# Worker side
-# ----------------------------------------------------------------------------------------------
-
-def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    # One small write with O_APPEND: lines from different processes never interleave.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, (json.dumps(row) + "\n").encode())
-    finally:
-        os.close(fd)
-
-
-def _write_json_atomic(path: Path, row: dict[str, Any]) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(row, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _ppid_of(pid: int) -> int | None:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return int(stat[stat.rindex(")") + 2:].split()[1])  # fields after "(comm)": state ppid ...
-
-
-def _children_of(ppid: int) -> list[int]:
-    return [int(d) for d in os.listdir("/proc") if d.isdigit() and _ppid_of(int(d)) == ppid]
-
-
-def _pg_timeout_s() -> float | None:
-    """The timeout of the default process group Ray Train set up (best effort)."""
-    try:
-        backend = dist.group.WORLD._get_backend(torch.device("cpu"))
-        return backend.options._timeout.total_seconds()
-    except Exception:
-        return None
-
-
-def _inject(fault: str, workdir: Path) -> None:
-    """Rank 1, first attempt, start of step fault_step: record the time, then the fault."""
-    import ray
-
-    me = os.getpid()
-    row: dict[str, Any] = {"fault": fault, "pid": me,
-                           "node_id": ray.get_runtime_context().get_node_id()}
-    if fault == "node":
-        raylet = os.getppid()
-        comm = Path(f"/proc/{raylet}/comm").read_text().strip()
-        if comm != "raylet":
-            raise RuntimeError(f"the worker's parent {raylet} is {comm!r}, not the raylet")
-        # Snapshot the node's processes now: once the raylet is gone they are reparented.
-        victims = [p for p in _children_of(raylet) if p != me]
-        row.update(raylet_pid=raylet, other_node_pids=victims)
-    row["time"] = time.time()
-    _write_json_atomic(workdir / FAULT_FILE, row)
-    if fault == "kill":
-        os.kill(me, signal.SIGKILL)
-    elif fault == "hang":
-        os.kill(me, signal.SIGSTOP)
-    elif fault == "node":
-        os.kill(row["raylet_pid"], signal.SIGKILL)
-        for pid in row["other_node_pids"]:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-        os.kill(me, signal.SIGKILL)
-    else:
-        raise ValueError(f"unknown fault {fault!r}")
-
-
-def train_loop_per_worker(cfg: dict[str, Any]) -> None:
-    """Ray Train's train_loop_per_worker: the reference task, as bench/torchrun_ddp.py."""
-    import ray.train
-    from ray.train import Checkpoint
-
-    torch.set_num_threads(1)
-    workdir = Path(cfg["workdir"])
-    ctx = ray.train.get_context()
-    rank, world = ctx.get_world_rank(), ctx.get_world_size()
-    node_id = ray.get_runtime_context().get_node_id()
-    stopping = (workdir / STOP_FILE).exists()
-    _append_jsonl(workdir / ATTEMPTS_FILE, {
-        "event": "start", "time": time.time(), "rank": rank, "world": world, "pid": os.getpid(),
-        "ppid": os.getppid(), "node_id": node_id, "stopping": stopping})
-    if stopping:
-        return
-
-    config = load_config(cfg["config"], cfg["overrides"])
-    t = config.train
-    task = build_task(config.task.path, config.task.args)
-    accum = t.global_batch_size // (t.micro_batch_size * world)
-    files = build_token_files(Path(config.data.cache_dir).expanduser() / "gpt-stdlib",
-                              val_fraction=task.val_fraction)
-    data = TokenDataset(files.train, task.model_config.seq_len)
-    sampler = GlobalSampler(len(data), seed=t.seed)
-
-    torch.manual_seed(t.seed)
-    model = task.build_model(config)
-    task.init_weights(model)
-    ddp = DistributedDataParallel(model)
-    optimizer = task.build_optimizer(ddp, config)
-    scheduler = task.build_lr_scheduler(optimizer, config)
-
-    step, samples_seen = 0, 0
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
-        with checkpoint.as_directory() as d:
-            state = torch.load(Path(d) / STATE_FILE, weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step, samples_seen = state["step"], state["samples_seen"]
-    _append_jsonl(workdir / ATTEMPTS_FILE, {
-        "event": "ready", "time": time.time(), "rank": rank, "pid": os.getpid(),
-        "node_id": node_id, "restored_from": step if checkpoint is not None else None,
-        "pg_timeout_s": _pg_timeout_s()})
-
-    while step < t.steps:
-        if (workdir / STOP_FILE).exists():
-            return
-        if (step + 1 == cfg["fault_step"] and rank == 1
-                and not (workdir / FAULT_FILE).exists()):
-            try:
-                os.close(os.open(workdir / MARKER_FILE, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                pass  # injected by an earlier attempt
-            else:
-                _inject(cfg["fault"], workdir)
-        start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
-        items = sampler.items(start, count)
-        ddp.train()
-        loss_sum = torch.zeros(())
-        for i in range(accum):
-            inputs, targets = data.get_batch(items[i * t.micro_batch_size:
-                                                   (i + 1) * t.micro_batch_size])
-            if i < accum - 1:
-                with ddp.no_sync():
-                    loss = task.loss(ddp, inputs, targets) / accum
-                    loss.backward()
-            else:
-                loss = task.loss(ddp, inputs, targets) / accum
-                loss.backward()
-            loss_sum += loss.detach()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(ddp.parameters(), t.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_sum)  # the global mean loss, for logging
-        step += 1
-        samples_seen += t.global_batch_size
-        loss_value = loss_sum.item() / world
-        if rank == 0:
-            _append_jsonl(workdir / STEPS_FILE, {"step": step, "time": time.time(),
-                                                 "loss": loss_value, "pid": os.getpid()})
-        if step % cfg["checkpoint_every"] == 0 or step == t.steps:
-            metrics = {"step": step, "loss": loss_value}
-            if rank == 0:
-                with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as tmp:
-                    torch.save({"model": model.state_dict(),
-                                "optimizer": optimizer.state_dict(),
-                                "scheduler": scheduler.state_dict(),
-                                "step": step, "samples_seen": samples_seen},
-                               Path(tmp) / STATE_FILE)
-                    ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
-                if cfg["commit_checkpoints"]:
-                    # Block until the controller has registered it (see run_raytrain).
-                    from ray.train import CheckpointConsistencyMode
-
-                    ray.train.get_all_reported_checkpoints(
-                        consistency_mode=CheckpointConsistencyMode.COMMITTED)
-                _append_jsonl(workdir / CHECKPOINTS_FILE, {"step": step, "time": time.time(),
-                                                            "pid": os.getpid()})
-            else:
-                ray.train.report(metrics)
-
-
-# ----------------------------------------------------------------------------------------------
-# Driver side
-# ----------------------------------------------------------------------------------------------
-
-def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
-def _read_fault(workdir: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((workdir / FAULT_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+__all__ = ["NUM_WORKERS", "TINY", "run_raytrain", "sigkill", "start_fit"]
 
 
 def _proc_state(pid: int) -> str | None:
@@ -474,7 +262,7 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
         while thread.is_alive():
             thread.join(0.2)
             now = time.time()
-            info = _read_fault(workdir)
+            info = read_fault(workdir)
             if info is not None and fault == "node":
                 if "dead_time" not in node_info and _node_alive(info["node_id"]) is False:
                     node_info["dead_time"] = time.time()  # the GCS has noticed
@@ -485,7 +273,7 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
                     node_info["replacement_added"] = time.time()
             if info is not None and fault == "hang" and now > info["time"] + hang_wait_s:
                 restarted = any(a["event"] == "start" and a["time"] > info["time"]
-                                for a in _read_jsonl(workdir / ATTEMPTS_FILE))
+                                for a in read_jsonl(workdir / ATTEMPTS_FILE))
                 if not restarted and aborted is None:
                     aborted = f"hang not detected within hang_wait_s={hang_wait_s:g}"
             if aborted is None and now > deadline:
@@ -502,7 +290,7 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
                 deadline = time.time() + 120  # for the teardown itself
             elif aborted is not None and now > deadline:
                 break  # teardown stuck: ray.shutdown() below ends it
-        session_dir = _session_dir()
+        session_dir = session_dir()
         result["fit_error"] = fit_out.get("error", "fit did not return")
         result["aborted"] = aborted
         result["harness_killed_pids"] = killed_pids
@@ -520,8 +308,8 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
     result["wall_s"] = time.time() - t_start
 
     # Any process the run started that outlived the shutdown (a stopped one would): kill it.
-    attempts = _read_jsonl(workdir / ATTEMPTS_FILE)
-    info = _read_fault(workdir)
+    attempts = read_jsonl(workdir / ATTEMPTS_FILE)
+    info = read_fault(workdir)
     pids = {a["pid"] for a in attempts} | set((info or {}).get("other_node_pids", []))
     time.sleep(1.0)
     leftover = sorted(p for p in pids if _proc_state(p) not in (None, "Z"))
@@ -529,8 +317,8 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
         sigkill(p)
     result["leftover_pids_killed"] = leftover
 
-    result.update(_analyse(workdir, attempts, info, fault, steps, node_info))
-    result.update(_controller_events(session_dir, info["time"] if info else None,
+    result.update(analyse(workdir, attempts, info, fault, steps, node_info))
+    result.update(controller_events(session_dir, info["time"] if info else None,
                                      abort_time))
     result["abort_s"] = None if abort_time is None or info is None else abort_time - info["time"]
     if fault == "hang":
@@ -558,100 +346,6 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
     result["completed"] = (result["fit_error"] is None and result["aborted"] is None
                            and result["final_step"] == steps)
     return result
-
-
-def _session_dir() -> str | None:
-    try:
-        import ray
-
-        return ray._private.worker._global_node.get_session_dir_path()
-    except Exception:
-        return None
-
-
-def _controller_events(session_dir: str | None, fault_time: float | None,
-                       abort_time: float | None) -> dict[str, Any]:
-    """From Ray Train's controller log: when it decided on the failure, and what came after.
-
-    controller_failure_s: fault -> the controller's FailurePolicy decision (Ray Train's own
-    detection, including the up to health_check_interval_s until its next poll); only a
-    decision before the harness aborted the run (abort_time) counts.
-    """
-    out: dict[str, Any] = {"controller_failure_s": None, "controller_events": []}
-    if session_dir is None or fault_time is None:
-        return out
-    for log in sorted(Path(session_dir, "logs", "train").glob("ray-train-sys-controller-*.log")):
-        for line in log.read_text(errors="replace").splitlines():
-            try:
-                row = json.loads(line)
-                t = row["timestamp_ns"] / 1e9
-            except (ValueError, KeyError, TypeError):
-                continue
-            if t < fault_time:
-                continue
-            msg = row.get("message", "").splitlines()
-            first = " ".join(m.strip() for m in msg[:2]) if msg else ""
-            out["controller_events"].append([round(t - fault_time, 3), first[:140]])
-            if (out["controller_failure_s"] is None and first.startswith("[FailurePolicy]")
-                    and (abort_time is None or t < abort_time)):
-                out["controller_failure_s"] = t - fault_time
-    out["controller_events"].sort()
-    return out
-
-
-def _analyse(workdir: Path, attempts: list[dict[str, Any]], info: dict[str, Any] | None,
-             fault: str, steps: int, node_info: dict[str, Any]) -> dict[str, Any]:
-    rows = _read_jsonl(workdir / STEPS_FILE)
-    ckpts = _read_jsonl(workdir / CHECKPOINTS_FILE)
-    starts = [a for a in attempts if a["event"] == "start" and not a["stopping"]]
-    readies = [a for a in attempts if a["event"] == "ready"]
-    out: dict[str, Any] = {
-        "fault_time": None, "detection_s": None, "recovery_s": None, "lost_steps": None,
-        "restored_from_step": None, "completed": False,
-        "final_step": max((r["step"] for r in rows), default=0),
-        "steps_before_fault": None, "attempt_starts": sorted({round(a["time"], 3)
-                                                              for a in starts}),
-        "torch_pg_timeout_s": next((a["pg_timeout_s"] for a in readies), None),
-        "step_times": [[r["step"], r["time"]] for r in rows],
-        "notes": ["detection_s is an upper bound of detection: fault -> the first train-loop "
-                  "start of a new attempt, so it includes tearing down the old worker group "
-                  "and starting the new one (actors and process group).",
-                  "recovery_s: fault -> the first step completed after the fault (rank 0)."],
-    }
-    ft = info["time"] if info is not None else float("inf")
-    # Before/after the fault by process, not by clock: rank 0 of the faulty attempt may log
-    # its last step a few ms after rank 1 has already started the next one and faulted.
-    old = {a["pid"] for a in starts if a["time"] < ft}
-    first_nodes = {a["rank"]: a["node_id"] for a in starts if a["pid"] in old}
-    out["first_attempt_nodes"] = first_nodes
-    if info is None:
-        out["notes"].append("the fault was never injected")
-        return out
-    out["fault_time"] = ft
-    out["steps_before_fault"] = max((r["step"] for r in rows if r["pid"] in old), default=0)
-    out["last_checkpoint_before_fault"] = max((c["step"] for c in ckpts if c["pid"] in old),
-                                              default=None)
-    later = [a for a in starts if a["pid"] not in old]
-    if later:
-        out["detection_s"] = min(a["time"] for a in later) - ft
-    restored = [a for a in readies if a["pid"] not in old and a["rank"] == 0]
-    if restored:
-        first = min(restored, key=lambda a: a["time"])
-        out["restored_from_step"] = first["restored_from"] or 0
-        out["lost_steps"] = out["steps_before_fault"] - out["restored_from_step"]
-    after = [r for r in rows if r["pid"] not in old]
-    if after:
-        first_row = min(after, key=lambda r: r["time"])
-        out["recovery_s"] = first_row["time"] - ft
-        out["first_step_after_fault"] = first_row["step"]
-    if fault == "node":
-        out["ranks_on_distinct_nodes"] = len(set(first_nodes.values())) == len(first_nodes) > 1
-        out["killed_node_id"] = info.get("node_id")
-        out["node_dead_s"] = (node_info["dead_time"] - ft) if "dead_time" in node_info else None
-        out["replacement_added_s"] = (node_info["replacement_added"] - ft
-                                      if "replacement_added" in node_info else None)
-        out["replace_node_after"] = node_info.get("replace_node_after")
-    return out
 
 
 def main() -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from ddp_step import ddp_step
 from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.config import load_config
@@ -92,28 +93,8 @@ def main() -> None:
     for _step in range(1, t.steps + 1):
         start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
         items = sampler.items(start, count)
-        model.train()
-        loss_sum = torch.zeros(())
-        tokens = 0
-        for i in range(accum):
-            inputs, targets = data.get_batch(items[i * t.micro_batch_size:
-                                                   (i + 1) * t.micro_batch_size])
-            tokens += targets.numel()
-            if i < accum - 1:
-                with model.no_sync():
-                    loss = task.loss(model, inputs, targets) / accum
-                    loss.backward()
-            else:
-                loss = task.loss(model, inputs, targets) / accum
-                loss.backward()
-            loss_sum += loss.detach()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        optimizer.step()
-        scheduler.step()
-        optimizer.zero_grad(set_to_none=True)
-        dist.all_reduce(loss_sum)  # the global mean loss, for logging
-        losses.append(loss_sum.item() / world)
+        loss_sum, tokens = ddp_step(model, task, data, items, t, accum, optimizer, scheduler)
+        losses.append(loss_sum / world)
         samples_seen += t.global_batch_size
         tokens_per_step = tokens * world
         ends.append(time.time())

@@ -83,10 +83,6 @@ class PairwiseAccumulator:
         # power of two, so the stack is the binary representation of the leaf count.
         self._stack: list[tuple[int, Grads]] = []
 
-    @property
-    def num_leaves(self) -> int:
-        return sum(size for size, _ in self._stack)
-
     def add(self) -> None:
         """Take every p.grad as the next leaf (setting p.grad to None) and merge it in."""
         leaf: Grads = []

@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
@@ -34,6 +35,27 @@ class Dataset(Protocol):
     def get_batch(self, indices: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
+@dataclass(frozen=True, kw_only=True)
+class ModelDims:
+    """A transformer's shape beyond its parameter count: what `stalwart plan` needs to size
+    blocks and activations. The parameter count itself comes from the model."""
+
+    n_layers: int
+    """Transformer blocks; each is one FSDP unit."""
+    d_model: int
+    """Hidden size."""
+    n_heads: int
+    """Attention heads."""
+    seq_len: int
+    """Tokens per sequence."""
+    vocab_size: int | None = None
+    """Size of the logits; None leaves the logits out of the activations."""
+    ffn_hidden: int | None = None
+    """Feed-forward hidden width."""
+    block_params: int | None = None
+    """Parameters of one block (the largest FSDP unit); None: sized from d_model."""
+
+
 class TrainTask:
     """Subclass and override `build_model`, `train_dataset` (and whatever else differs)."""
 
@@ -50,6 +72,12 @@ class TrainTask:
         """Initialise every parameter from torch's global RNG (seeded by train.seed)."""
         if hasattr(model, "init_weights"):
             model.init_weights()
+
+    def model_dims(self, model: torch.nn.Module) -> ModelDims | None:
+        """The transformer shape of `model` (built by `build_model` on the meta device), for
+        `stalwart plan`'s activation and block estimates. None: unknown, so plan counts the
+        parameters only and its totals are lower bounds."""
+        return None
 
     def check_layout(self, dims: ParallelDims) -> None:
         """Refuse a layout this task's model cannot take (runs on the driver, before workers)."""

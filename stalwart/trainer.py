@@ -281,22 +281,3 @@ def draining_nodes() -> set[str]:
     except Exception:  # a private API: if it moves, drains are noticed as node deaths instead
         return set()
 
-
-def summarize(result: RunResult) -> str:
-    """The closing summary the CLI prints."""
-    commits = [e for e in ev.read_events(result.run_dir / "events.jsonl")
-               if isinstance(e, ev.CheckpointCommitted)]
-    lines = [f"{result.state} at step {result.step} in {result.wall_s:.1f}s"]
-    if result.loss is not None:
-        val = f", val_loss {result.val_loss:.4f}" if result.val_loss is not None else ""
-        lines.append(f"  loss {result.loss:.4f}{val}")
-    if result.tokens_per_s is not None:
-        lines.append(f"  throughput {result.tokens_per_s:,.0f} tokens/s")
-    if commits:
-        lines.append(f"  checkpoints committed: {len(commits)}, newest step "
-                     f"{commits[-1].step} at {commits[-1].path}")
-    lines.append(f"  run dir: {result.run_dir}")
-    if result.reason:
-        lines.append(f"  reason: {result.reason}")
-    return "\n".join(lines)
-

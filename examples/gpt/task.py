@@ -16,7 +16,7 @@ from stalwart.examples.gpt.data import TokenDataset, TokenFiles, build_token_fil
 from stalwart.examples.gpt.model import GPT, GPTConfig
 from stalwart.examples.gpt.pipeline import GPTStage, rank_union, split_stages
 from stalwart.examples.gpt.tensor_parallel import apply_tensor_parallel
-from stalwart.task import TrainTask
+from stalwart.task import ModelDims, TrainTask
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -47,6 +47,12 @@ class GPTTask(TrainTask):
 
     def build_model(self, config: JobConfig) -> GPT:
         return GPT(self.model_config)
+
+    def model_dims(self, model: GPT) -> ModelDims:
+        cfg = self.model_config
+        return ModelDims(n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads,
+                         seq_len=cfg.seq_len, vocab_size=cfg.vocab_size, ffn_hidden=cfg.ffn_dim,
+                         block_params=sum(p.numel() for p in model.layers[0].parameters()))
 
     def check_layout(self, dims: ParallelDims) -> None:
         super().check_layout(dims)

@@ -73,7 +73,7 @@ def _submit(args: argparse.Namespace) -> int:
                         run_dir=jobs.absolute_run_dir(args.run_dir, RunDir.default_path(config),
                                                       cwd))
 
-    client = jobs.connect(address)
+    client = jobs.job_client(address)
     job_id = jobs.submit(client, spec, cwd=cwd, storage=config.checkpoint.storage,
                          job_id=args.job_id)
     submit_cmd, run_cmd = spec.resume_commands(address)
@@ -105,7 +105,7 @@ def _follow(client: JobSubmissionClient, job_id: str, address: str) -> int:
 
 def _status(args: argparse.Namespace) -> int:
     address = jobs.resolve_address(args.address)
-    print(_describe(jobs.find(jobs.connect(address), args.job_id)))
+    print(_describe(jobs.find(jobs.job_client(address), args.job_id)))
     return EXIT_OK
 
 
@@ -131,7 +131,7 @@ def _describe(job: JobDetails) -> str:
 
 def _logs(args: argparse.Namespace) -> int:
     address = jobs.resolve_address(args.address)
-    client = jobs.connect(address)
+    client = jobs.job_client(address)
     jobs.find(client, args.job_id)  # an unknown id is an error, not an empty stream
     if args.follow:
         return _follow(client, args.job_id, address)
@@ -141,7 +141,7 @@ def _logs(args: argparse.Namespace) -> int:
 
 def _stop(args: argparse.Namespace) -> int:
     address = jobs.resolve_address(args.address)
-    client = jobs.connect(address)
+    client = jobs.job_client(address)
     job = jobs.find(client, args.job_id)
     if job.status.value in jobs.TERMINAL:
         print(f"job {args.job_id} already ended: {job.status.value}")

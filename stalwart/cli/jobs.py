@@ -214,7 +214,8 @@ def _api_server_address(address: str) -> Iterator[None]:
             os.environ[ADDRESS_ENV_VARS[0]] = saved
 
 
-def connect(address: str) -> JobSubmissionClient:
+def job_client(address: str) -> JobSubmissionClient:
+    """A Ray Jobs API client for the cluster at `address` (its dashboard answered first)."""
     check_cluster(address)
     from ray.job_submission import JobSubmissionClient
 

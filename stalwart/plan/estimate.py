@@ -18,15 +18,13 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+# The values [parallel] accepts are the values a plan accepts.
+from stalwart.config import AC_MODES, PP_SCHEDULES, PRECISIONS
 from stalwart.errors import StalwartError
 
 if TYPE_CHECKING:
-    from stalwart.examples.gpt.model import GPTConfig
-
-# The same values as [parallel] in stalwart/config.py accepts.
-PRECISIONS = ("fp32", "bf16")
-AC_MODES = ("none", "selective", "full")
-PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")  # as parallel.pp_schedule
+    from stalwart.config import JobConfig
+    from stalwart.task import TrainTask
 
 
 class PlanError(StalwartError, ValueError):
@@ -68,18 +66,26 @@ class ModelShape:
                    f"parameter count {self.n_params:,}")
 
     @classmethod
-    def from_gpt_config(cls, cfg: GPTConfig) -> ModelShape:
-        """The exact shape of stalwart.examples.gpt's GPT, counted on the meta device."""
+    def from_task(cls, task: TrainTask, config: JobConfig | None) -> ModelShape:
+        """The task's model counted on the meta device (no memory, no init cost), with the
+        shape its `TrainTask.model_dims` hook gives; without one, the count alone."""
         import torch
 
-        from stalwart.examples.gpt.model import GPT
-
-        with torch.device("meta"):  # shapes only: no memory, no init cost
-            model = GPT(cfg)
-        return cls(n_params=model.num_params(), n_layers=cfg.n_layers, d_model=cfg.d_model,
-                   n_heads=cfg.n_heads, seq_len=cfg.seq_len, vocab_size=cfg.vocab_size,
-                   ffn_hidden=cfg.ffn_dim,
-                   block_params=sum(p.numel() for p in model.layers[0].parameters()))
+        try:
+            with torch.device("meta"):
+                model = task.build_model(config)
+            n_params = sum(p.numel() for p in model.parameters())  # a tied weight counts once
+        except Exception as exc:  # user code: any error belongs in the message
+            raise PlanError(
+                f"cannot build the model of task {type(task).__name__} on the meta device to "
+                f"count its parameters ({type(exc).__name__}: {exc}); implement "
+                f"TrainTask.model_dims or use --params") from exc
+        dims = task.model_dims(model)
+        if dims is None:
+            return cls.from_param_count(n_params)
+        return cls(n_params=n_params, n_layers=dims.n_layers, d_model=dims.d_model,
+                   n_heads=dims.n_heads, seq_len=dims.seq_len, vocab_size=dims.vocab_size,
+                   ffn_hidden=dims.ffn_hidden, block_params=dims.block_params)
 
     @classmethod
     def from_param_count(cls, n_params: int, *, n_layers: int | None = None,
@@ -112,7 +118,9 @@ class ModelShape:
 
 
 @dataclass(frozen=True, kw_only=True)
-class Layout:
+class PlanLayout:
+    """One parallel layout to plan for: the four degrees and the options that size memory."""
+
     dp_replicate: int = 1
     """Data-parallel replicas (DDP alone, the outer dimension of HSDP with dp_shard > 1)."""
     dp_shard: int = 1
@@ -205,7 +213,7 @@ class MemoryEstimate:
         return None not in (self.buffers, self.activations)
 
 
-def estimate(shape: ModelShape, layout: Layout) -> MemoryEstimate:
+def estimate(shape: ModelShape, layout: PlanLayout) -> MemoryEstimate:
     """Bytes on the busiest rank of `layout` (the first pipeline stage) for `shape`."""
     rank_params = _rank_params(shape, layout)
     # ZeRO (section 3.1, Figure 1): (2 + 2 + K) x params / N_d with K = 12 for mixed-precision Adam (fp32
@@ -220,7 +228,7 @@ def estimate(shape: ModelShape, layout: Layout) -> MemoryEstimate:
                           activations=_activations(shape, layout), offloaded=layout.cpu_offload)
 
 
-def _rank_params(shape: ModelShape, layout: Layout) -> int:
+def _rank_params(shape: ModelShape, layout: PlanLayout) -> int:
     """Parameters on one rank of the largest pipeline stage, before data-parallel sharding."""
     if shape.block_params is not None and shape.n_layers is not None:
         # Stages split the blocks; the first also holds every non-block parameter (embedding,
@@ -233,7 +241,7 @@ def _rank_params(shape: ModelShape, layout: Layout) -> int:
     return math.ceil(stage / layout.tp)  # Megatron: every matrix is split over tp
 
 
-def _buffers(shape: ModelShape, layout: Layout, rank_params: int) -> int | None:
+def _buffers(shape: ModelShape, layout: PlanLayout, rank_params: int) -> int | None:
     if not layout.uses_fsdp:
         # DDP copies every gradient into flat all-reduce buckets (gradient_as_bucket_view is
         # off): a second fp32 gradient set. One rank with no wrapper has none.
@@ -258,7 +266,7 @@ def _buffers(shape: ModelShape, layout: Layout, rank_params: int) -> int | None:
     return compute * (root + 2 * block) + grad_buffer
 
 
-def _activations(shape: ModelShape, layout: Layout) -> int | None:
+def _activations(shape: ModelShape, layout: PlanLayout) -> int | None:
     """Peak saved activations on the busiest stage (Korthikanti et al. 2022, Table 2)."""
     if not shape.activations_known:
         return None

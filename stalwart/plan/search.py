@@ -13,7 +13,7 @@ import dataclasses
 import math
 from typing import NamedTuple
 
-from stalwart.plan.estimate import Layout, MemoryEstimate, ModelShape, PlanError, estimate
+from stalwart.plan.estimate import MemoryEstimate, ModelShape, PlanError, PlanLayout, estimate
 
 
 class NoLayoutFits(PlanError):
@@ -21,7 +21,7 @@ class NoLayoutFits(PlanError):
 
 
 class Candidate(NamedTuple):
-    layout: Layout
+    layout: PlanLayout
     estimate: MemoryEstimate
     fits: bool
     """The estimate's device bytes are at most the device memory (a lower bound check when
@@ -32,8 +32,8 @@ def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def valid_layouts(devices: int, shape: ModelShape, options: Layout | None = None, *,
-                  max_tp: int | None = None) -> list[Layout]:
+def valid_layouts(devices: int, shape: ModelShape, options: PlanLayout | None = None, *,
+                  max_tp: int | None = None) -> list[PlanLayout]:
     """Every (dp_replicate, dp_shard, tp, pp) with product `devices` that `shape` allows.
 
     tp must divide the attention heads (when known) and stay <= max_tp (the devices of one
@@ -42,7 +42,7 @@ def valid_layouts(devices: int, shape: ModelShape, options: Layout | None = None
     """
     if devices < 1:
         raise PlanError(f"devices must be >= 1, got {devices}")
-    options = options or Layout()
+    options = options or PlanLayout()
     layouts = []
     for tp in divisors(devices):
         if shape.n_heads is not None and shape.n_heads % tp:
@@ -77,7 +77,7 @@ def preference(candidate: Candidate) -> tuple[int, ...]:
             layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp)
 
 
-def plan(shape: ModelShape, devices: int, memory_bytes: int, options: Layout | None = None, *,
+def plan(shape: ModelShape, devices: int, memory_bytes: int, options: PlanLayout | None = None, *,
          max_tp: int | None = None) -> list[Candidate]:
     """Every valid layout with its estimate and whether it fits, best first (`preference`)."""
     if memory_bytes <= 0:
@@ -124,7 +124,7 @@ def format_bytes(n: float) -> str:
 
 
 def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, devices: int,
-                memory_bytes: int, options: Layout,
+                memory_bytes: int, options: PlanLayout,
                 configured: tuple[int, int, int, int] | None = None) -> str:
     """The plan as plain aligned text: a header, one row per layout (best first), notes."""
     o = options

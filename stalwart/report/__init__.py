@@ -12,23 +12,22 @@ import json
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 from stalwart.config import read_toml
 from stalwart.errors import ConfigError, RunDirError
+from stalwart.events import Event, MetricsRow, read_events, read_metrics
 from stalwart.report.summary import Summary, summarize
 from stalwart.report.table import format_summary
-from stalwart.run_dir import read_jsonl
 
 __all__ = ["Summary", "load", "main", "summarize"]
 
 
 def load(run_dir: Path, *, now: float | None = None
-         ) -> tuple[Summary, list[dict[str, Any]], list[dict[str, Any]]]:
+         ) -> tuple[Summary, list[Event], list[MetricsRow]]:
     """The summary of a run directory, with the events and rows it was computed from."""
     if not run_dir.is_dir():
         raise RunDirError(f"run dir {run_dir} does not exist")
-    events = read_jsonl(run_dir / "events.jsonl")
+    events = read_events(run_dir / "events.jsonl")
     if not events:
         raise RunDirError(f"run dir {run_dir} holds no events (events.jsonl): not a run "
                           f"directory, or its run has not started training yet")
@@ -36,7 +35,7 @@ def load(run_dir: Path, *, now: float | None = None
         config = read_toml(run_dir / "config.toml")
     except ConfigError:  # the numbers come from the events; the config only adds context
         config = {}
-    rows = read_jsonl(run_dir / "metrics.jsonl")
+    rows = read_metrics(run_dir / "metrics.jsonl")
     summary = summarize(
         events, rows, now=time.time() if now is None else now,
         steps_total=config.get("train", {}).get("steps"),

@@ -8,8 +8,9 @@ import math
 from pathlib import Path
 from typing import Any
 
+from stalwart import events as ev
 from stalwart.errors import StalwartError
-from stalwart.report.summary import END_KINDS, Summary, kept_rows
+from stalwart.report.summary import END_EVENTS, Summary, kept_rows
 
 
 class MatplotlibMissing(StalwartError):
@@ -28,19 +29,19 @@ def _pyplot() -> Any:
     return plt
 
 
-def _world_sizes(events: list[dict[str, Any]], t0: float, end: float
+def _world_sizes(events: list[ev.Event], t0: float, end: float
                  ) -> tuple[list[float], list[int]]:
     """(seconds since t0, world size) at every change: a world's size from its start, 0 from
     a failure or the run's end until the next world starts."""
     xs: list[float] = []
     ys: list[int] = []
     for e in events:
-        at = e["time"]
-        if e["kind"] == "workers_started":
-            size = e.get("world_size", len(e.get("workers", [])))  # older runs: no size
-        elif e["kind"] == "failure":  # the world stopped training when it happened
-            size, at = 0, at - (e.get("detection_s") or 0.0)
-        elif e["kind"] in (*END_KINDS, "resumed"):
+        at = e.time
+        if isinstance(e, ev.WorkersStarted):
+            size = e.world_size
+        elif isinstance(e, ev.Failure):  # the world stopped training when it happened
+            size, at = 0, at - (e.detection_s or 0.0)
+        elif isinstance(e, (*END_EVENTS, ev.Resumed)):
             size = 0
         else:
             continue
@@ -51,30 +52,29 @@ def _world_sizes(events: list[dict[str, Any]], t0: float, end: float
     return xs, ys
 
 
-def _by_world(rows: list[dict[str, Any]], events: list[dict[str, Any]], t0: float
+def _by_world(rows: list[ev.MetricsRow], events: list[ev.Event], t0: float
               ) -> tuple[list[float], list[float]]:
     """(time, loss) with a gap between worlds, so no line is drawn across a recovery."""
-    starts = [e["time"] for e in events if e["kind"] == "workers_started"]
+    starts = [e.time for e in events if isinstance(e, ev.WorkersStarted)]
     xs: list[float] = []
     ys: list[float] = []
     world = None
     for r in rows:
-        now_in = sum(1 for s in starts if s <= r["time"])
+        now_in = sum(1 for s in starts if s <= r.time)
         if world is not None and now_in != world:
             xs.append(math.nan)
             ys.append(math.nan)
         world = now_in
-        xs.append(r["time"] - t0)
-        ys.append(r["loss"])
+        xs.append(r.time - t0)
+        ys.append(r.loss)
     return xs, ys
 
 
-def write_png(path: Path, events: list[dict[str, Any]], rows: list[dict[str, Any]],
+def write_png(path: Path, events: list[ev.Event], rows: list[ev.MetricsRow],
               summary: Summary, *, title: str, now: float) -> Path:
     plt = _pyplot()
-    t0 = events[0]["time"]
-    end = now if summary.state == "running" else max(
-        [events[-1]["time"], *(r["time"] for r in rows)])
+    t0 = events[0].time
+    end = now if summary.state == "running" else max([events[-1].time, *(r.time for r in rows)])
     kept = kept_rows(events, rows)
     fig, (by_step, by_time, world) = plt.subplots(3, 1, figsize=(9, 9.5),
                                                   height_ratios=[3, 3, 1.4])
@@ -85,13 +85,13 @@ def write_png(path: Path, events: list[dict[str, Any]], rows: list[dict[str, Any
                                  "marker": "x", "label": "train loss, lost attempt"})):
         sel = [r for r, k in zip(rows, kept, strict=True) if k == keep]
         if sel:
-            by_step.plot([r["step"] for r in sel], [r["loss"] for r in sel], **style)
+            by_step.plot([r.step for r in sel], [r.loss for r in sel], **style)
             by_time.plot(*_by_world(sel, events, t0), **style)
-    val = [r for r, k in zip(rows, kept, strict=True) if k and r.get("val_loss") is not None]
+    val = [r for r, k in zip(rows, kept, strict=True) if k and r.val_loss is not None]
     if val:
-        losses = [r["val_loss"] for r in val]
-        by_step.plot([r["step"] for r in val], losses, "o-", color="tab:orange", label="val loss")
-        by_time.plot([r["time"] - t0 for r in val], losses, "o-", color="tab:orange",
+        losses = [r.val_loss for r in val]
+        by_step.plot([r.step for r in val], losses, "o-", color="tab:orange", label="val loss")
+        by_time.plot([r.time - t0 for r in val], losses, "o-", color="tab:orange",
                      label="val loss")
 
     # Failures (red, by kind) at the last step done and when they happened (detection

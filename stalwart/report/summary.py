@@ -23,11 +23,14 @@ from __future__ import annotations
 
 import statistics
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from stalwart import events as ev
+
 # Events that end an invocation of a run; without one after the last start, it is running.
-END_KINDS = ("finished", "failed", "stopped", "interrupted")
+END_EVENTS: tuple[type[ev.Event], ...] = (ev.Finished, ev.Failed, ev.Stopped, ev.Interrupted)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -87,20 +90,20 @@ class Summary:
         return asdict(self)
 
 
-def rollbacks(events: list[dict[str, Any]]) -> list[Rollback]:
+def rollbacks(events: list[ev.Event]) -> list[Rollback]:
     """Every restore that may have gone back: recoveries (cut at the failure that caused
     them; rows of the new world come after it) and resumes (cut at the resume)."""
     out: list[Rollback] = []
     last_failure: float | None = None
     for e in events:
-        if e["kind"] == "failure":
-            last_failure = e["time"]
-        elif e["kind"] == "recovered":
-            cutoff = last_failure if last_failure is not None else e["time"] - e["recovery_s"]
-            out.append(Rollback(cutoff=cutoff, from_step=e["from_step"]))
+        if isinstance(e, ev.Failure):
+            last_failure = e.time
+        elif isinstance(e, ev.Recovered):
+            cutoff = last_failure if last_failure is not None else e.time - e.recovery_s
+            out.append(Rollback(cutoff=cutoff, from_step=e.from_step))
             last_failure = None
-        elif e["kind"] == "resumed":
-            out.append(Rollback(cutoff=e["time"], from_step=e["from_step"]))
+        elif isinstance(e, ev.Resumed):
+            out.append(Rollback(cutoff=e.time, from_step=e.from_step))
     return out
 
 
@@ -109,85 +112,86 @@ def is_kept(segment: Segment, backs: list[Rollback]) -> bool:
     return not any(b.cutoff > segment.time and segment.last_step > b.from_step for b in backs)
 
 
-def row_segment(row: dict[str, Any]) -> Segment:
-    n = row.get("steps_in_window", 1)
-    return Segment(first_step=row["step"] - n + 1, last_step=row["step"],
-                   window_s=row.get("window_s"), time=row["time"])
+def row_segment(row: ev.MetricsRow) -> Segment:
+    n = row.steps_in_window if row.steps_in_window is not None else 1
+    return Segment(first_step=row.step - n + 1, last_step=row.step, window_s=row.window_s,
+                   time=row.time)
 
 
-def segments(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[Segment]:
+def segments(events: list[ev.Event], rows: list[ev.MetricsRow]) -> list[Segment]:
     """Every record of step time: the rows' windows and the events' kept unlogged steps."""
     out = [row_segment(r) for r in rows]
     for e in events:
-        tail = e.get("kept_unlogged") if e["kind"] in ("workers_started", "stopped") else None
+        tail = e.kept_unlogged if isinstance(e, ev.WorkersStarted | ev.Stopped) else None
         if tail:
-            out.append(Segment(first_step=tail["first_step"], last_step=tail["last_step"],
-                               window_s=tail["window_s"], time=e["time"]))
+            out.append(Segment(first_step=tail.first_step, last_step=tail.last_step,
+                               window_s=tail.window_s, time=e.time))
     return out
 
 
-def kept_rows(events: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[bool]:
+def kept_rows(events: list[ev.Event], rows: list[ev.MetricsRow]) -> list[bool]:
     """For each row: whether its steps' results were kept (False: a lost attempt)."""
     backs = rollbacks(events)
     return [is_kept(row_segment(r), backs) for r in rows]
 
 
-def invocations(events: list[dict[str, Any]]) -> list[list[dict[str, Any]]]:
+def invocations(events: list[ev.Event]) -> list[list[ev.Event]]:
     """The events of each invocation of the run (a `--resume` starts a new one)."""
-    out: list[list[dict[str, Any]]] = []
+    out: list[list[ev.Event]] = []
     for e in events:
-        if not out or e["kind"] == "resumed":
+        if not out or isinstance(e, ev.Resumed):
             out.append([])
         out[-1].append(e)
     return out
 
 
-def wall_time(events: list[dict[str, Any]], rows: list[dict[str, Any]], now: float,
+def wall_time(events: list[ev.Event], rows: list[ev.MetricsRow], now: float,
               running: bool) -> float:
     """First event to last (or to now while running), over each invocation; a row written
     after its invocation's last event (a driver killed without a final event) extends it."""
     parts = invocations(events)
     total = 0.0
     for i, part in enumerate(parts):
-        start = part[0]["time"]
-        next_start = parts[i + 1][0]["time"] if i + 1 < len(parts) else float("inf")
-        end = max([part[-1]["time"], *(r["time"] for r in rows if start <= r["time"] < next_start)])
+        start = part[0].time
+        next_start = parts[i + 1][0].time if i + 1 < len(parts) else float("inf")
+        end = max([part[-1].time, *(r.time for r in rows if start <= r.time < next_start)])
         if running and i == len(parts) - 1:
             end = max(end, now)
         total += end - start
     return total
 
 
-def run_state(events: list[dict[str, Any]]) -> str:
+def run_state(events: list[ev.Event]) -> str:
     last = invocations(events)[-1] if events else []
-    ends = [e["kind"] for e in last if e["kind"] in END_KINDS]
+    ends = [e.kind for e in last if isinstance(e, END_EVENTS)]
     return ends[-1] if ends else "running"
 
 
-def _median(values: list[float]) -> float | None:
-    return statistics.median(values) if values else None
+def median(values: Iterable[float | None]) -> float | None:
+    """The median of the values that are known (None left out); None when none is."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
-def tokens_per_step(rows: list[dict[str, Any]]) -> int | None:
+def tokens_per_step(rows: list[ev.MetricsRow]) -> int | None:
     """tokens_per_s x window_s / steps_in_window (the same for every step of a task)."""
-    per_step = [r["tokens_per_s"] * r["window_s"] / r["steps_in_window"]
-                for r in rows if r.get("window_s") and r.get("steps_in_window")]
+    per_step = [r.tokens_per_s * r.window_s / r.steps_in_window
+                for r in rows if r.window_s and r.steps_in_window]
     return round(statistics.median(per_step)) if per_step else None
 
 
-def summarize(events: list[dict[str, Any]], rows: list[dict[str, Any]], *, now: float,
+def summarize(events: list[ev.Event], rows: list[ev.MetricsRow], *, now: float,
               steps_total: int | None = None, async_save: bool = True) -> Summary:
     if not events:
         raise ValueError("a run's summary needs at least one event")
-    of = {kind: [e for e in events if e["kind"] == kind] for kind in {e["kind"] for e in events}}
     state = run_state(events)
     notes: list[str] = []
 
     backs = rollbacks(events)
     kept = [s for s in segments(events, rows) if is_kept(s, backs)]
-    started = of.get("started", [])
-    start_step = started[0]["start_step"] if started else 0
-    ends = [e["step"] for e in invocations(events)[-1] if e["kind"] in END_KINDS]
+    started = [e for e in events if isinstance(e, ev.Started)]
+    start_step = started[0].start_step if started else 0
+    ends = [e.step for e in invocations(events)[-1] if isinstance(e, END_EVENTS)]
     steps_done = max([start_step, *(s.last_step for s in kept), *ends[-1:]])
     timed_steps = sum(s.last_step - s.first_step + 1 for s in kept)
     untimed: int | None = max(0, steps_done - start_step - timed_steps)
@@ -208,25 +212,24 @@ def summarize(events: list[dict[str, Any]], rows: list[dict[str, Any]], *, now: 
         goodput = min(1.0, productive / wall)
 
     per_step = tokens_per_step(rows)
-    failures = [{"kind": e["failure_kind"], "step": e["step"], "ranks": e.get("ranks", []),
-                 "detection_s": e.get("detection_s"), "time": e["time"]}
-                for e in of.get("failure", [])]
-    recovered = of.get("recovered", [])
-    saves = of.get("checkpoint_committed", [])
+    failures = [{"kind": e.failure_kind, "step": e.step, "ranks": e.ranks,
+                 "detection_s": e.detection_s, "time": e.time}
+                for e in events if isinstance(e, ev.Failure)]
+    recovered = [e for e in events if isinstance(e, ev.Recovered)]
+    saves = [e for e in events if isinstance(e, ev.CheckpointCommitted)]
     return Summary(
         state=state, wall_s=wall, steps_done=steps_done, steps_total=steps_total,
         start_step=start_step, tokens_per_step=per_step,
         tokens=None if per_step is None else per_step * (steps_done - start_step),
         failures=failures,
         failures_by_kind=dict(Counter(f["kind"] for f in failures)),
-        recoveries_by_source=dict(Counter(e["source"] for e in recovered)),
-        detection_s_median=_median([f["detection_s"] for f in failures
-                                    if f["detection_s"] is not None]),
-        recovery_s_median=_median([e["recovery_s"] for e in recovered]),
-        lost_steps=sum(e["lost_steps"] for e in recovered),
-        resizes=[{"step": e["step"], "old_world_size": e["old_world_size"],
-                  "new_world_size": e["new_world_size"], "reason": e["reason"],
-                  "time": e["time"]} for e in of.get("resized", [])],
-        checkpoints=len(saves), checkpoint_save_s=sum(e["save_s"] or 0.0 for e in saves),
+        recoveries_by_source=dict(Counter(e.source for e in recovered)),
+        detection_s_median=median(f["detection_s"] for f in failures),
+        recovery_s_median=median(e.recovery_s for e in recovered),
+        lost_steps=sum(e.lost_steps for e in recovered),
+        resizes=[{"step": e.step, "old_world_size": e.old_world_size,
+                  "new_world_size": e.new_world_size, "reason": e.reason, "time": e.time}
+                 for e in events if isinstance(e, ev.Resized)],
+        checkpoints=len(saves), checkpoint_save_s=sum(e.save_s or 0.0 for e in saves),
         async_save=async_save, productive_s=productive, untimed_steps=untimed,
         goodput=goodput, notes=notes)

@@ -7,9 +7,10 @@ import itertools
 import pytest
 import torch
 
-from stalwart.cli.main import parse_count
+from stalwart.cli.plan import parse_count
 from stalwart.examples.gpt.model import GPT, GPTConfig
-from stalwart.plan.estimate import Layout, ModelShape, PlanError, estimate
+from stalwart.examples.gpt.task import GPTTask
+from stalwart.plan.estimate import ModelShape, PlanError, PlanLayout, estimate
 from stalwart.plan.search import (
     Candidate,
     NoLayoutFits,
@@ -18,6 +19,7 @@ from stalwart.plan.search import (
     recommend,
     valid_layouts,
 )
+from stalwart.task import TrainTask
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -26,14 +28,21 @@ BLOCKS = ModelShape(n_params=1000, n_layers=4, block_params=200)
 # s=16, h=8, a=2: sbh = 128 per sequence, and 5as/h = 20, so sbh(34 + 5as/h) = 6912.
 SMALL = ModelShape(n_params=1000, n_layers=2, d_model=8, n_heads=2, seq_len=16,
                    block_params=200)
-BF16 = Layout(mixed_precision="bf16")
+BF16 = PlanLayout(mixed_precision="bf16")
+
+
+def gpt_shape(cfg: GPTConfig) -> ModelShape:
+    """The example GPT's shape as `stalwart plan CONFIG` reads it: through its task."""
+    fields = {k: getattr(cfg, k) for k in ("vocab_size", "seq_len", "d_model", "n_layers",
+                                           "n_heads", "ffn_hidden")}
+    return ModelShape.from_task(GPTTask(**fields), None)
 
 
 # ------------------------------------------------------------------ model state (ZeRO)
 
 
 def test_one_rank_fp32_adam_is_16_bytes_per_parameter() -> None:
-    est = estimate(ModelShape.from_param_count(1000), Layout())
+    est = estimate(ModelShape.from_param_count(1000), PlanLayout())
     assert (est.params, est.grads, est.optimizer) == (4000, 4000, 8000)
     assert est.buffers == 0 and est.activations is None  # no wrapper; shape unknown
     assert est.device == 16000 and est.host == 0 and not est.complete
@@ -41,53 +50,53 @@ def test_one_rank_fp32_adam_is_16_bytes_per_parameter() -> None:
 
 def test_mixed_precision_keeps_the_zero_total_of_2_plus_2_plus_12() -> None:
     # FSDP2 stores the fp32 master as the parameter itself: 4 + 4 + 8 = 2 + 2 + K(12).
-    assert estimate(BLOCKS, BF16).state == estimate(BLOCKS, Layout()).state == 16 * 1000
+    assert estimate(BLOCKS, BF16).state == estimate(BLOCKS, PlanLayout()).state == 16 * 1000
 
 
 @pytest.mark.parametrize("n", [1, 2, 4, 8])
 def test_zero3_divides_params_grads_and_optimizer_by_dp_shard(n: int) -> None:
     shape = ModelShape.from_param_count(8000)
-    est = estimate(shape, Layout(dp_shard=n))
+    est = estimate(shape, PlanLayout(dp_shard=n))
     assert (est.params, est.grads, est.optimizer) == (32000 // n, 32000 // n, 64000 // n)
 
 
 def test_replicas_do_not_divide_and_ddp_adds_a_bucket_copy_of_the_gradients() -> None:
-    est = estimate(BLOCKS, Layout(dp_replicate=4))
+    est = estimate(BLOCKS, PlanLayout(dp_replicate=4))
     assert est.state == 16000 and est.buffers == 4000
-    hsdp = estimate(BLOCKS, Layout(dp_replicate=2, dp_shard=2))
+    hsdp = estimate(BLOCKS, PlanLayout(dp_replicate=2, dp_shard=2))
     assert hsdp.state == 8000
 
 
 def test_tp_and_pp_divide_the_model_and_the_first_stage_holds_the_rest() -> None:
-    assert estimate(BLOCKS, Layout(tp=2)).params == 4 * 500
+    assert estimate(BLOCKS, PlanLayout(tp=2)).params == 4 * 500
     # pp=2: 2 blocks (400) + the 200 outside blocks = 600 on the first stage.
-    assert estimate(BLOCKS, Layout(pp=2)).params == 4 * 600
-    assert estimate(BLOCKS, Layout(pp=2, tp=2)).params == 4 * 300
-    assert estimate(BLOCKS, Layout(pp=4, tp=2, dp_shard=2)).params == 4 * 100  # (200+200)/2/2
+    assert estimate(BLOCKS, PlanLayout(pp=2)).params == 4 * 600
+    assert estimate(BLOCKS, PlanLayout(pp=2, tp=2)).params == 4 * 300
+    assert estimate(BLOCKS, PlanLayout(pp=4, tp=2, dp_shard=2)).params == 4 * 100  # (200+200)/2/2
     # Without a block structure, stages split the count evenly.
-    assert estimate(ModelShape.from_param_count(1000), Layout(pp=4)).params == 4 * 250
+    assert estimate(ModelShape.from_param_count(1000), PlanLayout(pp=4)).params == 4 * 250
 
 
 def test_zero3_buffers_are_root_plus_two_gathered_blocks_plus_one_gradient() -> None:
     # fp32: 4 x (200 root + 2 x 200 blocks) + one block's fp32 gradient 4 x 200.
-    assert estimate(BLOCKS, Layout(dp_shard=2)).buffers == 4 * 600 + 800
+    assert estimate(BLOCKS, PlanLayout(dp_shard=2)).buffers == 4 * 600 + 800
     # bf16: gathered at 2 bytes; the gradient at 2 plus its fp32 reduce buffer at 4.
-    assert estimate(BLOCKS, Layout(dp_shard=2, mixed_precision="bf16")).buffers == 2 * 600 + 1200
+    assert estimate(BLOCKS, PlanLayout(dp_shard=2, mixed_precision="bf16")).buffers == 2 * 600 + 1200
 
 
 def test_zero2_keeps_every_parameter_gathered_until_backward() -> None:
-    assert estimate(BLOCKS, Layout(dp_shard=2, zero3=False)).buffers == 4 * 1000 + 800
-    zero2, zero3 = (estimate(BLOCKS, Layout(dp_shard=4, zero3=z)) for z in (False, True))
+    assert estimate(BLOCKS, PlanLayout(dp_shard=2, zero3=False)).buffers == 4 * 1000 + 800
+    zero2, zero3 = (estimate(BLOCKS, PlanLayout(dp_shard=4, zero3=z)) for z in (False, True))
     assert zero2.state == zero3.state  # FSDP2 shards what it stores in both
     assert zero2.device > zero3.device
 
 
 def test_zero3_buffers_are_unknown_without_a_block_size() -> None:
-    assert estimate(ModelShape.from_param_count(1000), Layout(dp_shard=2)).buffers is None
+    assert estimate(ModelShape.from_param_count(1000), PlanLayout(dp_shard=2)).buffers is None
 
 
 def test_cpu_offload_moves_model_state_to_the_host() -> None:
-    on, off = (estimate(BLOCKS, Layout(dp_shard=2, cpu_offload=c)) for c in (False, True))
+    on, off = (estimate(BLOCKS, PlanLayout(dp_shard=2, cpu_offload=c)) for c in (False, True))
     assert off.host == on.state == 8000 and on.host == 0
     assert off.device == on.device - on.state
     assert off.buffers == on.buffers  # gathered units still live on the device
@@ -99,8 +108,8 @@ def test_cpu_offload_moves_model_state_to_the_host() -> None:
 def test_activations_follow_sbh_34_plus_5as_over_h() -> None:
     # bf16 is the paper's 16-bit figure: 2 blocks x 128 x 54 = 13824 bytes.
     assert estimate(SMALL, BF16).activations == 2 * 6912
-    assert estimate(SMALL, Layout()).activations == 2 * 2 * 6912  # fp32 doubles
-    b4 = estimate(SMALL, Layout(mixed_precision="bf16", micro_batch_size=4)).activations
+    assert estimate(SMALL, PlanLayout()).activations == 2 * 2 * 6912  # fp32 doubles
+    b4 = estimate(SMALL, PlanLayout(mixed_precision="bf16", micro_batch_size=4)).activations
     assert b4 == 4 * 2 * 6912
     # A GPT-3-like block: s=2048, b=1, h=12288, a=96.
     big = ModelShape(n_params=10**9, n_layers=1, d_model=12288, n_heads=96, seq_len=2048)
@@ -109,7 +118,7 @@ def test_activations_follow_sbh_34_plus_5as_over_h() -> None:
 
 def test_recompute_orders_full_below_selective_below_none() -> None:
     def acts(mode: str) -> int:
-        return estimate(SMALL, Layout(mixed_precision="bf16", activation_checkpointing=mode)
+        return estimate(SMALL, PlanLayout(mixed_precision="bf16", activation_checkpointing=mode)
                         ).activations
 
     assert acts("selective") == 2 * 128 * 34  # the 5as/h attention term is recomputed
@@ -118,9 +127,9 @@ def test_recompute_orders_full_below_selective_below_none() -> None:
 
 
 def test_tensor_parallel_splits_activations_with_and_without_sequence_parallel() -> None:
-    sp = estimate(SMALL, Layout(tp=2, mixed_precision="bf16")).activations
+    sp = estimate(SMALL, PlanLayout(tp=2, mixed_precision="bf16")).activations
     assert sp == 2 * 128 * (34 // 2 + 20 // 2)
-    no_sp = estimate(SMALL, Layout(tp=2, mixed_precision="bf16", sequence_parallel=False))
+    no_sp = estimate(SMALL, PlanLayout(tp=2, mixed_precision="bf16", sequence_parallel=False))
     assert no_sp.activations == 2 * 128 * (10 + 24 // 2 + 20 // 2)
 
 
@@ -130,22 +139,22 @@ def test_logits_and_pipeline_microbatches() -> None:
     logits = 8 * 16 * 32  # fp32 logits + log-softmax: 8sbV
     assert estimate(shape, BF16).activations == 2 * 6912 + logits
     # 1F1B, pp=2 with 1 block per stage: the first stage holds 2 micro-batches.
-    one_f_one_b = estimate(shape, Layout(pp=2, mixed_precision="bf16")).activations
+    one_f_one_b = estimate(shape, PlanLayout(pp=2, mixed_precision="bf16")).activations
     assert one_f_one_b == max(2 * 6912, 6912 + logits)
-    gpipe = Layout(pp=2, mixed_precision="bf16", pp_schedule="gpipe", pp_microbatches=4)
+    gpipe = PlanLayout(pp=2, mixed_precision="bf16", pp_schedule="gpipe", pp_microbatches=4)
     assert estimate(shape, gpipe).activations == 4 * (6912 + logits)
 
 
 def test_activations_are_unknown_without_the_sizes() -> None:
-    assert estimate(ModelShape.from_param_count(10**9, n_layers=32), Layout()).activations is None
+    assert estimate(ModelShape.from_param_count(10**9, n_layers=32), PlanLayout()).activations is None
 
 
 # ------------------------------------------------------------------ shapes and validation
 
 
-def test_shape_from_gpt_config_counts_like_the_model() -> None:
+def test_shape_from_the_gpt_task_counts_like_the_model() -> None:
     cfg = GPTConfig(vocab_size=256, seq_len=64, d_model=64, n_layers=3, n_heads=4)
-    shape = ModelShape.from_gpt_config(cfg)
+    shape = gpt_shape(cfg)
     model = GPT(cfg)
     assert shape.n_params == model.num_params()  # the tied head counted once
     assert shape.block_params == sum(p.numel() for p in model.layers[0].parameters())
@@ -159,7 +168,7 @@ def test_shape_from_param_count_sizes_a_block_like_the_example_gpt() -> None:
     assert shape.block_params == 4 * d * d + 3 * d * 10944 + 2 * d
     cfg = GPTConfig(d_model=64, n_heads=4, n_layers=2)
     assert (ModelShape.from_param_count(10**6, d_model=64).block_params
-            == ModelShape.from_gpt_config(cfg).block_params)
+            == gpt_shape(cfg).block_params)
 
 
 @pytest.mark.parametrize("make", [
@@ -167,10 +176,10 @@ def test_shape_from_param_count_sizes_a_block_like_the_example_gpt() -> None:
     lambda: ModelShape.from_param_count(100, n_layers=0),
     lambda: ModelShape(n_params=1000, d_model=64, n_heads=3),
     lambda: ModelShape.from_param_count(1000, n_layers=2, d_model=64),  # blocks > count
-    lambda: Layout(tp=0),
-    lambda: Layout(mixed_precision="fp16"),
-    lambda: Layout(activation_checkpointing="some"),
-    lambda: Layout(pp_schedule="zb"),
+    lambda: PlanLayout(tp=0),
+    lambda: PlanLayout(mixed_precision="fp16"),
+    lambda: PlanLayout(activation_checkpointing="some"),
+    lambda: PlanLayout(pp_schedule="zb"),
 ])
 def test_bad_shapes_and_layouts_raise_plan_error(make) -> None:
     with pytest.raises(PlanError):
@@ -211,7 +220,7 @@ def test_valid_layouts_are_every_factorization_the_model_allows() -> None:
 
 
 def test_valid_layouts_keep_the_options() -> None:
-    options = Layout(mixed_precision="bf16", activation_checkpointing="full", micro_batch_size=3)
+    options = PlanLayout(mixed_precision="bf16", activation_checkpointing="full", micro_batch_size=3)
     for lo in valid_layouts(4, BLOCKS, options):
         assert (lo.mixed_precision, lo.activation_checkpointing, lo.micro_batch_size) == (
             "bf16", "full", 3)
@@ -230,7 +239,7 @@ def test_recommendation_takes_the_least_model_parallelism_that_fits_and_tp_befor
     # Activations dominate (long sequences): data parallelism cannot shrink them, tp/pp can.
     shape = ModelShape(n_params=10**6, n_layers=8, d_model=256, n_heads=8, seq_len=4096,
                        block_params=100_000)
-    options = Layout(mixed_precision="bf16")
+    options = PlanLayout(mixed_precision="bf16")
     by_layout = {(c.layout.dp_shard, c.layout.tp, c.layout.pp): c.estimate.device
                  for c in plan(shape, 4, 2**50, options) if c.layout.dp_replicate == 1}
     memory = by_layout[(1, 4, 1)]  # only tp x pp = 4 fits
@@ -238,9 +247,9 @@ def test_recommendation_takes_the_least_model_parallelism_that_fits_and_tp_befor
     best = recommend(plan(shape, 4, memory, options), memory)
     assert (best.layout.tp, best.layout.pp) == (4, 1)
     # At the same degree tensor parallel wins over pipeline parallel, even with more memory.
-    small, large = (estimate(BLOCKS, Layout(dp_shard=n)) for n in (4, 1))
-    both = [Candidate(Layout(dp_shard=2, pp=2), small, True),
-            Candidate(Layout(dp_shard=2, tp=2), large, True)]
+    small, large = (estimate(BLOCKS, PlanLayout(dp_shard=n)) for n in (4, 1))
+    both = [Candidate(PlanLayout(dp_shard=2, pp=2), small, True),
+            Candidate(PlanLayout(dp_shard=2, tp=2), large, True)]
     assert recommend(both, 2**30).layout.tp == 2
 
 
@@ -266,6 +275,24 @@ def test_plan_refuses_bad_devices_and_memory() -> None:
 def test_meta_counting_needs_no_memory() -> None:
     # A 7B-sized GPT is counted on the meta device: nothing is allocated.
     cfg = GPTConfig(vocab_size=32000, seq_len=4096, d_model=4096, n_layers=32, n_heads=32)
-    shape = ModelShape.from_gpt_config(cfg)
+    shape = gpt_shape(cfg)
     assert 6 * 10**9 < shape.n_params < 7 * 10**9
     assert torch.empty(0).device.type == "cpu"  # the meta context did not leak
+
+
+def test_a_task_without_model_dims_is_planned_by_its_parameter_count() -> None:
+    class Linear(TrainTask):
+        def build_model(self, config):
+            return torch.nn.Linear(10, 10)
+
+    shape = ModelShape.from_task(Linear(), None)
+    assert shape.n_params == 110 and shape.n_layers is None and shape.block_params is None
+
+
+def test_a_model_that_cannot_be_counted_names_the_hook() -> None:
+    class Broken(TrainTask):
+        def build_model(self, config):
+            raise RuntimeError("needs data")
+
+    with pytest.raises(PlanError, match="TrainTask.model_dims or use --params"):
+        ModelShape.from_task(Broken(), None)

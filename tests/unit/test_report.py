@@ -3,13 +3,17 @@ the command line. Every step below takes exactly 1 s and 1,000 tokens, with a ro
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
+import types
+import typing
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from stalwart import events as E
 from stalwart.cli.main import main as cli_main
 from stalwart.report import load
 from stalwart.report.summary import kept_rows, summarize
@@ -21,11 +25,26 @@ T0 = 1000.0
 TOKENS = 1000
 
 
-def ev(time: float, kind: str, **fields: Any) -> dict[str, Any]:
-    return {"time": time, "kind": kind, **fields}
+def _blank(hint: Any) -> Any:
+    """A filler for a required field a test does not care about."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return None
+    origin = typing.get_origin(hint) or hint
+    return {int: 0, float: 0.0, str: "", bool: False, list: [], dict: {}, tuple: ()}[origin]
 
 
-def rows_of(steps: range, first_step_start: float, *, after_step: int) -> list[dict[str, Any]]:
+def ev(time: float, kind: str, **fields: Any) -> E.Event:
+    """The typed event of `kind` with `fields` (nested records as dicts, as in events.jsonl);
+    required fields the test leaves out get a blank value."""
+    cls = E.EVENT_TYPES[kind]
+    hints = typing.get_type_hints(cls)
+    blanks = {f.name: _blank(hints[f.name]) for f in dataclasses.fields(cls)
+              if f.default is dataclasses.MISSING
+              and f.default_factory is dataclasses.MISSING}  # type: ignore[misc]
+    return E.from_row(cls, {**blanks, **fields, "time": time})
+
+
+def rows_of(steps: range, first_step_start: float, *, after_step: int) -> list[E.MetricsRow]:
     """Rows every 5 steps of a world whose first step (after_step + 1) starts at
     first_step_start; step n ends at first_step_start + (n - after_step)."""
     out, previous = [], after_step
@@ -33,21 +52,23 @@ def rows_of(steps: range, first_step_start: float, *, after_step: int) -> list[d
         if step % 5:
             continue
         n = step - previous
-        out.append({"step": step, "loss": 10.0 / step, "lr": 1e-3, "world_size": 2,
-                    "tokens_per_s": TOKENS * n / n, "samples_seen": 8 * step,
-                    "time": first_step_start + step - after_step, "window_s": float(n),
-                    "steps_in_window": n})
+        out.append(E.MetricsRow(step=step, loss=10.0 / step, lr=1e-3, world_size=2,
+                                tokens_per_s=TOKENS * n / n, samples_seen=8 * step,
+                                time=first_step_start + step - after_step,
+                                window_s=float(n), steps_in_window=n))
         previous = step
     return out
 
 
 def world(time: float, generation: int, size: int = 2, kept: dict | None = None
-          ) -> dict[str, Any]:
+          ) -> E.Event:
+    places = [{"rank": r, "pid": 100 + r, "node_ip": "127.0.0.1", "node_id": "n"}
+              for r in range(size)]
     return ev(time, "workers_started", generation=generation, world_size=size,
-              workers=[{"rank": r} for r in range(size)], kept_unlogged=kept)
+              workers=places, kept_unlogged=kept)
 
 
-def clean_run() -> tuple[list[dict], list[dict]]:
+def clean_run() -> tuple[list[E.Event], list[E.MetricsRow]]:
     """40 steps, no failure: steps from T0 + 1 to T0 + 41, finished at T0 + 42."""
     events = [ev(T0, "started", world_size=2, steps=40, start_step=0), world(T0, 0),
               *(ev(T0 + 1 + s + 0.1, "checkpoint_committed", step=s, save_s=0.25)
@@ -56,7 +77,7 @@ def clean_run() -> tuple[list[dict], list[dict]]:
     return events, rows_of(range(1, 41), T0 + 1, after_step=0)
 
 
-def killed_at_25(*, memory: bool) -> tuple[list[dict], list[dict]]:
+def killed_at_25(*, memory: bool) -> tuple[list[E.Event], list[E.MetricsRow]]:
     """Rank 1 dies after step 25 (its row written at T0 + 26), found 0.5 s later.
 
     memory=False: restored from storage's step 20; steps 21-25 are trained again (the row of
@@ -94,7 +115,7 @@ def test_a_clean_run() -> None:
 def test_a_kill_at_step_25_recovered_from_step_20() -> None:
     events, rows = killed_at_25(memory=False)
     # the first world's row of step 25 is a lost attempt; the second world's is kept
-    assert [(r["step"], k) for r, k in zip(rows, kept_rows(events, rows), strict=True)] == [
+    assert [(r.step, k) for r, k in zip(rows, kept_rows(events, rows), strict=True)] == [
         (5, True), (10, True), (15, True), (20, True), (25, False),
         (25, True), (30, True), (35, True), (40, True)]
     s = summarize(events, rows, now=T0 + 999, steps_total=40)
@@ -130,7 +151,7 @@ def test_unlogged_steps_a_recovery_keeps_are_productive() -> None:
 
 def test_steps_with_no_time_on_record_make_goodput_a_lower_bound() -> None:
     events, rows = killed_at_25(memory=True)  # 21-25 in one kept row...
-    rows = [r for r in rows if not (r["step"] == 25 and r["time"] < T0 + 30)]  # ...now lost
+    rows = [r for r in rows if not (r.step == 25 and r.time < T0 + 30)]  # ...now lost
     s = summarize(events, rows, now=T0 + 999)
     assert s.untimed_steps == 5 and s.productive_s == 35.0
     assert "lower bound" in s.notes[0]
@@ -172,12 +193,13 @@ def test_resizes_are_listed() -> None:
             for r in s.resizes] == [(15, 2, 1, "drain")]
 
 
-def write_run(path: Path, events: list[dict], rows: list[dict], *, tail: str = "") -> Path:
+def write_run(path: Path, events: list[E.Event], rows: list[E.MetricsRow], *,
+              tail: str = "") -> Path:
     path.mkdir(parents=True)
     (path / "config.toml").write_text("[train]\nsteps = 40\n\n[checkpoint]\n"
                                       "async_save = true\n")
-    (path / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events) + tail)
-    (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows) + tail)
+    (path / "events.jsonl").write_text("".join(E.dumps(e) + "\n" for e in events) + tail)
+    (path / "metrics.jsonl").write_text("".join(E.dumps(r) + "\n" for r in rows) + tail)
     return path
 
 
@@ -200,7 +222,7 @@ def test_the_figure_is_a_png(tmp_path: Path) -> None:
     from stalwart.report.plot import write_png
 
     events, rows = killed_at_25(memory=False)
-    rows[2]["val_loss"] = 2.0
+    rows[2] = dataclasses.replace(rows[2], val_loss=2.0)
     s = summarize(events, rows, now=T0 + 999)
     out = write_png(tmp_path / "fig" / "r.png", events, rows, s, title="t", now=T0 + 999)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

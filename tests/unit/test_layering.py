@@ -1,0 +1,170 @@
+"""The import rules of the house (DESIGN.md), checked on the source text.
+
+workers/, parallel/ and checkpointing/ sit below the driver: they never import the CLI, the
+trainer, orchestrator/, examples/, integrations/, report/ or plan/. checkpointing/ never imports
+workers/, and stalwart/plan/ never imports the example it used to read shapes from. Every
+import counts, wherever it stands: a lazy one inside a function or one under
+TYPE_CHECKING couples the modules all the same. Importing stalwart.parallel (and each of its
+modules) does not load Ray, and importing stalwart loads neither torch, Ray nor the trainer;
+those two are checked in a fresh interpreter, since this one has loaded everything already.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+# The driver's rooms, which the lower floors never reach into.
+DRIVER = (
+    "stalwart.cli",
+    "stalwart.trainer",
+    "stalwart.orchestrator",
+    "stalwart.examples",
+    "stalwart.integrations",
+    "stalwart.report",
+    "stalwart.plan",
+)
+
+# folder on disk -> (its import name, the module prefixes it must never import)
+RULES: dict[str, tuple[str, tuple[str, ...]]] = {
+    "workers": ("stalwart.workers", DRIVER),
+    "parallel": ("stalwart.parallel", DRIVER),
+    "checkpointing": ("stalwart.checkpointing", (*DRIVER, "stalwart.workers")),
+    # The plan room reads the model's shape from the task (TrainTask.model_dims), not from
+    # the example, and is pure arithmetic beside the driver.
+    "stalwart/plan": (
+        "stalwart.plan",
+        ("stalwart.examples", "stalwart.cli", "stalwart.trainer", "stalwart.orchestrator"),
+    ),
+}
+
+
+def _module_name(package: str, folder: Path, path: Path) -> str:
+    parts = list(path.relative_to(folder).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join([package, *parts])
+
+
+def imported_modules(
+    source: str, module: str, *, is_package: bool = False
+) -> list[tuple[int, str]]:
+    """Every module a source imports, as (line, absolute name): top level, inside functions
+    and under TYPE_CHECKING alike. `from a import b` counts as both `a` and `a.b` (b may be a
+    module); relative imports are resolved against `module`."""
+    found: list[tuple[int, str]] = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = module.split(".")
+                drop = node.level - 1 if is_package else node.level
+                anchor = anchor[: len(anchor) - drop] if drop else anchor
+                base = ".".join([*anchor, base] if base else anchor)
+            found.append((node.lineno, base))
+            found += [(node.lineno, f"{base}.{alias.name}") for alias in node.names]
+    return found
+
+
+def violations(
+    source: str, module: str, forbidden: tuple[str, ...], *, is_package: bool = False
+) -> list[str]:
+    """The imports of `source` that reach a forbidden module (or anything below it)."""
+    bad: dict[int, str] = {}
+    for line, name in imported_modules(source, module, is_package=is_package):
+        for prefix in forbidden:
+            if line not in bad and (name == prefix or name.startswith(prefix + ".")):
+                bad[line] = f"{module}:{line} imports {name} (forbidden: {prefix})"
+    return [bad[line] for line in sorted(bad)]
+
+
+def test_checker_flags_a_lazy_and_a_type_checking_import():
+    source = (
+        "from __future__ import annotations\n"
+        "from typing import TYPE_CHECKING\n"
+        "import torch\n"
+        "if TYPE_CHECKING:\n"
+        "    from stalwart.workers.reports import CommitReport\n"
+        "def f():\n"
+        "    import stalwart.trainer\n"
+        "    from stalwart import cli\n"
+    )
+    found = violations(source, "stalwart.checkpointing.x", RULES["checkpointing"][1])
+    assert found == [
+        "stalwart.checkpointing.x:5 imports stalwart.workers.reports (forbidden: stalwart.workers)",
+        "stalwart.checkpointing.x:7 imports stalwart.trainer (forbidden: stalwart.trainer)",
+        "stalwart.checkpointing.x:8 imports stalwart.cli (forbidden: stalwart.cli)",
+    ]
+
+
+def test_checker_resolves_relative_imports():
+    found = violations(
+        "from ..orchestrator import controller\n", "stalwart.parallel.recipe", RULES["parallel"][1]
+    )
+    assert found == [
+        "stalwart.parallel.recipe:1 imports stalwart.orchestrator "
+        "(forbidden: stalwart.orchestrator)"
+    ]
+
+
+def test_checker_lets_allowed_imports_through():
+    source = (
+        "import stalwart.config\nfrom stalwart.events import Failure\nimport stalwart.parallel\n"
+    )
+    assert violations(source, "stalwart.workers.actor", RULES["workers"][1]) == []
+
+
+@pytest.mark.parametrize("folder", sorted(RULES))
+def test_lower_floors_do_not_import_the_driver(folder):
+    package, forbidden = RULES[folder]
+    base = ROOT / folder
+    bad = []
+    for path in sorted(base.rglob("*.py")):
+        module = _module_name(package, base, path)
+        bad += violations(
+            path.read_text(), module, forbidden, is_package=path.name == "__init__.py"
+        )
+    assert not bad, "layering violations:\n" + "\n".join(bad)
+
+
+def _loaded_after(modules: list[str], watched: tuple[str, ...]) -> dict[str, list[str]]:
+    """Import `modules` one after another in a fresh interpreter; for each, the watched
+    modules loaded once it is in (the first one to load a watched module is the culprit)."""
+    code = (
+        "import importlib, json, sys\n"
+        "out = {}\n"
+        f"for m in {modules!r}:\n"
+        "    importlib.import_module(m)\n"
+        f"    out[m] = [n for n in {watched!r} if n in sys.modules]\n"
+        "print(json.dumps(out))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_stalwart_import_is_light():
+    loaded = _loaded_after(["stalwart"], ("torch", "ray", "stalwart.trainer"))
+    assert loaded == {"stalwart": []}
+
+
+def test_parallel_does_not_load_ray():
+    modules = ["stalwart.parallel"] + [
+        f"stalwart.parallel.{p.stem}"
+        for p in sorted((ROOT / "parallel").glob("*.py"))
+        if p.stem != "__init__"
+    ]
+    loaded = _loaded_after(modules, ("ray",))
+    assert {m: v for m, v in loaded.items() if v} == {}
