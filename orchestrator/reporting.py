@@ -125,8 +125,8 @@ class StragglerReporter(ControllerObserver):
     def check(self, now: float, last_seen: Callable[[tuple[int, ...]], float | None]
               ) -> WorkerFailure | None:
         for s in self.detector.check():
-            worker = self.workers[s.rank] if s.rank < len(self.workers) else {}
-            self.events.emit(ev.Straggler(rank=s.rank, node_ip=worker.get("node_ip"),
+            node_ip = self.workers[s.rank].node_ip if s.rank < len(self.workers) else None
+            self.events.emit(ev.Straggler(rank=s.rank, node_ip=node_ip,
                              step=s.step, local_s=round(s.local_s, 4),
                              peers_median_s=round(s.peers_median_s, 4),
                              ratio=round(s.ratio, 2), steps=s.steps, replaced=self.replace))

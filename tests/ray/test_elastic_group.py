@@ -18,7 +18,7 @@ import ray
 
 from stalwart.checkpointing.memory.catalog import MemoryChoice, newest_complete
 from stalwart.checkpointing.storage.catalog import newest_valid
-from stalwart.cli.cluster import EMBEDDED_RAY_SYSTEM_CONFIG
+from stalwart.cli.cluster import connect
 from stalwart.config import load_config
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.worker_group import ElasticGroup, Worker
@@ -65,8 +65,7 @@ def restore_from_memory(group: ElasticGroup, choice: MemoryChoice
 @pytest.fixture(scope="module")
 def local_ray():
     """One Ray for the module (no dashboard): a world of 2, a spare, a replacement."""
-    ray.init(address="local", num_cpus=3, include_dashboard=False, logging_level="WARNING",
-             _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
+    assert connect(None, num_cpus=3), "a Ray was already running in this process"
     try:
         yield
     finally:

@@ -15,7 +15,7 @@ import pytest
 import ray
 
 from stalwart.checkpointing.storage.catalog import newest_valid
-from stalwart.cli.cluster import EMBEDDED_RAY_SYSTEM_CONFIG
+from stalwart.cli.cluster import connect
 from stalwart.config import JobConfig, load_config
 from stalwart.events import WorkerPlace
 from stalwart.task import build_task
@@ -67,8 +67,7 @@ def leave(actor: Any) -> tuple[bool, int, list[CommitReport]]:
 @pytest.fixture(scope="module")
 def local_ray():
     """One Ray for the module (no dashboard): the actors here need one CPU each."""
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="WARNING",
-             _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
+    assert connect(None, num_cpus=2), "a Ray was already running in this process"
     try:
         yield
     finally:

@@ -1,10 +1,19 @@
-"""Straggler detection over the ranks' local times (orchestrator/stragglers.py)."""
+"""Straggler detection over the ranks' local times (orchestrator/stragglers.py), and its
+reporter on the driver (orchestrator/reporting.py)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from stalwart.config import load_config
+from stalwart.events import Straggler, WorkerPlace, read_events
+from stalwart.orchestrator.failures import FailureKind
+from stalwart.orchestrator.reporting import StragglerReporter
 from stalwart.orchestrator.stragglers import StragglerDetector
+from stalwart.run_dir import EventLog
+from stalwart.workers.reports import StepReport, WorkerStatus
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 
@@ -80,3 +89,42 @@ def test_off_and_single_rank_worlds_never_report() -> None:
     alone = StragglerDetector(factor=2.0, steps=1)
     alone.reset(1)
     assert feed(alone, 1, [5.0]) == []
+
+
+class _Display:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def log(self, message: str) -> None:
+        self.lines.append(message)
+
+
+def _status(rank: int, step: int, local_s: float) -> WorkerStatus:
+    report = StepReport(rank=rank, step=step, loss=1.0, lr=1e-3, tokens=64, step_time_s=1.0,
+                        time=100.0 + step, local_s=local_s)
+    return WorkerStatus(rank=rank, generation=0, steps=[report], commits=[], done=False)
+
+
+@pytest.mark.parametrize("replace", [False, True])
+def test_the_reporter_names_the_straggler_and_its_node(tmp_path: Path, replace: bool) -> None:
+    """The controller's observer: fed the world's places and the ranks' statuses, it writes
+    one `straggler` event with the rank's node, and replaces it only when configured."""
+    config = load_config(None, ["failure.straggler_steps=2",
+                                f"failure.replace_stragglers={str(replace).lower()}"])
+    events = EventLog(tmp_path / "events.jsonl")
+    reporter = StragglerReporter(config, events, _Display())
+    places = [WorkerPlace(rank=r, pid=10 + r, node_ip=f"10.0.0.{r + 1}", node_id=f"n{r}")
+              for r in range(2)]
+    reporter.after_form(0, places, now=0.0)
+    reporter.after_launch(0, world_size=2, now=0.0)
+    failures = []
+    for step in (1, 2, 3):
+        for rank, local_s in enumerate([0.02, 0.09]):
+            reporter.on_status(rank, _status(rank, step, local_s), now=float(step))
+        failures.append(reporter.check(float(step), last_seen=lambda ranks: None))
+
+    (event,) = [e for e in read_events(events.path) if isinstance(e, Straggler)]
+    assert (event.rank, event.node_ip, event.step, event.replaced) == (1, "10.0.0.2", 2, replace)
+    found = [f for f in failures if f is not None]
+    assert [(f.kind, f.ranks) for f in found] == ([(FailureKind.STRAGGLER, (1,))] if replace
+                                                  else [])
