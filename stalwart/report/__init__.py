@@ -3,7 +3,7 @@
 Reads config.toml, events.jsonl and metrics.jsonl (a run that is still going may have left a
 half-written last line: it is skipped), prints the summary as a table or JSON, and draws the
 figure (stalwart.report.plot, needs matplotlib). What each number means: summary.py and
-README "Run reports".
+docs/reports.md.
 """
 
 from __future__ import annotations
