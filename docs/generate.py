@@ -131,6 +131,8 @@ def configuration_md() -> str:
         "`stalwart/config/`. This page is generated from their field docstrings.",
         "An unknown key is an error. Every value is checked before anything starts;",
         "the message names the field, the bad value and what is allowed.",
+        "Every `float` is finite (TOML's `inf` and `nan` are refused), a duration (a `_s` key)",
+        "is at most 1e9 s, an `int` fits in 64 bits, and no string holds a NUL character.",
         "`--set section.key=value` overrides a key from the command line (see [cli.md](cli.md)).",
         "",
     ]

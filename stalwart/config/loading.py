@@ -29,7 +29,12 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         ok = isinstance(value, int) and not isinstance(value, bool)
     elif hint is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
-        value = float(value) if ok else value
+        if ok:
+            try:
+                value = float(value)
+            except OverflowError:  # a TOML integer past a float's range
+                raise ConfigError(f"{name} = {value!r} is invalid: too large for a float") \
+                    from None
     elif hint is str:
         ok = isinstance(value, str)
     elif origin is dict or hint is dict:
@@ -55,6 +60,15 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
         raise ConfigError(
             f"unknown key {prefix + '.' if prefix else ''}{unknown[0]} in {where}; "
             f"allowed: {', '.join(known)}")
+    missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
+               and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
+    if missing:
+        # Only [[faults]] tables have keys without a default; a plain TypeError would say so
+        # in Python's words (and as a traceback).
+        required = [f.name for f in dataclasses.fields(cls) if f.default is dataclasses.MISSING
+                    and f.default_factory is dataclasses.MISSING]
+        raise ConfigError(f"[[{prefix}]] table {data!r} has no key {missing[0]}; required: "
+                          f"{', '.join(required)}")
     kwargs = {}
     for key, value in data.items():
         name = f"{prefix}.{key}" if prefix else key

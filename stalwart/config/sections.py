@@ -8,6 +8,8 @@ live on JobConfig (job.py).
 
 from __future__ import annotations
 
+import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -23,6 +25,38 @@ def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
         raise ConfigError(f"{name} = {value!r} is invalid: {allowed}")
 
 
+# The largest duration (a `_s` key): about 31 years. Timeouts end up as int64 nanoseconds
+# (threading), milliseconds (Ray, process groups) or a timedelta, and overflow far above it.
+MAX_DURATION_S = 1e9
+# TOML integers are 64-bit: a larger one would make a config.toml other tools cannot read
+# (and overflows torch.manual_seed, numpy and Ray on the workers).
+INT_RANGE = (-(2**63), 2**63 - 1)
+RAY_RESOURCE_UNIT = 0.0001
+
+
+def _check_kinds(section: Any, prefix: str) -> None:
+    """The rules every field of a kind follows, whatever its section; each __post_init__
+    calls this first, so a new field is covered without a rule of its own.
+
+    A float is finite: TOML's `inf` and `nan` are floats, and `inf` passes every `> 0` check
+    (a timeout of inf turns hang detection off without a word). A duration (`_s`) is at most
+    MAX_DURATION_S, an integer fits in 64 bits. A string holds no NUL: no path, name or URL
+    can, and the OS raises a bare ValueError on one.
+    """
+    for f in dataclasses.fields(section):
+        name, value = f"{prefix}.{f.name}", getattr(section, f.name)
+        if f.type in ("float", float) and isinstance(value, int | float):
+            _require(math.isfinite(value), name, value, "must be a finite number (not inf "
+                                                        "or nan)")
+            _require(not f.name.endswith("_s") or value <= MAX_DURATION_S, name, value,
+                     f"a duration must be at most {MAX_DURATION_S:g} s")
+        if f.type in ("int", int) and isinstance(value, int):
+            _require(INT_RANGE[0] <= value <= INT_RANGE[1], name, value,
+                     "must fit in 64 bits (TOML's integer range)")
+        if isinstance(value, str):
+            _require("\0" not in value, name, value, "must not contain a NUL character")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
     path: str = "stalwart.examples.gpt.task:GPTTask"
@@ -31,6 +65,7 @@ class TaskConfig:
     """Keyword arguments passed to the task's constructor (for GPTTask: any `GPTConfig` field, e.g. `d_model`, `n_layers`, `seq_len`, and `val_fraction`)."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self, "task")
         mod, _, attr = self.path.partition(":")
         _require(bool(mod) and bool(attr), "task.path", self.path,
                  "expected 'module:attribute', e.g. 'stalwart.examples.gpt.task:GPTTask'")
@@ -68,6 +103,7 @@ class ScalingConfig:
         return self.max_workers or self.num_workers
 
     def __post_init__(self) -> None:
+        _check_kinds(self, "scaling")
         _require(self.num_workers >= 1, "scaling.num_workers", self.num_workers, "must be >= 1")
         _require(0 <= self.min_workers <= self.num_workers, "scaling.min_workers",
                  self.min_workers, f"must be between 1 and scaling.num_workers = "
@@ -77,10 +113,13 @@ class ScalingConfig:
                  f"must be >= scaling.num_workers = {self.num_workers} (0: no growing)")
         _require(self.spare_workers >= 0, "scaling.spare_workers", self.spare_workers,
                  "must be >= 0")
-        _require(self.cpus_per_worker > 0, "scaling.cpus_per_worker", self.cpus_per_worker,
-                 "must be > 0")
-        _require(self.gpus_per_worker >= 0, "scaling.gpus_per_worker", self.gpus_per_worker,
-                 "must be >= 0")
+        # Ray counts resources in units of 0.0001 and refuses a smaller request only when
+        # the actor is created, after the run has started.
+        _require(self.cpus_per_worker >= RAY_RESOURCE_UNIT, "scaling.cpus_per_worker",
+                 self.cpus_per_worker, f"must be >= {RAY_RESOURCE_UNIT} (Ray's smallest unit)")
+        _require(self.gpus_per_worker == 0 or self.gpus_per_worker >= RAY_RESOURCE_UNIT,
+                 "scaling.gpus_per_worker", self.gpus_per_worker,
+                 f"must be 0 (CPU workers) or >= {RAY_RESOURCE_UNIT} (Ray's smallest unit)")
         # Workers are placed one actor at a time (an elastic world must be able to lose or
         # gain one), so the gang strategies of a placement group do not apply.
         strategies = ("PACK", "SPREAD")
@@ -119,6 +158,7 @@ class ParallelConfig:
     """Sum gradients in one fixed order (a pairwise tree over the micro-batches) whatever the data-parallel degree, so a run that resizes ends bit-identical to one that never did. Replicated data parallelism only (`dp_shard = 1`, `tp = pp = 1`, fp32)."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self, "parallel")
         _require(self.dp_replicate == -1 or self.dp_replicate >= 1, "parallel.dp_replicate",
                  self.dp_replicate, "must be >= 1, or -1 for every rank that dp_shard leaves")
         _require(self.dp_shard == -1 or self.dp_shard >= 1, "parallel.dp_shard", self.dp_shard,
@@ -192,6 +232,7 @@ class TrainConfig:
     """Seeds model initialisation and the sample order."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self, "train")
         _require(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
         _require(self.global_batch_size >= 1, "train.global_batch_size",
                  self.global_batch_size, "must be >= 1")
@@ -228,6 +269,7 @@ class CheckpointConfig:
     """Most memory the in-memory tier may hold per worker (two snapshots of its shard and of each peer shard it holds); `0`: 40% of the node's memory shared among its workers. Checked at the first snapshot."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self, "checkpoint")
         _require(self.snapshot_every >= 0, "checkpoint.snapshot_every", self.snapshot_every,
                  "must be >= 0 (0 turns the in-memory tier off)")
         _require(self.replicas >= 0, "checkpoint.replicas", self.replicas, "must be >= 0")
@@ -261,6 +303,7 @@ class FailureConfig:
     """Also replace a straggler as a failure (`failure_kind` `straggler`, counted against `max_failures`), by a warm spare or a new actor."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self, "failure")
         _require(self.max_failures >= -1, "failure.max_failures", self.max_failures,
                  "must be >= 0, or -1 for no limit")
         for name in ("hang_timeout_floor_s", "hang_factor", "collective_timeout_s"):
@@ -283,6 +326,7 @@ class DataConfig:
     """Size of the fixed validation set, in global batches (the same samples for any world size)."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self, "data")
         _require(self.val_every >= 0, "data.val_every", self.val_every, "must be >= 0")
         _require(self.val_batches >= 1, "data.val_batches", self.val_batches, "must be >= 1")
 
@@ -301,6 +345,7 @@ class RunConfig:
     """Trace these steps with the PyTorch profiler on every rank: `[STEP]` or `[FIRST, LAST]` (inclusive), at most `train.steps`; `[]` is off. `--profile 20-22` sets it."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self, "run")
         _require(bool(self.name) and "/" not in self.name, "run.name", self.name,
                  "must be non-empty and contain no '/'")
         _require(self.log_every >= 1, "run.log_every", self.log_every, "must be >= 1")
@@ -347,6 +392,7 @@ class FaultSpec:
     """The node of a node fault: 0 is the driver's node (it cannot be killed), 1, 2, … the others in the order of their lowest rank."""
 
     def __post_init__(self) -> None:
+        _check_kinds(self, "faults")
         _require(self.kind in FAULT_KINDS, "faults.kind", self.kind,
                  f"one of {', '.join(FAULT_KINDS)}")
         _require(self.step >= 1, "faults.step", self.step, "must be >= 1")

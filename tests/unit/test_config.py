@@ -193,8 +193,10 @@ def test_wrong_types_name_the_field(override: str, expected: str) -> None:
     ('task.path=":Task"', "task.path = ':Task' is invalid"),
     ('task.path="mod:"', "task.path = 'mod:' is invalid"),
     ("scaling.num_workers=0", "scaling.num_workers = 0 is invalid: must be >= 1"),
-    ("scaling.cpus_per_worker=0", "scaling.cpus_per_worker = 0.0 is invalid: must be > 0"),
-    ("scaling.gpus_per_worker=-1", "scaling.gpus_per_worker = -1.0 is invalid: must be >= 0"),
+    ("scaling.cpus_per_worker=0", "scaling.cpus_per_worker = 0.0 is invalid: must be >= 0.0001 "
+                                  "(Ray's smallest unit)"),
+    ("scaling.gpus_per_worker=-1", "scaling.gpus_per_worker = -1.0 is invalid: must be 0 (CPU "
+                                   "workers) or >= 0.0001 (Ray's smallest unit)"),
     ("scaling.placement_strategy=RANDOM",
      "scaling.placement_strategy = 'RANDOM' is invalid: one of PACK, SPREAD"),
     # workers are placed one actor at a time: the placement-group gang strategies are gone
