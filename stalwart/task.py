@@ -1,7 +1,9 @@
 """TrainTask: what a user supplies, and how stalwart finds it by `module:attribute` path.
 
 A task is plain Python. It is constructed on the driver (to check it before any worker
-starts) and on every worker with the `[task.args]` table as keyword arguments. stalwart
+starts) and on every worker with the `[task.args]` table as keyword arguments: the
+constructor is where a task checks its arguments (type, range, how they combine), so a bad
+one is refused before anything starts. stalwart
 owns the distributed parts (process groups, sharding, checkpoints, sample order); the
 task only says what to train: the model, its loss, the data, the optimizer and schedule.
 
@@ -162,9 +164,31 @@ def load_task_class(path: str) -> type[TrainTask]:
     return obj
 
 
+def check_arg_names(cls: type[TrainTask], args: dict[str, Any]) -> None:
+    """Refuse a [task.args] key the task's constructor does not take (one that takes
+    `**kwargs` checks its own), before the constructor runs."""
+    try:
+        params = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):  # no signature to read: the constructor checks
+        return
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return
+    allowed = [p.name for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    unknown = sorted(set(args) - set(allowed))
+    if unknown:
+        raise TaskError(f"unknown key task.args.{unknown[0]} for {cls.__name__}; allowed: "
+                        f"{', '.join(allowed) or 'none'}")
+
+
 def build_task(path: str, args: dict[str, Any]) -> TrainTask:
-    """Import and construct the task; errors name the path or the bad argument."""
+    """Import and construct the task; errors name the path or the bad argument.
+
+    This is how a task checks its arguments: its constructor runs here, on the driver,
+    before Ray or any worker starts (Trainer.fit, `stalwart plan`), and raises TaskError,
+    ValueError or TypeError naming the `task.args` key (see docs/tasks.md).
+    """
     cls = load_task_class(path)
+    check_arg_names(cls, args)
     try:
         return cls(**args)
     except TaskError:

@@ -7,6 +7,7 @@ val) and ``TokenDataset`` serves fixed-length windows from them.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -54,6 +55,26 @@ def _is_val(relpath: str, val_fraction: float) -> bool:
     return zlib.crc32(relpath.encode()) % 10_000 < val_fraction * 10_000
 
 
+def _stdlib_root() -> Path:
+    root = Path(sysconfig.get_paths()["stdlib"])
+    if not root.is_dir():
+        raise FileNotFoundError(f"standard library directory not found: {root}")
+    return root
+
+
+@functools.cache
+def _stdlib_relpaths() -> tuple[str, ...]:
+    return tuple(rel for rel, _ in _stdlib_files(_stdlib_root()))
+
+
+def split_sizes(val_fraction: float) -> tuple[int, int]:
+    """(train, validation) file counts for `val_fraction`, without reading any file: what
+    GPTTask checks on the driver, so a split that leaves one side empty fails up front."""
+    rels = _stdlib_relpaths()
+    n_val = sum(_is_val(rel, val_fraction) for rel in rels)
+    return len(rels) - n_val, n_val
+
+
 def _read_tokens(paths: list[Path]) -> np.ndarray:
     """Concatenated bytes of the files with SEPARATOR between them, as uint8 [n_tokens]."""
     data = bytes([SEPARATOR]).join(p.read_bytes() for p in paths)
@@ -73,9 +94,7 @@ def build_token_files(cache_dir: str | Path, *, val_fraction: float = 0.02) -> T
     """Build (once per Python install) and return the train/val token files under cache_dir."""
     if not 0.0 < val_fraction < 1.0:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
-    root = Path(sysconfig.get_paths()["stdlib"])
-    if not root.is_dir():
-        raise FileNotFoundError(f"standard library directory not found: {root}")
+    root = _stdlib_root()
     files = _stdlib_files(root)
     if not files:
         raise FileNotFoundError(f"no .py files found under the standard library directory {root}")

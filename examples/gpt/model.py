@@ -17,6 +17,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 
+class GPTConfigError(ValueError):
+    """A GPTConfig field that is out of its range or of the wrong type, by name (GPTTask
+    reports it as `task.args.<field>`)."""
+
+    def __init__(self, field: str, value: object, allowed: str) -> None:
+        super().__init__(f"GPTConfig.{field} = {value!r} is invalid: {allowed}")
+        self.field, self.value, self.allowed = field, value, allowed
+
+
 @dataclass(frozen=True, kw_only=True)
 class GPTConfig:
     vocab_size: int = 256
@@ -42,28 +51,26 @@ class GPTConfig:
     it off: the embedding and the head then live on different stages."""
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
-        if self.d_model % self.n_heads != 0:
-            raise ValueError(
-                f"GPTConfig.n_heads must divide d_model={self.d_model}, got n_heads={self.n_heads}"
-            )
-        if self.head_dim % 2 != 0:
-            # Rotary embeddings rotate pairs of channels.
-            raise ValueError(
-                f"GPTConfig.n_heads must make head_dim = d_model / n_heads even, "
-                f"got n_heads={self.n_heads} (head_dim={self.head_dim})"
-            )
-        if not isinstance(self.ffn_hidden, int) or self.ffn_hidden < 0:
-            raise ValueError(
-                f"GPTConfig.ffn_hidden must be an int >= 0 (0 = SwiGLU default), got {self.ffn_hidden!r}"
-            )
+        # Every field by its kind: GPTTask builds this from [task.args] on the driver, so a
+        # TOML value of the wrong type (a string, a bool, inf) must fail here, not in a worker.
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "ffn_hidden"):
+            value, least = getattr(self, name), 0 if name == "ffn_hidden" else 1
+            if not isinstance(value, int) or isinstance(value, bool) or value < least:
+                raise GPTConfigError(name, value, f"must be an int >= {least}" + (
+                    " (0: the SwiGLU default)" if name == "ffn_hidden" else ""))
         for name in ("rope_theta", "norm_eps", "init_std"):
             value = getattr(self, name)
-            if not value > 0:
-                raise ValueError(f"GPTConfig.{name} must be > 0, got {value!r}")
+            if (not isinstance(value, int | float) or isinstance(value, bool)
+                    or not math.isfinite(value) or value <= 0):
+                raise GPTConfigError(name, value, "must be a finite number > 0")
+        if not isinstance(self.tie_embeddings, bool):
+            raise GPTConfigError("tie_embeddings", self.tie_embeddings, "must be true or false")
+        if self.d_model % self.n_heads != 0:
+            raise GPTConfigError("n_heads", self.n_heads, f"must divide d_model = {self.d_model}")
+        if self.head_dim % 2 != 0:
+            # Rotary embeddings rotate pairs of channels.
+            raise GPTConfigError("n_heads", self.n_heads, f"must make head_dim = d_model / "
+                                 f"n_heads even (it is {self.head_dim})")
 
     @property
     def head_dim(self) -> int:

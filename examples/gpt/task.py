@@ -8,12 +8,18 @@ and `val_fraction`, the share of stdlib files held out for the validation loss.
 from __future__ import annotations
 
 import dataclasses
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stalwart.errors import TaskError
-from stalwart.examples.gpt.data import TokenDataset, TokenFiles, build_token_files
-from stalwart.examples.gpt.model import GPT, GPTConfig
+from stalwart.examples.gpt.data import (
+    TokenDataset,
+    TokenFiles,
+    build_token_files,
+    split_sizes,
+)
+from stalwart.examples.gpt.model import GPT, GPTConfig, GPTConfigError
 from stalwart.examples.gpt.pipeline import GPTStage, rank_union, split_stages
 from stalwart.examples.gpt.tensor_parallel import apply_tensor_parallel
 from stalwart.task import ModelDims, TrainTask
@@ -25,15 +31,28 @@ if TYPE_CHECKING:
     from stalwart.parallel.dims import ParallelDims
 
 
+# The data are bytes: every token id up to 255 occurs.
+BYTE_VOCAB = 256
+
+
 class GPTTask(TrainTask):
     def __init__(self, *, val_fraction: float = 0.02, **model_args: Any) -> None:
+        # build_task constructs the task on the driver before anything starts, so every
+        # argument is checked here, with its config key in the message (see docs/tasks.md).
         allowed = {f.name for f in dataclasses.fields(GPTConfig)}
         unknown = sorted(set(model_args) - allowed)
         if unknown:
-            raise ValueError(f"unknown key task.args.{unknown[0]}; allowed: val_fraction, "
-                             f"{', '.join(sorted(allowed))}")
-        self.model_config = GPTConfig(**model_args)
-        self.val_fraction = val_fraction
+            raise TaskError(f"unknown key task.args.{unknown[0]}; allowed: val_fraction, "
+                            f"{', '.join(sorted(allowed))}")
+        self.val_fraction = _check_val_fraction(val_fraction)
+        try:
+            self.model_config = GPTConfig(**model_args)
+        except GPTConfigError as exc:
+            raise TaskError(f"task.args.{exc.field} = {exc.value!r} is invalid: "
+                            f"{exc.allowed}") from None
+        if self.model_config.vocab_size < BYTE_VOCAB:
+            raise TaskError(f"task.args.vocab_size = {self.model_config.vocab_size} is invalid: "
+                            f"must be >= {BYTE_VOCAB} (the tokens are bytes)")
         self._files: TokenFiles | None = None
 
     def _token_files(self, config: JobConfig) -> TokenFiles:
@@ -75,3 +94,17 @@ class GPTTask(TrainTask):
 
     def val_dataset(self, config: JobConfig) -> TokenDataset:
         return TokenDataset(self._token_files(config).val, self.model_config.seq_len)
+
+
+def _check_val_fraction(value: Any) -> float:
+    """task.args.val_fraction: a number in (0, 1) that leaves files on both sides."""
+    if (not isinstance(value, int | float) or isinstance(value, bool)
+            or not math.isfinite(value) or not 0 < value < 1):
+        raise TaskError(f"task.args.val_fraction = {value!r} is invalid: must be a number "
+                        f"between 0 and 1 (exclusive)")
+    n_train, n_val = split_sizes(value)
+    if not n_train or not n_val:
+        raise TaskError(f"task.args.val_fraction = {value!r} is invalid: it puts {n_val} of "
+                        f"{n_train + n_val} standard-library files in validation; both "
+                        f"splits must be non-empty")
+    return float(value)
