@@ -85,6 +85,8 @@ class RunDir:
                               f"--resume to continue it, or choose another --run-dir")
 
     def check_resumable(self) -> None:
+        if self.path.exists() and not self.path.is_dir():
+            raise RunDirError(f"run dir {self.path} is a file, not a directory")
         if not self.path.is_dir():
             raise RunDirError(f"run dir {self.path} does not exist")
         if not self.config_file.exists():

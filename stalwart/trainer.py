@@ -7,6 +7,7 @@ the config, the task path, the storage URL, the run directory and what it holds.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -35,6 +36,7 @@ from stalwart.orchestrator.controller import Controller
 from stalwart.orchestrator.policies import default_policies
 from stalwart.orchestrator.states import Failed, Finished, State, Stopped
 from stalwart.parallel.dims import ParallelDims
+from stalwart.places import absolute_storage, probe_run_dir, probe_storage
 from stalwart.run_dir import RunDir
 from stalwart.task import build_task
 
@@ -89,6 +91,12 @@ class Trainer:
                  address: str | None = None, resume: bool = False,
                  live_progress: bool | None = None, start_from: str | None = None,
                  workdir: str | Path | None = None, callbacks: Sequence[Callback] = ()) -> None:
+        # A relative storage path means the driver's directory; workers elsewhere would read
+        # it against their own. config.toml records the absolute path.
+        storage = absolute_storage(config.checkpoint.storage)
+        if storage != config.checkpoint.storage:
+            config = dataclasses.replace(config, checkpoint=dataclasses.replace(
+                config.checkpoint, storage=storage))
         self.config = config
         self.run_dir = RunDir(Path(run_dir) if run_dir else RunDir.default_path(config))
         self.address = address
@@ -109,6 +117,12 @@ class Trainer:
                 f"stalwart's workers are separate processes; use a path or a shared "
                 f"filesystem URL (file://, s3://, gs://, ...)")
         filesystem(url)
+
+    def _check_writable(self, storage_url: str) -> None:
+        """Write a probe into the run dir and the storage and remove it (and any directory
+        made for it): a place that cannot be written is refused before Ray starts."""
+        probe_run_dir(self.run_dir.path)
+        probe_storage(storage_url)
 
     def _make_storage(self, url: str) -> None:
         fs, path = filesystem(url)
@@ -200,7 +214,8 @@ class Trainer:
     def fit(self) -> RunResult:
         from stalwart.orchestrator.worker_group import ElasticGroup, GroupFailed
 
-        # Every check first, writing nothing: a refused run leaves the run dir as it was.
+        # Every check first, keeping nothing written (the write probes remove what they
+        # make): a refused run leaves the run dir and the storage as they were.
         task = build_task(self.config.task.path, self.config.task.args)
         task.check_layout(ParallelDims.from_config(self.config.parallel,
                                                    self.config.scaling.num_workers))
@@ -208,6 +223,7 @@ class Trainer:
         self._check_storage(storage_url)
         resume_from, changes, skipped = self._check_run_dir(storage_url)
         origin = self._check_start_from()
+        self._check_writable(storage_url)
         started_ray, runtime_env = self._connect()
         display = None
         try:

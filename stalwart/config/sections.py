@@ -254,7 +254,7 @@ class TrainConfig:
 @dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     storage: str = ""
-    """Checkpoint directory, a path or fsspec URL shared by all workers (`file://`, `s3://`, `gs://`, …; the filesystem's fsspec package must be installed); empty means `<run dir>/checkpoints`."""
+    """Checkpoint directory, a path or fsspec URL shared by all workers (`file://`, `s3://`, `gs://`, …; the filesystem's fsspec package must be installed); empty means `<run dir>/checkpoints`. A relative path is made absolute against the current directory when the run starts (config.toml records it). A probe file is written and removed before the run starts, so storage that cannot be written is refused up front."""
     persist_every: int = 50
     """Write a storage checkpoint every this many steps (the final step is always written)."""
     keep_last: int = 3
