@@ -77,7 +77,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     from stalwart.config import parse_profile_steps
     from stalwart.errors import ConfigError
-    from stalwart.trainer import Trainer
 
     config = run_config(args)
     if args.profile is not None:
@@ -87,6 +86,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 config.run, profile_steps=steps))
         except ConfigError as exc:  # steps past train.steps
             raise ConfigError(f"--profile {args.profile!r}: {exc}") from None
+    # Imported once the config is good: the trainer loads torch and Ray, seconds that a
+    # config error need not wait for.
+    from stalwart.trainer import Trainer
+
     result = Trainer(config, run_dir=args.run_dir, address=args.address,
                      resume=args.resume).fit()
     print(closing_summary(result))

@@ -6,15 +6,23 @@ so an empty RAY_TMPDIR afterwards shows that no Ray (and so no worker) was start
 
 Each run mostly waits on imports (and one on a local Ray start), so all cases are started
 together, a few at a time, when the first test needs one; each test then checks its own.
+Every `run` case is checked by one test (exit 2, one error line naming the problem, no
+traceback, nothing changed, no Ray); some have tests of their own as well. A read-only HTTP
+server (it refuses PUT) stands for storage that cannot be written; as root, permission bits
+stop nothing, so the other unwritable places are under /proc or under a regular file.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import http.server
 import importlib.util
 import os
 import shutil
 import sys
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -24,7 +32,7 @@ import pytest
 
 from tests.cli_helpers import run_from_thread
 
-pytestmark = [pytest.mark.e2e, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
 STALWART = Path(sys.executable).with_name("stalwart")
 REFERENCE_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "gpt" / "config.toml"
@@ -53,12 +61,33 @@ def _previous_run(run_dir: Path, *, with_checkpoint: bool) -> None:
 @dataclass(frozen=True)
 class Case:
     args: tuple[str, ...]
+    """The command line; `{http}` stands for a read-only HTTP server's URL."""
     prepare: Callable[[Path], None] | None = None
     """Builds what the case needs in its working directory (which holds config.toml)."""
+    expect: str = ""
+    """A part of the error line, checked for every `run` case by one test (the cases that
+    have tests of their own below leave it empty)."""
 
 
 def _sets(*overrides: str) -> tuple[str, ...]:
     return tuple(arg for o in overrides for arg in ("--set", o))
+
+
+def _file(name: str, text: str) -> Callable[[Path], None]:
+    return lambda d: (d / name).write_text(text)
+
+
+def _run_set(*overrides: str, expect: str) -> Case:
+    """`stalwart run config.toml --set ...` into run dir `r`."""
+    return Case(("run", "config.toml", *_sets(*overrides), "--run-dir", "r"), expect=expect)
+
+
+def _run_toml(text: str, expect: str) -> Case:
+    """`stalwart run bad.toml` with this TOML (every other key at its default)."""
+    return Case(("run", "bad.toml", "--run-dir", "r"), _file("bad.toml", text), expect=expect)
+
+
+FINITE = "is invalid: must be a finite number (not inf or nan)"
 
 
 CASES: dict[str, Case] = {
@@ -86,11 +115,106 @@ CASES: dict[str, Case] = {
                            lambda d: _previous_run(d / "old", with_checkpoint=False)),
     "export_no_checkpoint": Case(("export", "run", "--out", "model.safetensors"),
                                  lambda d: _previous_run(d / "run", with_checkpoint=False)),
+    # -- non-finite and out-of-range numbers: one rule for every float key (issue 14, item 9)
+    "lr_inf": _run_set("train.lr=inf", expect=f"train.lr = inf {FINITE}"),
+    "lr_nan_literal": _run_toml("[train]\nlr = nan\n", f"train.lr = nan {FINITE}"),
+    "weight_decay_inf": _run_set("train.weight_decay=+inf",
+                                 expect=f"train.weight_decay = inf {FINITE}"),
+    "cpus_inf": _run_set("scaling.cpus_per_worker=inf",
+                         expect=f"scaling.cpus_per_worker = inf {FINITE}"),
+    "gpus_nan": _run_set("scaling.gpus_per_worker=nan",
+                         expect=f"scaling.gpus_per_worker = nan {FINITE}"),
+    "hang_floor_inf": _run_set("failure.hang_timeout_floor_s=inf",
+                               expect=f"failure.hang_timeout_floor_s = inf {FINITE}"),
+    "hang_factor_inf_literal": _run_toml("[failure]\nhang_factor = +inf\n",
+                                         f"failure.hang_factor = inf {FINITE}"),
+    "memory_limit_minus_inf": _run_set("checkpoint.memory_limit_gb=-inf",
+                                       expect=f"checkpoint.memory_limit_gb = -inf {FINITE}"),
+    "timeout_1e300": _run_set("failure.collective_timeout_s=1e300",
+                              expect="failure.collective_timeout_s = 1e+300 is invalid: a "
+                                     "duration must be at most 1e+09 s"),
+    "lr_int_too_big": _run_set("train.lr=1" + "0" * 400, expect="is invalid: too large for "
+                                                               "a float"),
+    "seed_past_64_bits": _run_set(f"train.seed={2**64}", expect=f"train.seed = {2**64} is "
+                                                                f"invalid: must fit in 64 bits"),
+    "cpus_below_ray_unit": _run_set("scaling.cpus_per_worker=0.00001",
+                                    expect="scaling.cpus_per_worker = 1e-05 is invalid: must "
+                                           "be >= 0.0001 (Ray's smallest unit)"),
+    "steps_zero": _run_set("train.steps=0", expect="train.steps = 0 is invalid: must be >= 1"),
+    "lr_string": _run_set("train.lr=fast", expect="train.lr = 'fast' is invalid: expected a "
+                                                  "float"),
+    "unknown_section": _run_set("nosuch.key=1", expect="unknown key nosuch in the top level"),
+    # -- tracebacks before: [[faults]] without a key, NUL in a string
+    "fault_without_step": _run_toml('[[faults]]\nkind = "kill"\nrank = 1\n',
+                                    "[[faults]] table {'kind': 'kill', 'rank': 1} has no key "
+                                    "step; required: kind, step"),
+    "fault_without_kind": _run_toml("[[faults]]\nstep = 3\nrank = 1\n",
+                                    "has no key kind; required: kind, step"),
+    "fault_past_the_end": _run_toml('[[faults]]\nkind = "kill"\nrank = 1\nstep = 500\n',
+                                    "faults.step = 500 is invalid: must be <= train.steps"),
+    "run_name_nul": _run_toml('[run]\nname = "a\\u0000b"\n',
+                              "run.name = 'a\\x00b' is invalid: must not contain a NUL"),
+    "storage_nul": _run_toml('[checkpoint]\nstorage = "ck\\u0000pt"\n',
+                             "checkpoint.storage = 'ck\\x00pt' is invalid: must not contain"),
+    "inject_without_step": Case(("run", "config.toml", "--inject", "kill:rank=1"),
+                                expect="--inject 'kill:rank=1' is invalid: expected "
+                                       "KIND:TARGET=N,step=S"),
+    "profile_zero": Case(("run", "config.toml", "--profile", "0"),
+                         expect="--profile '0' is invalid: steps count from 1"),
+    # -- task.args, checked by the task on the driver
+    "val_fraction_5": _run_set("task.args.val_fraction=5",
+                               expect="task.args.val_fraction = 5 is invalid: must be a number "
+                                      "between 0 and 1 (exclusive)"),
+    "val_fraction_tiny": _run_set("task.args.val_fraction=1e-7",
+                                  expect="task.args.val_fraction = 1e-07 is invalid: it puts 0 "
+                                         "of"),
+    "task_arg_unknown": _run_set("task.args.dmodel=64",
+                                 expect="unknown key task.args.dmodel; allowed: val_fraction, "),
+    "task_arg_type": _run_set("task.args.tie_embeddings=no",
+                              expect="task.args.tie_embeddings = 'no' is invalid: must be "
+                                     "true or false"),
+    "task_arg_float_for_int": _run_set("task.args.d_model=64.0",
+                                       expect="task.args.d_model = 64.0 is invalid: must be "
+                                              "an int >= 1"),
+    "task_arg_heads": _run_set("task.args.d_model=64", "task.args.n_heads=3",
+                               expect="task.args.n_heads = 3 is invalid: must divide d_model "
+                                      "= 64"),
+    "task_arg_inf": _run_set("task.args.rope_theta=inf",
+                             expect="task.args.rope_theta = inf is invalid: must be a finite "
+                                    "number > 0"),
+    "task_arg_vocab": _run_set("task.args.vocab_size=100",
+                               expect="task.args.vocab_size = 100 is invalid: must be >= 256"),
+    # -- places that cannot be written (as root, permission bits stop nothing: item 10)
+    "run_dir_is_a_file": Case(("run", "config.toml", "--run-dir", "afile"),
+                              _file("afile", "x"),
+                              expect="run dir afile is a file, not a directory"),
+    "run_dir_under_a_file": Case(("run", "config.toml", "--run-dir", "afile/run"),
+                                 _file("afile", "x"),
+                                 expect="run dir afile/run is under afile, a file, not a "
+                                        "directory"),
+    "run_dir_in_proc": Case(("run", "config.toml", "--run-dir", "/proc/stalwart-run"),
+                            expect="run dir /proc/stalwart-run is not writable: cannot "
+                                   "create the directory /proc/stalwart-run"),
+    "resume_a_file": Case(("run", "config.toml", "--resume", "--run-dir", "afile"),
+                          _file("afile", "x"),
+                          expect="run dir afile is a file, not a directory"),
+    "storage_in_proc": _run_set('checkpoint.storage="/proc/stalwart-ckpt"',
+                                expect="checkpoint.storage '/proc/stalwart-ckpt' is not "
+                                       "writable: cannot create the directory "
+                                       "/proc/stalwart-ckpt"),
+    "storage_under_a_file": Case(("run", "config.toml", *_sets('checkpoint.storage="afile/c"'),
+                                  "--run-dir", "r"), _file("afile", "x"),
+                                 expect="/afile/c' is under "),
+    "storage_read_only_http": _run_set('checkpoint.storage="{http}/ckpt"',
+                                       expect="/ckpt' is not writable: ClientResponseError: "
+                                              "501"),
 }
+RUN_CASES = [name for name, c in CASES.items() if c.args[0] == "run"]
 
 
 @dataclass
 class Outcome:
+    name: str
     args: tuple[str, ...]
     cwd: Path
     before: dict[str, bytes | None]
@@ -132,11 +256,32 @@ class Outcome:
             f"{sorted(k for k in set(after) & set(self.before) if after[k] != self.before[k])}")
 
 
-def _run(case: Case, cwd: Path, before: dict[str, bytes | None], ray_tmp: Path) -> Outcome:
+def _run(name: str, cwd: Path, before: dict[str, bytes | None], ray_tmp: Path,
+         http: str) -> Outcome:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["RAY_TMPDIR"] = str(ray_tmp)
-    proc = run_from_thread([str(STALWART), *case.args], cwd=cwd, env=env, timeout=TIMEOUT_S)
-    return Outcome(case.args, cwd, before, ray_tmp, proc.returncode, proc.stdout, proc.stderr)
+    args = tuple(a.replace("{http}", http) for a in CASES[name].args)
+    proc = run_from_thread([str(STALWART), *args], cwd=cwd, env=env, timeout=TIMEOUT_S)
+    return Outcome(name, args, cwd, before, ray_tmp, proc.returncode, proc.stdout, proc.stderr)
+
+
+class _QuietFiles(http.server.SimpleHTTPRequestHandler):
+    """Serves files, refuses PUT and POST (501): read-only storage."""
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _read_only_http(root: Path) -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(_QuietFiles, directory=str(root)))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{server.server_port}"
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +289,8 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Fut
     root = tmp_path_factory.mktemp("cli")
     ray_dirs: list[Path] = []
     futures: dict[str, Future[Outcome]] = {}
-    with ThreadPoolExecutor(max_workers=PARALLEL) as pool:
+    served = tmp_path_factory.mktemp("served")
+    with _read_only_http(served) as http_url, ThreadPoolExecutor(max_workers=PARALLEL) as pool:
         for name, case in CASES.items():
             cwd = root / name
             cwd.mkdir()
@@ -154,8 +300,9 @@ def outcomes(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Fut
             # short path: Ray puts unix sockets under it (a 107-byte limit)
             ray_tmp = Path(tempfile.mkdtemp(prefix="swrt", dir="/tmp"))
             ray_dirs.append(ray_tmp)
-            futures[name] = pool.submit(_run, case, cwd, _tree(cwd), ray_tmp)
+            futures[name] = pool.submit(_run, name, cwd, _tree(cwd), ray_tmp, http_url)
         yield futures
+    assert _tree(served) == {}, "the read-only HTTP storage was written"
     for d in ray_dirs:
         shutil.rmtree(d, ignore_errors=True)
 
@@ -169,6 +316,25 @@ def outcome(request: pytest.FixtureRequest, outcomes: dict[str, Future[Outcome]]
 def case(name: str) -> pytest.MarkDecorator:
     assert name in CASES, name
     return pytest.mark.parametrize("outcome", [name], indirect=True)
+
+
+# ---------------------------------------------------------------------------- every run case
+
+
+def test_the_table_holds_at_least_30_bad_run_inputs() -> None:
+    assert len(RUN_CASES) >= 30, len(RUN_CASES)
+
+
+@pytest.mark.parametrize("outcome", RUN_CASES, indirect=True)
+def test_bad_run_input_is_one_error_line_and_changes_nothing(outcome: Outcome) -> None:
+    """Exit 2, exactly one `stalwart: error:` line, no traceback, nothing on disk changed and,
+    but for the one case that needs the cluster's size, no Ray started."""
+    if outcome.name == "too_big":
+        line = outcome.error_line()
+        outcome.assert_unchanged()
+    else:
+        line = outcome.only_error()
+    assert CASES[outcome.name].expect in line, str(outcome)
 
 
 # ---------------------------------------------------------------------------- config
