@@ -105,7 +105,7 @@ def soak_run(plan: cf.RunPlan, ref: dict[str, Any], steps: int, work: Path,
     out: dict[str, Any] = {"run": plan.index, "layout": plan.layout, "run_dir": str(run_dir),
                            "log": str(log)}
     out.update(chaos_run.run_with_faults(plan, cmd, run_dir, log,
-                                         window=(ref["first_step_s"], ref["train_s"]),
+                                         train_s=ref["train_s"],
                                          timeout=timeout))
     out.update(checks.check_finished(run_dir, steps, out["exit_codes"]))
     out.update(checks.check_faults(run_dir, out["faults"]))

@@ -27,23 +27,34 @@ STALWART = str(Path(sys.executable).with_name("stalwart"))
 
 
 def last_logged_step(run_dir: Path) -> int:
-    """The newest step in metrics.jsonl (run.log_every=1: every step the driver heard of)."""
-    rows = read_jsonl(run_dir / "metrics.jsonl")
-    return max((r["step"] for r in rows), default=0)
+    """The newest step the driver is known to have seen completed: in metrics.jsonl
+    (run.log_every=1) or committed to storage (a commit can be recorded before the metrics
+    rows of the steps before it)."""
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    steps += [e["step"] for e in read_jsonl(run_dir / "events.jsonl")
+              if e["kind"] == "checkpoint_committed"]
+    return max(steps, default=0)
 
 
-def worker_fault_record(row: dict[str, Any], events: list[ev.Event]) -> ev.Failure | None:
-    """The `failure` event that records a worker fault: the first one after it that names
-    the rank its process had in the world of that moment (a survivor may have been renumbered
-    by a recovery that was under way)."""
+def worker_fault_record(row: dict[str, Any], events: list[ev.Event]
+                        ) -> ev.Failure | ev.Resized | None:
+    """The event that records a worker fault: the first `failure` after it that names the
+    rank its process had in the world of that moment (a survivor may have been renumbered by
+    a recovery under way); for a SIGTERM (a preemption notice) also the first `resized` with
+    reason `preempted` of a world that held the process."""
     world: ev.WorkersStarted | None = None
     for e in events:
         if isinstance(e, ev.WorkersStarted):
             world = e
-        elif isinstance(e, ev.Failure) and e.time >= row["time"] and world is not None:
-            rank = next((w.rank for w in world.workers if w.pid == row["pid"]), None)
-            if rank is not None and rank in e.ranks:
-                return e
+        if e.time < row["time"] or world is None:
+            continue
+        rank = next((w.rank for w in world.workers if w.pid == row["pid"]), None)
+        if rank is None:
+            continue
+        if isinstance(e, ev.Failure) and rank in e.ranks:
+            return e
+        if row["kind"] == "term" and isinstance(e, ev.Resized) and e.reason == "preempted":
+            return e
     return None
 
 
@@ -77,8 +88,11 @@ def check_faults(run_dir: Path, fired: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             failure = worker_fault_record(row, events)
             row["recorded"] = failure is not None
+            if isinstance(failure, ev.Failure):
+                row["recorded_as"] = f"failure {failure.failure_kind}"
+            elif failure is not None:
+                row["recorded_as"] = f"resized {failure.reason}"
             if failure is not None:
-                row["failure_kind"] = failure.failure_kind
                 row["detection_s"] = round(failure.time - row["time"], 2)
         detected += row["recorded"]
     recovered = [e for e in events if isinstance(e, ev.Recovered)]

@@ -48,17 +48,19 @@ class Launch:
 
 
 def run_with_faults(plan: cf.RunPlan, cmd: list[str], run_dir: Path, log: Path, *,
-                    window: tuple[float, float], timeout: float) -> dict[str, Any]:
-    """Run cmd with plan's faults; window = (seconds from launch to the reference's first
-    step, seconds of its training). Returns the faults as fired and the driver's exit codes."""
-    first_step_s, train_s = window
+                    train_s: float, timeout: float) -> dict[str, Any]:
+    """Run cmd with plan's faults; train_s: the seconds of training of the layout's
+    failure-free reference. Returns the faults as fired and the driver's exit codes."""
     launch = Launch(cmd, log, run_dir)
-    t0 = launch.t_launch + first_step_s  # the training clock the plan's moments are on
-    deadline = time.time() + timeout
+    deadline = launch.t_launch + timeout
+    # The plan's moments are on the training clock: from the run's first step (start-up
+    # times vary too much from run to run to aim at a moment of training from the launch).
+    t0 = _first_step_time(launch, run_dir, 0)
     fired: list[dict[str, Any]] = []
     hit: set[int] = set()
     codes: list[int] = []
     timed_out = False
+    start = launch.t_launch
     for fault in plan.faults:
         row: dict[str, Any] = {"kind": fault.kind, "planned_s": round(fault.at * train_s, 2)}
         fired.append(row)
@@ -84,7 +86,7 @@ def run_with_faults(plan: cf.RunPlan, cmd: list[str], run_dir: Path, log: Path, 
         if cf.pid_alive(pid):
             cf.signal_worker(pid, "kill")
     return {"faults": fired, "exit_codes": codes, "timed_out": timed_out,
-            "wall_s": round(time.time() - (t0 - first_step_s), 1)}
+            "wall_s": round(time.time() - start, 1)}
 
 
 def _worker_fault(row: dict[str, Any], fault: cf.PlannedFault, launch: Launch,
@@ -132,11 +134,14 @@ def _driver_fault(row: dict[str, Any], launch: Launch, cmd: list[str], run_dir: 
     row["left_processes"] = cf.kill_driver(launch.proc.pid)
     codes.append(launch.proc.wait())
     row["fired"] = True
+    rows = len(read_jsonl(run_dir / "metrics.jsonl"))
     resumed = Launch([*cmd, "--resume"], log, run_dir)
     row["events_before_resume"] = resumed.skip
-    while resumed.running():
-        events = cf.invocation_events(run_dir, resumed.skip)
-        if any(isinstance(e, ev.WorkersStarted) for e in events):
-            break
+    return resumed, _first_step_time(resumed, run_dir, rows) - row["time"]
+
+
+def _first_step_time(launch: Launch, run_dir: Path, rows_before: int) -> float:
+    """When the launch logged its first step (now, if it ended first)."""
+    while launch.running() and len(read_jsonl(run_dir / "metrics.jsonl")) <= rows_before:
         time.sleep(POLL_S)
-    return resumed, time.time() - row["time"]
+    return time.time()
