@@ -79,7 +79,7 @@ def test_killing_a_driver_kills_its_whole_tree_even_a_process_in_a_session_of_it
         time.sleep(0.05)
     tree = cf.descendants(driver.pid)
     assert len(tree) == 3
-    left = cf.kill_driver(driver.pid, wait_s=1.0)
+    left = cf.kill_driver(driver.pid, wait_s=5.0)  # the group has died by then
     driver.wait(timeout=10)
     assert [name.split(":")[0] for name in left] == ["sleep"]  # the one outside the group
     assert cf._survivors(tree) == []
