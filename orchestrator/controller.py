@@ -21,7 +21,12 @@ from stalwart.orchestrator import reporting
 from stalwart.orchestrator.accounting import RecoveryTimer, Throughput
 from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.detection import FailureDetector
-from stalwart.orchestrator.failures import FailDecision, WorkerFailure
+from stalwart.orchestrator.failures import (
+    FailDecision,
+    FailureKind,
+    RetryDecision,
+    WorkerFailure,
+)
 from stalwart.orchestrator.fault_watch import FaultWatch
 from stalwart.orchestrator.interrupt import StopRequest
 from stalwart.orchestrator.observers import ControllerObserver, Display, Restored
@@ -304,12 +309,31 @@ class Controller:
 
     def _on_resizing(self, state: Resizing) -> State:
         self.group.remove(state.leaving)
-        self._committed(self.group.disband()[1])
+        _, late, silent = self.group.disband()
+        self._committed(late)
+        if silent:  # a rank that did not answer while the world stopped: a failure of its own
+            return self._on_failure(self._silent(silent))
         return Scheduling(generation=state.generation + 1, since=self.clock.time())
 
     # ------------------------------------------------------------------ failures
 
     def _on_failure(self, failure: WorkerFailure) -> State:
+        decision = self._decide(failure)
+        if isinstance(decision, FailDecision):
+            return Failed(reason=f"{decision.reason}: {failure.message}")
+        if isinstance(self.state, Running):
+            # A planned resize still waiting for the ranks to stop: the recovery replaces it
+            # (a preempted survivor reports it again). One whose ranks already left (the
+            # failure came while the next world formed) stays, so that world's `resized`
+            # records why they left.
+            self._planned = None
+        if decision.delay_s:
+            self.display.log(f"backing off {decision.delay_s:.1f}s before recovering")
+            self.clock.sleep(decision.delay_s)
+        return Recovering(generation=getattr(self.state, "generation", 0), failure=failure)
+
+    def _decide(self, failure: WorkerFailure) -> RetryDecision | FailDecision:
+        """The policy's decision on a failure, written to the event log."""
         decision = self.policy.make_decision(failure)
         detection = (None if failure.last_seen is None else
                      round(max(0.0, failure.detected_at - failure.last_seen), 3))
@@ -320,23 +344,34 @@ class Controller:
                          message=failure.message, step=self.last_step,
                          retry=not isinstance(decision, FailDecision),
                          detection_s=detection, attempt=self.policy.failures))
-        if isinstance(decision, FailDecision):
-            return Failed(reason=f"{decision.reason}: {failure.message}")
-        if decision.delay_s:
-            self.display.log(f"backing off {decision.delay_s:.1f}s before recovering")
-            self.clock.sleep(decision.delay_s)
-        return Recovering(generation=getattr(self.state, "generation", 0), failure=failure)
+        return decision
 
     def _on_recovering(self, state: Recovering) -> State:
         """Kill what failed, let the survivors leave their world (keeping their processes)."""
         self.display.log(f"recovering from: {state.failure.message.strip().splitlines()[-1]}")
         self._notify("before_recovery", state.failure)
         self.group.remove(state.failure.failed_ranks)
-        survivor_steps, late = self.group.disband()
+        survivor_steps, late, silent = self.group.disband()
         self._committed(late)
         self._notify("after_recovery_teardown", survivor_steps, self.clock.time())
-        self._planned = None  # a failure during a planned resize: the recovery replaces it
+        if silent:
+            # A survivor that did not answer at all (stopped, or dead meanwhile) was killed
+            # and is replaced: a failure of its own, recorded and counted like any other,
+            # within the recovery under way.
+            failure = self._silent(silent)
+            decision = self._decide(failure)
+            if isinstance(decision, FailDecision):
+                return Failed(reason=f"{decision.reason}: {failure.message}")
         return Scheduling(generation=state.generation + 1, since=self.clock.time())
+
+    def _silent(self, pids: list[int]) -> WorkerFailure:
+        """The failure of members that did not answer while their world was torn down."""
+        ranks = tuple(w.rank for w in self.workers if w.pid in pids)
+        return WorkerFailure(
+            kind=FailureKind.HANG, rank=ranks[0] if ranks else None, ranks=ranks,
+            detected_at=self.clock.time(), last_seen=None,
+            message=f"worker rank(s) {list(ranks)} (pid {', '.join(map(str, pids))}) did not "
+                    f"answer while the world was torn down (stopped or dead); replaced")
 
     def _on_damaged_checkpoint(self, step: int, message: str) -> None:
         self.events.emit(ev.CheckpointSkipped(step=step, message=message))

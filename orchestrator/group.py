@@ -98,8 +98,9 @@ class WorkerGroup(ABC):
         """Kill these ranks' actors."""
 
     @abstractmethod
-    def disband(self) -> tuple[list[int], list[CommitReport]]:
-        """Survivors leave their world: (their engine steps, commits not yet reported)."""
+    def disband(self) -> tuple[list[int], list[CommitReport], list[int]]:
+        """Survivors leave their world: (their engine steps, commits not yet reported, the
+        pids of members that did not answer at all, stopped or dead, and were killed)."""
 
     @abstractmethod
     def shutdown(self, *, graceful: bool) -> None:

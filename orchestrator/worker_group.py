@@ -351,17 +351,19 @@ class ElasticGroup(WorkerGroup):
                 self._kill(self.members[rank])
         self.members = [w for r, w in enumerate(self.members) if r not in set(ranks)]
 
-    def disband(self) -> tuple[list[int], list[CommitReport]]:
+    def disband(self) -> tuple[list[int], list[CommitReport], list[int]]:
         """Every member leaves its world; survivors go back to the idle pool.
 
-        Returns the engine steps the survivors had completed, and rank 0's commits that no
-        poll reported (a save that completed while the world ended). A member that cannot
-        leave (stuck thread, dead process) is killed.
+        Returns the engine steps the survivors had completed, rank 0's commits that no
+        poll reported (a save that completed while the world ended), and the pids of the
+        members that did not answer at all (a stopped or dead process: a failure of its own,
+        which the controller records). A member that cannot leave (stuck thread, dead
+        process) is killed.
         """
         answers: list[LeaveReport | None] = _answers(
             [w.actor.leave.remote(self.LEAVE_TIMEOUT_S) for w in self.members],
             timeout=self.LEAVE_TIMEOUT_S + 5)
-        steps, survivors, commits = [], [], []
+        steps, survivors, commits, silent = [], [], [], []
         for rank, (w, ok) in enumerate(zip(self.members, answers, strict=True)):
             w.poll_ref = None
             if ok is not None and ok.left:
@@ -372,10 +374,12 @@ class ElasticGroup(WorkerGroup):
             else:
                 if ok is not None:  # it answers, but its training thread is stuck
                     self._rescue(w)
+                elif w.place is not None:
+                    silent.append(w.place.pid)
                 self._kill(w)
         # Survivors first, in their old rank order: rank 0 usually stays rank 0.
         self.members, self.idle = [], survivors + self.idle
-        return steps, commits
+        return steps, commits, silent
 
     def _rescue(self, w: Worker) -> None:
         """Copy what a worker about to be killed holds in memory to the object store.

@@ -212,7 +212,8 @@ def test_a_killed_rank_is_replaced_and_the_next_world_restores(group: ElasticGro
     # Removed; the survivor leaves its world and goes back to the idle pool, first.
     group.remove((1,))
     assert [pid_of(w) for w in group.members] == [survivor]
-    steps, late = group.disband()
+    steps, late, silent = group.disband()
+    assert silent == []
     (left_at,) = steps
     assert left_at >= seen.latest(0), "the survivor's step is at least what it reported"
     seen.commits += late

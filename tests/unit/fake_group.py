@@ -144,6 +144,7 @@ class FakeGroup(WorkerGroup):
         self.killed: list[Actor] = []
         self.dead_nodes: set[str] = set()
         self.cannot_leave: set[int] = set()  # pids that fail to leave at the next disband
+        self.silent: set[int] = set()  # pids that do not answer at all at the next disband
         self.armed: dict[int, dict[int, list[FaultSpec]]] = {}  # generation ->
         self.generation = -1
         self._steps: dict[int, int] = {}  # pid -> engine step in this generation
@@ -303,15 +304,16 @@ class FakeGroup(WorkerGroup):
                 self._kill(self.members[r])
         self.members = [a for r, a in enumerate(self.members) if r not in ranks]
 
-    def disband(self) -> tuple[list[int], list]:
+    def disband(self) -> tuple[list[int], list, list[int]]:
         self._call("disband")
-        survivors = [a for a in self.members if a.pid not in self.cannot_leave]
+        survivors = [a for a in self.members if a.pid not in self.cannot_leave | self.silent]
         for a in self.members:
-            if a.pid in self.cannot_leave:
+            if a.pid in self.cannot_leave | self.silent:
                 self._kill(a)
         steps = [self._steps.get(a.pid, 0) for a in survivors]
+        silent = [a.pid for a in self.members if a.pid in self.silent]
         self.members, self.idle = [], survivors + self.idle
-        return steps, []
+        return steps, [], silent
 
     def describe(self) -> list[WorkerPlace]:
         return [WorkerPlace(rank=r, **a.info) for r, a in enumerate(self.members)]

@@ -93,6 +93,37 @@ def test_worker_died_recovers_in_place(tmp_path: Path, monkeypatch: pytest.Monke
     assert w.kinds()[0] == ("started" if where == "poll" else "failure")
 
 
+def test_a_survivor_silent_at_the_teardown_is_a_failure_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Found by bench/chaos.py: rank 0 SIGSTOPped, then rank 1 SIGKILLed before the hang was
+    # due. The death was detected; rank 0 did not answer at the teardown and was killed and
+    # replaced, with no event naming it.
+    def stop_rank_0(w: FakeWorld) -> None:
+        w.group.silent.add(1000)
+
+    first = Plan(polls=[statuses([1, 2, 3]), Poll([], dead=[1], hook=stop_rank_0)])
+    second = Plan(polls=[statuses([1, 2, 3, 4, 5, 6], done=True, t0=T1)])
+    w = FakeWorld(tmp_path, monkeypatch, [first, second], ["failure.max_failures=2"])
+    assert w.run() == Finished(step=6)
+    assert w.killed() == [1001, 1000] and w.members(1) == [1002, 1003]
+    died_, silent = w.all("failure")
+    assert died_["ranks"] == [1] and died_["attempt"] == 1
+    assert silent["failure_kind"] == "hang" and silent["rank"] == 0 and silent["ranks"] == [0]
+    assert silent["retry"] is True and silent["attempt"] == 2 and "pid 1000" in silent["message"]
+    assert w.kinds().count("recovered") == 1
+
+
+def test_a_silent_survivor_counts_against_the_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def stop_rank_0(w: FakeWorld) -> None:
+        w.group.silent.add(1000)
+
+    first = Plan(polls=[statuses([1, 2, 3]), Poll([], dead=[1], hook=stop_rank_0)])
+    w = FakeWorld(tmp_path, monkeypatch, [first], ["failure.max_failures=1"])
+    assert isinstance(w.run(), Failed)
+    assert [f["retry"] for f in w.all("failure")] == [True, False]
+
+
 @pytest.mark.parametrize("where", ["refresh", "launch"])
 def test_started_is_logged_once_even_when_the_first_world_fails_to_start(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch, where: str) -> None:

@@ -1,0 +1,211 @@
+"""Chaos soak: the reference task with random faults fired from outside, checked after each run.
+
+Each run trains the reference task (examples/gpt/config.toml with the tiny model of
+tests/cli_helpers.py) in a random layout, and gets 2 to 4 faults at random wall-clock moments
+of its training: SIGKILL, SIGSTOP or SIGTERM of a random worker process, or SIGKILL of the
+driver's whole process group followed by `stalwart run ... --resume`. Then it checks that the
+run finished, that its final weights equal a failure-free run's of the same layout bit for
+bit, that every committed checkpoint verifies and exports, that every fault shows in
+events.jsonl, and counts the steps lost. Every random choice comes from one
+random.Random(--seed), printed first; `--first-run K --runs N` runs runs K..K+N-1 of the same
+soak, so a long soak can be split into chunks.
+
+    python bench/chaos.py [--runs 10] [--seed S] [--first-run 0] [--layouts ddp2 fsdp2]
+
+prints a table (one row per run) and writes bench/results/chaos[-K]-seedS.json. Exit code 0
+when every run passed every check, 1 otherwise. Not a timed test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import chaos_checks as checks
+import chaos_faults as cf
+import chaos_run
+import common
+
+from stalwart import events as ev
+from stalwart.events import read_events, read_metrics
+
+TINY = ["task.args.seq_len=64", "task.args.d_model=64", "task.args.n_layers=2",
+        "task.args.n_heads=2", "train.global_batch_size=8", "train.micro_batch_size=2",
+        "train.warmup_steps=5", "data.val_batches=1"]
+SOAK = ["checkpoint.persist_every=10", "checkpoint.keep_last=3", "run.log_every=1",
+        "data.val_every=0", "run.progress=false",
+        # Recover from every fault of a run; notice a stopped process within seconds; and
+        # give up on a world that never starts after a minute, not two.
+        "failure.max_failures=100", "failure.hang_timeout_floor_s=4",
+        "scaling.start_timeout_s=60"]
+LAYOUTS = {
+    "ddp2": ["scaling.num_workers=2", "parallel.dp_replicate=2", "parallel.dp_shard=1"],
+    "fsdp2": ["scaling.num_workers=2", "parallel.dp_replicate=1", "parallel.dp_shard=2"],
+    "hsdp4": ["scaling.num_workers=4", "scaling.cpus_per_worker=0.5", "parallel.dp_replicate=2",
+              "parallel.dp_shard=2"],
+}
+
+
+def overrides(layout: str, steps: int) -> list[str]:
+    return [*TINY, f"train.steps={steps}", *SOAK, *LAYOUTS[layout]]
+
+
+# ---------------------------------------------------------------------------------- references
+
+
+def reference(layout: str, steps: int, cache: Path, timeout: float) -> dict[str, Any]:
+    """The layout's failure-free run, once per (layout, overrides): its exported final
+    weights and its training window (seconds from launch to the first step; of training)."""
+    ov = overrides(layout, steps)
+    key = hashlib.sha256(json.dumps(ov).encode()).hexdigest()[:10]
+    where = cache / f"{layout}-{key}"
+    meta_file = where / "reference.json"
+    if meta_file.exists():
+        return json.loads(meta_file.read_text())
+    where.mkdir(parents=True, exist_ok=True)
+    run_dir = where / "run"
+    shutil.rmtree(run_dir, ignore_errors=True)
+    print(f"reference run of {layout} (failure-free, cached in {where})", flush=True)
+    t_launch = time.time()
+    code, wall = common.run_logged(common.stalwart_command(str(common.DEFAULT_CONFIG), ov,
+                                                           run_dir), where / "run.log", timeout)
+    if code != 0:
+        raise SystemExit(f"the reference run of {layout} failed (exit {code}); see "
+                         f"{where / 'run.log'}:\n{common.tail(where / 'run.log')}")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    first = rows[0].time - (rows[0].window_s or 0.0)
+    weights = where / "final.pt"
+    if err := checks.export(run_dir, weights):
+        raise SystemExit(f"export of the reference run of {layout}: {err}")
+    meta = {"layout": layout, "overrides": ov, "weights": str(weights),
+            "first_step_s": round(first - t_launch, 2), "train_s": round(rows[-1].time - first, 2),
+            "wall_s": round(wall, 1), "final_loss": rows[-1].loss}
+    meta_file.write_text(json.dumps(meta, indent=1) + "\n")
+    return meta
+
+
+# ---------------------------------------------------------------------------------- one run
+
+
+def soak_run(plan: cf.RunPlan, ref: dict[str, Any], steps: int, work: Path,
+             timeout: float) -> dict[str, Any]:
+    run_dir = work / f"run{plan.index}"
+    log = work / f"run{plan.index}.log"
+    cmd = common.stalwart_command(str(common.DEFAULT_CONFIG), ref["overrides"], run_dir)
+    moments = ", ".join(f"{f.kind}@{f.at * ref['train_s']:.1f}s" for f in plan.faults)
+    print(f"run {plan.index}: {plan.layout}, faults {moments}", flush=True)
+    out: dict[str, Any] = {"run": plan.index, "layout": plan.layout, "run_dir": str(run_dir),
+                           "log": str(log)}
+    out.update(chaos_run.run_with_faults(plan, cmd, run_dir, log,
+                                         train_s=ref["train_s"],
+                                         timeout=timeout))
+    out.update(checks.check_finished(run_dir, steps, out["exit_codes"]))
+    out.update(checks.check_faults(run_dir, out["faults"]))
+    out.update(checks.check_checkpoints(run_dir, work))
+    out["bit_identical"], out["weights"] = False, "not exported"
+    if out["finished"]:
+        final = work / f"run{plan.index}.pt"
+        err = checks.export(run_dir, final)
+        if err is None:
+            out["bit_identical"], out["weights"] = checks.weights_equal(Path(ref["weights"]),
+                                                                        final)
+            final.unlink()
+        else:
+            out["weights"] = f"export failed: {err}"
+    out["ok"] = (out["finished"] and out["bit_identical"] and out["checkpoints_ok"]
+                 and out["detected"] == out["fired"] and not out["timed_out"])
+    out["events"] = [e.kind for e in read_events(run_dir / "events.jsonl")
+                     if not isinstance(e, ev.CheckpointCommitted)]
+    return out
+
+
+# ---------------------------------------------------------------------------------- report
+
+
+def table(results: list[dict[str, Any]]) -> None:
+    print(f"\n{'run':>4} {'layout':7} {'faults fired':22} {'not':>4} {'det':>4} {'lost':>5} "
+          f"{'recov s':>8} {'bit-identical':>13} {'ckpts ok':>9} {'finished':>9}")
+    for r in results:
+        kinds = " ".join(f["kind"] for f in r["faults"] if f.get("fired")) or "-"
+        print(f"{r['run']:>4} {r['layout']:7} {kinds:22} {r['not_fired']:>4} "
+              f"{r['detected']:>2}/{r['fired']:<1} {r['lost_steps']:>5} {r['recovery_s']:>8.1f} "
+              f"{'yes' if r['bit_identical'] else 'NO':>13} "
+              f"{len(r['checkpoints']) if r['checkpoints_ok'] else 'NO':>9} "
+              f"{'yes' if r['finished'] else 'NO':>9}")
+    fired = sum(r["fired"] for r in results)
+    print(f"\n{len(results)} runs, {fired} faults fired "
+          f"({sum(r['not_fired'] for r in results)} not fired: the run was over), "
+          f"{sum(r['detected'] for r in results)} recorded, "
+          f"{sum(r['lost_steps'] for r in results)} steps lost; "
+          f"runs lost (any check failed): {sum(not r['ok'] for r in results)}")
+    for r in results:
+        if not r["ok"]:
+            print(f"  run {r['run']} FAILED: finished={r['finished']} weights={r['weights']} "
+                  f"checkpoints={r['checkpoint_problems'] or r['checkpoints']} "
+                  f"detected={r['detected']}/{r['fired']} log={r['log']}")
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=10, help="runs in this invocation (default 10)")
+    p.add_argument("--seed", type=int, default=None, help="the soak's seed (default: random)")
+    p.add_argument("--first-run", type=int, default=0,
+                   help="index of the first run of the soak to run (to split it in chunks)")
+    p.add_argument("--layouts", nargs="+", default=["ddp2", "fsdp2"], choices=sorted(LAYOUTS))
+    p.add_argument("--steps", type=int, default=600, help="train.steps per run (default 600)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run")
+    p.add_argument("--cache", default=str(common.ROOT / "bench" / "results" / "chaos-refs"),
+                   help="where the failure-free references are kept between invocations")
+    p.add_argument("--keep", action="store_true", help="keep the run directories")
+    p.add_argument("--out", default=None,
+                   help="JSON out (default bench/results/chaos-seedS[-runK].json)")
+    args = p.parse_args()
+    if args.runs < 1 or args.first_run < 0:
+        p.error("--runs must be >= 1 and --first-run >= 0")
+    seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
+    print(f"chaos soak: seed {seed}, runs {args.first_run}..{args.first_run + args.runs - 1}, "
+          f"layouts {' '.join(args.layouts)}, {args.steps} steps", flush=True)
+    plans = cf.plan_soak(seed, args.first_run + args.runs, args.layouts)[args.first_run:]
+    refs = {layout: reference(layout, args.steps, Path(args.cache), args.timeout)
+            for layout in sorted({pl.layout for pl in plans})}
+    work = Path(tempfile.mkdtemp(prefix="chaos-"))
+    results = []
+    try:
+        for plan in plans:
+            r = soak_run(plan, refs[plan.layout], args.steps, work, args.timeout)
+            results.append(r)
+            print(f"  -> {'ok' if r['ok'] else 'FAILED'}: fired {r['fired']}, recorded "
+                  f"{r['detected']}, lost steps {r['lost_steps']}, {r['weights']}", flush=True)
+            if r["ok"] and not args.keep:
+                shutil.rmtree(r.pop("run_dir"), ignore_errors=True)
+                Path(r.pop("log")).unlink(missing_ok=True)
+    finally:
+        table(results)
+        suffix = f"-run{args.first_run}" if args.first_run else ""
+        out = args.out or str(common.ROOT / "bench" / "results" / f"chaos-seed{seed}{suffix}.json")
+        report = {"seed": seed, "first_run": args.first_run, "runs": args.runs,
+                  "layouts": args.layouts, "steps": args.steps, "references": refs,
+                  "summary": {"runs": len(results),
+                              "faults_fired": sum(r["fired"] for r in results),
+                              "not_fired": sum(r["not_fired"] for r in results),
+                              "recorded": sum(r["detected"] for r in results),
+                              "lost_steps": sum(r["lost_steps"] for r in results),
+                              "runs_lost": sum(not r["ok"] for r in results)}}
+        common.write_report(out, report, results)
+        if all(r["ok"] for r in results) and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            print(f"run directories kept in {work}")
+    return 0 if results and all(r["ok"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,169 @@
+"""The chaos soak's checks of one run, after it ended, all read from its run directory:
+
+- it finished (a `finished` event at train.steps, the last driver exit code 0);
+- its final weights equal its layout's failure-free reference bit for bit (`stalwart export`
+  of both, torch.equal on every tensor);
+- every committed checkpoint left in storage verifies (catalog.verify) and exports
+  (`stalwart export --step S`);
+- every fault fired shows in events.jsonl: a worker fault as a `failure` event naming the
+  rank the process had, a driver kill as the resumed invocation's `resumed` event;
+- lost steps: each `recovered` event's, plus for a driver kill the steps logged before the
+  kill that the resumed run trains again.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import common
+
+from stalwart import events as ev
+from stalwart.events import read_events, read_jsonl
+
+STALWART = str(Path(sys.executable).with_name("stalwart"))
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """The newest step the driver is known to have seen completed: in metrics.jsonl
+    (run.log_every=1) or committed to storage (a commit can be recorded before the metrics
+    rows of the steps before it)."""
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    steps += [e["step"] for e in read_jsonl(run_dir / "events.jsonl")
+              if e["kind"] == "checkpoint_committed"]
+    return max(steps, default=0)
+
+
+def worker_fault_record(row: dict[str, Any], events: list[ev.Event]
+                        ) -> ev.Failure | ev.Resized | None:
+    """The event that records a worker fault: the first `failure` after it that names the
+    rank its process had in the world of that moment (a survivor may have been renumbered by
+    a recovery under way); for a SIGTERM (a preemption notice) also the first `resized` with
+    reason `preempted` of a world that held the process."""
+    world: ev.WorkersStarted | None = None
+    for e in events:
+        if isinstance(e, ev.WorkersStarted):
+            world = e
+        if e.time < row["time"] or world is None:
+            continue
+        rank = next((w.rank for w in world.workers if w.pid == row["pid"]), None)
+        if rank is None:
+            continue
+        if isinstance(e, ev.Failure) and rank in e.ranks:
+            return e
+        if row["kind"] == "term" and isinstance(e, ev.Resized) and e.reason == "preempted":
+            return e
+    return None
+
+
+def driver_fault_record(row: dict[str, Any], events: list[ev.Event]) -> ev.Resumed | None:
+    """The resumed invocation's `resumed` event."""
+    return next((e for e in events[row["events_before_resume"]:]
+                 if isinstance(e, ev.Resumed)), None)
+
+
+def check_faults(run_dir: Path, fired: list[dict[str, Any]]) -> dict[str, Any]:
+    events = read_events(run_dir / "events.jsonl")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    detected = 0
+    driver_lost = 0
+    driver_recovery: list[float] = []
+    for row in fired:
+        if not row.get("fired"):
+            continue
+        if row["kind"] == "driver":
+            resumed = driver_fault_record(row, events)
+            row["recorded"] = resumed is not None
+            if resumed is not None:
+                row["resumed_from"] = resumed.from_step
+                row["lost_steps"] = max(0, row["step"] - resumed.from_step)
+                driver_lost += row["lost_steps"]
+                # Recovery: from the kill to the first step the resumed run logged.
+                after = [r["time"] for r in rows if r["time"] > resumed.time]
+                if after:
+                    row["recovery_s"] = round(after[0] - row["time"], 2)
+                    driver_recovery.append(row["recovery_s"])
+        else:
+            failure = worker_fault_record(row, events)
+            row["recorded"] = failure is not None
+            if isinstance(failure, ev.Failure):
+                row["recorded_as"] = f"failure {failure.failure_kind}"
+            elif failure is not None:
+                row["recorded_as"] = f"resized {failure.reason}"
+            if failure is not None:
+                row["detection_s"] = round(failure.time - row["time"], 2)
+        detected += row["recorded"]
+    recovered = [e for e in events if isinstance(e, ev.Recovered)]
+    return {
+        "fired": sum(1 for r in fired if r.get("fired")),
+        "not_fired": sum(1 for r in fired if r.get("fired") is False),
+        "detected": detected,
+        "failures": sum(isinstance(e, ev.Failure) for e in events),
+        "recoveries": len(recovered),
+        "lost_steps": sum(e.lost_steps for e in recovered) + driver_lost,
+        "recovery_s": round(sum(e.recovery_s for e in recovered) + sum(driver_recovery), 2),
+        "recovery_s_each": [round(e.recovery_s, 2) for e in recovered] + driver_recovery,
+        "restored_from": [e.source for e in recovered],
+    }
+
+
+def check_finished(run_dir: Path, steps: int, exit_codes: list[int]) -> dict[str, Any]:
+    events = read_events(run_dir / "events.jsonl")
+    finished = [e for e in events if isinstance(e, ev.Finished)]
+    ok = bool(finished) and finished[-1].step == steps and exit_codes[-1] == 0
+    return {"finished": ok, "final_step": finished[-1].step if finished else None,
+            "exit_codes": exit_codes}
+
+
+def export(run_dir: Path, out: Path, step: int | None = None) -> str | None:
+    """`stalwart export`; None when it worked, else the tail of its output."""
+    cmd = [STALWART, "export", str(run_dir), "--out", str(out)]
+    if step is not None:
+        cmd += ["--step", str(step)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT,
+                          env=common.child_env(), timeout=300)
+    if proc.returncode == 0:
+        return None
+    return (proc.stdout + proc.stderr).strip().splitlines()[-1:][0] if (
+        proc.stdout + proc.stderr).strip() else f"exit {proc.returncode}"
+
+
+def weights_equal(a: Path, b: Path) -> tuple[bool, str]:
+    """(bit for bit equal, what differs) of two exported .pt files."""
+    import torch
+
+    x, y = torch.load(a), torch.load(b)
+    if x.keys() != y.keys():
+        return False, f"keys differ: {sorted(set(x) ^ set(y))[:4]}"
+    differ = [k for k in x if not torch.equal(x[k], y[k])]
+    if differ:
+        worst = max(differ, key=lambda k: float((x[k].float() - y[k].float()).abs().max()))
+        return False, (f"{len(differ)}/{len(x)} tensors differ, most in {worst}: "
+                       f"{float((x[worst].float() - y[worst].float()).abs().max()):.3g}")
+    return True, f"{len(x)} tensors equal"
+
+
+def check_checkpoints(run_dir: Path, scratch: Path) -> dict[str, Any]:
+    """Every committed checkpoint in the run's storage verifies and exports."""
+    from stalwart.checkpointing.errors import CheckpointError
+    from stalwart.checkpointing.storage.catalog import list_step_dirs, read_checkpoint, verify
+
+    url = str((run_dir / "checkpoints").resolve())
+    dirs = list_step_dirs(url)
+    problems = []
+    committed = [s for s, done in dirs if done]
+    for step in committed:
+        try:
+            verify(read_checkpoint(url, step))
+        except CheckpointError as exc:
+            problems.append(f"step {step}: {exc}")
+            continue
+        out = scratch / f"step{step}.pt"
+        err = export(run_dir, out, step)
+        out.unlink(missing_ok=True)
+        if err:
+            problems.append(f"step {step}: export: {err}")
+    return {"checkpoints": committed, "uncommitted_dirs": [s for s, done in dirs if not done],
+            "checkpoints_ok": not problems and bool(committed), "checkpoint_problems": problems}

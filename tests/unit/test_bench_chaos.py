@@ -1,0 +1,85 @@
+"""The chaos soak's own logic (bench/chaos_faults.py, bench/chaos_checks.py): its plan from a
+seed, how it tells a fault was recorded, and killing a driver's process tree. The soak itself
+is a bench, not a test."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from stalwart import events as ev
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import chaos_checks  # noqa: E402
+import chaos_faults as cf  # noqa: E402
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+
+def test_the_plan_is_a_function_of_the_seed_and_a_chunk_is_a_slice_of_it() -> None:
+    plans = cf.plan_soak(7, 20, ["ddp2", "fsdp2"])
+    assert plans == cf.plan_soak(7, 20, ["ddp2", "fsdp2"])
+    assert plans[:5] == cf.plan_soak(7, 5, ["ddp2", "fsdp2"])  # --first-run chunks agree
+    assert plans != cf.plan_soak(8, 20, ["ddp2", "fsdp2"])
+    assert {p.layout for p in plans} == {"ddp2", "fsdp2"}
+    assert {f.kind for p in plans for f in p.faults} == set(cf.KINDS)
+    for p in plans:
+        assert cf.MIN_FAULTS <= len(p.faults) <= cf.MAX_FAULTS
+        at = [f.at for f in p.faults]
+        assert at == sorted(at) and 0.0 <= at[0] and at[-1] <= 0.9
+        assert all(b - a >= cf.MIN_GAP for a, b in zip(at, at[1:], strict=False))
+        assert all(0.0 <= f.pick < 1.0 for f in p.faults)
+
+
+def _place(rank: int, pid: int) -> ev.WorkerPlace:
+    return ev.WorkerPlace(rank=rank, pid=pid, node_ip="10.0.0.1", node_id="n")
+
+
+def _failure(t: float, ranks: list[int]) -> ev.Failure:
+    return ev.Failure(time=t, failure_kind="worker_died", rank=ranks[0], ranks=ranks, nodes=[],
+                      message="", step=1, retry=True, detection_s=None, attempt=1)
+
+
+def test_a_worker_fault_is_recorded_by_a_failure_naming_the_rank_its_process_had() -> None:
+    world0 = ev.WorkersStarted(time=1.0, generation=0, world_size=2,
+                               workers=(_place(0, 100), _place(1, 101)))
+    # pid 101 was rank 1, then a recovery made it rank 0
+    world1 = ev.WorkersStarted(time=5.0, generation=1, world_size=2,
+                               workers=(_place(0, 101), _place(1, 102)))
+    events = [world0, _failure(3.0, [0]), world1, _failure(6.0, [0])]
+    assert chaos_checks.worker_fault_record({"time": 2.0, "pid": 100, "kind": "kill"},
+                                            events) is events[1]
+    assert chaos_checks.worker_fault_record({"time": 5.5, "pid": 101, "kind": "stop"},
+                                            events) is events[3]
+    # a failure of another rank records nothing; a preemption records only a SIGTERM
+    assert chaos_checks.worker_fault_record({"time": 5.5, "pid": 102, "kind": "kill"},
+                                            events) is None
+    resized = ev.Resized(time=7.0, old_world_size=2, new_world_size=2, old_layout={},
+                         new_layout={}, reason="preempted", step=9, generation=2)
+    assert chaos_checks.worker_fault_record({"time": 6.5, "pid": 102, "kind": "term"},
+                                            [*events, resized]) is resized
+    assert chaos_checks.worker_fault_record({"time": 6.5, "pid": 102, "kind": "kill"},
+                                            [*events, resized]) is None
+
+
+def test_killing_a_driver_kills_its_whole_tree_even_a_process_in_a_session_of_its_own() -> None:
+    # The "driver" starts a child in the same group and a grandchild that leaves the group
+    # (setsid), as a daemon would: the group kill misses it, the tree kill does not.
+    driver = subprocess.Popen(
+        [sys.executable, "-c", "import subprocess, time\n"
+         "subprocess.Popen(['sleep', '60'])\n"
+         "subprocess.Popen(['sleep', '61'], start_new_session=True)\n"
+         "time.sleep(60)"], start_new_session=True)
+    deadline = time.monotonic() + 20
+    while len(cf.descendants(driver.pid)) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    tree = cf.descendants(driver.pid)
+    assert len(tree) == 3
+    left = cf.kill_driver(driver.pid, wait_s=5.0)  # the group has died by then
+    driver.wait(timeout=10)
+    assert [name.split(":")[0] for name in left] == ["sleep"]  # the one outside the group
+    assert cf._survivors(tree) == []
