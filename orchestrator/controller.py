@@ -337,10 +337,12 @@ class Controller:
         decision = self.policy.make_decision(failure)
         detection = (None if failure.last_seen is None else
                      round(max(0.0, failure.detected_at - failure.last_seen), 3))
-        nodes = sorted({self.workers[r].node_ip for r in failure.failed_ranks
-                        if r < len(self.workers)})
+        # The group's members, not self.workers: a world that failed while forming never
+        # became self.workers, and its ranks are not the last world's.
+        failed = [p for p in self.group.places() if p.rank in failure.failed_ranks]
         self.events.emit(ev.Failure(failure_kind=failure.kind.value, rank=failure.rank,
-                         ranks=list(failure.failed_ranks), nodes=nodes,
+                         ranks=list(failure.failed_ranks),
+                         nodes=sorted({p.node_ip for p in failed}), pids=[p.pid for p in failed],
                          message=failure.message, step=self.last_step,
                          retry=not isinstance(decision, FailDecision),
                          detection_s=detection, attempt=self.policy.failures))

@@ -62,6 +62,11 @@ class WorkerGroup(ABC):
         """Form a world (survivors first); returns its workers (pid, node_ip, node_id, rank)."""
 
     @abstractmethod
+    def places(self) -> list[WorkerPlace]:
+        """Where the current members run, in rank order: the world being formed as soon as
+        `form` picked it, so a failure while it forms names its processes."""
+
+    @abstractmethod
     def restore(self, path: str) -> int:
         """Load a storage checkpoint on every rank; returns its step."""
 

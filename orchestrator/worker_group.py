@@ -240,7 +240,7 @@ class ElasticGroup(WorkerGroup):
         pool = self.members + self.idle
         self.members, self.idle = pool[:world_size], pool[world_size:]
         self.generation = generation
-        workers = [replace(self._place(w), rank=r) for r, w in enumerate(self.members)]
+        workers = self.places()
         armed = arm(workers)
         timeout = self.config.scaling.start_timeout_s
         (rdzv,) = self._get([self.members[0].actor.rendezvous_address.remote()],
@@ -252,6 +252,9 @@ class ElasticGroup(WorkerGroup):
                        rank, world_size, rdzv, generation, tuple(armed.get(rank, ())), nodes)
                    for rank, w in enumerate(self.members)], timeout=timeout)
         return workers
+
+    def places(self) -> list[WorkerPlace]:
+        return [replace(self._place(w), rank=r) for r, w in enumerate(self.members)]
 
     @staticmethod
     def _place(w: Worker) -> WorkerPlace:

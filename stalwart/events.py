@@ -168,6 +168,8 @@ class Failure(Event):
     """Every rank that is replaced."""
     nodes: list[str]
     """IPs of the nodes the failed ranks ran on."""
+    pids: list[int] = field(default_factory=list)
+    """Process ids of the failed ranks on their nodes (the ranks' order)."""
     message: str
     """One line; the traceback for a user error."""
     step: int

@@ -238,10 +238,13 @@ class FakeGroup(WorkerGroup):
         self.members, self.idle = pool[:world_size], pool[world_size:]
         self.generation = generation
         self._steps = {a.pid: 0 for a in self.members}
-        workers = [WorkerPlace(rank=r, **a.info) for r, a in enumerate(self.members)]
+        workers = self.places()
         self.armed[generation] = arm(workers)
         self._maybe_raise("form")
         return workers
+
+    def places(self) -> list[WorkerPlace]:
+        return [WorkerPlace(rank=r, **a.info) for r, a in enumerate(self.members)]
 
     def restore(self, path: str) -> int:
         self._call("restore", path)
