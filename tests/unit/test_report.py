@@ -15,6 +15,7 @@ import pytest
 
 from stalwart import events as E
 from stalwart.cli.main import main as cli_main
+from stalwart.errors import RecordError
 from stalwart.report import load
 from stalwart.report.summary import kept_rows, summarize
 from stalwart.run_dir import read_jsonl
@@ -213,7 +214,7 @@ def test_a_half_written_last_line_is_skipped_a_damaged_whole_line_is_not(
 
     damaged = tmp_path / "damaged.jsonl"
     damaged.write_text('{"a": 1}\n{"a": \n')  # a whole line, newline and all: not partial
-    with pytest.raises(json.JSONDecodeError):
+    with pytest.raises(RecordError, match=r"damaged.jsonl line 2 is damaged: not JSON"):
         read_jsonl(damaged)
 
 
