@@ -160,6 +160,8 @@ PLAN = {
     "plan-seq-len-huge": Case(("plan", "--params", "7e9", "--seq-len", str(10**30)),
                               "--seq-len must be an integer from 1 to 2147483647"),
     "plan-nothing-to-plan": Case(("plan",), "plan needs CONFIG or --params N"),
+    "plan-devices-but-no-model": Case(("plan", "--devices", "8"),
+                                      "plan needs CONFIG or --params N"),
     "plan-set-without-config": Case(("plan", "--params", "7e9", "--set", "train.lr=1"),
                                     "--set needs CONFIG"),
     "plan-config-devices-huge": Case(("plan", str(REFERENCE_CONFIG), "--devices", "100000"),
