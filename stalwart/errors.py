@@ -19,5 +19,10 @@ class RunDirError(StalwartError):
     """The run directory cannot be used as asked (would overwrite, or holds nothing to resume)."""
 
 
+class RecordError(StalwartError, ValueError):
+    """A record file of a run (events.jsonl, metrics.jsonl, config.toml) is damaged: names the
+    file, the line and what is wrong with it."""
+
+
 class ClusterError(StalwartError):
     """The Ray cluster cannot be reached or cannot hold the requested workers."""

@@ -20,6 +20,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+from stalwart.errors import RecordError
+from stalwart.records import read_rows, record
+
 
 @dataclass(frozen=True, kw_only=True)
 class WorkerPlace:
@@ -377,13 +380,22 @@ EVENT_TYPES: dict[str, type[Event]] = {
 T = TypeVar("T")
 
 
-def parse_event(row: dict[str, Any]) -> Event:
-    """The typed event of one events.jsonl row."""
+# A diverging run logs a NaN or infinite loss: a true record. Every other number is finite.
+MAY_BE_NAN = frozenset({"loss", "val_loss"})
+
+
+def parse_event(row: dict[str, Any], *, where: str = "event") -> Event:
+    """The typed event of one events.jsonl row, every field checked (`where` names the row
+    in a RecordError: file and line)."""
     kind = row.get("kind")
-    cls = EVENT_TYPES.get(kind)  # type: ignore[arg-type]
+    if kind is None:
+        raise RecordError(f"{where} has no field 'kind'")
+    cls = EVENT_TYPES.get(kind) if isinstance(kind, str) else None
     if cls is None:
-        raise ValueError(f"unknown event kind {kind!r}; known: {sorted(EVENT_TYPES)}")
-    return from_row(cls, row)
+        raise RecordError(f"{where}: unknown event kind {kind!r}; this stalwart knows "
+                          f"{', '.join(sorted(EVENT_TYPES))}")
+    return record(cls, row, where=f"{where}: {kind} event", required=("time",),
+                  may_be_nan=MAY_BE_NAN)
 
 
 def from_row(cls: type[T], row: dict[str, Any]) -> T:
@@ -398,29 +410,20 @@ def from_row(cls: type[T], row: dict[str, Any]) -> T:
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Every row of a JSONL file, which a running (or crashed) writer may have left with a
-    half-written last line: that one is left out. A damaged line before it still raises."""
-    if not path.exists():
-        return []
-    text = path.read_text()
-    lines = [line for line in text.splitlines() if line.strip()]
-    rows = [json.loads(line) for line in lines[:-1]]
-    if lines:
-        try:
-            rows.append(json.loads(lines[-1]))
-        except json.JSONDecodeError:
-            if text.endswith("\n"):  # a whole line the writer finished: damaged, not partial
-                raise
-    return rows
+    half-written last line: that one is left out. Any other damage is a RecordError naming
+    the file and line (stalwart.records)."""
+    return [row for _, row in read_rows(path)]
 
 
 def read_events(path: Path) -> list[Event]:
     """Every event of an events.jsonl (a half-written last line is left out)."""
-    return [parse_event(row) for row in read_jsonl(path)]
+    return [parse_event(row, where=f"{path} line {n}") for n, row in read_rows(path)]
 
 
 def read_metrics(path: Path) -> list[MetricsRow]:
     """Every row of a metrics.jsonl (a half-written last line is left out)."""
-    return [from_row(MetricsRow, row) for row in read_jsonl(path)]
+    return [record(MetricsRow, row, where=f"{path} line {n}", may_be_nan=MAY_BE_NAN)
+            for n, row in read_rows(path)]
 
 
 def dumps(record: Event | MetricsRow) -> str:

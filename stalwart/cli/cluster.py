@@ -49,6 +49,8 @@ def check_reachable(address: str) -> None:
     host, sep, port = address.rpartition(":")
     if "://" in address or not sep or not port.isdigit():
         return  # `auto`, ray:// and other forms: Ray's own errors are quick and clear
+    if not 1 <= int(port) <= 65535:
+        raise ClusterError(f"--address {address!r}: the port must be a number from 1 to 65535")
     check_listening(host, int(port), subject=f"--address {address!r}",
                     hint="start a cluster with `ray start --head` and pass its address, or "
                          "omit --address to start Ray on this machine")

@@ -137,11 +137,22 @@ def resolve_address(flag: str | None, environ: dict[str, str] | None = None) -> 
         raise ClusterError("no cluster given: pass --address http://HEAD:8265 (the head's "
                            "dashboard), or set RAY_API_SERVER_ADDRESS; deploy/local's "
                            "`. DIR/env` sets it")
-    url = urlsplit(address)
+    try:
+        url = urlsplit(address)
+    except ValueError as exc:  # an unclosed IPv6 bracket, ...
+        raise ClusterError(f"{source} {address!r} is not a URL ({exc}): pass --address "
+                           f"http://HEAD:8265 (the head's dashboard)") from None
     if url.scheme not in ("http", "https") or not url.hostname:
         raise ClusterError(f"{source} {address!r} is not the http(s) URL of a cluster's job API: "
                            f"pass --address http://HEAD:8265 (the head's dashboard; "
                            f"`stalwart run --address` takes the HOST:PORT of Ray itself)")
+    try:
+        port = url.port  # urllib parses it only when asked, and raises on a bad one
+    except ValueError:
+        port = 0
+    if port == 0 or (port is None and url.netloc.endswith(":")):
+        raise ClusterError(f"{source} {address!r}: the port must be a number from 1 to 65535, "
+                           f"e.g. http://HEAD:8265")
     return address.rstrip("/")
 
 

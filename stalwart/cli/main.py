@@ -12,6 +12,7 @@ import dataclasses
 import os
 import shlex
 import sys
+import typing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -32,9 +33,20 @@ def _ensure_cwd_importable() -> None:
         sys.path.insert(0, os.getcwd())
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors as every other bad input's: one `stalwart: error:` line
+    (not the usage block), exit code 2. Subcommands' parsers are of this class too."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        command = self.prog.removeprefix("stalwart").strip()
+        print(f"stalwart: error: {command + ': ' if command else ''}{message}; see "
+              f"`{self.prog} --help`", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="stalwart", description="Elastic, fault-tolerant PyTorch "
-                                "training on Ray.")
+    p = _Parser(prog="stalwart", description="Elastic, fault-tolerant PyTorch "
+                "training on Ray.")
     sub = p.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="train a task described by a TOML config")

@@ -51,6 +51,34 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
                     "inside a node")
 
 
+# The ranges plan accepts. Enumerating layouts takes time in the divisors of --devices, and
+# the arithmetic must stay in floats: a plan beyond these is for no machine that exists.
+MAX_DEVICES = 65536
+MAX_MEMORY_GB = 2.0**20  # 1 PiB per device
+MIN_MEMORY_GB = 0.001
+MAX_PARAMS = 10**15
+MAX_INT_FLAG = 2**31 - 1
+INT_FLAGS = ("layers", "heads", "d_model", "seq_len", "vocab", "ffn", "micro_batch",
+             "pp_microbatches", "devices_per_node")
+
+
+def check_ranges(args: argparse.Namespace, devices: int, *, from_config: bool) -> None:
+    """Every numeric flag within its range, before any arithmetic."""
+    from stalwart.plan.estimate import PlanError
+
+    if not 1 <= devices <= MAX_DEVICES:
+        source = "scaling.num_workers (the devices to plan for)" if from_config else "--devices"
+        raise PlanError(f"{source} must be an integer from 1 to {MAX_DEVICES}, got {devices}")
+    for name in INT_FLAGS:
+        value = getattr(args, name)
+        if value is not None and not 1 <= value <= MAX_INT_FLAG:
+            raise PlanError(f"--{name.replace('_', '-')} must be an integer from 1 to "
+                            f"{MAX_INT_FLAG}, got {value}")
+    if not MIN_MEMORY_GB <= args.memory_gb <= MAX_MEMORY_GB:  # NaN fails both
+        raise PlanError(f"--memory-gb must be a number of GiB from {MIN_MEMORY_GB} to "
+                        f"{MAX_MEMORY_GB:.0f} (1 PiB), got {args.memory_gb}")
+
+
 def parse_count(text: str) -> int:
     """A parameter count as people write it: 7e9, 1.3B, 350M, 125k, 7_000_000."""
     scales = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}
@@ -60,11 +88,11 @@ def parse_count(text: str) -> int:
         value = float(clean[:-1] if scale != 1.0 else clean) * scale
     except ValueError:
         value = float("nan")
-    if not value >= 1 or value == float("inf"):
+    if not 1 <= value <= MAX_PARAMS:
         from stalwart.plan.estimate import PlanError
 
-        raise PlanError(f"--params {text!r} is not a parameter count >= 1: write e.g. 7e9, "
-                        f"1.3B or 350M")
+        raise PlanError(f"--params {text!r} is not a parameter count from 1 to 1e15: write "
+                        f"e.g. 7e9, 1.3B or 350M")
     return round(value)
 
 
@@ -99,13 +127,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     config = load_config(args.config, args.overrides) if args.config is not None else None
     devices = args.devices if args.devices is not None else (
         config.scaling.num_workers if config else 1)
-    for flag, value in (("--devices", devices), ("--micro-batch", args.micro_batch),
-                        ("--pp-microbatches", args.pp_microbatches),
-                        ("--devices-per-node", args.devices_per_node)):
-        if value is not None and value < 1:
-            raise PlanError(f"{flag} must be >= 1, got {value}")
-    if not args.memory_gb > 0:
-        raise PlanError(f"--memory-gb must be > 0, got {args.memory_gb}")
+    check_ranges(args, devices, from_config=args.devices is None and config is not None)
     shape, source = _plan_model(args, config)
 
     # Flags win; then the config's [parallel] keys that exist in this version; then defaults.

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 import types
 import typing
@@ -15,6 +16,7 @@ import pytest
 
 from stalwart import events as E
 from stalwart.cli.main import main as cli_main
+from stalwart.errors import RecordError
 from stalwart.report import load
 from stalwart.report.summary import kept_rows, summarize
 from stalwart.run_dir import read_jsonl
@@ -213,8 +215,40 @@ def test_a_half_written_last_line_is_skipped_a_damaged_whole_line_is_not(
 
     damaged = tmp_path / "damaged.jsonl"
     damaged.write_text('{"a": 1}\n{"a": \n')  # a whole line, newline and all: not partial
-    with pytest.raises(json.JSONDecodeError):
+    with pytest.raises(RecordError, match=r"damaged.jsonl line 2 is damaged: not JSON"):
         read_jsonl(damaged)
+
+
+def test_every_event_kind_reads_back_through_the_checks(tmp_path: Path) -> None:
+    """What stalwart writes, the checked reader takes: every kind, blank and optional fields."""
+    written = [ev(T0 + i, kind) for i, kind in enumerate(E.EVENT_TYPES)]
+    written.append(world(T0 + 99, 3, kept={"first_step": 1, "last_step": 2, "window_s": 1.5}))
+    path = tmp_path / "events.jsonl"
+    path.write_text("".join(E.dumps(e) + "\n" for e in written))
+    assert E.read_events(path) == written
+    rows = [*rows_of(range(1, 11), T0, after_step=0)]
+    rows[0] = dataclasses.replace(rows[0], loss=float("nan"), val_loss=float("inf"))
+    (tmp_path / "metrics.jsonl").write_text("".join(E.dumps(r) + "\n" for r in rows))
+    back = E.read_metrics(tmp_path / "metrics.jsonl")
+    assert back[1:] == rows[1:] and back[0].loss != back[0].loss  # NaN: a diverged run
+
+
+@pytest.mark.parametrize(("text", "fragment"), [
+    ('{"time": 1.0, "kind": "finished", "step": 1}\n[]\n', "line 2 is a JSON array"),
+    ('{"time": 1.0, "kind": "finished", "step": 1.5}\n', "field step is 1.5, expected an "
+                                                          "integer"),
+    ('{"time": NaN, "kind": "finished", "step": 1}\n', "field time is nan, expected a finite"),
+    ('{"kind": "finished", "step": 1}\n', "finished event has no field 'time'"),
+    ('{"time": 1.0, "step": 1}\n', "line 1 has no field 'kind'"),
+    ('{"time": 1.0, "kind": "workers_started", "generation": 0, "world_size": 1, '
+     '"workers": [{"rank": 0}]}\n', "field workers[0] has no field 'pid'"),
+])
+def test_a_damaged_record_names_its_file_and_line(tmp_path: Path, text: str,
+                                                  fragment: str) -> None:
+    path = tmp_path / "events.jsonl"
+    path.write_text(text)
+    with pytest.raises(RecordError, match=re.escape(fragment)):
+        E.read_events(path)
 
 
 def test_the_figure_is_a_png(tmp_path: Path) -> None:

@@ -10,7 +10,7 @@ from stalwart.integrations.tune.sweep_file import SweepError, load_sweep
 from stalwart.integrations.tune.trainable import as_overrides
 from tests.cli_helpers import REFERENCE_CONFIG
 
-pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(240)]  # loading a sweep imports its task (torch)
 
 EXAMPLES = REFERENCE_CONFIG.parent
 GOOD = f'''

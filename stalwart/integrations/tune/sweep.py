@@ -42,6 +42,9 @@ def check_experiment_dir(sweep: Sweep, resume: bool) -> None:
     from ray import tune
 
     path = experiment_dir(sweep)
+    if path.exists() and not path.is_dir():
+        raise RunDirError(f"{path} (storage/name of {sweep.path}) is a file, not a sweep's "
+                          f"directory; change name or storage")
     if resume and not tune.Tuner.can_restore(str(path)):
         raise RunDirError(f"--resume: {path} holds no Tune experiment to resume")
     if not resume and path.exists() and any(path.iterdir()):

@@ -24,13 +24,15 @@ job's config refuses, a metric a run never reports, a PBT that could never explo
 
 from __future__ import annotations
 
+import math
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from stalwart.config import JobConfig, apply_overrides, config_from_dict, read_toml
-from stalwart.errors import ConfigError
+from stalwart.errors import ConfigError, StalwartError
 from stalwart.integrations.tune.trainable import as_overrides
 
 # Columns of metrics.jsonl that are numbers a sweep can rank trials by.
@@ -116,10 +118,30 @@ def _fail(where: str, problem: str) -> SweepError:
     return SweepError(f"{where}: {problem}")
 
 
+# Rules that draw floats (Tune's quniform rounds to a multiple of q, as a float): their
+# values are checked as floats, so a float rule on an integer key is refused up front.
+FLOAT_RULES = ("uniform", "quniform", "loguniform", "qloguniform", "randn")
+
+
+def _check_value(where: str, value: Any) -> Any:
+    """A value a trial's config can take: a string, a finite number, a boolean, or a list
+    of them (a trial gets it as a `--set` override)."""
+    items = value if isinstance(value, list) else [value]
+    for item in items:
+        if isinstance(item, float) and not math.isfinite(item):
+            raise _fail(where, f"{value!r} is not allowed: numbers must be finite")
+        if not isinstance(item, str | int | float | bool) and not (
+                item is not value and isinstance(item, list)):
+            raise _fail(where, f"{value!r} is not allowed: a string, number, boolean or a "
+                               f"list of them")
+    return value
+
+
 def _check_rule(where: str, spec: Any) -> list[Any]:
-    """Check one search rule; return the values it can produce at its edges."""
+    """Check one search rule; return the values it can produce at its edges (as floats for
+    a rule that draws floats)."""
     if not isinstance(spec, dict):
-        return [spec]
+        return [_check_value(where, spec)]
     if len(spec) != 1 or next(iter(spec)) not in RULES:
         raise _fail(where, f"{spec!r} is not a search rule: write a value, or one of "
                            f"{{ {' | '.join(RULES)} = [...] }}")
@@ -130,13 +152,15 @@ def _check_rule(where: str, spec: Any) -> list[Any]:
         want = "a non-empty list of values" if arity is None else f"a list of {arity} numbers"
         raise _fail(where, f"{rule} takes {want}, got {args!r}")
     if arity is None:
-        return list(args)
+        return [_check_value(where, a) for a in args]
     if not all(isinstance(a, int | float) and not isinstance(a, bool) for a in args):
         raise _fail(where, f"{rule} takes numbers, got {args!r}")
+    if not all(math.isfinite(a) for a in args):
+        raise _fail(where, f"{rule} takes finite numbers, got {args!r}")
     if rule == "randn":
         if args[1] <= 0:
             raise _fail(where, f"randn's standard deviation must be > 0, got {args[1]}")
-        return [args[0]]
+        return [float(args[0])]
     low, high = args[0], args[1]
     if not low < high:
         raise _fail(where, f"{rule} needs low < high, got [{low}, {high}]")
@@ -147,6 +171,8 @@ def _check_rule(where: str, spec: Any) -> list[Any]:
         raise _fail(where, f"{rule} takes integers, got {args!r}")
     if rule.startswith("q") and args[2] <= 0:
         raise _fail(where, f"{rule}'s step q must be > 0, got {args[2]}")
+    if rule in FLOAT_RULES:
+        return [float(low), float(high)]
     return [low, high - 1 if rule == "randint" else high]
 
 
@@ -154,14 +180,30 @@ def _check_rule(where: str, spec: Any) -> list[Any]:
 JobWith = Callable[[list[str]], JobConfig]
 
 
-def _check_values(sweep_path: Path, job_with: JobWith, where: str, key: str,
+def check_trial(job: JobConfig) -> None:
+    """What a trial's run checks on its driver before it starts anything (as `stalwart run`
+    does): the task builds from its task.args, and takes the layout."""
+    from stalwart.parallel.dims import ParallelDims
+    from stalwart.task import build_task
+
+    task = build_task(job.task.path, job.task.args)
+    task.check_layout(ParallelDims.from_config(job.parallel, job.scaling.num_workers))
+
+
+def _check_values(sweep_path: Path, job_with: JobWith, where: str, key: str, spec: Any,
                   values: list[Any]) -> None:
-    """The job's own validation on each edge value: a bad key or value fails as in `--set`."""
+    """The job's and the task's own validation on each edge value: a bad key or value fails
+    as in `--set`, and here rather than in every trial."""
     for value in values:
         try:
-            job_with(as_overrides({key: value}))
-        except ConfigError as exc:
-            raise _fail(f"{sweep_path} {where}", f"{key} = {value!r}: {exc}") from None
+            check_trial(job_with(as_overrides({key: value})))
+        except StalwartError as exc:
+            hint = ""
+            if isinstance(value, float) and value.is_integer():
+                rule = next(iter(spec))
+                hint = (f" ({rule} draws floats; for an integer key use randint, qrandint, "
+                        f"lograndint or choice)")
+            raise _fail(f"{sweep_path} {where}", f"{key} = {value!r}: {exc}{hint}") from None
 
 
 def _typed(where: str, value: Any, kind: type, allowed: str) -> Any:
@@ -193,6 +235,10 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
         return config_from_dict(apply_overrides(job_data, [*all_overrides, *extra]))
 
     job = job_with([])  # names the config's own problems
+    try:  # and the task's: unknown task.args would fail every trial
+        check_trial(job)
+    except StalwartError as exc:
+        raise _fail(str(p), f"every trial would be refused: {exc}") from None
 
     metric = data.get("metric")
     if metric not in METRICS:
@@ -216,13 +262,49 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
         raise _fail(f"{p} [search]", "a sweep needs at least one key to search, e.g. "
                                      "\"train.lr\" = { loguniform = [1e-4, 1e-2] }")
     for key, spec in search.items():
-        _check_values(p, job_with, "[search]", key, _check_rule(f"{p} [search] {key}", spec))
+        _check_values(p, job_with, "[search]", key, spec,
+                      _check_rule(f"{p} [search] {key}", spec))
     scheduler = _check_scheduler(p, data.get("scheduler", {}), job_with, job)
-    storage = Path(data.get("storage", "sweeps"))
-    return Sweep(path=p, name=str(data.get("name", p.stem)), config=config,
+    name = _check_name(p, data.get("name", p.stem))
+    storage = _check_storage(p, data.get("storage", "sweeps"))
+    return Sweep(path=p, name=name, config=config,
                  overrides=tuple(all_overrides), metric=metric, mode=mode, trials=trials,
-                 concurrency=concurrency, storage=storage.resolve(), search=search,
+                 concurrency=concurrency, storage=storage, search=search,
                  job=job, scheduler=scheduler)
+
+
+def _check_name(p: Path, name: Any) -> str:
+    """The experiment's directory name, one level under storage."""
+    if not isinstance(name, str) or not name.strip() or name in (".", "..") or any(
+            c in name for c in "/\\\0"):
+        raise _fail(f"{p} name", f"{name!r} is not allowed: the experiment's directory name "
+                                 f"under storage, a string without /, \\ or NUL")
+    return name
+
+
+def _check_storage(p: Path, storage: Any) -> Path:
+    """A local directory we can write (made if missing, by Tune): checked before Ray starts,
+    with nothing left behind."""
+    if not isinstance(storage, str) or not storage or "\0" in storage:
+        raise _fail(f"{p} storage", f"{storage!r} is not allowed: a local directory path "
+                                    f"(default \"sweeps\")")
+    if "://" in storage:
+        raise _fail(f"{p} storage", f"{storage!r}: a sweep's storage is a local directory "
+                                    f"(the results table is written there); URLs are not "
+                                    f"supported")
+    path = Path(storage).expanduser().resolve()
+    existing = path
+    while not existing.exists():
+        existing = existing.parent
+    if not existing.is_dir():
+        raise _fail(f"{p} storage", f"{storage!r}: {existing} is not a directory")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise _fail(f"{p} storage", f"{storage!r}: cannot write in {existing} "
+                                    f"({exc.strerror or exc})") from None
+    return path
 
 
 def _check_scheduler(p: Path, scheduler: Any, job_with: JobWith, job: JobConfig
@@ -269,6 +351,10 @@ def _check_pbt(where: str, scheduler: dict[str, Any], p: Path, job_with: JobWith
             raise _fail(f"{where} mutations {key}", "pbt restores another trial's checkpoint, "
                         f"so it cannot change {', '.join(PBT_FIXED)}*; mutate keys such as "
                         f"train.lr or train.weight_decay")
+        if not isinstance(spec, dict) or "grid" in spec:
+            raise _fail(f"{where} mutations {key}", f"{spec!r} is not allowed: pbt mutates a "
+                        f"key by drawing from a rule, e.g. {{ loguniform = [1e-4, 1e-2] }} or "
+                        f"{{ choice = [...] }} (a plain value or a grid never changes)")
         values = _check_rule(f"{where} mutations {key}", spec)
-        _check_values(p, job_with, "[scheduler.mutations]", key, values)
+        _check_values(p, job_with, "[scheduler.mutations]", key, spec, values)
 
