@@ -139,9 +139,12 @@ class Trainer:
                               f"on the same data order (unchangeable: {', '.join(IDENTITY_KEYS)})")
         skipped: list[str] = []
         checkpoint = newest_valid(storage_url, on_skip=lambda s, m: skipped.append(m))
+        if checkpoint is None and skipped:
+            raise RunDirError(f"--resume: checkpoints were committed under {storage_url} but "
+                              f"none verifies (skipped: {'; '.join(skipped)}); nothing to "
+                              f"resume from")
         if checkpoint is None:
-            why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
-            raise RunDirError(f"--resume: no committed checkpoint under {storage_url}{why}; "
+            raise RunDirError(f"--resume: no committed checkpoint under {storage_url}; "
                               f"nothing to resume from")
         return checkpoint, changes, skipped
 

@@ -61,6 +61,7 @@ def test_resume_with_every_checkpoint_damaged_names_each(tmp_path) -> None:
     proc = stalwart("run", config, *sets(*RUN, "train.steps=6"), "--run-dir", "run",
                     "--resume", cwd=tmp_path, check=2)
     (line,) = proc.stderr.strip().splitlines()
-    assert line.startswith("stalwart: error: --resume: no committed checkpoint under ")
+    assert line.startswith("stalwart: error: --resume: checkpoints were committed under ")
+    assert "but none verifies" in line
     assert "step_000000004" in line and "step_000000002" in line
     assert "file __1_0.distcp is damaged" in line
