@@ -49,7 +49,8 @@ def test_a_new_run_on_another_runs_storage_is_refused(tmp_path: Path) -> None:
     claim(str(storage), OTHER)
     shutil.copy(REFERENCE_CONFIG, tmp_path / "config.toml")
     proc = stalwart("run", "config.toml", "--run-dir", "second",
-                    *sets(*TINY, "train.steps=4", "train.warmup_steps=1", f'checkpoint.storage="{storage}"'),
+                    *sets(*TINY, "train.steps=4", "train.warmup_steps=1",
+                          f'checkpoint.storage="{storage}"'),
                     cwd=tmp_path, check=2)
     _refused(proc, storage)
     assert not (tmp_path / "second").exists()  # nothing written, no worker started
@@ -70,7 +71,8 @@ def test_resume_onto_another_runs_storage_is_refused(tmp_path: Path) -> None:
     shutil.copy(REFERENCE_CONFIG, tmp_path / "config.toml")
     before = sorted(p.name for p in run.iterdir())
     proc = stalwart("run", "config.toml", "--run-dir", "second", "--resume",
-                    *sets(*TINY, "train.steps=4", "train.warmup_steps=1", f'checkpoint.storage="{storage}"'),
+                    *sets(*TINY, "train.steps=4", "train.warmup_steps=1",
+                          f'checkpoint.storage="{storage}"'),
                     cwd=tmp_path, check=2)
     _refused(proc, storage)
     assert sorted(p.name for p in run.iterdir()) == before

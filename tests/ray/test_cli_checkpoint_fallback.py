@@ -17,7 +17,8 @@ from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 RUN = [*TINY, "scaling.num_workers=2", "checkpoint.persist_every=2", "checkpoint.keep_last=3",
-       "checkpoint.async_save=false", "run.log_every=1", "data.val_every=100", "train.warmup_steps=1"]
+       "checkpoint.async_save=false", "run.log_every=1", "data.val_every=100",
+       "train.warmup_steps=1"]
 
 
 def _garble_and_recommit(storage, step: int) -> None:
