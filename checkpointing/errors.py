@@ -11,3 +11,14 @@ class CheckpointError(StalwartError):
 
 class StorageURLError(StalwartError):
     """checkpoint.storage cannot be used (unknown protocol, filesystem not installed)."""
+
+
+def describe_load_error(exc: BaseException) -> str:
+    """One line for a failed DCP load. DCP's CheckpointException carries each failed rank's
+    exception and traceback; the first rank's exception says what went wrong."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        rank, (inner, _trace) = next(iter(sorted(failures.items())))
+        return f"rank {rank}: {describe_load_error(inner)}"
+    first = (str(exc).strip().splitlines() or [""])[0][:500]
+    return f"{type(exc).__name__}: {first}".rstrip(": ")

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from stalwart import events as ev
-from stalwart.checkpointing.storage.catalog import CheckpointInfo, newest_valid
+from stalwart.checkpointing.errors import CheckpointError
+from stalwart.checkpointing.storage.catalog import CheckpointInfo, list_step_dirs, newest_valid
 from stalwart.orchestrator import reporting
 from stalwart.orchestrator.accounting import RecoveryTimer, Throughput
 from stalwart.orchestrator.clock import Clock
@@ -30,6 +31,7 @@ from stalwart.orchestrator.failures import (
 from stalwart.orchestrator.fault_watch import FaultWatch
 from stalwart.orchestrator.interrupt import StopRequest
 from stalwart.orchestrator.observers import ControllerObserver, Display, Restored
+from stalwart.orchestrator.restore import nothing_restorable
 from stalwart.orchestrator.scaling import FormDecision, GiveUpDecision, ResizeDecision, WaitDecision
 from stalwart.orchestrator.states import (
     Failed,
@@ -91,6 +93,7 @@ class Controller:
         self._planned: ResizeDecision | None = None  # waiting for every rank to stop
         self._started_emitted = False
         self._done: dict[int, WorkerStatus] = {}
+        self._skipped: list[tuple[int, str]] = []  # checkpoints skipped in this restore
 
     # ------------------------------------------------------------------ driver loop
 
@@ -157,11 +160,16 @@ class Controller:
                              step=self.last_step, generation=state.generation))
             self.display.log(f"world resized {old_world} -> {self.world_size} ({reason})")
         self._planned = None
+        self._skipped = []
         if state.generation == 0:
             return Restoring(generation=0, checkpoint=self.resume_from)
         checkpoint = newest_valid(self.storage_url, on_skip=self._on_damaged_checkpoint)
         self.commits.found(checkpoint)
         decision = self.restore.choose(self.group.memory_inventory, checkpoint)
+        if checkpoint is None and (decision is None or decision.source == "none"):
+            lost = self._nothing_restorable(decision.reason if decision else None)
+            if lost is not None:
+                return lost
         if decision is not None:  # where the world restores from, both candidates and why
             self.events.emit(decision.event(state.generation))
             self.display.log(decision.message)
@@ -179,10 +187,16 @@ class Controller:
                                                  exc.failure)  # type: ignore[attr-defined]
                 if fallback is None:
                     raise
+                if fallback.source == "none" and (lost := self._nothing_restorable(
+                        fallback.reason)) is not None:
+                    return lost
                 self.events.emit(fallback.event(state.generation))
                 self.display.log(fallback.message)
         if source == "none" and state.checkpoint is not None:
-            start_step, source = self.group.restore(state.checkpoint.path), "storage"
+            restored = self._restore_storage(state.checkpoint)
+            if isinstance(restored, Failed):
+                return restored
+            start_step, source = restored, "storage"
         if source != "none" or state.generation > 0:
             # The restored step is staged and replicated in this world; older worlds'
             # snapshots are dropped everywhere.
@@ -376,8 +390,38 @@ class Controller:
                     f"answer while the world was torn down (stopped or dead); replaced")
 
     def _on_damaged_checkpoint(self, step: int, message: str) -> None:
+        self._skipped.append((step, message))
         self.events.emit(ev.CheckpointSkipped(step=step, message=message))
         self.display.log(f"skipping damaged checkpoint: {message}")
+
+    def _restore_storage(self, checkpoint: CheckpointInfo) -> int | Failed:
+        """Load `checkpoint` on every rank; one that fails to load is skipped and the next
+        older valid one is tried. Returns the step restored, or Failed when none loads."""
+        while True:
+            try:
+                return self.group.restore(checkpoint.path)
+            except CheckpointError as exc:
+                self._on_damaged_checkpoint(checkpoint.step, str(exc))
+            below = checkpoint.step
+            older = newest_valid(self.storage_url, on_skip=self._on_damaged_checkpoint,
+                                 below=below)
+            if older is None:
+                lost = self._nothing_restorable(None)
+                assert lost is not None  # a checkpoint was committed: the one that failed
+                return lost
+            checkpoint = older
+            self.display.log(f"restoring from storage's step {older.step} instead")
+
+    def _nothing_restorable(self, memory_why: str | None) -> Failed | None:
+        """Failed, when checkpoints were committed but none can be restored (a fresh start
+        would silently throw their work away); None when nothing was ever committed."""
+        committed = [s for s, done in list_step_dirs(self.storage_url) if done]
+        reason = nothing_restorable(committed=committed, newest_reported=self.commits.newest,
+                                    skipped=self._skipped, memory_why=memory_why)
+        if reason is None:
+            return None
+        self.display.log(reason)
+        return Failed(reason=reason)
 
     def _notify(self, hook: str, *args: Any) -> None:
         for observer in self.observers:

@@ -68,7 +68,8 @@ class WorkerGroup(ABC):
 
     @abstractmethod
     def restore(self, path: str) -> int:
-        """Load a storage checkpoint on every rank; returns its step."""
+        """Load a storage checkpoint on every rank; returns its step. Raises CheckpointError
+        when it fails to load on the ranks (each is then free to load another)."""
 
     @abstractmethod
     def memory_inventory(self) -> dict[str, Inventory]:

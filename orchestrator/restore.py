@@ -93,3 +93,22 @@ class RestorePolicy:
             source="storage" if checkpoint else "none", memory=None, memory_step=memory.step,
             storage_step=checkpoint.step if checkpoint else None,
             reason=f"restoring from memory failed: {failure.message}")
+
+
+def nothing_restorable(*, committed: list[int], newest_reported: int,
+                       skipped: list[tuple[int, str]], memory_why: str | None) -> str | None:
+    """Why a world that finds nothing to restore must not start from step 0, or None when
+    nothing was ever committed (then a fresh start loses nothing).
+
+    `committed`: steps whose manifest storage holds; `newest_reported`: the newest commit
+    the run saw (-1: none); `skipped`: (step, why) of each checkpoint passed over."""
+    if not committed and newest_reported < 0 and not skipped:
+        return None
+    why = "; ".join(f"step {step}: {message}" for step, message in skipped) or (
+        "none is left in storage")
+    steps = sorted(set(committed) | {s for s, _ in skipped}
+                   | ({newest_reported} if newest_reported >= 0 else set()))
+    memory = f"; memory: {memory_why}" if memory_why else ""
+    return (f"checkpoints were committed (steps {steps}) but none can be restored, and "
+            f"memory holds no complete step; refusing to restart from step 0. "
+            f"Skipped: {why}{memory}")

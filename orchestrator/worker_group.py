@@ -28,6 +28,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.memory.catalog import MemoryChoice
 from stalwart.checkpointing.memory.store import Inventory
 from stalwart.config import JobConfig
@@ -80,6 +81,15 @@ def _failure_from(exc: BaseException, rank: int | None, default: FailureKind) ->
         kind, msg = default, f"worker rank {rank}: {type(exc).__name__}: {exc}"
     return WorkerFailure(kind=kind, rank=rank, message=msg.strip(), detected_at=time.time(),
                          ranks=() if rank is None else (rank,))
+
+
+def _error_of(ref: Any) -> BaseException | None:
+    """The exception a finished call raised, None if it returned."""
+    try:
+        ray.get(ref, timeout=0)
+    except Exception as exc:
+        return exc
+    return None
 
 
 def _answers(refs: list[Any], *, timeout: float) -> list[Any]:
@@ -262,7 +272,22 @@ class ElasticGroup(WorkerGroup):
         return w.place
 
     def restore(self, path: str) -> int:
-        steps = self._get([w.actor.restore.remote(path) for w in self.members])
+        refs = [w.actor.restore.remote(path) for w in self.members]
+        try:
+            steps = self._get(refs)
+        except GroupFailed as exc:
+            cause = getattr(exc.__cause__, "cause", exc.__cause__)  # RayTaskError's cause
+            if not isinstance(cause, CheckpointError):
+                raise
+            # DCP's load is collective and fails on every rank together; once every rank
+            # is done with this attempt, the world can load another checkpoint. A rank
+            # still busy (or gone) means the world itself is broken.
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=self.LEAVE_TIMEOUT_S)
+            if len(ready) < len(refs) or any(
+                    not isinstance(getattr(e, "cause", e), CheckpointError)
+                    for e in map(_error_of, refs) if e is not None):
+                raise
+            raise CheckpointError(str(cause)) from None
         return steps[0]
 
     # ------------------------------------------------------------------ the memory tier

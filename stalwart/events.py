@@ -276,7 +276,8 @@ class CheckpointCommitted(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class CheckpointSkipped(Event):
-    """A damaged checkpoint was skipped, never loaded."""
+    """A checkpoint was skipped: damaged, incomplete, or it failed to load. The next older
+    valid one is used."""
 
     kind: ClassVar[str] = "checkpoint_skipped"
     message: str

@@ -2,6 +2,7 @@
 
     config.toml     the resolved JobConfig (defaults filled in, overrides applied)
     events.jsonl    one JSON object per line: {"time", "kind", ...fields}
+    run_id          the run's id (a uuid), kept by --resume; its storage's owner.json names it
     metrics.jsonl   one row per logged step: step, loss, lr, tokens_per_s, world_size, time,
                     window_s, ...
     checkpoints/    storage checkpoints, unless checkpoint.storage points elsewhere
@@ -65,6 +66,7 @@ class RunDir:
         self.config_file = path / "config.toml"
         self.events = EventLog(path / "events.jsonl")
         self.metrics = MetricsLog(path / "metrics.jsonl")
+        self.run_id_file = path / "run_id"
 
     @staticmethod
     def default_path(config: JobConfig) -> Path:

@@ -11,6 +11,7 @@ import dataclasses
 import math
 import os
 import time
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +27,7 @@ from stalwart.checkpointing.storage.catalog import (
     verify,
 )
 from stalwart.checkpointing.storage.layout import filesystem
+from stalwart.checkpointing.storage.owner import Owner, claim, read_owner
 from stalwart.checkpointing.storage.transfer import copy_checkpoint
 from stalwart.cli.cluster import connect
 from stalwart.cli.progress import ProgressDisplay
@@ -151,9 +153,12 @@ class Trainer:
                               f"on the same data order (unchangeable: {', '.join(IDENTITY_KEYS)})")
         skipped: list[str] = []
         checkpoint = newest_valid(storage_url, on_skip=lambda s, m: skipped.append(m))
+        if checkpoint is None and skipped:
+            raise RunDirError(f"--resume: checkpoints were committed under {storage_url} but "
+                              f"none verifies (skipped: {'; '.join(skipped)}); nothing to "
+                              f"resume from")
         if checkpoint is None:
-            why = f" (skipped: {'; '.join(skipped)})" if skipped else ""
-            raise RunDirError(f"--resume: no committed checkpoint under {storage_url}{why}; "
+            raise RunDirError(f"--resume: no committed checkpoint under {storage_url}; "
                               f"nothing to resume from")
         return checkpoint, changes, skipped
 
@@ -167,6 +172,25 @@ class Trainer:
         info = read_step_dir(self.start_from)
         verify(info)
         return info
+
+    def _check_owner(self, storage_url: str) -> Owner:
+        """This run as the storage's owner; refuses storage another run owns. Reads only.
+
+        A run's id is a uuid in its run dir (`run_id`), kept by --resume. A run dir from
+        before run ids (or storage without an owner) gets one now."""
+        run_id = None
+        if self.resume and self.run_dir.run_id_file.exists():
+            run_id = self.run_dir.run_id_file.read_text().strip() or None
+        me = Owner(run_id=run_id or uuid.uuid4().hex, task=self.config.task.path,
+                   run_dir=str(self.run_dir.path.resolve()))
+        _refuse_other_owner(storage_url, me, read_owner(storage_url))
+        return me
+
+    def _claim_storage(self, storage_url: str, me: Owner) -> None:
+        """Record this run in its run dir and as the storage's owner, before any worker."""
+        if not self.run_dir.run_id_file.exists():
+            self.run_dir.run_id_file.write_text(me.run_id + "\n")
+        _refuse_other_owner(storage_url, me, claim(storage_url, me))
 
     # ------------------------------------------------------------------ Ray
 
@@ -223,6 +247,7 @@ class Trainer:
         self._check_storage(storage_url)
         resume_from, changes, skipped = self._check_run_dir(storage_url)
         origin = self._check_start_from()
+        owner = self._check_owner(storage_url)
         self._check_writable(storage_url)
         started_ray, runtime_env = self._connect()
         display = None
@@ -233,6 +258,7 @@ class Trainer:
                 self.run_dir.metrics.listeners.append(cb.on_metrics)
                 self.run_dir.events.listeners.append(cb.on_event)
             self.run_dir.write_config(self.config)
+            self._claim_storage(storage_url, owner)
             for message in skipped:
                 self.run_dir.events.emit(ev.CheckpointSkipped(message=message))
             if resume_from is not None:
@@ -286,6 +312,15 @@ class Trainer:
                          tokens_per_s=(controller.throughput.tokens_total
                                        / controller.throughput.train_time_s
                                        if controller.throughput.train_time_s > 0 else None))
+
+
+def _refuse_other_owner(storage_url: str, me: Owner, owner: Owner | None) -> None:
+    if owner is None or owner.run_id == me.run_id:
+        return
+    raise RunDirError(
+        f"checkpoint.storage {storage_url} belongs to another run (run dir {owner.run_dir}, "
+        f"task {owner.task}); one storage holds one run's checkpoints: --resume that run, "
+        f"or choose another checkpoint.storage")
 
 
 def draining_nodes() -> set[str]:

@@ -10,6 +10,9 @@ from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.storage.layout import (
     FORMAT_VERSION,
     MANIFEST,
+    METADATA,
+    check_file_name,
+    data_file_rank,
     filesystem,
     join,
     parse_step_dir,
@@ -27,7 +30,9 @@ class CheckpointInfo:
 
     def files_in_commit_order(self) -> list[str]:
         """Every file of the step directory, the manifest last: a copy made in this order
-        is committed only once all its data is there (the manifest is the commit)."""
+        is committed only once all its data is there (the manifest is the commit). Checks
+        the manifest first: its names are joined under the destination."""
+        check_manifest(self)
         return [*sorted(self.manifest["files"]), MANIFEST]
 
 
@@ -50,8 +55,8 @@ def read_checkpoint(url: str, step: int) -> CheckpointInfo:
 
 
 def read_step_dir(path: str, *, step: int | None = None) -> CheckpointInfo:
-    """The committed checkpoint in the step directory `path` (its step from the manifest
-    unless the directory's name gives it)."""
+    """The committed checkpoint in the step directory `path`. Its step is the manifest's,
+    which must equal the one the directory's name gives (when it gives one)."""
     fs, root = filesystem(path)
     where = f"step {step} under {path.rsplit('/', 1)[0]!r}" if step is not None else repr(path)
     try:
@@ -59,16 +64,54 @@ def read_step_dir(path: str, *, step: int | None = None) -> CheckpointInfo:
             manifest = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {where} is not committed (no {MANIFEST})") from None
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is damaged: {exc}") from None
+    if not isinstance(manifest, dict):
+        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is damaged: a JSON "
+                              f"{type(manifest).__name__}, not an object")
     if manifest.get("format") != FORMAT_VERSION:
         raise CheckpointError(f"checkpoint {path!r}: manifest format "
                               f"{manifest.get('format')!r}, expected {FORMAT_VERSION}")
+    named = manifest.get("step")
+    if not isinstance(named, int) or isinstance(named, bool) or named < 0:
+        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} names no step")
     if step is None:
-        step = manifest.get("step")
-        if not isinstance(step, int):
-            raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} names no step")
-    return CheckpointInfo(step=step, path=path, manifest=manifest)
+        step = parse_step_dir(root)
+    if step is not None and named != step:
+        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is for step {named}, "
+                              f"not the directory's step {step}")
+    info = CheckpointInfo(step=named, path=path, manifest=manifest)
+    check_manifest(info)
+    return info
+
+
+def check_manifest(info: CheckpointInfo) -> None:
+    """The manifest has the shape a commit writes and lists every file a load needs:
+    `.metadata` and a data file of every rank that wrote the checkpoint."""
+    where = f"checkpoint {info.path!r}: {MANIFEST}"
+    files = info.manifest.get("files")
+    if not isinstance(files, dict) or not files:
+        raise CheckpointError(f"{where} lists no files")
+    for name, meta in files.items():
+        try:
+            check_file_name(name)
+        except ValueError as exc:
+            raise CheckpointError(f"{where}: {exc}") from None
+        if name in (MANIFEST, f"{MANIFEST}.tmp"):
+            raise CheckpointError(f"{where} lists itself as a data file")
+        if (not isinstance(meta, dict) or not isinstance(meta.get("sha256"), str)
+                or not isinstance(meta.get("size"), int) or isinstance(meta["size"], bool)):
+            raise CheckpointError(f"{where}: the entry of {name} has no size and sha256")
+    missing = [] if METADATA in files else [METADATA]
+    ranks = info.manifest.get("ranks")  # absent in manifests written before it was recorded
+    if ranks is not None:
+        if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
+            raise CheckpointError(f"{where}: ranks is {ranks!r}, not a positive integer")
+        written = {data_file_rank(name) for name in files}
+        missing += [f"a data file of rank {r} (__{r}_0.distcp)" for r in range(ranks)
+                    if r not in written]
+    if missing:
+        raise CheckpointError(f"{where} is incomplete: it lists no {', no '.join(missing)}")
 
 
 def committed_checkpoints(url: str) -> list[CheckpointInfo]:
@@ -76,7 +119,9 @@ def committed_checkpoints(url: str) -> list[CheckpointInfo]:
 
 
 def verify(info: CheckpointInfo) -> None:
-    """Check every file's size and sha256 against the manifest; raise naming the first mismatch."""
+    """Check that the manifest lists every file a load needs, then every file's size and
+    sha256 against it; raise naming the first problem."""
+    check_manifest(info)
     fs, root = filesystem(info.path)
     for name, meta in info.manifest["files"].items():
         path = f"{root}/{name}"
@@ -87,10 +132,11 @@ def verify(info: CheckpointInfo) -> None:
                                   f"(size or sha256 differs from the manifest)")
 
 
-def newest_valid(url: str, *, on_skip=None) -> CheckpointInfo | None:
-    """The newest committed checkpoint that verifies; damaged ones are skipped and reported."""
+def newest_valid(url: str, *, on_skip=None, below: int | None = None) -> CheckpointInfo | None:
+    """The newest committed checkpoint (older than step `below`, if given) that verifies;
+    damaged ones are skipped and reported."""
     for step, done in reversed(list_step_dirs(url)):
-        if not done:
+        if not done or (below is not None and step >= below):
             continue
         try:
             info = read_checkpoint(url, step)

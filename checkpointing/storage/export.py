@@ -3,52 +3,131 @@
 Runs in one process with no process group: DCP reads every shard and reassembles the full
 tensors into a freshly built model. The output is safetensors (`.safetensors`) or a plain
 `torch.save` state dict (`.pt`, `.pth`, `.bin`).
+
+Without a step, the newest checkpoint that verifies and loads is exported; each one passed
+over is reported to `on_skip` with the reason. The file is written under a fresh, unique
+name next to `--out` (created with O_EXCL, so nothing planted there is followed), then
+renamed: `--out` appears whole or not at all.
 """
 
 from __future__ import annotations
 
+import os
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+from torch.distributed.checkpoint.api import CheckpointException
 
-from stalwart.checkpointing.errors import CheckpointError
+from stalwart.checkpointing.errors import CheckpointError, describe_load_error
 from stalwart.checkpointing.storage.catalog import CheckpointInfo, find_step, newest_valid
 
 SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 
+OnSkip = Callable[[int, str], None]
 
-def export_weights(model: torch.nn.Module, checkpoint: CheckpointInfo, out: Path) -> Path:
+
+def check_out(out: Path) -> None:
+    """Refuse an output path that cannot be written, before anything is read."""
     if out.suffix not in SUFFIXES:
         raise CheckpointError(f"--out {str(out)!r}: unknown format; use one of {', '.join(SUFFIXES)}")
-    if out.exists():
+    if out.exists() or out.is_symlink():
         raise CheckpointError(f"--out {str(out)!r} already exists; refusing to overwrite it")
+    # Its directory, or the nearest one that exists (created at the write), must be
+    # writable; nothing is created before the weights are ready.
+    parent = out.absolute().parent
+    while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        raise CheckpointError(f"--out {str(out)!r}: {str(parent)!r} is not a writable "
+                              f"directory")
+
+
+def load_weights(model: torch.nn.Module, checkpoint: CheckpointInfo) -> dict[str, torch.Tensor]:
     state = {"model": model.state_dict()}
     try:
-        dcp.load(state, storage_reader=FsspecReader(checkpoint.path), no_dist=True)
-    except Exception as exc:  # DCP raises a variety of types for a mismatched model
-        raise CheckpointError(f"checkpoint {checkpoint.path!r} does not fit the run's model: "
-                              f"{type(exc).__name__}: {exc}") from exc
+        with warnings.catch_warnings():  # one process on purpose: DCP's warning is noise
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(state, storage_reader=FsspecReader(checkpoint.path), no_dist=True)
+    # DCP raises a variety of types for a mismatched model, and CheckpointException (a
+    # BaseException) for a read that failed: both mean this checkpoint cannot be exported.
+    except (CheckpointException, Exception) as exc:
+        raise CheckpointError(f"checkpoint {checkpoint.path!r} failed to load (damaged, or it "
+                              f"does not fit the run's model): {describe_load_error(exc)}"
+                              ) from exc
     # Tied parameters share storage; safetensors refuses shared tensors, so each key gets
     # its own copy (the file then holds e.g. both the embedding and the output head).
-    weights = {k: v.detach().clone().contiguous() for k, v in state["model"].items()}
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    if out.suffix == ".safetensors":
-        from safetensors.torch import save_file
+    return {k: v.detach().clone().contiguous() for k, v in state["model"].items()}
 
-        save_file(weights, str(tmp), metadata={"step": str(checkpoint.step)})
-    else:
-        torch.save(weights, tmp)
-    tmp.replace(out)
+
+def write_weights(weights: dict[str, torch.Tensor], step: int, out: Path) -> Path:
+    check_out(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
+    except OSError as exc:
+        raise CheckpointError(f"--out {str(out)!r}: cannot write there: "
+                              f"{exc.strerror or exc}") from None
+    os.close(fd)  # mkstemp made it with O_EXCL under a name of its own: nothing planted
+    tmp = Path(tmp_name)
+    try:
+        if out.suffix == ".safetensors":
+            from safetensors.torch import save_file
+
+            save_file(weights, str(tmp), metadata={"step": str(step)})
+        else:
+            torch.save(weights, tmp)
+        tmp.replace(out)
+    except OSError as exc:
+        raise CheckpointError(f"--out {str(out)!r}: writing it failed: "
+                              f"{exc.strerror or exc}") from None
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 
-def pick_checkpoint(storage_url: str, step: int | None) -> CheckpointInfo:
+def export_weights(model: torch.nn.Module, checkpoint: CheckpointInfo, out: Path) -> Path:
+    check_out(out)
+    return write_weights(load_weights(model, checkpoint), checkpoint.step, out)
+
+
+def candidates(storage_url: str, step: int | None, on_skip: OnSkip) -> Iterator[CheckpointInfo]:
+    """The checkpoint `step` (verified), or every valid one, newest first."""
     if step is not None:
-        return find_step(storage_url, step)
-    info = newest_valid(storage_url)
-    if info is None:
-        raise CheckpointError(f"no committed checkpoint under {storage_url}")
-    return info
+        yield find_step(storage_url, step)
+        return
+    below = None
+    while (info := newest_valid(storage_url, on_skip=on_skip, below=below)) is not None:
+        yield info
+        below = info.step
+
+
+def export_newest(build_model: Callable[[], torch.nn.Module], storage_url: str,
+                  step: int | None, out: Path, *, on_skip: OnSkip
+                  ) -> tuple[CheckpointInfo, Path]:
+    """Export `step`, or the newest checkpoint that verifies and loads; those passed over
+    go to `on_skip` (step, why)."""
+    check_out(out)
+    skipped: list[int] = []
+
+    def skip(s: int, why: str) -> None:
+        skipped.append(s)
+        on_skip(s, why)
+
+    for info in candidates(storage_url, step, skip):
+        try:
+            weights = load_weights(build_model(), info)
+        except CheckpointError as exc:
+            if step is not None:
+                raise
+            skip(info.step, str(exc))
+            continue
+        return info, write_weights(weights, info.step, out)
+    if skipped:
+        raise CheckpointError(f"no checkpoint under {storage_url} verifies and loads "
+                              f"(skipped steps {sorted(skipped)})")
+    raise CheckpointError(f"no committed checkpoint under {storage_url}")

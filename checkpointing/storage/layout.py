@@ -2,9 +2,16 @@
 
     <storage>/step_000000100/   DCP shard files (*.distcp) and .metadata, written first
     <storage>/step_000000100/manifest.json   written last, once every shard is on storage
+    <storage>/owner.json      the run that owns this storage (checkpointing/storage/owner.py)
 
 A directory without manifest.json is an incomplete write (a crash mid-save) and is never
-loaded. The manifest lists every file with its size and sha256, checked before a load.
+loaded. The manifest lists every file with its size and sha256, checked before a load, and
+the number of ranks that wrote it: DCP writes `.metadata` and one `__<rank>_0.distcp` per
+rank, and a manifest missing any of them is incomplete.
+
+Step directories are named with at least nine digits, zero-padded (`step_000000100`); a step
+of 10^9 or more simply has more digits (`step_1000000000`). Only the canonical name of a step
+is a step directory, so no step has two.
 """
 
 from __future__ import annotations
@@ -19,16 +26,42 @@ from stalwart.checkpointing.errors import StorageURLError
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step_(\d{9})$")
+METADATA = ".metadata"
+_STEP_DIR = re.compile(r"^step_(\d{9,})$")
+_DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")
 
 
 def step_dir_name(step: int) -> str:
+    if step < 0:
+        raise ValueError(f"unexpected negative step {step}")
     return f"step_{step:09d}"
 
 
 def parse_step_dir(name: str) -> int | None:
-    m = _STEP_DIR.match(name.rstrip("/").rsplit("/", 1)[-1])
+    base = name.rstrip("/").rsplit("/", 1)[-1]
+    m = _STEP_DIR.match(base)
+    if not m:
+        return None
+    step = int(m.group(1))
+    # step_0000000100 would be a second name for step 100: not a step directory.
+    return step if step_dir_name(step) == base else None
+
+
+def data_file_rank(name: str) -> int | None:
+    """The rank that wrote a DCP data file (`__<rank>_<n>.distcp`), None for other files."""
+    m = _DATA_FILE.match(name)
     return int(m.group(1)) if m else None
+
+
+def check_file_name(name: object) -> str:
+    """A file name from a manifest, safe to join under a directory: one plain path component.
+
+    Anything that copies a checkpoint builds paths from these names, so a crafted name
+    (`../x`, `/etc/x`, `a/b`, a NUL) would read or write outside the checkpoint."""
+    if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name
+            or "\\" in name or "\0" in name):
+        raise ValueError(f"file name {name!r} is not a plain file name")
+    return name
 
 
 def join(url: str, *parts: str) -> str:

@@ -15,6 +15,7 @@ the memory held by staged copies to one checkpoint.
 from __future__ import annotations
 
 import json
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -23,15 +24,20 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint.api import CheckpointException
 
-from stalwart.checkpointing.errors import CheckpointError
+from stalwart.checkpointing.errors import CheckpointError, describe_load_error
 from stalwart.checkpointing.snapshot import Shard
 from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
-from stalwart.checkpointing.storage.catalog import list_step_dirs
+from stalwart.checkpointing.storage.catalog import list_step_dirs, read_checkpoint, verify
 from stalwart.checkpointing.storage.layout import (
     FORMAT_VERSION,
     MANIFEST,
+    METADATA,
+    data_file_rank,
     filesystem,
     join,
     sha256_of,
@@ -49,8 +55,12 @@ class CommitReport:
     """Seconds from the start of the save to the manifest being written."""
 
 
-def write_manifest(url: str, step: int, extra: dict[str, Any]) -> None:
-    """Commit a fully written checkpoint directory: checksums of every file, then the manifest."""
+def write_manifest(url: str, step: int, extra: dict[str, Any], *,
+                   ranks: int | None = None) -> None:
+    """Commit a fully written checkpoint directory: checksums of every file, then the manifest.
+
+    `ranks`: how many ranks wrote the checkpoint; each must have left its data file, or the
+    checkpoint is not committed (default: the ranks whose data files are there)."""
     fs, root = filesystem(join(url, step_dir_name(step)))
     files = {}
     for info in fs.ls(root, detail=True):
@@ -59,27 +69,84 @@ def write_manifest(url: str, step: int, extra: dict[str, Any]) -> None:
         if name in (MANIFEST, f"{MANIFEST}.tmp") or info["type"] != "file":
             continue
         files[name] = {"size": int(info["size"]), "sha256": sha256_of(fs, info["name"])}
+    written = {r for r in map(data_file_rank, files) if r is not None}
+    if ranks is None:
+        ranks = max(written) + 1 if written else 1
+    missing = ([METADATA] if METADATA not in files else []) + [
+        f"__{r}_0.distcp" for r in range(ranks) if r not in written]
+    if missing:
+        raise CheckpointError(f"checkpoint {join(url, step_dir_name(step))!r} is incomplete "
+                              f"after its write: no {', '.join(missing)}; not committed")
     manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "files": files,
-                **extra}
-    tmp = f"{root}/{MANIFEST}.tmp"
+                **extra, "ranks": ranks}
+    _write_atomically(fs, root, json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def _write_atomically(fs: AbstractFileSystem, root: str, text: str) -> None:
+    """The manifest appears whole or not at all, and is on disk before it appears."""
+    tmp, final = f"{root}/{MANIFEST}.tmp", f"{root}/{MANIFEST}"
+    if isinstance(fs, LocalFileSystem):
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # the data files were synced by DCP before .metadata
+        os.replace(tmp, final)
+        dir_fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a power loss
+        finally:
+            os.close(dir_fd)
+        return
+    # Other filesystems: closing the file is the upload (object stores make it durable
+    # then); mv is a copy+delete of one small object, and readers ignore the .tmp name.
     with fs.open(tmp, "w") as f:
-        json.dump(manifest, f, indent=1, sort_keys=True)
-    # A rename is atomic on local and POSIX-like filesystems; on object stores mv is a
-    # copy+delete of one small object, and readers ignore the .tmp name either way.
-    fs.mv(tmp, f"{root}/{MANIFEST}")
+        f.write(text)
+    fs.mv(tmp, final)
 
 
-def apply_retention(url: str, keep_last: int, newest: int) -> None:
-    """Keep the newest `keep_last` committed checkpoints; drop older ones and stale partial writes."""
+def apply_retention(url: str, keep_last: int, newest: int,
+                    verified: dict[int, float] | None = None) -> None:
+    """Keep the newest `keep_last` checkpoints that verify, counting from `newest` (the one
+    just committed) down; drop what is older than them, and stale partial writes.
+
+    Never drops `newest` or any step above it (a newer step there is from a timeline the
+    run left, e.g. a damaged checkpoint it resumed past: not this commit's to judge), and a
+    damaged checkpoint never counts as kept, so retention cannot leave only damaged ones.
+    `verified`: step -> manifest time of checkpoints already verified (a cache the caller
+    keeps, so each checkpoint's files are hashed once, not at every commit)."""
+    if keep_last <= 0:  # keep every commit; only stale partial writes go
+        doomed = [s for s, done in list_step_dirs(url) if not done and s < newest]
+    else:
+        doomed = _older_than_kept(url, keep_last, newest, {} if verified is None else verified)
     fs, _ = filesystem(url)
-    dirs = list_step_dirs(url)
-    committed = [step for step, done in dirs if done]
-    keep = set(committed[-keep_last:]) if keep_last > 0 else set(committed)
-    for step, done in dirs:
-        # Partial directories newer than the newest commit may be a save in flight: leave them.
-        if step in keep or step > newest or (keep_last == 0 and done):
-            continue
+    for step in doomed:
         fs.rm(filesystem(join(url, step_dir_name(step)))[1], recursive=True)
+
+
+def _older_than_kept(url: str, keep_last: int, newest: int, verified: dict[int, float]
+                     ) -> list[int]:
+    dirs = [(s, done) for s, done in list_step_dirs(url) if s < newest]
+    kept = 1  # `newest` itself: committed just now, from the files as they are
+    doomed = []
+    for step, done in reversed(dirs):
+        if kept >= keep_last or not done:
+            doomed.append(step)  # older than every kept checkpoint, or a stale partial write
+        elif _verifies(url, step, verified):
+            kept += 1
+        # A damaged checkpoint between kept ones stays until it falls behind them.
+    return doomed
+
+
+def _verifies(url: str, step: int, verified: dict[int, float]) -> bool:
+    try:
+        info = read_checkpoint(url, step)
+        if verified.get(step) != info.manifest.get("time"):
+            verify(info)
+            verified[step] = info.manifest.get("time")
+        return True
+    except CheckpointError:
+        verified.pop(step, None)
+        return False
 
 
 class StorageCheckpointer:
@@ -95,6 +162,7 @@ class StorageCheckpointer:
         self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-commit")
         self._pending: Future[CommitReport | None] | None = None
         self._persist_buffer: torch.Tensor | None = None
+        self._verified: dict[int, float] = {}  # retention's cache: step -> manifest time
 
     def save(self, step: int, state: dict[str, Any]) -> list[CommitReport]:
         """Start writing `state` as step `step`; returns commits that completed meanwhile."""
@@ -151,8 +219,9 @@ class StorageCheckpointer:
             return None
         # DCP's coordinator (rank 0) finishes only after every rank's write result reached
         # it and .metadata is written, so all shards are on storage at this point.
-        write_manifest(self.url, step, self.manifest_extra)
-        apply_retention(self.url, self.keep_last, newest=step)
+        ranks = dist.get_world_size(self.group) if self.group is not None else 1
+        write_manifest(self.url, step, self.manifest_extra, ranks=ranks)
+        apply_retention(self.url, self.keep_last, newest=step, verified=self._verified)
         return CommitReport(step=step, path=join(self.url, step_dir_name(step)),
                             save_s=time.perf_counter() - t0)
 
@@ -175,9 +244,12 @@ class StorageCheckpointer:
         try:
             dcp.load(state, storage_reader=FsspecReader(path), process_group=self.group,
                      no_dist=self.group is None)
-        except Exception as exc:  # DCP raises a variety of types for a mismatched model
-            raise CheckpointError(f"checkpoint {path!r} does not fit this task's model or "
-                                  f"optimizer: {type(exc).__name__}: {exc}") from exc
+        # DCP raises a variety of types for a mismatched model, and CheckpointException (a
+        # BaseException, not an Exception) for a read that failed on any rank.
+        except (CheckpointException, Exception) as exc:
+            raise CheckpointError(f"checkpoint {path!r} failed to load (damaged, or it does "
+                                  f"not fit this task's model or optimizer): "
+                                  f"{describe_load_error(exc)}") from exc
 
     def close(self) -> None:
         try:

@@ -137,7 +137,7 @@ def closing_summary(result: RunResult) -> str:
 def _cmd_export(args: argparse.Namespace) -> int:
     import torch
 
-    from stalwart.checkpointing.storage.export import export_weights, pick_checkpoint
+    from stalwart.checkpointing.storage.export import check_out, export_newest
     from stalwart.config import load_config
     from stalwart.run_dir import RunDir
     from stalwart.task import build_task
@@ -145,10 +145,18 @@ def _cmd_export(args: argparse.Namespace) -> int:
     rd = RunDir(Path(args.run_dir))
     rd.check_resumable()
     config = load_config(rd.config_file)
-    checkpoint = pick_checkpoint(rd.storage_url(config), args.step)
+    check_out(Path(args.out))
     task = build_task(config.task.path, config.task.args)
-    torch.manual_seed(config.train.seed)
-    out = export_weights(task.build_model(config), checkpoint, Path(args.out))
+
+    def build_model() -> torch.nn.Module:
+        torch.manual_seed(config.train.seed)
+        return task.build_model(config)
+
+    def skipped(step: int, why: str) -> None:  # read only: the checkpoint stays as it is
+        print(f"stalwart: skipping checkpoint step {step}: {why}", file=sys.stderr)
+
+    checkpoint, out = export_newest(build_model, rd.storage_url(config), args.step,
+                                    Path(args.out), on_skip=skipped)
     print(f"exported step {checkpoint.step} of {rd.path} to {out}")
     return EXIT_OK
 

@@ -289,3 +289,148 @@ def test_memory_url_is_really_in_memory() -> None:
         assert info is not None and info.path == f"{url}/step_000000007"
     finally:
         s.fs.rm(s.root, recursive=True)
+
+
+# ---------------------------------------------------------------------------- issue 14
+
+
+def _rewrite_manifest(store: Store, step: int, change: Callable[[dict], object]) -> None:
+    manifest = json.loads(store.get(step, MANIFEST))
+    new = change(manifest)  # a list replaces the manifest; anything else changed it in place
+    store.fs.pipe(store.path(step, MANIFEST),
+                  json.dumps(new if isinstance(new, list) else manifest).encode())
+
+
+def test_retention_counts_only_verified_checkpoints(store: Store) -> None:
+    """The issue's repro: commits at 100 and 200; a shard of 200 damaged; the resumed run
+    falls back to 100 and commits 150 with keep_last=1. Retention keeps 150 (just
+    committed) and leaves 200 (newer than it), so a valid checkpoint is always there."""
+    store.commit(100)
+    store.commit(200)
+    _flip_bytes(store, 200, "__1_0.distcp")
+    assert newest_valid(store.url).step == 100
+    store.commit(150)
+    apply_retention(store.url, keep_last=1, newest=150)
+    assert store.steps_on_storage() == [150, 200]
+    assert newest_valid(store.url).step == 150
+
+
+def test_retention_skips_damaged_checkpoints_when_counting(store: Store) -> None:
+    for step in (100, 150):
+        store.commit(step)
+    store.commit(200)
+    _flip_bytes(store, 200, "__0_0.distcp")
+    store.commit(250)
+    # keep_last=2: 250 and the newest older one that verifies (150); the damaged 200
+    # between them stays and does not count, so 150 is not dropped for it.
+    apply_retention(store.url, keep_last=3, newest=250)
+    assert store.steps_on_storage() == [100, 150, 200, 250]
+    apply_retention(store.url, keep_last=2, newest=250)
+    assert store.steps_on_storage() == [150, 200, 250]
+    apply_retention(store.url, keep_last=1, newest=250)
+    assert store.steps_on_storage() == [250]
+
+
+def test_retention_keeps_the_just_committed_one_when_newer_steps_are_damaged(
+        store: Store) -> None:
+    store.commit(100)
+    store.commit(200)
+    store.commit(300)
+    _flip_bytes(store, 200, "__0_0.distcp")
+    _delete(store, 300, "__1_0.distcp")
+    store.commit(150)
+    apply_retention(store.url, keep_last=2, newest=150)
+    assert store.steps_on_storage() == [100, 150, 200, 300]
+
+
+def test_retention_hashes_each_checkpoint_once_with_a_cache(store: Store,
+                                                            monkeypatch) -> None:
+    from stalwart.checkpointing.storage import writer
+
+    calls: list[str] = []
+    real = writer.verify
+    monkeypatch.setattr(writer, "verify", lambda info: (calls.append(info.path), real(info)))
+    cache: dict[int, float] = {}
+    for step in (10, 20, 30, 40):
+        store.commit(step)
+        apply_retention(store.url, keep_last=3, newest=step, verified=cache)
+    assert store.steps_on_storage() == [20, 30, 40]
+    assert sorted(calls) == sorted(set(calls))  # never the same checkpoint twice
+
+
+@pytest.mark.parametrize(("change", "expected"), [
+    (lambda m: [m], "a JSON list, not an object"),
+    (lambda m: m.pop("files"), "lists no files"),
+    (lambda m: m.update(files=[]), "lists no files"),
+    (lambda m: m["files"]["__0_0.distcp"].pop("sha256"), "has no size and sha256"),
+    (lambda m: m["files"]["__0_0.distcp"].pop("size"), "has no size and sha256"),
+    (lambda m: m["files"].update({"__0_0.distcp": "abc"}), "has no size and sha256"),
+    (lambda m: m.update(step=30), "is for step 30, not the directory's step 20"),
+    (lambda m: m.pop("step"), "names no step"),
+    (lambda m: m["files"].pop("__1_0.distcp"), "incomplete: it lists no a data file of rank 1"),
+    (lambda m: m["files"].pop(".metadata"), "incomplete: it lists no .metadata"),
+    (lambda m: m.update(ranks="2"), "not a positive integer"),
+    (lambda m: m["files"].update({"../x": {"size": 1, "sha256": "0"}}),
+     "'../x' is not a plain file name"),
+    (lambda m: m["files"].update({MANIFEST: {"size": 1, "sha256": "0"}}), "lists itself"),
+])
+def test_a_manifest_of_the_wrong_shape_is_skipped(store: Store, change, expected: str) -> None:
+    store.commit(10)
+    store.commit(20)
+    _rewrite_manifest(store, 20, change)
+    skipped, on_skip = _skips()
+    assert newest_valid(store.url, on_skip=on_skip).step == 10
+    assert [s for s, _ in skipped] == [20] and expected in skipped[0][1]
+    with pytest.raises(CheckpointError, match="step 20|step_000000020"):
+        find_step(store.url, 20)
+
+
+def test_manifest_records_the_writing_ranks_and_refuses_to_commit_without_them(
+        store: Store) -> None:
+    store.commit(10)
+    assert json.loads(store.get(10, MANIFEST))["ranks"] == 2
+    store.shard_files(20)
+    with pytest.raises(CheckpointError, match=r"no __2_0.distcp, __3_0.distcp; not committed"):
+        write_manifest(store.url, 20, {}, ranks=4)
+    assert list_step_dirs(store.url) == [(10, True), (20, False)]
+
+
+def test_a_manifest_without_ranks_from_before_still_verifies(store: Store) -> None:
+    store.commit(10)
+    _rewrite_manifest(store, 10, lambda m: m.pop("ranks"))
+    assert newest_valid(store.url).step == 10
+
+
+@pytest.mark.parametrize("step", [999_999_999, 1_000_000_000, 12_345_678_901])
+def test_steps_of_a_billion_and_more_are_visible(store: Store, step: int) -> None:
+    store.commit(5)
+    store.commit(step)
+    assert list_step_dirs(store.url) == [(5, True), (step, True)]
+    assert newest_valid(store.url).step == step
+    assert find_step(store.url, step).path.endswith(f"step_{step:09d}")
+    apply_retention(store.url, keep_last=1, newest=step)
+    assert store.steps_on_storage() == [step]
+
+
+def test_only_a_steps_canonical_name_is_a_step_dir() -> None:
+    from stalwart.checkpointing.storage.layout import parse_step_dir
+
+    assert step_dir_name(999_999_999) == "step_999999999"
+    assert step_dir_name(1_000_000_000) == "step_1000000000"
+    assert parse_step_dir("step_000000100") == 100
+    assert parse_step_dir("/x/step_1000000000/") == 1_000_000_000
+    assert parse_step_dir("step_0000000100") is None  # a second name for step 100
+    assert parse_step_dir("step_00000010") is None
+    assert parse_step_dir("step_1e9") is None
+
+
+def test_manifest_is_written_with_fsync_before_the_rename(local: Store, monkeypatch) -> None:
+    import os
+
+    order: list[str] = []
+    real_fsync, real_replace = os.fsync, os.replace
+    monkeypatch.setattr(os, "fsync", lambda fd: (order.append("fsync"), real_fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (order.append(f"replace {Path(b).name}"),
+                                                     real_replace(a, b))[1])
+    local.commit(10)
+    assert order == ["fsync", f"replace {MANIFEST}", "fsync"]  # file, rename, directory

@@ -158,3 +158,70 @@ def test_the_memory_tier_size_is_reported_once_per_world(
     (tier,) = w.all("memory_tier")
     assert tier["bytes_per_worker"] == 5000 and tier["bytes_total"] == 10000
     assert tier["generation"] == 0 and tier["replicas"] == 1
+
+
+# ---------------------------------------------------------------------------- issue 14
+
+
+def _damage(storage: Path, step: int) -> None:
+    shard = storage / f"step_{step:09d}" / "__0_0.distcp"
+    shard.write_bytes(b"\xff" + shard.read_bytes()[1:])
+
+
+@pytest.mark.parametrize("tier", ["checkpoint.snapshot_every=1", "checkpoint.snapshot_every=0"])
+def test_a_storage_checkpoint_that_fails_to_load_falls_back_to_the_next_older(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tier: str) -> None:
+    from stalwart.checkpointing.errors import CheckpointError
+
+    storage = tmp_path / "checkpoints"
+    _commit_checkpoint(storage, 2)
+    _commit_checkpoint(storage, 4)
+    w = _kill_at_5(storage, [], [tier], raise_in={"restore": CheckpointError(
+        "checkpoint 'x/step_000000004' failed to load: rank 0: UnpicklingError: bad")},
+        tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert w.run() == Finished(step=6)
+    assert [c.args[0].rsplit("/", 1)[-1] for c in w.named("restore")] == [
+        "step_000000004", "step_000000002"]
+    skipped = w.event("checkpoint_skipped")
+    assert skipped["step"] == 4 and "failed to load" in skipped["message"]
+    assert w.event("recovered")["source"] == "storage"
+    assert w.event("recovered")["from_step"] == 2
+
+
+@pytest.mark.parametrize("tier", ["checkpoint.snapshot_every=1", "checkpoint.snapshot_every=0"])
+def test_a_recovery_that_finds_committed_checkpoints_but_none_valid_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tier: str) -> None:
+    storage = tmp_path / "checkpoints"
+    _commit_checkpoint(storage, 2)
+    _commit_checkpoint(storage, 4)
+    _damage(storage, 2)
+    _damage(storage, 4)
+    w = _kill_at_5(storage, [], [tier], tmp_path=tmp_path, monkeypatch=monkeypatch)
+    final = w.run()
+    assert final.name == "FAILED"
+    assert "checkpoints were committed (steps [2, 4]) but none can be restored" in final.reason
+    assert "refusing to restart from step 0" in final.reason
+    assert "step 4: " in final.reason and "step 2: " in final.reason
+    assert "file __0_0.distcp is damaged" in final.reason
+    assert [e["step"] for e in w.all("checkpoint_skipped")] == [4, 2]
+    assert w.named("restore", "restore_memory") == []
+    assert all(e["source"] != "none" for e in w.all("checkpoint_chosen"))
+
+
+def test_the_last_loadable_checkpoint_failing_fails_the_run(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stalwart.checkpointing.errors import CheckpointError
+
+    storage = tmp_path / "checkpoints"
+    _commit_checkpoint(storage, 4)
+    w = _kill_at_5(storage, [], raise_in={"restore": CheckpointError("failed to load: x")},
+                   tmp_path=tmp_path, monkeypatch=monkeypatch)
+    final = w.run()
+    assert final.name == "FAILED" and "step 4: failed to load: x" in final.reason
+
+
+def test_a_recovery_with_nothing_ever_committed_starts_over(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = _kill_at_5(tmp_path / "checkpoints", [], tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert w.run() == Finished(step=6)
+    assert w.event("checkpoint_chosen")["source"] == "none"

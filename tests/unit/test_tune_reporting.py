@@ -8,7 +8,12 @@ from typing import Any
 import pytest
 
 from stalwart.checkpointing.errors import CheckpointError
-from stalwart.checkpointing.storage.catalog import read_checkpoint, read_step_dir, verify
+from stalwart.checkpointing.storage.catalog import (
+    CheckpointInfo,
+    read_checkpoint,
+    read_step_dir,
+    verify,
+)
 from stalwart.checkpointing.storage.transfer import copy_checkpoint
 from stalwart.checkpointing.storage.writer import write_manifest
 from stalwart.events import CheckpointCommitted, MetricsRow
@@ -179,3 +184,49 @@ def test_the_last_row_waits_for_the_final_checkpoint(tmp_path: Path, reports: li
     assert [(m["step"], m.get("checkpoint_step")) for m, _ in reports] == [(15, None), (20, 20)]
     r.on_end(None)
     assert len(reports) == 2
+
+
+def test_staging_copies_when_hard_links_cross_filesystems(tmp_path: Path, reports: list,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Storage on another filesystem than the trial: os.link fails with EXDEV, and staging
+    copies the checkpoint instead (data first, manifest last, verified)."""
+    import errno
+    import os
+
+    from stalwart.integrations.tune.reporter import stage
+
+    path = _checkpoint(tmp_path / "storage", 20)
+
+    def cross_device(src: Any, dst: Any) -> None:
+        raise OSError(errno.EXDEV, "Invalid cross-device link", str(src))
+
+    monkeypatch.setattr(os, "link", cross_device)
+    staged = stage(path, STAGING)
+    assert staged is not None and staged == STAGING / "step_000000020"
+    assert sorted(p.name for p in staged.iterdir()) == [".metadata", "__0_0.distcp",
+                                                        "manifest.json"]
+    verify(read_step_dir(str(staged)))
+    assert (staged / "__0_0.distcp").stat().st_ino != (Path(path) / "__0_0.distcp").stat().st_ino
+
+
+@pytest.mark.parametrize("name", ["../escaped", "/tmp/abs", "sub/dir", "..", "nul\0byte", ""])
+def test_staging_and_copies_refuse_crafted_file_names(tmp_path: Path, name: str) -> None:
+    """A manifest naming a file outside its directory is never followed by a copy."""
+    import json
+
+    from stalwart.integrations.tune.reporter import stage
+
+    path = _checkpoint(tmp_path / "storage", 20)
+    manifest_file = Path(path) / "manifest.json"
+    manifest = json.loads(manifest_file.read_text())
+    manifest["files"][name] = {"size": 4, "sha256": "0" * 64}
+    manifest_file.write_text(json.dumps(manifest))
+    (tmp_path / "storage" / "escaped").write_bytes(b"evil")
+    assert stage(path, STAGING) is None
+    assert not (STAGING / "escaped").exists()
+    with pytest.raises(CheckpointError, match="is not a plain file name"):
+        read_step_dir(path)
+    with pytest.raises(CheckpointError, match="is not a plain file name"):
+        copy_checkpoint(CheckpointInfo(step=20, path=path, manifest=manifest),
+                        str(tmp_path / "dest"))
+    assert not (tmp_path / "escaped").exists()

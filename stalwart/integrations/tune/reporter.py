@@ -14,6 +14,7 @@ it goes to Tune as a copy Tune persists under the trial:
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 from pathlib import Path
@@ -33,7 +34,8 @@ CARRIED = ("val_loss",)
 def stage(path: str, staging: Path) -> Path | None:
     """A copy of a committed step directory that the run's retention (checkpoint.keep_last)
     cannot delete while Tune waits to copy it: hard links on this machine's filesystem (no
-    bytes copied), a download from any other. None if it is already gone."""
+    bytes copied), a copy when the storage is on another filesystem or remote. None if it is
+    already gone. The manifest's file names are checked before any is joined under `staging`."""
     fs, root = filesystem(path)
     dest = staging / root.rstrip("/").rsplit("/", 1)[-1]
     try:
@@ -41,8 +43,16 @@ def stage(path: str, staging: Path) -> Path | None:
         if "file" not in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)):
             return Path(copy_checkpoint(info, str(dest), as_step_dir=False).path)
         dest.mkdir(parents=True, exist_ok=True)
-        for name in info.files_in_commit_order():
-            os.link(f"{root}/{name}", dest / name)
+        try:
+            for name in info.files_in_commit_order():
+                os.link(f"{root}/{name}", dest / name)
+        except OSError as exc:
+            if exc.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+            # Storage on another filesystem than the trial (EXDEV), or one without hard
+            # links: copy instead, data first and the manifest last, then verify.
+            shutil.rmtree(dest, ignore_errors=True)
+            return Path(copy_checkpoint(info, str(dest), as_step_dir=False).path)
         return dest
     except (CheckpointError, FileNotFoundError, FileExistsError):
         shutil.rmtree(dest, ignore_errors=True)

@@ -1,0 +1,128 @@
+"""`stalwart export` as a user types it, on real DCP checkpoints of the reference task's model:
+which checkpoint it passes over and why, its temporary file, and an unwritable --out."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+from stalwart.checkpointing.storage.layout import step_dir_name
+from stalwart.checkpointing.storage.writer import write_manifest
+from stalwart.config import dump_config, load_config
+from stalwart.task import build_task
+from tests.cli_helpers import REFERENCE_CONFIG, TINY, stalwart
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
+
+
+def _run_dir(tmp_path: Path, steps: tuple[int, ...]) -> tuple[Path, dict[int, dict]]:
+    """A run dir with the reference config and a committed DCP checkpoint of the model at
+    each step (different weights per step); returns it and each step's weights."""
+    config = load_config(REFERENCE_CONFIG, TINY)
+    run = tmp_path / "run"
+    storage = run / "checkpoints"
+    storage.mkdir(parents=True)
+    (run / "config.toml").write_text(dump_config(config))
+    task = build_task(config.task.path, config.task.args)
+    weights = {}
+    for step in steps:
+        torch.manual_seed(step)
+        model = task.build_model(config)
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        dcp.save({"model": state}, storage_writer=FsspecWriter(str(storage / step_dir_name(step))),
+                 no_dist=True)
+        write_manifest(str(storage), step, {"world_size": 1}, ranks=1)
+        weights[step] = state
+    return run, weights
+
+
+def _recommit_garbled(run: Path, step: int) -> None:
+    """Damage step's data the way no checksum catches: garbled before its commit."""
+    d = run / "checkpoints" / step_dir_name(step)
+    (d / "__0_0.distcp").write_bytes(b"\x00" * 64)
+    (d / "manifest.json").unlink()
+    write_manifest(str(run / "checkpoints"), step, {"world_size": 1}, ranks=1)
+
+
+def test_export_says_which_checkpoint_it_skipped_and_why(tmp_path: Path) -> None:
+    run, weights = _run_dir(tmp_path, (10, 20, 30))
+    _recommit_garbled(run, 30)  # verifies, fails to load
+    shard = run / "checkpoints" / step_dir_name(20) / "__0_0.distcp"
+    shard.write_bytes(shard.read_bytes()[:-1])  # fails its checksum
+    proc = stalwart("export", str(run), "--out", "model.pt", cwd=tmp_path)
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 2, proc.stderr
+    assert lines[0].startswith("stalwart: skipping checkpoint step 30: ")
+    assert "failed to load" in lines[0] and "step_000000030" in lines[0]
+    assert lines[1].startswith("stalwart: skipping checkpoint step 20: ")
+    assert "file __0_0.distcp is damaged" in lines[1]
+    assert "exported step 10 of" in proc.stdout
+    out = torch.load(tmp_path / "model.pt")
+    assert all(torch.equal(out[k], weights[10][k]) for k in weights[10])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.pt", "run"]
+
+
+def test_export_of_a_step_that_fails_to_load_is_a_clean_error(tmp_path: Path) -> None:
+    run, _ = _run_dir(tmp_path, (10,))
+    _recommit_garbled(run, 10)
+    proc = stalwart("export", str(run), "--step", "10", "--out", "model.pt", cwd=tmp_path,
+                    check=2)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("stalwart: error: checkpoint ") and "failed to load" in line
+    assert not (tmp_path / "model.pt").exists()
+
+
+def test_export_never_follows_a_planted_symlink(tmp_path: Path) -> None:
+    run, _ = _run_dir(tmp_path, (10,))
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    for name in ("model.safetensors.tmp", ".model.safetensors.tmp"):
+        (tmp_path / name).symlink_to(victim)
+    stalwart("export", str(run), "--out", "model.safetensors", cwd=tmp_path)
+    assert victim.read_text() == "precious"
+    assert (tmp_path / "model.safetensors").is_file()
+    assert not (tmp_path / "model.safetensors").is_symlink()
+    leftovers = {p.name for p in tmp_path.iterdir()} - {"run", "victim", "model.safetensors"}
+    assert leftovers == {"model.safetensors.tmp", ".model.safetensors.tmp"}  # untouched
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
+def test_export_to_an_unwritable_place_is_a_clean_error(tmp_path: Path) -> None:
+    run, _ = _run_dir(tmp_path, (10,))
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        for out in (locked / "model.pt", locked / "sub" / "model.pt"):
+            proc = stalwart("export", str(run), "--out", str(out), cwd=tmp_path, check=2)
+            (line,) = proc.stderr.strip().splitlines()
+            assert line.startswith(f"stalwart: error: --out {str(out)!r}: ")
+            assert "is not a writable directory" in line
+        assert list(locked.iterdir()) == []
+    finally:
+        locked.chmod(0o700)
+
+
+@pytest.mark.parametrize("out", ["afile/model.pt", "/proc/model.pt", "/proc/self/x/model.pt"])
+def test_export_under_a_file_or_proc_is_a_clean_error(tmp_path: Path, out: str) -> None:
+    run, _ = _run_dir(tmp_path, (10,))
+    (tmp_path / "afile").write_text("x")
+    proc = stalwart("export", str(run), "--out", out, cwd=tmp_path, check=2)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"stalwart: error: --out {out!r}: ")
+    assert (tmp_path / "afile").read_text() == "x"
+
+
+def test_export_skips_a_manifest_of_the_wrong_shape(tmp_path: Path) -> None:
+    run, _ = _run_dir(tmp_path, (10, 20))
+    (run / "checkpoints" / step_dir_name(20) / "manifest.json").write_text(json.dumps([1]))
+    proc = stalwart("export", str(run), "--out", "model.pt", cwd=tmp_path)
+    assert "stalwart: skipping checkpoint step 20: " in proc.stderr
+    assert "a JSON list, not an object" in proc.stderr
+    assert "exported step 10 of" in proc.stdout

@@ -1,0 +1,68 @@
+"""The CLI on a local Ray, with storage checkpoints damaged the ways checksums cannot catch
+(garbled before their commit) or can: a checkpoint that fails to load is skipped and the next
+older valid one used on --resume; a resume that finds none valid is refused by name; and a
+run's storage, owned by it, keeps working across --resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from stalwart.checkpointing.storage.layout import step_dir_name
+from stalwart.checkpointing.storage.writer import write_manifest
+from stalwart.run_dir import read_jsonl
+from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+RUN = [*TINY, "scaling.num_workers=2", "checkpoint.persist_every=2", "checkpoint.keep_last=3",
+       "checkpoint.async_save=false", "run.log_every=1", "data.val_every=100",
+       "train.warmup_steps=1"]
+
+
+def _garble_and_recommit(storage, step: int) -> None:
+    """Damage the data before the commit: the manifest's checksums match, the load fails."""
+    d = storage / step_dir_name(step)
+    for shard in d.glob("__*_0.distcp"):
+        shard.write_bytes(b"\x00" * 64)
+    manifest = json.loads((d / "manifest.json").read_text())
+    (d / "manifest.json").unlink()
+    write_manifest(str(storage), step, {k: manifest[k] for k in ("world_size", "task")
+                                        if k in manifest}, ranks=manifest["ranks"])
+
+
+def test_resume_skips_a_checkpoint_that_fails_to_load(tmp_path) -> None:
+    config = str(REFERENCE_CONFIG)
+    stalwart("run", config, *sets(*RUN, "train.steps=6"), "--run-dir", "run", cwd=tmp_path)
+    run, storage = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    owner = json.loads((storage / "owner.json").read_text())
+    assert owner["run_id"] == (run / "run_id").read_text().strip()
+    _garble_and_recommit(storage, 6)
+
+    stalwart("run", config, *sets(*RUN, "train.steps=8"), "--run-dir", "run", "--resume",
+             cwd=tmp_path)
+    events = read_jsonl(run / "events.jsonl")
+    skipped = [e for e in events if e["kind"] == "checkpoint_skipped"]
+    assert [e["step"] for e in skipped] == [6]
+    assert "failed to load" in skipped[0]["message"]
+    started = [e for e in events if e["kind"] == "started"]
+    assert started[-1]["start_step"] == 4
+    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 8
+    assert json.loads((storage / "owner.json").read_text()) == owner  # still this run's
+
+
+def test_resume_with_every_checkpoint_damaged_names_each(tmp_path) -> None:
+    config = str(REFERENCE_CONFIG)
+    stalwart("run", config, *sets(*RUN, "train.steps=4"), "--run-dir", "run", cwd=tmp_path)
+    storage = tmp_path / "run" / "checkpoints"
+    for step in (2, 4):
+        shard = storage / step_dir_name(step) / "__1_0.distcp"
+        shard.write_bytes(shard.read_bytes()[:-1])
+    proc = stalwart("run", config, *sets(*RUN, "train.steps=6"), "--run-dir", "run",
+                    "--resume", cwd=tmp_path, check=2)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith("stalwart: error: --resume: checkpoints were committed under ")
+    assert "but none verifies" in line
+    assert "step_000000004" in line and "step_000000002" in line
+    assert "file __1_0.distcp is damaged" in line
