@@ -48,6 +48,8 @@ def worker_fault_record(row: dict[str, Any], events: list[ev.Event]
             world = e
         if e.time < row["time"] or world is None:
             continue
+        if isinstance(e, ev.Failure) and row["pid"] in e.pids:
+            return e  # named by its process: also a world that failed while forming
         rank = next((w.rank for w in world.workers if w.pid == row["pid"]), None)
         if rank is None:
             continue

@@ -351,9 +351,10 @@ class Controller:
         decision = self.policy.make_decision(failure)
         detection = (None if failure.last_seen is None else
                      round(max(0.0, failure.detected_at - failure.last_seen), 3))
-        # The group's members, not self.workers: a world that failed while forming never
-        # became self.workers, and its ranks are not the last world's.
-        failed = [p for p in self.group.places() if p.rank in failure.failed_ranks]
+        # Ranks are looked up among the group's members, not self.workers: a world that
+        # failed while forming never became self.workers, and its ranks are not the last's.
+        failed = ([p for p in self.workers if p.pid in failure.pids] if failure.pids else
+                  [p for p in self.group.places() if p.rank in failure.failed_ranks])
         self.events.emit(ev.Failure(failure_kind=failure.kind.value, rank=failure.rank,
                          ranks=list(failure.failed_ranks),
                          nodes=sorted({p.node_ip for p in failed}), pids=[p.pid for p in failed],
@@ -385,7 +386,7 @@ class Controller:
         ranks = tuple(w.rank for w in self.workers if w.pid in pids)
         return WorkerFailure(
             kind=FailureKind.HANG, rank=ranks[0] if ranks else None, ranks=ranks,
-            detected_at=self.clock.time(), last_seen=None,
+            pids=tuple(pids), detected_at=self.clock.time(), last_seen=None,
             message=f"worker rank(s) {list(ranks)} (pid {', '.join(map(str, pids))}) did not "
                     f"answer while the world was torn down (stopped or dead); replaced")
 

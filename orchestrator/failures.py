@@ -40,6 +40,8 @@ class WorkerFailure:
     last_seen: float | None = None
     """time.time() of the last sign of life before the failure (heartbeat or injected fault):
     detected_at - last_seen bounds the detection latency."""
+    pids: tuple[int, ...] = ()
+    """The failed ranks' processes, when the detector knows them (a silent survivor)."""
 
     @property
     def failed_ranks(self) -> tuple[int, ...]:

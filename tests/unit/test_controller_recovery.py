@@ -109,8 +109,9 @@ def test_a_survivor_silent_at_the_teardown_is_a_failure_of_its_own(
     assert w.run() == Finished(step=6)
     assert w.killed() == [1001, 1000] and w.members(1) == [1002, 1003]
     died_, silent = w.all("failure")
-    assert died_["ranks"] == [1] and died_["attempt"] == 1
+    assert died_["ranks"] == [1] and died_["attempt"] == 1 and died_["pids"] == [1001]
     assert silent["failure_kind"] == "hang" and silent["rank"] == 0 and silent["ranks"] == [0]
+    assert silent["pids"] == [1000] and silent["nodes"] == ["10.0.0.1"]
     assert silent["retry"] is True and silent["attempt"] == 2 and "pid 1000" in silent["message"]
     assert w.kinds().count("recovered") == 1
 
