@@ -23,7 +23,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 # The tiny GPT untied (so it can be pipelined), 4 steps, a storage checkpoint at 2 and 4 (every
 # layout's state dicts are staged in memory each step and written by DCP twice).
 MATRIX = [*TINY, "task.args.tie_embeddings=false", "train.steps=4", "run.log_every=1",
-          "data.val_every=0", "scaling.spare_workers=0", "scaling.cpus_per_worker=0.5",
+          "train.warmup_steps=2", "data.val_every=0", "scaling.spare_workers=0",
+          "scaling.cpus_per_worker=0.5",
           "checkpoint.persist_every=2"]
 
 # What plan lists for the tiny GPT (2 heads, 2 blocks): tp <= 2, pp <= 2, every data split.
