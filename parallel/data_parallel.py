@@ -5,6 +5,13 @@ FSDP2 is also used whenever the parameters are DTensors (tensor parallel), or mi
 or CPU offload is asked for: DDP has none of those. Blocks are sharded one by one before the
 root, so each block's parameters are gathered just before it runs and freed after (ZeRO-3)
 or kept until backward (ZeRO-2, reshard_after_forward=False).
+
+Replicas of a pipeline stage (dp_replicate > 1 with pp > 1) are HSDP with a shard group of
+one, as in TorchTitan, never DDP: a schedule runs every micro-batch's forward before the
+backwards, and DDP's reducer expects one forward per backward (it fails at the first step
+with "rebuilt parameter indices size is not same as original model parameters size").
+FSDP2 exposes the hooks the schedule drives instead: no reduction until the stage's last
+backward, then one all-reduce over the replicas.
 """
 
 from __future__ import annotations
@@ -25,7 +32,9 @@ if TYPE_CHECKING:
 
 
 def needs_fsdp(mesh: DeviceMesh, config: ParallelConfig) -> bool:
-    return (mesh["dp_shard"].size() > 1 or mesh["tp"].size() > 1
+    """FSDP2 rather than DDP (or nothing); stalwart/plan/estimate.py mirrors this rule."""
+    pipelined_replicas = mesh["pp"].size() > 1 and mesh["dp_replicate"].size() > 1
+    return (mesh["dp_shard"].size() > 1 or mesh["tp"].size() > 1 or pipelined_replicas
             or config.mixed_precision != "fp32" or config.cpu_offload)
 
 
@@ -38,7 +47,8 @@ def apply_data_parallel(model: torch.nn.Module, mesh: DeviceMesh, config: Parall
             return model
         return DistributedDataParallel(model, process_group=mesh["dp_replicate"].get_group(),
                                        device_ids=None if mesh.device_type == "cpu" else [0])
-    # HSDP when replicate > 1: shard inside each replica group, all-reduce across them.
+    # HSDP when replicate > 1: shard inside each replica group (possibly of one rank),
+    # all-reduce across them.
     fsdp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
     kwargs: dict = {"mesh": fsdp_mesh}
     if config.mixed_precision == "bf16":

@@ -32,13 +32,15 @@ class ParallelDims:
     pp: int = 1
     stages_per_rank: int = 1
     """Pipeline stages each pp rank runs: 2 for the interleaved schedules (virtual stages)."""
+    pp_schedule: str = "1f1b"
+    """parallel.pp_schedule (only read when pp > 1)."""
 
     @classmethod
     def from_config(cls, parallel: ParallelConfig, world_size: int) -> ParallelDims:
         replicate, shard = parallel.degrees(world_size)
         looped = parallel.pp > 1 and parallel.pp_schedule in ("interleaved_1f1b", "zero_bubble")
         return cls(dp_replicate=replicate, dp_shard=shard, tp=parallel.tp, pp=parallel.pp,
-                   stages_per_rank=2 if looped else 1)
+                   stages_per_rank=2 if looped else 1, pp_schedule=parallel.pp_schedule)
 
     @property
     def world_size(self) -> int:
@@ -55,6 +57,18 @@ class ParallelDims:
         shard_i = rank // self.tp % self.dp_shard
         pp_i = rank // (self.tp * self.dp_shard * self.dp_replicate)
         return pp_i, shard_i, tp_i
+
+    def check_composition(self) -> None:
+        """Refuse a composition of parallelisms that stalwart cannot train exactly, whatever
+        the model (TrainTask.check_layout calls it, on the driver before any worker starts)."""
+        if self.pp > 1 and self.pp_schedule == "zero_bubble" and self.dp_size > 1:
+            # torch 2.13's split backward (input, then weight gradients) under FSDP2 gives
+            # gradients off one process's (the loss 0.6% off after one step, dp 2 x pp 2).
+            raise ConfigError(
+                f"parallel.pp_schedule = zero_bubble is invalid with {self.dp_size} "
+                f"data-parallel ranks ({self.describe()}): its split backward does not "
+                f"compose with data parallelism; use pp_schedule = interleaved_1f1b (the same "
+                f"stages per rank) or dp_replicate = dp_shard = 1")
 
     def check_model(self, *, n_heads: int | None, n_layers: int | None = None) -> None:
         """Refuse a layout the model cannot be split by."""

@@ -82,7 +82,10 @@ class TrainTask:
         return None
 
     def check_layout(self, dims: ParallelDims) -> None:
-        """Refuse a layout this task's model cannot take (runs on the driver, before workers)."""
+        """Refuse a layout this task's model cannot take (runs on the driver, before workers).
+
+        An override calls super() first: that refuses compositions no model can train."""
+        dims.check_composition()
         if dims.tp > 1 and type(self).apply_tensor_parallel is TrainTask.apply_tensor_parallel:
             raise TaskError(f"parallel.tp = {dims.tp}: task {type(self).__name__} has no "
                             f"tensor-parallel plan (implement apply_tensor_parallel)")

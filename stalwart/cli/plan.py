@@ -117,7 +117,15 @@ def _plan_model(args: argparse.Namespace, config: JobConfig | None) -> tuple[Mod
 def cmd_plan(args: argparse.Namespace) -> int:
     from stalwart.config import ParallelConfig, load_config
     from stalwart.plan.estimate import PlanError, PlanLayout
-    from stalwart.plan.search import format_bytes, format_plan, plan, recommend
+    from stalwart.plan.search import (
+        format_bytes,
+        format_plan,
+        plan,
+        recommend,
+        refused,
+        runnable_check,
+        valid_layouts,
+    )
 
     if args.config is None and args.params is None:
         raise PlanError("plan needs CONFIG or --params N (e.g. stalwart plan --params 7e9 "
@@ -147,13 +155,19 @@ def cmd_plan(args: argparse.Namespace) -> int:
         pp_microbatches=pick(args.pp_microbatches, "pp_microbatches", None),
         pp_schedule=pick(args.pp_schedule, "pp_schedule", "1f1b"))
     memory = round(args.memory_gb * 2**30)
-    candidates = plan(shape, devices, memory, options, max_tp=args.devices_per_node)
+    # With a config, only the layouts a run of it would start (the others are listed apart).
+    check = runnable_check(config) if config is not None else None
+    candidates = plan(shape, devices, memory, options, max_tp=args.devices_per_node,
+                      check=check)
+    left_out = refused(valid_layouts(devices, shape, options, max_tp=args.devices_per_node),
+                       check)
     configured = None
     if config is not None and devices == config.scaling.num_workers:
         configured = (*config.parallel.degrees(devices), getattr(par, "tp", 1),
                       getattr(par, "pp", 1))
     print(format_plan(candidates, shape=shape, source=source, devices=devices,
-                      memory_bytes=memory, options=options, configured=configured))
+                      memory_bytes=memory, options=options, configured=configured,
+                      left_out=left_out))
     best = recommend(candidates, memory)  # raises NoLayoutFits, naming the smallest estimate
     print(f"recommended: {best.layout.describe()}: {format_bytes(best.estimate.device)}"
           f"{'' if best.estimate.complete else '+'} of {format_bytes(memory)} per device")

@@ -133,7 +133,7 @@ class ScalingConfig:
 @dataclass(frozen=True, kw_only=True)
 class ParallelConfig:
     dp_replicate: int = 1
-    """Data-parallel replicas (DDP when `dp_shard` is 1; the outer dimension of HSDP otherwise); -1 takes every rank `dp_shard` leaves."""
+    """Data-parallel replicas (DDP when `dp_shard` is 1 and `pp` is 1; the outer dimension of HSDP otherwise); -1 takes every rank `dp_shard` leaves."""
     dp_shard: int = -1
     """Data-parallel sharding degree with FSDP2; -1 takes every rank `dp_replicate` leaves."""
     reshard_after_forward: bool = True
@@ -143,7 +143,7 @@ class ParallelConfig:
     pp: int = 1
     """Pipeline-parallel degree: the blocks are cut into stages on this many ranks by the task's split (`TrainTask.split_pipeline`). `pp x dp_replicate x dp_shard x tp = scaling.num_workers`; at least `pp` accumulation micro-batches per step."""
     pp_schedule: str = "1f1b"
-    """`gpipe`, `1f1b`, `interleaved_1f1b` (2 stages per rank) or `zero_bubble` (interleaved, with backward split into input and weight gradients)."""
+    """`gpipe`, `1f1b`, `interleaved_1f1b` (2 stages per rank) or `zero_bubble` (interleaved, with backward split into input and weight gradients; without data parallelism only)."""
     sequence_parallel: bool = True
     """With `tp > 1`, also split the norms and the residual stream along the sequence (less activation memory, same communication volume)."""
     activation_checkpointing: str = "none"

@@ -122,7 +122,7 @@ class PlanLayout:
     """One parallel layout to plan for: the four degrees and the options that size memory."""
 
     dp_replicate: int = 1
-    """Data-parallel replicas (DDP alone, the outer dimension of HSDP with dp_shard > 1)."""
+    """Data-parallel replicas (DDP alone, the outer dimension of HSDP with dp_shard > 1 or pp > 1)."""
     dp_shard: int = 1
     """FSDP2 sharding degree: parameters, gradients and optimizer state are split over it."""
     tp: int = 1
@@ -165,9 +165,10 @@ class PlanLayout:
     @property
     def uses_fsdp(self) -> bool:
         # As parallel/data_parallel.py decides: DDP has no sharding, DTensor, mixed-precision
-        # or offload support, so any of those puts FSDP2 in charge (with dp_shard 1 if need be).
-        return (self.dp_shard > 1 or self.tp > 1 or self.mixed_precision != "fp32"
-                or self.cpu_offload)
+        # or offload support, so any of those puts FSDP2 in charge (with dp_shard 1 if need be);
+        # nor can it take a pipeline schedule, so replicas of a stage are FSDP2's too.
+        return (self.dp_shard > 1 or self.tp > 1 or (self.pp > 1 and self.dp_replicate > 1)
+                or self.mixed_precision != "fp32" or self.cpu_offload)
 
     @property
     def zero_stage(self) -> int:

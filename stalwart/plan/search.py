@@ -4,16 +4,25 @@ A layout is dp_replicate x dp_shard x tp x pp = devices (TorchTitan's ParallelDi
 context parallel). `valid_layouts` enumerates every factorization the model can be split by,
 `plan` estimates each one's per-rank memory (stalwart/plan/estimate.py), and `recommend` picks one
 by a fixed rule, documented on `preference`. Pure arithmetic: runs on the driver, or on a
-laptop planning for a cluster it is not on.
+laptop planning for a cluster it is not on. With a config, `runnable_check` leaves out every
+layout a run of it would refuse before start, so the plan never lists one that cannot train.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import TYPE_CHECKING, NamedTuple
 
+from stalwart.errors import ConfigError, TaskError
 from stalwart.plan.estimate import MemoryEstimate, ModelShape, PlanError, PlanLayout, estimate
+
+if TYPE_CHECKING:
+    from stalwart.config import JobConfig
+
+LayoutCheck = Callable[[PlanLayout], "str | None"]
+"""Why a layout cannot run (one line), or None when it can."""
 
 
 class NoLayoutFits(PlanError):
@@ -59,6 +68,32 @@ def valid_layouts(devices: int, shape: ModelShape, options: PlanLayout | None = 
     return layouts
 
 
+def runnable_check(config: JobConfig) -> LayoutCheck:
+    """The checks a run of `config` makes before start, for any layout and world: the
+    [parallel] and batch rules of the config and the task's `check_layout`."""
+    from stalwart.parallel.dims import ParallelDims
+    from stalwart.task import build_task
+
+    task = build_task(config.task.path, config.task.args)
+
+    def check(layout: PlanLayout) -> str | None:
+        degrees = {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
+                   "tp": layout.tp, "pp": layout.pp}
+        try:
+            parallel = dataclasses.replace(config.parallel, **degrees)
+            # The layout's own world, fixed (no shrinking or growing) and without faults
+            # (their ranks belong to the config's world).
+            scaling = dataclasses.replace(config.scaling, num_workers=layout.devices,
+                                          min_workers=0, max_workers=0)
+            dataclasses.replace(config, parallel=parallel, scaling=scaling, faults=())
+            task.check_layout(ParallelDims.from_config(parallel, layout.devices))
+        except (ConfigError, TaskError) as exc:
+            return str(exc)
+        return None
+
+    return check
+
+
 def preference(candidate: Candidate) -> tuple[int, ...]:
     """Sort key of the recommendation rule, best first.
 
@@ -78,15 +113,36 @@ def preference(candidate: Candidate) -> tuple[int, ...]:
 
 
 def plan(shape: ModelShape, devices: int, memory_bytes: int, options: PlanLayout | None = None, *,
-         max_tp: int | None = None) -> list[Candidate]:
-    """Every valid layout with its estimate and whether it fits, best first (`preference`)."""
+         max_tp: int | None = None, check: LayoutCheck | None = None) -> list[Candidate]:
+    """Every valid layout with its estimate and whether it fits, best first (`preference`);
+    the layouts `check` refuses are left out (see `refused`)."""
     if memory_bytes <= 0:
         raise PlanError(f"device memory must be > 0 bytes, got {memory_bytes}")
     candidates = []
-    for layout in valid_layouts(devices, shape, options, max_tp=max_tp):
+    layouts = valid_layouts(devices, shape, options, max_tp=max_tp)
+    left_out = refused(layouts, check)
+    if layouts and len(left_out) == len(layouts):
+        layout, why = left_out[0]
+        raise PlanError(f"no layout of {devices} device{'s' if devices != 1 else ''} can run "
+                        f"this config; {layout.describe()}: {why}")
+    skip = {layout for layout, _ in left_out}
+    for layout in layouts:
+        if layout in skip:
+            continue
         est = estimate(shape, layout)
         candidates.append(Candidate(layout, est, est.device <= memory_bytes))
     return sorted(candidates, key=preference)
+
+
+def refused(layouts: list[PlanLayout], check: LayoutCheck | None
+            ) -> list[tuple[PlanLayout, str]]:
+    """The layouts `check` refuses, each with why."""
+    out = []
+    for layout in layouts if check is not None else []:
+        why = check(layout)
+        if why is not None:
+            out.append((layout, why))
+    return out
 
 
 def recommend(candidates: list[Candidate], memory_bytes: int) -> Candidate:
@@ -125,8 +181,10 @@ def format_bytes(n: float) -> str:
 
 def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, devices: int,
                 memory_bytes: int, options: PlanLayout,
-                configured: tuple[int, int, int, int] | None = None) -> str:
-    """The plan as plain aligned text: a header, one row per layout (best first), notes."""
+                configured: tuple[int, int, int, int] | None = None,
+                left_out: list[tuple[PlanLayout, str]] = ()) -> str:
+    """The plan as plain aligned text: a header, one row per layout (best first), notes,
+    then the layouts left out because a run would refuse them."""
     o = options
     sizes = ", ".join(f"{name} {value:,}" for name, value in (
         ("blocks", shape.n_layers), ("block params", shape.block_params),
@@ -172,6 +230,10 @@ def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, 
         lines += ["?: unknown for this shape and left out of total (marked +: a lower bound); "
                   "activations", "  need --layers, --heads, --d-model and --seq-len; buffers "
                   "--layers or --d-model"]
+    if left_out:
+        lines += ["", "left out (a run of this config refuses them before start):"]
+        lines += [f"  dp_replicate={lo.dp_replicate} x dp_shard={lo.dp_shard} x tp={lo.tp} x "
+                  f"pp={lo.pp}: {why}" for lo, why in left_out]
     return "\n".join(lines)
 
 

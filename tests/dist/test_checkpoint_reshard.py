@@ -73,6 +73,13 @@ def load_then_continue(rank, world, cache, layout, storage):
     pytest.param((4, [*UNTIED, "parallel.dp_shard=4"]), (4, [*UNTIED, "parallel.pp=2",
                                                                "parallel.tp=2"]),
                  id="fsdp4-to-tp2xpp2"),
+    pytest.param((4, [*UNTIED, "parallel.pp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+                 (4, [*UNTIED, "parallel.pp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1"]),
+                 id="replicate2xpp2-to-itself",
+                 # Known and open: set_state_dict leaves a param group without "lr" on rank 0
+                 # (KeyError in TrainEngine._apply_configured_hyperparameters).
+                 marks=pytest.mark.xfail(strict=True, reason="restore into replicate x pp "
+                                         "fails: optimizer param group without lr")),
 ])
 def test_checkpoint_loads_into_another_layout(tmp_path, cache_dir, source, target):  # noqa: F811
     storage = str(tmp_path / "ckpt")
@@ -87,3 +94,5 @@ def test_checkpoint_loads_into_another_layout(tmp_path, cache_dir, source, targe
         assert torch.equal(value, loaded_weights[key]), f"{key} differs after resharding"
     # The optimizer state and data position came along: training continues the same way.
     assert loaded_losses == pytest.approx(saved_losses, rel=1e-5)
+    if source == target:  # a restore into the same layout is exact
+        assert loaded_losses == saved_losses

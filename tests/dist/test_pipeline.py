@@ -26,6 +26,11 @@ def untied_losses(cache_dir) -> list[float]:  # noqa: F811
                  id="pp2-interleaved"),
     pytest.param(2, ["parallel.pp=2", "parallel.pp_schedule=zero_bubble"], id="pp2-zero-bubble"),
     pytest.param(4, ["parallel.pp=2", "parallel.dp_shard=2"], id="fsdp2xpp2"),
+    # Replicas of each stage: HSDP with a shard group of one (DDP cannot take a schedule).
+    pytest.param(4, ["parallel.pp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1"],
+                 id="replicate2xpp2"),
+    pytest.param(4, ["parallel.pp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1",
+                     "parallel.pp_schedule=interleaved_1f1b"], id="replicate2xpp2-interleaved"),
     pytest.param(4, ["parallel.pp=2", "parallel.tp=2", "parallel.dp_shard=1"], id="tp2xpp2"),
 ])
 def test_pipeline_matches_one_process(cache_dir, untied_losses, world, layout):  # noqa: F811

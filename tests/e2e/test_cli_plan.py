@@ -51,7 +51,11 @@ def test_reference_config_lists_every_layout_of_its_two_workers() -> None:
     assert "836,736 parameters" in proc.stdout and "devices: 2 x 80.0 GiB" in proc.stdout
     rows = table(proc.stdout)
     degrees = {tuple(int(c) for c in r[:4]) for r in rows}
-    assert degrees == {(1, 2, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)}
+    # pp = 2 is left out, with why: the reference GPT ties its embedding and head.
+    assert degrees == {(1, 2, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1)}
+    assert ("left out (a run of this config refuses them before start):\n"
+            "  dp_replicate=1 x dp_shard=1 x tp=1 x pp=2: parallel.pp = 2 needs "
+            "task.args.tie_embeddings = false") in proc.stdout
     assert all("yes" in r for r in rows)
     assert "<- config" in proc.stdout  # the config's DDP layout is marked
     assert "recommended: dp_replicate=1 x dp_shard=2 x tp=1 x pp=1, ZeRO-3" in proc.stdout

@@ -448,3 +448,24 @@ def test_the_gpt_refuses_layouts_it_cannot_take() -> None:
                                          stages_per_rank=2))
     with pytest.raises(ConfigError, match=r"parallel\.tp = 3 is invalid: must divide the model's 4"):
         tied.check_layout(ParallelDims(dp_replicate=1, dp_shard=1, tp=3))
+
+
+def test_zero_bubble_with_data_parallelism_is_refused_naming_the_alternative() -> None:
+    from stalwart.parallel.dims import ParallelDims
+    from stalwart.task import build_task
+
+    task = build_task("stalwart.examples.gpt.task:GPTTask", {"n_layers": 4,
+                                                             "tie_embeddings": False})
+    for replicate, shard in ((2, 1), (1, 2)):
+        dims = ParallelDims.from_config(load_config(None, [
+            "parallel.pp=2", f"parallel.dp_replicate={replicate}", f"parallel.dp_shard={shard}",
+            "parallel.pp_schedule=zero_bubble", "scaling.num_workers=4",
+            "train.global_batch_size=32"]).parallel, 4)
+        with pytest.raises(ConfigError, match=r"^parallel\.pp_schedule = zero_bubble is invalid "
+                                              r"with 2 data-parallel ranks .*interleaved_1f1b"):
+            task.check_layout(dims)
+    # One data-parallel rank (pure pipeline) and the other schedules with replicas train.
+    task.check_layout(ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=2, stages_per_rank=2,
+                                   pp_schedule="zero_bubble"))
+    task.check_layout(ParallelDims(dp_replicate=2, dp_shard=1, tp=1, pp=2, stages_per_rank=2,
+                                   pp_schedule="interleaved_1f1b"))

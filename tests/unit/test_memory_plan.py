@@ -17,6 +17,8 @@ from stalwart.plan.search import (
     format_bytes,
     plan,
     recommend,
+    refused,
+    runnable_check,
     valid_layouts,
 )
 from stalwart.task import TrainTask
@@ -296,3 +298,29 @@ def test_a_model_that_cannot_be_counted_names_the_hook() -> None:
 
     with pytest.raises(PlanError, match="TrainTask.model_dims or use --params"):
         ModelShape.from_task(Broken(), None)
+
+
+def test_plan_leaves_out_every_layout_a_run_of_the_config_refuses() -> None:
+    from stalwart.config import load_config
+
+    tiny = ["task.args.n_layers=2", "task.args.n_heads=2", "task.args.d_model=16",
+            "train.global_batch_size=8", "train.micro_batch_size=2"]
+    shape = ModelShape(n_params=1000, n_layers=2, n_heads=2, block_params=200)
+    tied = runnable_check(load_config(None, tiny))
+    assert "tie_embeddings = false" in tied(PlanLayout(pp=2))
+    assert tied(PlanLayout(dp_shard=2)) is None
+    # Batch rules of the layout's own world: 8 samples split into micro-batches of 2 over
+    # 8 data-parallel ranks cannot be; invariant_reduction refuses sharding.
+    assert "train.global_batch_size" in tied(PlanLayout(dp_shard=8))
+    untied = runnable_check(load_config(None, [*tiny, "task.args.tie_embeddings=false",
+                                               "parallel.pp_schedule=zero_bubble"]))
+    left = {(lo.dp_replicate, lo.dp_shard, lo.tp, lo.pp) for lo, _ in
+            refused(valid_layouts(4, shape), untied)}
+    # zero_bubble with data parallelism; its 2 stages per rank x pp 2 > 2 blocks.
+    assert left == {(2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 2)}
+    listed = {(c.layout.dp_replicate, c.layout.dp_shard, c.layout.tp, c.layout.pp)
+              for c in plan(shape, 4, 2**30, check=untied)}
+    assert listed == {(4, 1, 1, 1), (2, 2, 1, 1), (1, 4, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1)}
+    with pytest.raises(PlanError, match=r"^no layout of 2 devices can run this config; "
+                                        r"dp_replicate=2 x dp_shard=1 x tp=1 x pp=1, ZeRO-0: no$"):
+        plan(ModelShape(n_params=1000, n_layers=2), 2, 2**30, check=lambda lo: "no")
