@@ -16,7 +16,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_state_dict,
+)
 from torch.distributed.tensor import DTensor
 
 from stalwart.checkpointing.memory.tier import StateAccess
@@ -33,6 +37,11 @@ from stalwart.workers.sampler import GlobalSampler, rank_slice
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
     from stalwart.task import TrainTask
+
+# The optimizer's state and param groups keyed by parameter name, not by group index: the
+# stages of a pipeline hold different parameters under the same indices, and DCP would keep
+# one stage's entry of a key that every rank writes (TorchTitan flattens for the same reason).
+OPTIM_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
 class TrainEngine:
@@ -85,6 +94,8 @@ class TrainEngine:
         self.sampler = GlobalSampler(len(self.train_data), seed=config.train.seed)
         self.step = 0
         self.samples_seen = 0
+        self._group_names: list[list[str]] | None = None
+        """Each optimizer param group's parameter names (scalar_state's keys), once."""
 
     # ------------------------------------------------------------------ training
 
@@ -209,7 +220,7 @@ class TrainEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of everything a bit-exact resume needs (DCP-ready)."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=OPTIM_BY_NAME)
         return {
             "model": model_sd,
             "optim": optim_sd,
@@ -219,12 +230,16 @@ class TrainEngine:
 
     def scalar_state(self) -> dict[str, Any]:
         """The non-tensor leaves of state_dict(), cheaply and with the same flattened names
-        (the snapshot stager asks for them at every snapshot). The parameter names of each
-        optimizer param group are left out: they do not change."""
-        groups = [{k: v for k, v in g.items() if k != "params"}
-                  for g in self.optimizer.param_groups]
+        (the snapshot stager asks for them at every snapshot): each param group's settings
+        under each of its parameters' names."""
+        if self._group_names is None:
+            _, nested = get_state_dict(self.model, self.optimizer)
+            self._group_names = [g["params"] for g in nested["param_groups"]]
+        optim = {f"param_groups.{name}.{k}": v
+                 for g, names in zip(self.optimizer.param_groups, self._group_names, strict=True)
+                 for name in names for k, v in g.items() if k != "params"}
         return {
-            "optim": {"param_groups": groups},
+            "optim": optim,
             "scheduler": self.scheduler.state_dict(),
             "train": {"step": self.step, "samples_seen": self.samples_seen},
         }
@@ -248,7 +263,7 @@ class TrainEngine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"])
+                       optim_state_dict=state["optim"], options=OPTIM_BY_NAME)
         self.scheduler.load_state_dict(state["scheduler"])
         self._apply_configured_hyperparameters()
         self.step = int(state["train"]["step"])

@@ -70,8 +70,10 @@ def read_step_dir(path: str, *, step: int | None = None) -> CheckpointInfo:
         raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is damaged: a JSON "
                               f"{type(manifest).__name__}, not an object")
     if manifest.get("format") != FORMAT_VERSION:
+        older = (" (written by an older stalwart; export it with that version)"
+                 if manifest.get("format") == 1 else "")
         raise CheckpointError(f"checkpoint {path!r}: manifest format "
-                              f"{manifest.get('format')!r}, expected {FORMAT_VERSION}")
+                              f"{manifest.get('format')!r}, expected {FORMAT_VERSION}{older}")
     named = manifest.get("step")
     if not isinstance(named, int) or isinstance(named, bool) or named < 0:
         raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} names no step")

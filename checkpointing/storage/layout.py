@@ -25,7 +25,9 @@ from fsspec import AbstractFileSystem
 from stalwart.checkpointing.errors import StorageURLError
 
 MANIFEST = "manifest.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""2: the optimizer's state keyed by parameter name (1 keyed it by param group index, which
+lost a pipeline stage's settings; this version does not load it)."""
 METADATA = ".metadata"
 _STEP_DIR = re.compile(r"^step_(\d{9,})$")
 _DATA_FILE = re.compile(r"^__(\d+)_\d+\.distcp$")

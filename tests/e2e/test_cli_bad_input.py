@@ -54,7 +54,7 @@ def _previous_run(run_dir: Path, *, with_checkpoint: bool) -> None:
     if with_checkpoint:
         step = run_dir / "checkpoints" / "step_000000010"
         step.mkdir(parents=True)
-        (step / "manifest.json").write_text('{"format": 1, "step": 10, "files": {}}')
+        (step / "manifest.json").write_text('{"format": 2, "step": 10, "files": {}}')
         (step / "__0_0.distcp").write_bytes(b"\x00\x01shard")
 
 

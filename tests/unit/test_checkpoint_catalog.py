@@ -23,7 +23,7 @@ from stalwart.checkpointing.storage.catalog import (
     read_checkpoint,
     verify,
 )
-from stalwart.checkpointing.storage.layout import MANIFEST, join, step_dir_name
+from stalwart.checkpointing.storage.layout import FORMAT_VERSION, MANIFEST, join, step_dir_name
 from stalwart.checkpointing.storage.writer import apply_retention, write_manifest
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -96,7 +96,7 @@ def test_empty_or_missing_storage_has_no_checkpoints(store: Store) -> None:
 def test_manifest_lists_every_file_with_size_and_sha256(store: Store) -> None:
     store.commit(10, model="gpt")
     manifest = json.loads(store.get(10, MANIFEST))
-    assert manifest["format"] == 1 and manifest["step"] == 10
+    assert manifest["format"] == FORMAT_VERSION and manifest["step"] == 10
     assert manifest["world_size"] == 2 and manifest["model"] == "gpt"
     assert sorted(manifest["files"]) == [".metadata", "__0_0.distcp", "__1_0.distcp"]
     assert manifest["files"]["__0_0.distcp"]["size"] == 300
@@ -186,7 +186,8 @@ def test_manifest_of_another_format_is_skipped(store: Store) -> None:
     store.fs.pipe(store.path(20, MANIFEST), json.dumps(manifest).encode())
     skipped, on_skip = _skips()
     assert newest_valid(store.url, on_skip=on_skip).step == 10
-    assert skipped[0][0] == 20 and "manifest format 99, expected 1" in skipped[0][1]
+    assert skipped[0][0] == 20
+    assert f"manifest format 99, expected {FORMAT_VERSION}" in skipped[0][1]
 
 
 def test_all_damaged_gives_none(store: Store) -> None:
