@@ -247,8 +247,8 @@ class Trainer:
         self._check_storage(storage_url)
         resume_from, changes, skipped = self._check_run_dir(storage_url)
         origin = self._check_start_from()
+        self._check_writable(storage_url)  # first: owner.json is read only where it can be
         owner = self._check_owner(storage_url)
-        self._check_writable(storage_url)
         started_ray, runtime_env = self._connect()
         display = None
         try:
