@@ -69,7 +69,7 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, straight_run):
         assert torch.equal(a[key], b[key]), f"{key} differs after resume"
 
     # Retention: keep_last=2 committed checkpoints remain, the final step among them.
-    steps = sorted(p.name for p in (interrupted / "checkpoints").iterdir())
+    steps = sorted(p.name for p in (interrupted / "checkpoints").glob("step_*"))
     assert steps[-1] == "step_000000150" and len(steps) == 2, steps
     manifest = json.loads((interrupted / "checkpoints" / steps[-1] / "manifest.json").read_text())
     assert manifest["step"] == 150 and manifest["world_size"] == 2
