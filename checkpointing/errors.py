@@ -22,3 +22,7 @@ def describe_load_error(exc: BaseException) -> str:
         return f"rank {rank}: {describe_load_error(inner)}"
     first = (str(exc).strip().splitlines() or [""])[0][:500]
     return f"{type(exc).__name__}: {first}".rstrip(": ")
+
+
+class CheckpointKeyError(StalwartError):
+    """The checkpoint signing key cannot be read or created."""

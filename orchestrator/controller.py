@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from stalwart import events as ev
 from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.storage.catalog import CheckpointInfo, list_step_dirs, newest_valid
+from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.orchestrator import reporting
 from stalwart.orchestrator.accounting import RecoveryTimer, Throughput
 from stalwart.orchestrator.clock import Clock
@@ -59,10 +60,12 @@ class Controller:
     def __init__(self, config: JobConfig, *, storage_url: str, group: WorkerGroup,
                  group_error: type[Exception], events: EventLog, metrics: MetricsLog,
                  display: Display, resume_from: CheckpointInfo | None, policies: Policies,
+                 trust: CheckpointTrust,
                  clock: Clock | None = None, poll_interval_s: float = 0.5,
                  collective_grace_s: float = 3.0,
                  observers: Sequence[ControllerObserver] = ()) -> None:
         self.config, self.storage_url, self.resume_from = config, storage_url, resume_from
+        self.trust = trust  # what a restore from storage accepts (signing.CheckpointTrust)
         self.group, self.group_error = group, group_error
         self.events, self.display = events, display
         self.policy, self.scaling, self.restore = (policies.failure, policies.scaling,
@@ -131,7 +134,7 @@ class Controller:
                                          world_size=self.world_size,
                                          waited=self.clock.time() - state.since)
         if self.stop.requested:  # between worlds: the newest checkpoint is where a resume starts
-            newest = newest_valid(self.storage_url)
+            newest = newest_valid(self.storage_url, self.trust)
             step = newest.step if newest else 0
             self.events.emit(ev.Stopped(step=step,
                              kept_unlogged=self.throughput.kept_unlogged(step)))
@@ -163,7 +166,7 @@ class Controller:
         self._skipped = []
         if state.generation == 0:
             return Restoring(generation=0, checkpoint=self.resume_from)
-        checkpoint = newest_valid(self.storage_url, on_skip=self._on_damaged_checkpoint)
+        checkpoint = self._newest_valid()
         self.commits.found(checkpoint)
         decision = self.restore.choose(self.group.memory_inventory, checkpoint)
         if checkpoint is None and (decision is None or decision.source == "none"):
@@ -395,6 +398,16 @@ class Controller:
         self.events.emit(ev.CheckpointSkipped(step=step, message=message))
         self.display.log(f"skipping damaged checkpoint: {message}")
 
+    def _newest_valid(self, below: int | None = None) -> CheckpointInfo | None:
+        """The newest storage checkpoint that verifies (below step `below`); one accepted
+        unsigned (--trust-unsigned) is recorded."""
+        found = newest_valid(self.storage_url, self.trust, below=below,
+                             on_skip=self._on_damaged_checkpoint)
+        if found is not None and found.unsigned:
+            self.events.emit(ev.UnsignedCheckpointAccepted(step=found.step, path=found.path,
+                                                           why=found.unsigned))
+        return found
+
     def _restore_storage(self, checkpoint: CheckpointInfo) -> int | Failed:
         """Load `checkpoint` on every rank; one that fails to load is skipped and the next
         older valid one is tried. Returns the step restored, or Failed when none loads."""
@@ -404,8 +417,7 @@ class Controller:
             except CheckpointError as exc:
                 self._on_damaged_checkpoint(checkpoint.step, str(exc))
             below = checkpoint.step
-            older = newest_valid(self.storage_url, on_skip=self._on_damaged_checkpoint,
-                                 below=below)
+            older = self._newest_valid(below=below)
             if older is None:
                 lost = self._nothing_restorable(None)
                 assert lost is not None  # a checkpoint was committed: the one that failed

@@ -31,6 +31,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.memory.catalog import MemoryChoice
 from stalwart.checkpointing.memory.store import Inventory
+from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.config import JobConfig
 from stalwart.errors import ConfigError
 from stalwart.events import WorkerPlace
@@ -124,10 +125,13 @@ class ElasticGroup(WorkerGroup):
     # How long a survivor may take to unwind its training thread and leave its world.
     LEAVE_TIMEOUT_S = 10.0
 
-    def __init__(self, config: JobConfig, storage_url: str, *,
+    def __init__(self, config: JobConfig, storage_url: str, *, trust: CheckpointTrust,
                  runtime_env: dict[str, Any] | None = None) -> None:
+        """`trust`: the checkpoint key and what a load accepts, handed to every worker at
+        its start (the key is never written to storage or the run dir)."""
         self.config = config
         self.storage_url = storage_url
+        self.trust = trust
         self.runtime_env = runtime_env
         self.driver_node_id = ray.get_runtime_context().get_node_id()
         self.members: list[Worker] = []
@@ -161,8 +165,8 @@ class ElasticGroup(WorkerGroup):
         )
         if self.runtime_env:
             options["runtime_env"] = self.runtime_env
-        actor = self._actor_class.options(**options).remote(self._config_dict,
-                                                             self.storage_url, self._created)
+        actor = self._actor_class.options(**options).remote(
+            self._config_dict, self.storage_url, self._created, trust=self.trust)
         return Worker(key=name, actor=actor, warm=actor.warm_up.remote())
 
     def refresh(self, timeout: float = 0.0) -> None:

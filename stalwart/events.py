@@ -286,6 +286,19 @@ class CheckpointSkipped(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class UnsignedCheckpointAccepted(Event):
+    """A checkpoint without a trusted signature was accepted, because the run was started
+    with --trust-unsigned (one made elsewhere, or before signing). Its files matched its
+    manifest."""
+
+    kind: ClassVar[str] = "unsigned_checkpoint_accepted"
+    step: int
+    path: str
+    why: str
+    """Why its signature is not trusted: not signed, or signed with another key."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class MemoryTier(Event):
     """The memory tier's size in a world: once per world, after its first three steps."""
 

@@ -28,6 +28,7 @@ from stalwart.checkpointing.storage.catalog import (
 )
 from stalwart.checkpointing.storage.layout import filesystem
 from stalwart.checkpointing.storage.owner import Owner, claim, read_owner
+from stalwart.checkpointing.storage.signing import CheckpointTrust, load_key
 from stalwart.checkpointing.storage.transfer import copy_checkpoint
 from stalwart.cli.cluster import connect
 from stalwart.cli.progress import ProgressDisplay
@@ -86,13 +87,15 @@ class Trainer:
     read the run's storage. The config's hyperparameters (`train.lr`, `train.weight_decay`)
     apply from there on. `workdir`: where the task's modules are imported from (default: the
     current directory), on the driver and on every worker. `callbacks` see every metrics row
-    and event as it is written (see stalwart.callbacks).
+    and event as it is written (see stalwart.callbacks). `trust_unsigned`: also accept
+    checkpoints that are not signed with this run's key (see docs/security.md).
     """
 
     def __init__(self, config: JobConfig, *, run_dir: str | Path | None = None,
                  address: str | None = None, resume: bool = False,
                  live_progress: bool | None = None, start_from: str | None = None,
-                 workdir: str | Path | None = None, callbacks: Sequence[Callback] = ()) -> None:
+                 workdir: str | Path | None = None, callbacks: Sequence[Callback] = (),
+                 trust_unsigned: bool = False) -> None:
         # A relative storage path means the driver's directory; workers elsewhere would read
         # it against their own. config.toml records the absolute path.
         storage = absolute_storage(config.checkpoint.storage)
@@ -105,6 +108,7 @@ class Trainer:
         self.resume = resume
         self.live_progress = live_progress
         self.start_from = start_from
+        self.trust_unsigned = trust_unsigned
         self.workdir = str(Path(workdir).resolve()) if workdir else os.getcwd()
         # run.tensorboard: its writer is one more callback (a missing package fails here).
         self.callbacks = [*callbacks, *tensorboard_callbacks(config, self.run_dir.path)]
@@ -134,8 +138,8 @@ class Trainer:
             raise StorageURLError(f"checkpoint.storage {url!r} is not writable: "
                                   f"{type(exc).__name__}: {exc}") from exc
 
-    def _check_run_dir(self, storage_url: str) -> tuple[CheckpointInfo | None, dict[str, Any],
-                                                        list[str]]:
+    def _check_run_dir(self, storage_url: str, trust: CheckpointTrust
+                       ) -> tuple[CheckpointInfo | None, dict[str, Any], list[str]]:
         """(checkpoint to resume from, config changes, damaged checkpoints skipped); reads only."""
         rd = self.run_dir
         if not self.resume:
@@ -152,7 +156,7 @@ class Trainer:
                               f"{changes[k][1]!r} now; a resumed run must train the same model "
                               f"on the same data order (unchangeable: {', '.join(IDENTITY_KEYS)})")
         skipped: list[str] = []
-        checkpoint = newest_valid(storage_url, on_skip=lambda s, m: skipped.append(m))
+        checkpoint = newest_valid(storage_url, trust, on_skip=lambda s, m: skipped.append(m))
         if checkpoint is None and skipped:
             raise RunDirError(f"--resume: checkpoints were committed under {storage_url} but "
                               f"none verifies (skipped: {'; '.join(skipped)}); nothing to "
@@ -162,26 +166,31 @@ class Trainer:
                               f"nothing to resume from")
         return checkpoint, changes, skipped
 
-    def _check_start_from(self) -> CheckpointInfo | None:
-        """The checkpoint a new run starts from, read and verified (nothing copied yet)."""
+    def _check_start_from(self, trust: CheckpointTrust) -> CheckpointInfo | None:
+        """The checkpoint a new run starts from, read and verified (nothing copied yet): it
+        may come from any run signed with this key."""
         if self.start_from is None:
             return None
         if self.resume:
             raise RunDirError("start_from and resume exclude each other: resume continues the "
                               "run dir's own checkpoints")
-        info = read_step_dir(self.start_from)
-        verify(info)
-        return info
+        return verify(read_step_dir(self.start_from), trust.for_any_run())
 
-    def _check_owner(self, storage_url: str) -> Owner:
-        """This run as the storage's owner; refuses storage another run owns. Reads only.
+    def _trust(self) -> CheckpointTrust:
+        """The key this run signs with and what it loads: its own checkpoints, by run id.
 
         A run's id is a uuid in its run dir (`run_id`), kept by --resume. A run dir from
-        before run ids (or storage without an owner) gets one now."""
+        before run ids gets one now."""
         run_id = None
         if self.resume and self.run_dir.run_id_file.exists():
             run_id = self.run_dir.run_id_file.read_text().strip() or None
-        me = Owner(run_id=run_id or uuid.uuid4().hex, task=self.config.task.path,
+        return CheckpointTrust(key=load_key(self.config.checkpoint.key_file),
+                               accept_unsigned=self.trust_unsigned,
+                               run_id=run_id or uuid.uuid4().hex)
+
+    def _check_owner(self, storage_url: str, run_id: str) -> Owner:
+        """This run as the storage's owner; refuses storage another run owns. Reads only."""
+        me = Owner(run_id=run_id, task=self.config.task.path,
                    run_dir=str(self.run_dir.path.resolve()))
         _refuse_other_owner(storage_url, me, read_owner(storage_url))
         return me
@@ -245,10 +254,11 @@ class Trainer:
                                                    self.config.scaling.num_workers))
         storage_url = self.run_dir.storage_url(self.config)
         self._check_storage(storage_url)
-        resume_from, changes, skipped = self._check_run_dir(storage_url)
-        origin = self._check_start_from()
+        trust = self._trust()
         self._check_writable(storage_url)  # first: owner.json is read only where it can be
-        owner = self._check_owner(storage_url)
+        owner = self._check_owner(storage_url, trust.run_id)  # before its checkpoints are read
+        resume_from, changes, skipped = self._check_run_dir(storage_url, trust)
+        origin = self._check_start_from(trust)
         started_ray, runtime_env = self._connect()
         display = None
         try:
@@ -262,10 +272,13 @@ class Trainer:
             for message in skipped:
                 self.run_dir.events.emit(ev.CheckpointSkipped(message=message))
             if resume_from is not None:
+                self._note_unsigned(resume_from)
                 self.run_dir.events.emit(ev.Resumed(from_step=resume_from.step,
                                          path=resume_from.path, config_changes=changes))
             if origin is not None:
-                resume_from = copy_checkpoint(origin, storage_url)
+                self._note_unsigned(origin)
+                resume_from = copy_checkpoint(origin, storage_url,
+                                              adopt=(trust.key, owner.run_id))
                 self.run_dir.events.emit(ev.StartedFrom(from_step=origin.step,
                                          origin=origin.path, path=resume_from.path))
             t0 = time.time()
@@ -276,8 +289,9 @@ class Trainer:
                 live=self.live_progress if self.config.run.progress else False)
             controller = Controller(
                 self.config, storage_url=storage_url,
-                group=ElasticGroup(self.config, storage_url, runtime_env=runtime_env),
-                group_error=GroupFailed, events=self.run_dir.events,
+                group=ElasticGroup(self.config, storage_url, runtime_env=runtime_env,
+                                   trust=trust),
+                group_error=GroupFailed, trust=trust, events=self.run_dir.events,
                 metrics=self.run_dir.metrics, display=display, resume_from=resume_from,
                 policies=default_policies(self.config, storage_url=storage_url,
                                           draining_nodes=draining_nodes))
@@ -298,6 +312,11 @@ class Trainer:
         for cb in self.callbacks:
             cb.on_end(result)
         return result
+
+    def _note_unsigned(self, checkpoint: CheckpointInfo) -> None:
+        if checkpoint.unsigned:
+            self.run_dir.events.emit(ev.UnsignedCheckpointAccepted(
+                step=checkpoint.step, path=checkpoint.path, why=checkpoint.unsigned))
 
     def _result(self, final: State, controller: Controller, wall_s: float) -> RunResult:
         reason = None

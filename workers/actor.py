@@ -29,6 +29,7 @@ import torch
 from stalwart.checkpointing.memory.store import Inventory
 from stalwart.checkpointing.memory.tier import MemoryTier, StateAccess
 from stalwart.checkpointing.snapshot import ShardLayout
+from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.checkpointing.storage.writer import StorageCheckpointer
 from stalwart.config import FaultSpec, JobConfig, config_from_dict
 from stalwart.events import WorkerPlace
@@ -92,9 +93,11 @@ def warm_model(task: TrainTask, config: JobConfig) -> None:
 
 
 class TrainWorker:
-    def __init__(self, config: dict[str, Any], storage_url: str, number: int = 0) -> None:
+    def __init__(self, config: dict[str, Any], storage_url: str, number: int = 0, *,
+                 trust: CheckpointTrust) -> None:
         self.config: JobConfig = config_from_dict(config)
         self.storage_url = storage_url
+        self.trust = trust  # the checkpoint key, from the driver; only ever in memory
         self.number = number  # the n-th actor of the run: names it while it has no rank
         # Never more compute threads than the CPUs Ray reserved for this actor.
         torch.set_num_threads(max(1, int(self.config.scaling.cpus_per_worker)))
@@ -197,7 +200,8 @@ class TrainWorker:
         self.checkpointer = StorageCheckpointer(
             self.storage_url, rank=rank, keep_last=self.config.checkpoint.keep_last,
             async_save=self.config.checkpoint.async_save,
-            manifest_extra={"world_size": world_size, "task": self.config.task.path})
+            manifest_extra={"world_size": world_size, "task": self.config.task.path},
+            trust=self.trust)
         ck = self.config.checkpoint
         self._tiered = ck.snapshot_every > 0
         if self._tiered:

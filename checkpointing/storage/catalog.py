@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ from stalwart.checkpointing.storage.layout import (
     sha256_of,
     step_dir_name,
 )
+from stalwart.checkpointing.storage.signing import CheckpointTrust, check_signature
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,9 @@ class CheckpointInfo:
     path: str
     """URL of the step directory."""
     manifest: dict[str, Any]
+    unsigned: str | None = None
+    """Set by verify() when the checkpoint was accepted without a trusted signature
+    (--trust-unsigned): why it has none."""
 
     def files_in_commit_order(self) -> list[str]:
         """Every file of the step directory, the manifest last: a copy made in this order
@@ -120,9 +125,20 @@ def committed_checkpoints(url: str) -> list[CheckpointInfo]:
     return [read_checkpoint(url, step) for step, done in list_step_dirs(url) if done]
 
 
-def verify(info: CheckpointInfo) -> None:
-    """Check that the manifest lists every file a load needs, then every file's size and
-    sha256 against it; raise naming the first problem."""
+def verify(info: CheckpointInfo, trust: CheckpointTrust) -> CheckpointInfo:
+    """Check that the manifest lists every file a load needs and is signed as `trust`
+    requires, then every file's size and sha256 against it; raise naming the first problem.
+    Nothing of the checkpoint is deserialised here. Returns `info`, marked when it was
+    accepted unsigned."""
+    check_manifest(info)
+    unsigned = check_signature(info.manifest, trust, f"checkpoint {info.path!r}")
+    verify_files(info)
+    return dataclasses.replace(info, unsigned=unsigned)
+
+
+def verify_files(info: CheckpointInfo) -> None:
+    """Every file of the manifest is there with its size and sha256 (the manifest's own
+    trust is verify()'s to check)."""
     check_manifest(info)
     fs, root = filesystem(info.path)
     for name, meta in info.manifest["files"].items():
@@ -134,28 +150,25 @@ def verify(info: CheckpointInfo) -> None:
                                   f"(size or sha256 differs from the manifest)")
 
 
-def newest_valid(url: str, *, on_skip=None, below: int | None = None) -> CheckpointInfo | None:
+def newest_valid(url: str, trust: CheckpointTrust, *, on_skip=None, below: int | None = None
+                 ) -> CheckpointInfo | None:
     """The newest committed checkpoint (older than step `below`, if given) that verifies;
-    damaged ones are skipped and reported."""
+    damaged and untrusted ones are skipped and reported."""
     for step, done in reversed(list_step_dirs(url)):
         if not done or (below is not None and step >= below):
             continue
         try:
-            info = read_checkpoint(url, step)
-            verify(info)
-            return info
+            return verify(read_checkpoint(url, step), trust)
         except CheckpointError as exc:
             if on_skip is not None:
                 on_skip(step, str(exc))
     return None
 
 
-def find_step(url: str, step: int) -> CheckpointInfo:
+def find_step(url: str, step: int, trust: CheckpointTrust) -> CheckpointInfo:
     """A specific committed, verified checkpoint; the error lists the steps that exist."""
     steps = [s for s, done in list_step_dirs(url) if done]
     if step not in steps:
         raise CheckpointError(f"no committed checkpoint for step {step} under {url!r}; "
                               f"committed steps: {steps or 'none'}")
-    info = read_checkpoint(url, step)
-    verify(info)
-    return info
+    return verify(read_checkpoint(url, step), trust)

@@ -1,7 +1,9 @@
 """Export a run's checkpoint as full, unsharded model weights for use outside stalwart.
 
-Runs in one process with no process group: DCP reads every shard and reassembles the full
-tensors into a freshly built model. The output is safetensors (`.safetensors`) or a plain
+Runs in one process with no process group, from the checkpoint alone: no task code is
+imported. The checkpoint is verified (signature, then every file) before anything of it
+is read; its `.metadata` gives each model tensor's full shape and dtype, and DCP reads every
+shard into tensors of that shape. The output is safetensors (`.safetensors`) or a plain
 `torch.save` state dict (`.pt`, `.pth`, `.bin`).
 
 Without a step, the newest checkpoint that verifies and loads is exported; each one passed
@@ -20,11 +22,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from stalwart.checkpointing.errors import CheckpointError, describe_load_error
+from stalwart.checkpointing.safe_load import SafeLoadPlanner, VerifiedReader
 from stalwart.checkpointing.storage.catalog import CheckpointInfo, find_step, newest_valid
+from stalwart.checkpointing.storage.layout import METADATA
+from stalwart.checkpointing.storage.signing import CheckpointTrust
 
 SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 
@@ -47,21 +52,32 @@ def check_out(out: Path) -> None:
                               f"directory")
 
 
-def load_weights(model: torch.nn.Module, checkpoint: CheckpointInfo) -> dict[str, torch.Tensor]:
-    state = {"model": model.state_dict()}
+MODEL_PREFIX = "model."  # the model's entries in a checkpoint: state_dict()["model"]
+
+
+def load_weights(checkpoint: CheckpointInfo) -> dict[str, torch.Tensor]:
+    """The full model tensors of a verified checkpoint, by the model's own names."""
+    expected = checkpoint.manifest["files"][METADATA]["sha256"]
+    reader = VerifiedReader(checkpoint.path, metadata_sha256=expected)
+    metadata = reader.read_metadata()  # checked against the manifest, then unpickled safely
+    model = {name.removeprefix(MODEL_PREFIX): torch.empty(meta.size, dtype=meta.properties.dtype)
+             for name, meta in metadata.state_dict_metadata.items()
+             if name.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+    if not model:
+        raise CheckpointError(f"checkpoint {checkpoint.path!r} holds no model tensors")
+    state = {"model": model}
     try:
         with warnings.catch_warnings():  # one process on purpose: DCP's warning is noise
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-            dcp.load(state, storage_reader=FsspecReader(checkpoint.path), no_dist=True)
-    # DCP raises a variety of types for a mismatched model, and CheckpointException (a
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
+    except CheckpointError:
+        raise
+    # DCP raises a variety of types for a damaged file, and CheckpointException (a
     # BaseException) for a read that failed: both mean this checkpoint cannot be exported.
     except (CheckpointException, Exception) as exc:
-        raise CheckpointError(f"checkpoint {checkpoint.path!r} failed to load (damaged, or it "
-                              f"does not fit the run's model): {describe_load_error(exc)}"
-                              ) from exc
-    # Tied parameters share storage; safetensors refuses shared tensors, so each key gets
-    # its own copy (the file then holds e.g. both the embedding and the output head).
-    return {k: v.detach().clone().contiguous() for k, v in state["model"].items()}
+        raise CheckpointError(f"checkpoint {checkpoint.path!r} failed to load: "
+                              f"{describe_load_error(exc)}") from exc
+    return {k: v.contiguous() for k, v in state["model"].items()}
 
 
 def write_weights(weights: dict[str, torch.Tensor], step: int, out: Path) -> Path:
@@ -90,27 +106,22 @@ def write_weights(weights: dict[str, torch.Tensor], step: int, out: Path) -> Pat
     return out
 
 
-def export_weights(model: torch.nn.Module, checkpoint: CheckpointInfo, out: Path) -> Path:
-    check_out(out)
-    return write_weights(load_weights(model, checkpoint), checkpoint.step, out)
-
-
-def candidates(storage_url: str, step: int | None, on_skip: OnSkip) -> Iterator[CheckpointInfo]:
+def candidates(storage_url: str, step: int | None, trust: CheckpointTrust, on_skip: OnSkip
+               ) -> Iterator[CheckpointInfo]:
     """The checkpoint `step` (verified), or every valid one, newest first."""
     if step is not None:
-        yield find_step(storage_url, step)
+        yield find_step(storage_url, step, trust)
         return
     below = None
-    while (info := newest_valid(storage_url, on_skip=on_skip, below=below)) is not None:
+    while (info := newest_valid(storage_url, trust, on_skip=on_skip, below=below)) is not None:
         yield info
         below = info.step
 
 
-def export_newest(build_model: Callable[[], torch.nn.Module], storage_url: str,
-                  step: int | None, out: Path, *, on_skip: OnSkip
-                  ) -> tuple[CheckpointInfo, Path]:
+def export_newest(storage_url: str, step: int | None, out: Path, *, trust: CheckpointTrust,
+                  on_skip: OnSkip) -> tuple[CheckpointInfo, Path]:
     """Export `step`, or the newest checkpoint that verifies and loads; those passed over
-    go to `on_skip` (step, why)."""
+    go to `on_skip` (step, why). The checkpoint returned says whether it was unsigned."""
     check_out(out)
     skipped: list[int] = []
 
@@ -118,9 +129,9 @@ def export_newest(build_model: Callable[[], torch.nn.Module], storage_url: str,
         skipped.append(s)
         on_skip(s, why)
 
-    for info in candidates(storage_url, step, skip):
+    for info in candidates(storage_url, step, trust, skip):
         try:
-            weights = load_weights(build_model(), info)
+            weights = load_weights(info)
         except CheckpointError as exc:
             if step is not None:
                 raise

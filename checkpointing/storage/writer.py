@@ -26,13 +26,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from stalwart.checkpointing.errors import CheckpointError, describe_load_error
+from stalwart.checkpointing.safe_load import SafeLoadPlanner, VerifiedReader
 from stalwart.checkpointing.snapshot import Shard
 from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
-from stalwart.checkpointing.storage.catalog import list_step_dirs, read_checkpoint, verify
+from stalwart.checkpointing.storage.catalog import (
+    list_step_dirs,
+    read_checkpoint,
+    read_step_dir,
+    verify,
+)
 from stalwart.checkpointing.storage.layout import (
     FORMAT_VERSION,
     MANIFEST,
@@ -42,6 +48,12 @@ from stalwart.checkpointing.storage.layout import (
     join,
     sha256_of,
     step_dir_name,
+)
+from stalwart.checkpointing.storage.signing import (
+    CheckpointTrust,
+    SigningKey,
+    check_signature,
+    sign,
 )
 
 
@@ -55,9 +67,10 @@ class CommitReport:
     """Seconds from the start of the save to the manifest being written."""
 
 
-def write_manifest(url: str, step: int, extra: dict[str, Any], *,
+def write_manifest(url: str, step: int, extra: dict[str, Any], *, key: SigningKey,
                    ranks: int | None = None) -> None:
-    """Commit a fully written checkpoint directory: checksums of every file, then the manifest.
+    """Commit a fully written checkpoint directory: checksums of every file, then the
+    manifest, signed with `key`.
 
     `ranks`: how many ranks wrote the checkpoint; each must have left its data file, or the
     checkpoint is not committed (default: the ranks whose data files are there)."""
@@ -77,8 +90,12 @@ def write_manifest(url: str, step: int, extra: dict[str, Any], *,
     if missing:
         raise CheckpointError(f"checkpoint {join(url, step_dir_name(step))!r} is incomplete "
                               f"after its write: no {', '.join(missing)}; not committed")
-    manifest = {"format": FORMAT_VERSION, "step": step, "time": time.time(), "files": files,
-                **extra, "ranks": ranks}
+    manifest = sign({"format": FORMAT_VERSION, "step": step, "time": time.time(),
+                     "files": files, **extra, "ranks": ranks}, key)
+    write_manifest_file(fs, root, manifest)
+
+
+def write_manifest_file(fs: AbstractFileSystem, root: str, manifest: dict[str, Any]) -> None:
     _write_atomically(fs, root, json.dumps(manifest, indent=1, sort_keys=True))
 
 
@@ -104,7 +121,7 @@ def _write_atomically(fs: AbstractFileSystem, root: str, text: str) -> None:
     fs.mv(tmp, final)
 
 
-def apply_retention(url: str, keep_last: int, newest: int,
+def apply_retention(url: str, keep_last: int, newest: int, trust: CheckpointTrust,
                     verified: dict[int, float] | None = None) -> None:
     """Keep the newest `keep_last` checkpoints that verify, counting from `newest` (the one
     just committed) down; drop what is older than them, and stale partial writes.
@@ -113,35 +130,38 @@ def apply_retention(url: str, keep_last: int, newest: int,
     run left, e.g. a damaged checkpoint it resumed past: not this commit's to judge), and a
     damaged checkpoint never counts as kept, so retention cannot leave only damaged ones.
     `verified`: step -> manifest time of checkpoints already verified (a cache the caller
-    keeps, so each checkpoint's files are hashed once, not at every commit)."""
+    keeps, so each checkpoint's files are hashed once, not at every commit). A checkpoint
+    counts as kept only if `trust` accepts it."""
     if keep_last <= 0:  # keep every commit; only stale partial writes go
         doomed = [s for s, done in list_step_dirs(url) if not done and s < newest]
     else:
-        doomed = _older_than_kept(url, keep_last, newest, {} if verified is None else verified)
+        doomed = _older_than_kept(url, keep_last, newest, trust,
+                                  {} if verified is None else verified)
     fs, _ = filesystem(url)
     for step in doomed:
         fs.rm(filesystem(join(url, step_dir_name(step)))[1], recursive=True)
 
 
-def _older_than_kept(url: str, keep_last: int, newest: int, verified: dict[int, float]
-                     ) -> list[int]:
+def _older_than_kept(url: str, keep_last: int, newest: int, trust: CheckpointTrust,
+                     verified: dict[int, float]) -> list[int]:
     dirs = [(s, done) for s, done in list_step_dirs(url) if s < newest]
     kept = 1  # `newest` itself: committed just now, from the files as they are
     doomed = []
     for step, done in reversed(dirs):
         if kept >= keep_last or not done:
             doomed.append(step)  # older than every kept checkpoint, or a stale partial write
-        elif _verifies(url, step, verified):
+        elif _verifies(url, step, trust, verified):
             kept += 1
         # A damaged checkpoint between kept ones stays until it falls behind them.
     return doomed
 
 
-def _verifies(url: str, step: int, verified: dict[int, float]) -> bool:
+def _verifies(url: str, step: int, trust: CheckpointTrust, verified: dict[int, float]
+              ) -> bool:
     try:
         info = read_checkpoint(url, step)
         if verified.get(step) != info.manifest.get("time"):
-            verify(info)
+            verify(info, trust)
             verified[step] = info.manifest.get("time")
         return True
     except CheckpointError:
@@ -151,8 +171,11 @@ def _verifies(url: str, step: int, verified: dict[int, float]) -> bool:
 
 class StorageCheckpointer:
     def __init__(self, url: str, *, rank: int, keep_last: int, async_save: bool,
-                 manifest_extra: dict[str, Any]) -> None:
+                 manifest_extra: dict[str, Any], trust: CheckpointTrust) -> None:
+        """`trust`: the key commits are signed with, and what a load accepts; a commit
+        names `trust.run_id` as the run that wrote it."""
         self.url = url
+        self.trust = trust
         self.rank = rank
         self.keep_last = keep_last
         self.async_save = async_save
@@ -220,8 +243,10 @@ class StorageCheckpointer:
         # DCP's coordinator (rank 0) finishes only after every rank's write result reached
         # it and .metadata is written, so all shards are on storage at this point.
         ranks = dist.get_world_size(self.group) if self.group is not None else 1
-        write_manifest(self.url, step, self.manifest_extra, ranks=ranks)
-        apply_retention(self.url, self.keep_last, newest=step, verified=self._verified)
+        extra = {**self.manifest_extra, "run_id": self.trust.run_id}
+        write_manifest(self.url, step, extra, key=self.trust.key, ranks=ranks)
+        apply_retention(self.url, self.keep_last, newest=step, trust=self.trust,
+                        verified=self._verified)
         return CommitReport(step=step, path=join(self.url, step_dir_name(step)),
                             save_s=time.perf_counter() - t0)
 
@@ -240,10 +265,19 @@ class StorageCheckpointer:
         return [report] if report is not None else []
 
     def load(self, path: str, state: dict[str, Any]) -> None:
-        """Load a committed checkpoint into `state` in place, resharding to this world."""
+        """Load a committed checkpoint into `state` in place, resharding to this world.
+
+        The driver verified every file; here the manifest's signature is checked again,
+        and `.metadata` against it as it is read (see safe_load), so nothing that changed
+        since is unpickled."""
+        info = read_step_dir(path)
+        check_signature(info.manifest, self.trust, f"checkpoint {path!r}")
+        reader = VerifiedReader(path, metadata_sha256=info.manifest["files"][METADATA]["sha256"])
         try:
-            dcp.load(state, storage_reader=FsspecReader(path), process_group=self.group,
-                     no_dist=self.group is None)
+            dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
+                     process_group=self.group, no_dist=self.group is None)
+        except CheckpointError:
+            raise
         # DCP raises a variety of types for a mismatched model, and CheckpointException (a
         # BaseException, not an Exception) for a read that failed on any rank.
         except (CheckpointException, Exception) as exc:

@@ -18,7 +18,13 @@ from typing import TYPE_CHECKING
 
 from stalwart.cli.job_commands import JOB_COMMANDS, add_job_commands, run_job_command
 from stalwart.cli.plan import add_plan_parser, cmd_plan
-from stalwart.cli.run_options import RESUME_HELP, add_inject_option, add_set_option, run_config
+from stalwart.cli.run_options import (
+    RESUME_HELP,
+    TRUST_UNSIGNED_HELP,
+    add_inject_option,
+    add_set_option,
+    run_config,
+)
 from stalwart.errors import StalwartError
 
 if TYPE_CHECKING:
@@ -27,10 +33,21 @@ if TYPE_CHECKING:
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 130
 
 
-def _ensure_cwd_importable() -> None:
-    """A console script's sys.path[0] is its bin/ dir, but user tasks live next to the user."""
-    if os.getcwd() not in sys.path:
-        sys.path.insert(0, os.getcwd())
+# Commands that import the user's task: the current directory is searched for it, last.
+IMPORTS_TASK = ("run", "plan", "sweep")
+
+
+def _import_path_for(command: str) -> None:
+    """Where modules are found. A console script's sys.path[0] is its bin/ dir, but user
+    tasks live next to the user: commands that import a task append the current directory
+    (appended, so a file there never shadows a library). The others import nothing from
+    it: `report` and `export` run in run directories that anyone may have written to."""
+    cwd = os.getcwd()
+    if command in IMPORTS_TASK:
+        if cwd not in sys.path:
+            sys.path.append(cwd)
+        return
+    sys.path[:] = [p for p in sys.path if p not in ("", ".", cwd)]  # `python -m` puts it first
 
 
 class _Parser(argparse.ArgumentParser):
@@ -59,6 +76,7 @@ def _parser() -> argparse.ArgumentParser:
                            "step=80, drain:node=1,step=50 (repeatable; adds to the config's "
                            "[[faults]])")
     run.add_argument("--resume", action="store_true", help=RESUME_HELP)
+    run.add_argument("--trust-unsigned", action="store_true", help=TRUST_UNSIGNED_HELP)
     run.add_argument("--profile", metavar="STEPS",
                      help="trace these steps with the PyTorch profiler on every rank: 20 or "
                           "20-22 (inclusive); traces go to RUN_DIR/profile/ (sets "
@@ -68,6 +86,7 @@ def _parser() -> argparse.ArgumentParser:
     exp.add_argument("run_dir", help="run directory of the run to export")
     exp.add_argument("--step", type=int, help="checkpoint step (default: the newest committed)")
     exp.add_argument("--out", required=True, help="output file: .safetensors, .pt, .pth or .bin")
+    exp.add_argument("--trust-unsigned", action="store_true", help=TRUST_UNSIGNED_HELP)
     add_plan_parser(sub)
 
     sw = sub.add_parser("sweep", help="sweep hyperparameters with Ray Tune, as SWEEP.toml says")
@@ -103,7 +122,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from stalwart.trainer import Trainer
 
     result = Trainer(config, run_dir=args.run_dir, address=args.address,
-                     resume=args.resume).fit()
+                     resume=args.resume, trust_unsigned=args.trust_unsigned).fit()
     print(closing_summary(result))
     if result.state == "STOPPED":
         again = " ".join(shlex.quote(a) for o in args.overrides for a in ("--set", o))
@@ -135,28 +154,26 @@ def closing_summary(result: RunResult) -> str:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    import torch
-
     from stalwart.checkpointing.storage.export import check_out, export_newest
+    from stalwart.checkpointing.storage.signing import CheckpointTrust, load_key
     from stalwart.config import load_config
     from stalwart.run_dir import RunDir
-    from stalwart.task import build_task
 
     rd = RunDir(Path(args.run_dir))
     rd.check_resumable()
     config = load_config(rd.config_file)
     check_out(Path(args.out))
-    task = build_task(config.task.path, config.task.args)
-
-    def build_model() -> torch.nn.Module:
-        torch.manual_seed(config.train.seed)
-        return task.build_model(config)
+    trust = CheckpointTrust(key=load_key(config.checkpoint.key_file),
+                            accept_unsigned=args.trust_unsigned)
 
     def skipped(step: int, why: str) -> None:  # read only: the checkpoint stays as it is
         print(f"stalwart: skipping checkpoint step {step}: {why}", file=sys.stderr)
 
-    checkpoint, out = export_newest(build_model, rd.storage_url(config), args.step,
-                                    Path(args.out), on_skip=skipped)
+    checkpoint, out = export_newest(rd.storage_url(config), args.step, Path(args.out),
+                                    trust=trust, on_skip=skipped)
+    if checkpoint.unsigned:
+        print(f"stalwart: exporting step {checkpoint.step} although {checkpoint.unsigned} "
+              f"(--trust-unsigned)", file=sys.stderr)
     print(f"exported step {checkpoint.step} of {rd.path} to {out}")
     return EXIT_OK
 
@@ -190,7 +207,7 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    _ensure_cwd_importable()
+    _import_path_for(args.command)
     try:
         if args.command == "run":
             return _cmd_run(args)

@@ -16,6 +16,9 @@ if TYPE_CHECKING:
     from stalwart.config import JobConfig
 
 RESUME_HELP = "continue the run in --run-dir from its newest committed checkpoint"
+TRUST_UNSIGNED_HELP = ("also accept checkpoints that are not signed with this machine's "
+                       "checkpoint key (made elsewhere, or before signing); their files must "
+                       "still match their manifest, and the run's events record each one")
 
 
 def add_set_option(parser: argparse.ArgumentParser, help: str) -> None:

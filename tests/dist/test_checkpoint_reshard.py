@@ -13,6 +13,7 @@ from stalwart.task import build_task
 from stalwart.workers.engine import TrainEngine
 from tests.dist.launcher import run_ranks
 from tests.dist.test_data_parallel import cache_dir, tiny_config  # noqa: F401 (fixture)
+from tests.keys import trust
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
@@ -38,7 +39,7 @@ def save_then_continue(rank, world, cache, layout, storage):
     for _ in range(SAVE_AT):
         engine.train_step()
     ckpt = StorageCheckpointer(storage, rank=rank, keep_last=0, async_save=False,
-                               manifest_extra={"world_size": world})
+                               manifest_extra={"world_size": world}, trust=trust())
     ckpt.save(SAVE_AT, engine.state_dict())
     ckpt.close()
     weights = full_weights(engine)
@@ -49,7 +50,7 @@ def save_then_continue(rank, world, cache, layout, storage):
 def load_then_continue(rank, world, cache, layout, storage):
     engine = make_engine(rank, world, cache, layout)
     ckpt = StorageCheckpointer(storage, rank=rank, keep_last=0, async_save=False,
-                               manifest_extra={})
+                               manifest_extra={}, trust=trust())
     state = engine.state_dict()
     ckpt.load(join(storage, step_dir_name(SAVE_AT)), state)
     engine.load_state_dict(state)

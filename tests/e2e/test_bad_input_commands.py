@@ -24,6 +24,7 @@ import pytest
 
 from stalwart.parallel.distributed import free_port
 from tests.cli_helpers import REFERENCE_CONFIG, STALWART, TINY
+from tests.keys import trust
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 
@@ -293,7 +294,8 @@ def checkpointed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     model = build_task(config.task.path, config.task.args).build_model(config)
     writer = StorageCheckpointer(str(path / "checkpoints"), rank=0, keep_last=0,
                                  async_save=False,
-                                 manifest_extra={"world_size": 1, "task": config.task.path})
+                                 manifest_extra={"world_size": 1, "task": config.task.path},
+                                 trust=trust())
     try:
         writer.save(10, {"model": model.state_dict()})
     finally:

@@ -17,6 +17,7 @@ from stalwart.checkpointing.storage.writer import write_manifest
 from stalwart.config import dump_config, load_config
 from stalwart.task import build_task
 from tests.cli_helpers import REFERENCE_CONFIG, TINY, stalwart
+from tests.keys import signing_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -37,7 +38,7 @@ def _run_dir(tmp_path: Path, steps: tuple[int, ...]) -> tuple[Path, dict[int, di
         state = {k: v.detach().clone() for k, v in model.state_dict().items()}
         dcp.save({"model": state}, storage_writer=FsspecWriter(str(storage / step_dir_name(step))),
                  no_dist=True)
-        write_manifest(str(storage), step, {"world_size": 1}, ranks=1)
+        write_manifest(str(storage), step, {"world_size": 1}, ranks=1, key=signing_key())
         weights[step] = state
     return run, weights
 
@@ -47,7 +48,8 @@ def _recommit_garbled(run: Path, step: int) -> None:
     d = run / "checkpoints" / step_dir_name(step)
     (d / "__0_0.distcp").write_bytes(b"\x00" * 64)
     (d / "manifest.json").unlink()
-    write_manifest(str(run / "checkpoints"), step, {"world_size": 1}, ranks=1)
+    write_manifest(str(run / "checkpoints"), step, {"world_size": 1}, ranks=1,
+                   key=signing_key())
 
 
 def test_export_says_which_checkpoint_it_skipped_and_why(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from stalwart.checkpointing.storage.writer import write_manifest
 from stalwart.config import dump_config, load_config
 from stalwart.task import build_task
 from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
+from tests.keys import signing_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -30,7 +31,7 @@ def _checkpoint(storage: Path, step: int) -> None:
     model = build_task(config.task.path, config.task.args).build_model(config)
     dcp.save({"model": model.state_dict()}, no_dist=True,
              storage_writer=FsspecWriter(str(storage / step_dir_name(step))))
-    write_manifest(str(storage), step, {"world_size": 1}, ranks=1)
+    write_manifest(str(storage), step, {"world_size": 1}, ranks=1, key=signing_key())
 
 
 def _refused(proc, storage: Path) -> None:

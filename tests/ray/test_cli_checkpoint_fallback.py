@@ -13,6 +13,7 @@ from stalwart.checkpointing.storage.layout import step_dir_name
 from stalwart.checkpointing.storage.writer import write_manifest
 from stalwart.run_dir import read_jsonl
 from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
+from tests.keys import signing_key
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
@@ -28,8 +29,9 @@ def _garble_and_recommit(storage, step: int) -> None:
         shard.write_bytes(b"\x00" * 64)
     manifest = json.loads((d / "manifest.json").read_text())
     (d / "manifest.json").unlink()
-    write_manifest(str(storage), step, {k: manifest[k] for k in ("world_size", "task")
-                                        if k in manifest}, ranks=manifest["ranks"])
+    write_manifest(str(storage), step, {k: manifest[k] for k in ("world_size", "task", "run_id")
+                                        if k in manifest}, ranks=manifest["ranks"],
+                   key=signing_key())
 
 
 def test_resume_skips_a_checkpoint_that_fails_to_load(tmp_path) -> None:

@@ -20,6 +20,7 @@ from tests.cli_helpers import (
     stalwart,
     wait_for_step,
 )
+from tests.keys import trust
 from tests.ray.conftest import RUN
 from tests.ray.helpers import assert_same_weights, events_of, only
 
@@ -144,7 +145,7 @@ def test_failures_past_the_budget_fail_with_checkpoints_intact(tmp_path):
     commits = [e["step"] for e in events if e["kind"] == "checkpoint_committed"]
     assert checkpoints and checkpoints[-1].step == commits[-1] >= 20
     for info in checkpoints:
-        verify(info)  # every committed checkpoint is whole
+        verify(info, trust())  # every committed checkpoint is whole
 
 
 SLOW_STORAGE_TASK = textwrap.dedent('''
@@ -199,4 +200,4 @@ def test_kill_during_a_storage_write_keeps_the_last_commit(tmp_path):
     assert only(events, "recovered")["from_step"] == 21
     assert events[-1]["kind"] == "finished"
     for info in committed_checkpoints(str(tmp_path / "ckpt")):
-        verify(info)
+        verify(info, trust())

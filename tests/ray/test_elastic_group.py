@@ -25,6 +25,7 @@ from stalwart.orchestrator.worker_group import ElasticGroup, Worker
 from stalwart.task import build_task
 from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
 from tests.cli_helpers import REFERENCE_CONFIG, TINY
+from tests.keys import trust
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -80,7 +81,7 @@ def group(local_ray, tmp_path: Path):
     build_task(config.task.path, config.task.args).prepare_data(config)
     storage = tmp_path / "checkpoints"
     storage.mkdir()
-    g = ElasticGroup(config, str(storage), runtime_env=RUNTIME_ENV)
+    g = ElasticGroup(config, str(storage), runtime_env=RUNTIME_ENV, trust=trust())
     yield g
     g.shutdown(graceful=False)
 
@@ -229,7 +230,7 @@ def test_a_killed_rank_is_replaced_and_the_next_world_restores(group: ElasticGro
     assert group.generation == 1
 
     # Storage: the newest checkpoint the first world wrote loads at its own step.
-    checkpoint = newest_valid(group.storage_url)
+    checkpoint = newest_valid(group.storage_url, trust())
     assert checkpoint is not None and checkpoint.step in {c.step for c in seen.commits}
     assert group.restore(checkpoint.path) == checkpoint.step
 

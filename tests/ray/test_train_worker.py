@@ -22,6 +22,7 @@ from stalwart.task import build_task
 from stalwart.workers.actor import TrainWorker
 from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
 from tests.cli_helpers import REFERENCE_CONFIG, TINY
+from tests.keys import trust
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
@@ -91,7 +92,7 @@ def make_actor(local_ray, tmp_path: Path):
         storage.mkdir(exist_ok=True)
         actor = ray.remote(TrainWorker).options(
             num_cpus=1, max_restarts=0, runtime_env=RUNTIME_ENV,
-        ).remote(config.to_dict(), str(storage), len(actors) + 1)
+        ).remote(config.to_dict(), str(storage), len(actors) + 1, trust=trust())
         actors.append(actor)
         return actor, str(storage)
 
@@ -185,7 +186,7 @@ def test_a_worker_trains_stops_leaves_and_joins_again(make_actor) -> None:
 
     # The same process joins the next world and restores the stop step from storage.
     join_alone(actor, generation=1, node=node)
-    checkpoint = newest_valid(storage)
+    checkpoint = newest_valid(storage, trust())
     assert checkpoint is not None and checkpoint.step == last
     assert ray.get(actor.restore.remote(checkpoint.path), timeout=DEADLINE_S) == last
     ray.get(actor.finish_restore.remote(), timeout=DEADLINE_S)

@@ -27,6 +27,7 @@ from stalwart.orchestrator.states import State
 from stalwart.run_dir import EventLog, MetricsLog, read_jsonl
 from stalwart.workers.faults import FaultFired
 from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
+from tests.keys import signing_key, trust
 from tests.unit.fake_group import (
     Actor,
     Call,
@@ -137,7 +138,7 @@ class FakeWorld:
             config, storage_url=str(self.storage), group=self.group,
             group_error=FakeGroupError, events=EventLog(self.events_path),
             metrics=MetricsLog(self.metrics_path), display=self.display,
-            resume_from=resume_from, clock=self.clock, poll_interval_s=0,
+            resume_from=resume_from, clock=self.clock, poll_interval_s=0, trust=trust(),
             collective_grace_s=collective_grace_s, observers=observers,
             policies=default_policies(config, storage_url=str(self.storage),
                                       draining_nodes=lambda: set(self.draining)))
@@ -195,7 +196,7 @@ def _commit_checkpoint(storage: Path, step: int) -> None:
     d.mkdir(parents=True)
     (d / "__0_0.distcp").write_bytes(bytes(range(200)) * (step + 1))
     (d / ".metadata").write_bytes(b"meta")
-    write_manifest(str(storage), step, {"world_size": WORLD})
+    write_manifest(str(storage), step, {"world_size": WORLD}, key=signing_key())
 
 
 def ctrl_c(w: FakeWorld) -> None:

@@ -24,7 +24,9 @@ from stalwart.checkpointing.storage.catalog import (
     verify,
 )
 from stalwart.checkpointing.storage.layout import FORMAT_VERSION, MANIFEST, join, step_dir_name
+from stalwart.checkpointing.storage.signing import sign
 from stalwart.checkpointing.storage.writer import apply_retention, write_manifest
+from tests.keys import signing_key, trust
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -54,7 +56,7 @@ class Store:
 
     def commit(self, step: int, **extra) -> None:
         self.shard_files(step)
-        write_manifest(self.url, step, {"world_size": 2, **extra})
+        write_manifest(self.url, step, {"world_size": 2, **extra}, key=signing_key())
 
     def steps_on_storage(self) -> list[int]:
         return [s for s, _ in list_step_dirs(self.url)]
@@ -90,7 +92,7 @@ def _skips() -> tuple[list[tuple[int, str]], Callable[[int, str], None]]:
 def test_empty_or_missing_storage_has_no_checkpoints(store: Store) -> None:
     assert list_step_dirs(store.url) == []
     assert committed_checkpoints(store.url) == []
-    assert newest_valid(store.url) is None
+    assert newest_valid(store.url, trust()) is None
 
 
 def test_manifest_lists_every_file_with_size_and_sha256(store: Store) -> None:
@@ -113,7 +115,7 @@ def test_uncommitted_dirs_are_invisible(store: Store) -> None:
     store.shard_files(30)  # a save that crashed before its manifest
     assert list_step_dirs(store.url) == [(10, True), (20, True), (30, False)]
     assert [c.step for c in committed_checkpoints(store.url)] == [10, 20]
-    newest = newest_valid(store.url)
+    newest = newest_valid(store.url, trust())
     assert newest is not None and newest.step == 20
     assert newest.path == join(store.url, "step_000000020")
     with pytest.raises(CheckpointError, match="checkpoint step 30 under .* is not committed"):
@@ -156,7 +158,7 @@ def test_damaged_checkpoint_is_skipped_and_reported(store: Store, damage, expect
     store.commit(20)
     damage(store, 20, "__1_0.distcp")
     skipped, on_skip = _skips()
-    newest = newest_valid(store.url, on_skip=on_skip)
+    newest = newest_valid(store.url, trust(), on_skip=on_skip)
     assert newest is not None and newest.step == 10
     assert len(skipped) == 1
     step, message = skipped[0]
@@ -165,7 +167,7 @@ def test_damaged_checkpoint_is_skipped_and_reported(store: Store, damage, expect
     # still committed (its manifest exists), but it never verifies
     assert [c.step for c in committed_checkpoints(store.url)] == [10, 20]
     with pytest.raises(CheckpointError, match="is damaged|is missing"):
-        verify(read_checkpoint(store.url, 20))
+        verify(read_checkpoint(store.url, 20), trust())
 
 
 def test_damaged_manifest_is_skipped(store: Store) -> None:
@@ -173,7 +175,7 @@ def test_damaged_manifest_is_skipped(store: Store) -> None:
     store.commit(20)
     store.fs.pipe(store.path(20, MANIFEST), b"{not json")
     skipped, on_skip = _skips()
-    newest = newest_valid(store.url, on_skip=on_skip)
+    newest = newest_valid(store.url, trust(), on_skip=on_skip)
     assert newest is not None and newest.step == 10
     assert skipped[0][0] == 20 and f"{MANIFEST} is damaged" in skipped[0][1]
 
@@ -185,7 +187,7 @@ def test_manifest_of_another_format_is_skipped(store: Store) -> None:
     manifest["format"] = 99
     store.fs.pipe(store.path(20, MANIFEST), json.dumps(manifest).encode())
     skipped, on_skip = _skips()
-    assert newest_valid(store.url, on_skip=on_skip).step == 10
+    assert newest_valid(store.url, trust(), on_skip=on_skip).step == 10
     assert skipped[0][0] == 20
     assert f"manifest format 99, expected {FORMAT_VERSION}" in skipped[0][1]
 
@@ -194,7 +196,7 @@ def test_all_damaged_gives_none(store: Store) -> None:
     store.commit(10)
     _flip_bytes(store, 10, "__0_0.distcp")
     skipped, on_skip = _skips()
-    assert newest_valid(store.url, on_skip=on_skip) is None
+    assert newest_valid(store.url, trust(), on_skip=on_skip) is None
     assert [s for s, _ in skipped] == [10]
 
 
@@ -202,29 +204,29 @@ def test_find_step(store: Store) -> None:
     store.commit(10)
     store.commit(20)
     store.shard_files(30)
-    assert find_step(store.url, 10).step == 10
+    assert find_step(store.url, 10, trust()).step == 10
     with pytest.raises(CheckpointError) as err:
-        find_step(store.url, 30)  # exists, but not committed
+        find_step(store.url, 30, trust())  # exists, but not committed
     assert "no committed checkpoint for step 30" in str(err.value)
     assert "committed steps: [10, 20]" in str(err.value)
     with pytest.raises(CheckpointError, match=r"committed steps: \[10, 20\]"):
-        find_step(store.url, 15)
+        find_step(store.url, 15, trust())
     _truncate(store, 20, ".metadata")
     with pytest.raises(CheckpointError, match="file .metadata is damaged"):
-        find_step(store.url, 20)  # a specific step is verified too, never returned damaged
+        find_step(store.url, 20, trust())  # a specific step is verified too, never returned damaged
 
 
 def test_find_step_on_empty_storage(store: Store) -> None:
     with pytest.raises(CheckpointError, match="committed steps: none"):
-        find_step(store.url, 1)
+        find_step(store.url, 1, trust())
 
 
 def test_recommit_after_a_crash_between_tmp_and_rename(local: Store) -> None:
     local.shard_files(10)
     local.put(10, MANIFEST + ".tmp", b'{"format": 1, "partial')  # left by the crashed commit
-    write_manifest(local.url, 10, {})
+    write_manifest(local.url, 10, {}, key=signing_key())
     skipped, on_skip = _skips()
-    newest = newest_valid(local.url, on_skip=on_skip)
+    newest = newest_valid(local.url, trust(), on_skip=on_skip)
     assert skipped == []
     assert newest is not None and newest.step == 10
 
@@ -237,19 +239,19 @@ def test_retention_keeps_last_n_committed(store: Store) -> None:
         store.commit(step)
     store.shard_files(25)  # stale partial write, older than the newest commit
     store.shard_files(60)  # a save in flight, newer than the newest commit
-    apply_retention(store.url, keep_last=2, newest=50)
+    apply_retention(store.url, keep_last=2, newest=50, trust=trust())
     assert list_step_dirs(store.url) == [(40, True), (50, True), (60, False)]
     # what is kept is untouched and still verifies
-    assert newest_valid(store.url).step == 50
-    verify(read_checkpoint(store.url, 40))
+    assert newest_valid(store.url, trust()).step == 50
+    verify(read_checkpoint(store.url, 40), trust())
 
 
 def test_retention_one(store: Store) -> None:
     for step in (10, 20):
         store.commit(step)
-    apply_retention(store.url, keep_last=1, newest=20)
+    apply_retention(store.url, keep_last=1, newest=20, trust=trust())
     assert store.steps_on_storage() == [20]
-    apply_retention(store.url, keep_last=1, newest=20)  # idempotent
+    apply_retention(store.url, keep_last=1, newest=20, trust=trust())  # idempotent
     assert store.steps_on_storage() == [20]
 
 
@@ -257,7 +259,7 @@ def test_retention_never_removes_a_partial_dir_newer_than_the_newest_commit(stor
     store.commit(10)
     store.shard_files(20)
     store.shard_files(30)
-    apply_retention(store.url, keep_last=1, newest=10)
+    apply_retention(store.url, keep_last=1, newest=10, trust=trust())
     assert list_step_dirs(store.url) == [(10, True), (20, False), (30, False)]
     assert store.get(30, "__0_0.distcp") == bytes((30 + i) % 251 for i in range(300))
 
@@ -266,7 +268,7 @@ def test_keep_last_zero_keeps_every_commit(store: Store) -> None:
     for step in (10, 20, 30, 40):
         store.commit(step)
     store.shard_files(60)
-    apply_retention(store.url, keep_last=0, newest=40)
+    apply_retention(store.url, keep_last=0, newest=40, trust=trust())
     assert list_step_dirs(store.url) == [(10, True), (20, True), (30, True), (40, True),
                                          (60, False)]
 
@@ -274,7 +276,7 @@ def test_keep_last_zero_keeps_every_commit(store: Store) -> None:
 def test_retention_with_more_room_than_checkpoints(store: Store) -> None:
     for step in (10, 20):
         store.commit(step)
-    apply_retention(store.url, keep_last=5, newest=20)
+    apply_retention(store.url, keep_last=5, newest=20, trust=trust())
     assert store.steps_on_storage() == [10, 20]
 
 
@@ -286,7 +288,7 @@ def test_memory_url_is_really_in_memory() -> None:
     try:
         s.commit(7)
         assert not Path(s.root).exists()
-        info = newest_valid(url)
+        info = newest_valid(url, trust())
         assert info is not None and info.path == f"{url}/step_000000007"
     finally:
         s.fs.rm(s.root, recursive=True)
@@ -296,10 +298,12 @@ def test_memory_url_is_really_in_memory() -> None:
 
 
 def _rewrite_manifest(store: Store, step: int, change: Callable[[dict], object]) -> None:
+    """A manifest of another shape, as its writer signed it (its shape is what is tested)."""
     manifest = json.loads(store.get(step, MANIFEST))
     new = change(manifest)  # a list replaces the manifest; anything else changed it in place
     store.fs.pipe(store.path(step, MANIFEST),
-                  json.dumps(new if isinstance(new, list) else manifest).encode())
+                  json.dumps(new if isinstance(new, list) else sign(manifest, signing_key())
+                             ).encode())
 
 
 def test_retention_counts_only_verified_checkpoints(store: Store) -> None:
@@ -309,11 +313,11 @@ def test_retention_counts_only_verified_checkpoints(store: Store) -> None:
     store.commit(100)
     store.commit(200)
     _flip_bytes(store, 200, "__1_0.distcp")
-    assert newest_valid(store.url).step == 100
+    assert newest_valid(store.url, trust()).step == 100
     store.commit(150)
-    apply_retention(store.url, keep_last=1, newest=150)
+    apply_retention(store.url, keep_last=1, newest=150, trust=trust())
     assert store.steps_on_storage() == [150, 200]
-    assert newest_valid(store.url).step == 150
+    assert newest_valid(store.url, trust()).step == 150
 
 
 def test_retention_skips_damaged_checkpoints_when_counting(store: Store) -> None:
@@ -324,11 +328,11 @@ def test_retention_skips_damaged_checkpoints_when_counting(store: Store) -> None
     store.commit(250)
     # keep_last=2: 250 and the newest older one that verifies (150); the damaged 200
     # between them stays and does not count, so 150 is not dropped for it.
-    apply_retention(store.url, keep_last=3, newest=250)
+    apply_retention(store.url, keep_last=3, newest=250, trust=trust())
     assert store.steps_on_storage() == [100, 150, 200, 250]
-    apply_retention(store.url, keep_last=2, newest=250)
+    apply_retention(store.url, keep_last=2, newest=250, trust=trust())
     assert store.steps_on_storage() == [150, 200, 250]
-    apply_retention(store.url, keep_last=1, newest=250)
+    apply_retention(store.url, keep_last=1, newest=250, trust=trust())
     assert store.steps_on_storage() == [250]
 
 
@@ -340,7 +344,7 @@ def test_retention_keeps_the_just_committed_one_when_newer_steps_are_damaged(
     _flip_bytes(store, 200, "__0_0.distcp")
     _delete(store, 300, "__1_0.distcp")
     store.commit(150)
-    apply_retention(store.url, keep_last=2, newest=150)
+    apply_retention(store.url, keep_last=2, newest=150, trust=trust())
     assert store.steps_on_storage() == [100, 150, 200, 300]
 
 
@@ -350,11 +354,12 @@ def test_retention_hashes_each_checkpoint_once_with_a_cache(store: Store,
 
     calls: list[str] = []
     real = writer.verify
-    monkeypatch.setattr(writer, "verify", lambda info: (calls.append(info.path), real(info)))
+    monkeypatch.setattr(writer, "verify",
+                        lambda info, trust: (calls.append(info.path), real(info, trust))[1])
     cache: dict[int, float] = {}
     for step in (10, 20, 30, 40):
         store.commit(step)
-        apply_retention(store.url, keep_last=3, newest=step, verified=cache)
+        apply_retention(store.url, keep_last=3, newest=step, trust=trust(), verified=cache)
     assert store.steps_on_storage() == [20, 30, 40]
     assert sorted(calls) == sorted(set(calls))  # never the same checkpoint twice
 
@@ -380,10 +385,10 @@ def test_a_manifest_of_the_wrong_shape_is_skipped(store: Store, change, expected
     store.commit(20)
     _rewrite_manifest(store, 20, change)
     skipped, on_skip = _skips()
-    assert newest_valid(store.url, on_skip=on_skip).step == 10
+    assert newest_valid(store.url, trust(), on_skip=on_skip).step == 10
     assert [s for s, _ in skipped] == [20] and expected in skipped[0][1]
     with pytest.raises(CheckpointError, match="step 20|step_000000020"):
-        find_step(store.url, 20)
+        find_step(store.url, 20, trust())
 
 
 def test_manifest_records_the_writing_ranks_and_refuses_to_commit_without_them(
@@ -392,14 +397,14 @@ def test_manifest_records_the_writing_ranks_and_refuses_to_commit_without_them(
     assert json.loads(store.get(10, MANIFEST))["ranks"] == 2
     store.shard_files(20)
     with pytest.raises(CheckpointError, match=r"no __2_0.distcp, __3_0.distcp; not committed"):
-        write_manifest(store.url, 20, {}, ranks=4)
+        write_manifest(store.url, 20, {}, ranks=4, key=signing_key())
     assert list_step_dirs(store.url) == [(10, True), (20, False)]
 
 
 def test_a_manifest_without_ranks_from_before_still_verifies(store: Store) -> None:
     store.commit(10)
     _rewrite_manifest(store, 10, lambda m: m.pop("ranks"))
-    assert newest_valid(store.url).step == 10
+    assert newest_valid(store.url, trust()).step == 10
 
 
 @pytest.mark.parametrize("step", [999_999_999, 1_000_000_000, 12_345_678_901])
@@ -407,9 +412,9 @@ def test_steps_of_a_billion_and_more_are_visible(store: Store, step: int) -> Non
     store.commit(5)
     store.commit(step)
     assert list_step_dirs(store.url) == [(5, True), (step, True)]
-    assert newest_valid(store.url).step == step
-    assert find_step(store.url, step).path.endswith(f"step_{step:09d}")
-    apply_retention(store.url, keep_last=1, newest=step)
+    assert newest_valid(store.url, trust()).step == step
+    assert find_step(store.url, step, trust()).path.endswith(f"step_{step:09d}")
+    apply_retention(store.url, keep_last=1, newest=step, trust=trust())
     assert store.steps_on_storage() == [step]
 
 

@@ -18,6 +18,7 @@ from stalwart.checkpointing.storage.transfer import copy_checkpoint
 from stalwart.checkpointing.storage.writer import write_manifest
 from stalwart.events import CheckpointCommitted, MetricsRow
 from stalwart.integrations.tune.reporter import TuneReporter
+from tests.keys import signing_key, trust
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -36,7 +37,7 @@ def _checkpoint(root: Path, step: int) -> str:
     step_dir.mkdir(parents=True)
     (step_dir / "__0_0.distcp").write_bytes(bytes(range(256)) * 10)
     (step_dir / ".metadata").write_bytes(b"meta")
-    write_manifest(str(root), step, {"world_size": 1})
+    write_manifest(str(root), step, {"world_size": 1}, key=signing_key())
     return str(step_dir)
 
 
@@ -132,7 +133,7 @@ def test_copy_checkpoint_to_another_storage(tmp_path: Path) -> None:
     assert source.step == 30  # from the manifest
     copy = copy_checkpoint(source, "memory://stalwart-test/b")
     assert copy.path == "memory://stalwart-test/b/step_000000030"
-    verify(read_checkpoint("memory://stalwart-test/b", 30))
+    verify(read_checkpoint("memory://stalwart-test/b", 30), trust())
     with pytest.raises(FileExistsError, match="already holds a committed checkpoint"):
         copy_checkpoint(source, "memory://stalwart-test/b")
     whole = copy_checkpoint(source, str(tmp_path / "c"), as_step_dir=False)
@@ -205,7 +206,7 @@ def test_staging_copies_when_hard_links_cross_filesystems(tmp_path: Path, report
     assert staged is not None and staged == STAGING / "step_000000020"
     assert sorted(p.name for p in staged.iterdir()) == [".metadata", "__0_0.distcp",
                                                         "manifest.json"]
-    verify(read_step_dir(str(staged)))
+    verify(read_step_dir(str(staged)), trust())
     assert (staged / "__0_0.distcp").stat().st_ino != (Path(path) / "__0_0.distcp").stat().st_ino
 
 

@@ -1,0 +1,25 @@
+"""Every test signs and verifies checkpoints with one key of its own, never the user's:
+$STALWART_CHECKPOINT_KEY_FILE names it, for this process and every process it starts."""
+
+from __future__ import annotations
+
+import os
+import secrets
+
+import pytest
+
+from stalwart.checkpointing.storage.signing import KEY_FILE_ENV
+
+
+@pytest.fixture(scope="session", autouse=True)
+def checkpoint_key_file(tmp_path_factory: pytest.TempPathFactory):
+    path = tmp_path_factory.mktemp("key") / "checkpoint.key"
+    path.write_text(secrets.token_hex(32) + "\n")
+    path.chmod(0o600)
+    before = os.environ.get(KEY_FILE_ENV)
+    os.environ[KEY_FILE_ENV] = str(path)
+    yield path
+    if before is None:
+        os.environ.pop(KEY_FILE_ENV, None)
+    else:
+        os.environ[KEY_FILE_ENV] = before
