@@ -9,38 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from stalwart.checkpointing.storage.layout import step_dir_name
 from stalwart.checkpointing.storage.writer import write_manifest
-from stalwart.config import dump_config, load_config
-from stalwart.task import build_task
-from tests.cli_helpers import REFERENCE_CONFIG, TINY, stalwart
+from tests.cli_helpers import stalwart
+from tests.e2e.checkpoints import run_dir_with_checkpoints
 from tests.keys import signing_key
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
-
-
-def _run_dir(tmp_path: Path, steps: tuple[int, ...]) -> tuple[Path, dict[int, dict]]:
-    """A run dir with the reference config and a committed DCP checkpoint of the model at
-    each step (different weights per step); returns it and each step's weights."""
-    config = load_config(REFERENCE_CONFIG, TINY)
-    run = tmp_path / "run"
-    storage = run / "checkpoints"
-    storage.mkdir(parents=True)
-    (run / "config.toml").write_text(dump_config(config))
-    task = build_task(config.task.path, config.task.args)
-    weights = {}
-    for step in steps:
-        torch.manual_seed(step)
-        model = task.build_model(config)
-        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-        dcp.save({"model": state}, storage_writer=FsspecWriter(str(storage / step_dir_name(step))),
-                 no_dist=True)
-        write_manifest(str(storage), step, {"world_size": 1}, ranks=1, key=signing_key())
-        weights[step] = state
-    return run, weights
 
 
 def _recommit_garbled(run: Path, step: int) -> None:
@@ -53,7 +29,7 @@ def _recommit_garbled(run: Path, step: int) -> None:
 
 
 def test_export_says_which_checkpoint_it_skipped_and_why(tmp_path: Path) -> None:
-    run, weights = _run_dir(tmp_path, (10, 20, 30))
+    run, weights = run_dir_with_checkpoints(tmp_path, (10, 20, 30))
     _recommit_garbled(run, 30)  # verifies, fails to load
     shard = run / "checkpoints" / step_dir_name(20) / "__0_0.distcp"
     shard.write_bytes(shard.read_bytes()[:-1])  # fails its checksum
@@ -71,7 +47,7 @@ def test_export_says_which_checkpoint_it_skipped_and_why(tmp_path: Path) -> None
 
 
 def test_export_of_a_step_that_fails_to_load_is_a_clean_error(tmp_path: Path) -> None:
-    run, _ = _run_dir(tmp_path, (10,))
+    run, _ = run_dir_with_checkpoints(tmp_path, (10,))
     _recommit_garbled(run, 10)
     proc = stalwart("export", str(run), "--step", "10", "--out", "model.pt", cwd=tmp_path,
                     check=2)
@@ -81,7 +57,7 @@ def test_export_of_a_step_that_fails_to_load_is_a_clean_error(tmp_path: Path) ->
 
 
 def test_export_never_follows_a_planted_symlink(tmp_path: Path) -> None:
-    run, _ = _run_dir(tmp_path, (10,))
+    run, _ = run_dir_with_checkpoints(tmp_path, (10,))
     victim = tmp_path / "victim"
     victim.write_text("precious")
     for name in ("model.safetensors.tmp", ".model.safetensors.tmp"):
@@ -96,7 +72,7 @@ def test_export_never_follows_a_planted_symlink(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes anywhere")
 def test_export_to_an_unwritable_place_is_a_clean_error(tmp_path: Path) -> None:
-    run, _ = _run_dir(tmp_path, (10,))
+    run, _ = run_dir_with_checkpoints(tmp_path, (10,))
     locked = tmp_path / "locked"
     locked.mkdir()
     locked.chmod(0o500)
@@ -113,7 +89,7 @@ def test_export_to_an_unwritable_place_is_a_clean_error(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("out", ["afile/model.pt", "/proc/model.pt", "/proc/self/x/model.pt"])
 def test_export_under_a_file_or_proc_is_a_clean_error(tmp_path: Path, out: str) -> None:
-    run, _ = _run_dir(tmp_path, (10,))
+    run, _ = run_dir_with_checkpoints(tmp_path, (10,))
     (tmp_path / "afile").write_text("x")
     proc = stalwart("export", str(run), "--out", out, cwd=tmp_path, check=2)
     (line,) = proc.stderr.strip().splitlines()
@@ -122,7 +98,7 @@ def test_export_under_a_file_or_proc_is_a_clean_error(tmp_path: Path, out: str) 
 
 
 def test_export_skips_a_manifest_of_the_wrong_shape(tmp_path: Path) -> None:
-    run, _ = _run_dir(tmp_path, (10, 20))
+    run, _ = run_dir_with_checkpoints(tmp_path, (10, 20))
     (run / "checkpoints" / step_dir_name(20) / "manifest.json").write_text(json.dumps([1]))
     proc = stalwart("export", str(run), "--out", "model.pt", cwd=tmp_path)
     assert "stalwart: skipping checkpoint step 20: " in proc.stderr

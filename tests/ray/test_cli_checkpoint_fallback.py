@@ -68,3 +68,31 @@ def test_resume_with_every_checkpoint_damaged_names_each(tmp_path) -> None:
     assert "but none verifies" in line
     assert "step_000000004" in line and "step_000000002" in line
     assert "file __1_0.distcp is damaged" in line
+
+
+def test_resume_from_unsigned_checkpoints_needs_trust_unsigned(tmp_path) -> None:
+    config = str(REFERENCE_CONFIG)
+    stalwart("run", config, *sets(*RUN, "train.steps=4"), "--run-dir", "run", cwd=tmp_path)
+    run, storage = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    for step in (2, 4):  # as written before signing, or elsewhere: intact, unsigned
+        path = storage / step_dir_name(step) / "manifest.json"
+        manifest = json.loads(path.read_text())
+        del manifest["signature"], manifest["key_id"]
+        path.write_text(json.dumps(manifest))
+    before = (run / "events.jsonl").read_bytes()
+
+    refused = stalwart("run", config, *sets(*RUN, "train.steps=6"), "--run-dir", "run",
+                       "--resume", cwd=tmp_path, check=2)
+    assert "none verifies" in refused.stderr and "step_000000004" in refused.stderr
+    assert "it is not signed; --trust-unsigned accepts it" in refused.stderr
+    assert (run / "events.jsonl").read_bytes() == before
+
+    stalwart("run", config, *sets(*RUN, "train.steps=6"), "--run-dir", "run", "--resume",
+             "--trust-unsigned", cwd=tmp_path)
+    events = read_jsonl(run / "events.jsonl")
+    accepted = [e for e in events if e["kind"] == "unsigned_checkpoint_accepted"]
+    assert [(e["step"], e["why"]) for e in accepted] == [(4, "it is not signed")]
+    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 6
+    newest = json.loads((storage / step_dir_name(6) / "manifest.json").read_text())
+    assert newest["run_id"] == (run / "run_id").read_text().strip()
+    assert len(newest["signature"]) == 64  # what the run writes from then on is signed

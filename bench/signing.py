@@ -1,0 +1,137 @@
+"""Signing: what signed checkpoints cost a commit, and what verifying them costs a load.
+
+Runs the reference task (`stalwart run examples/gpt/config.toml --set ...`, as a user types
+it) with a storage checkpoint every --persist-every steps. Then, on each checkpoint it
+committed:
+
+  commit_s        the commit's own time (its `checkpoint_committed` event's save_s: from
+                  the start of the save to the manifest being written)
+  sign_s          signing its manifest (HMAC-SHA256 of the canonical JSON), the one step
+                  signing adds to a commit; the median of --repeat timings
+  check_s         checking that signature, what each load adds on each rank
+  metadata_s      reading .metadata with its sha256 checked and the restricted unpickler,
+                  instead of DCP's pickle.load (what each load does now on each rank)
+  verify_s        the driver's whole verification before a restore (signature and every
+                  file's sha256): for information; the hashing was there before signing
+
+    python bench/signing.py [--steps 60] [--persist-every 10] [--repeat 2000]
+
+Target: sign_s < 1% of commit_s (the median over the run's commits). The exit code is 0
+whether or not the target is met; 1 only if the run failed or committed nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import common
+
+TARGET = 0.01
+DEFAULT_OUT = common.ROOT / "bench" / "results" / "signing.json"
+
+
+def _median_time(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def measure(run_dir: Path, repeat: int) -> list[dict]:
+    from stalwart import events as ev
+    from stalwart.checkpointing.safe_load import VerifiedReader
+    from stalwart.checkpointing.storage.catalog import read_checkpoint, verify
+    from stalwart.checkpointing.storage.layout import METADATA
+    from stalwart.checkpointing.storage.signing import (
+        CheckpointTrust,
+        check_signature,
+        load_key,
+        sign,
+    )
+
+    trust = CheckpointTrust(key=load_key(None))  # the key the run signed with
+    commits = {e.step: e for e in ev.read_events(run_dir / "events.jsonl")
+               if isinstance(e, ev.CheckpointCommitted)}
+    storage = str(run_dir / "checkpoints")
+    rows = []
+    for step, commit in sorted(commits.items()):
+        try:
+            info = read_checkpoint(storage, step)
+        except Exception:  # removed by retention (keep_last): its commit time still counts
+            continue
+        manifest = info.manifest
+        reader = VerifiedReader(info.path, metadata_sha256=manifest["files"][METADATA]["sha256"])
+        rows.append({
+            "step": step, "commit_s": commit.save_s,
+            "files": len(manifest["files"]),
+            "bytes": sum(m["size"] for m in manifest["files"].values()),
+            "sign_s": _median_time(lambda m=manifest: sign(m, trust.key), repeat),
+            "check_s": _median_time(lambda m=manifest: check_signature(m, trust, "x"), repeat),
+            "metadata_s": _median_time(reader.read_metadata, max(1, repeat // 20)),
+            "verify_s": _median_time(lambda i=info: verify(i, trust), 3),
+        })
+    return rows
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=60)
+    p.add_argument("--persist-every", type=int, default=10)
+    p.add_argument("--repeat", type=int, default=2000, help="timings per figure (median)")
+    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--timeout", type=float, default=1800.0)
+    args = p.parse_args()
+
+    with tempfile.TemporaryDirectory(prefix="stalwart-bench-signing-") as tmp:
+        run_dir = Path(tmp) / "run"
+        overrides = [f"train.steps={args.steps}",
+                     f"checkpoint.persist_every={args.persist_every}",
+                     "checkpoint.keep_last=0", "run.log_every=10"]
+        cmd = common.stalwart_command(str(common.DEFAULT_CONFIG), overrides, run_dir)
+        code, wall = common.run_logged(cmd, Path(tmp) / "run.log", args.timeout)
+        if code != 0:
+            print(common.tail(Path(tmp) / "run.log"), file=sys.stderr)
+            return 1
+        rows = measure(run_dir, args.repeat)
+    if not rows:
+        print("the run committed no checkpoint", file=sys.stderr)
+        return 1
+
+    commit = statistics.median(r["commit_s"] for r in rows)
+    sign_s = statistics.median(r["sign_s"] for r in rows)
+    summary = {
+        "commits": len(rows), "median_commit_s": commit, "median_sign_s": sign_s,
+        "sign_share_of_commit": sign_s / commit,
+        "median_check_s": statistics.median(r["check_s"] for r in rows),
+        "median_metadata_s": statistics.median(r["metadata_s"] for r in rows),
+        "median_verify_s": statistics.median(r["verify_s"] for r in rows),
+        "target": f"sign < {TARGET:.0%} of a commit", "met": sign_s / commit < TARGET,
+        "run_wall_s": wall,
+    }
+    print(f"{'step':>6} {'files':>5} {'MB':>6} {'commit ms':>10} {'sign us':>8} "
+          f"{'check us':>9} {'.metadata ms':>12} {'verify ms':>10}")
+    for r in rows:
+        print(f"{r['step']:>6} {r['files']:>5} {r['bytes'] / 1e6:>6.2f} "
+              f"{r['commit_s'] * 1e3:>10.1f} {r['sign_s'] * 1e6:>8.1f} "
+              f"{r['check_s'] * 1e6:>9.1f} {r['metadata_s'] * 1e3:>12.2f} "
+              f"{r['verify_s'] * 1e3:>10.1f}")
+    print(f"signing is {summary['sign_share_of_commit']:.4%} of a commit's time "
+          f"(median {sign_s * 1e6:.0f} us of {commit * 1e3:.0f} ms); target < {TARGET:.0%}: "
+          f"{'met' if summary['met'] else 'NOT met'}")
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"summary": summary, "commits": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
