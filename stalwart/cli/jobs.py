@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from stalwart.cli.cluster import check_listening
+from stalwart.cli.upload import SECRET_EXCLUDES
 from stalwart.errors import ClusterError, ConfigError
 
 if TYPE_CHECKING:
@@ -41,12 +42,13 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 STOP_GRACE_S = 120
 CONNECT_TIMEOUT_S = 5.0
 # What a job never needs from the working directory: environments, VCS data, caches, runs and
-# checkpoints (large, and a job writes its own run dir by absolute path), and deploy/local's
-# state directory, which holds the cluster's token.
+# checkpoints (large, and a job writes its own run dir by absolute path), deploy/local's
+# state directory (it holds the cluster's token; one elsewhere holds a `.rayignore` of `*`),
+# and credentials of every kind (upload.SECRET_EXCLUDES). Gitignore-style patterns.
 WORKING_DIR_EXCLUDES = (
     ".git/", ".venv/", "venv/", ".ci-venv/", "__pycache__/", "*.pyc", "*.egg-info/",
     ".pytest_cache/", ".ruff_cache/", "runs/", "checkpoints/", "bench/results/",
-    ".local-cluster/",
+    ".local-cluster/", *SECRET_EXCLUDES,
 )
 
 
