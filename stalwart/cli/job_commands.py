@@ -80,11 +80,10 @@ def _submit(args: argparse.Namespace) -> int:
                                                       cwd))
     # What Ray will pack, found as Ray finds it (its excludes, .gitignore and .rayignore).
     shipped = upload.listing(cwd, spec.runtime_env(cwd, config.checkpoint.storage)["excludes"])
-    if args.dry_run:
+    if address is None:  # --dry-run
         print(upload.describe(shipped))
         print(f"entrypoint: {spec.entrypoint()}\nnothing submitted (--dry-run)")
         return EXIT_OK
-    assert address is not None
 
     client = jobs.job_client(address)
     print(f"uploading {shipped.summary()} from {cwd}", flush=True)
