@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,21 @@ SECRET_EXCLUDES = (
     # Ray's token: ~/.ray/auth_token, and deploy/local's DIR/auth_token wherever DIR is
     ".ray/", "auth_token",
 )
+
+# Environment variables that name a secret file by path, whatever its name: Ray's token file,
+# stalwart's checkpoint signing key.
+SECRET_FILE_ENV_VARS = ("RAY_AUTH_TOKEN_PATH", "STALWART_CHECKPOINT_KEY_FILE")
+
+
+def secret_files_in(cwd: Path, environ: Mapping[str, str]) -> list[str]:
+    """Anchored excludes for the secret files the environment names inside `cwd`."""
+    excludes = []
+    for var in SECRET_FILE_ENV_VARS:
+        if value := environ.get(var):
+            path = (cwd / Path(value).expanduser()).resolve()
+            if path.is_relative_to(cwd) and path != cwd:
+                excludes.append(f"/{path.relative_to(cwd).as_posix()}")
+    return excludes
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -162,3 +162,18 @@ def test_refuse_home_or_root_allows_a_project_below_home(tmp_path):
     for cwd in (home, tmp_path, Path("/")):
         with pytest.raises(ConfigError, match="a job ships its whole working directory"):
             upload.refuse_home_or_root(cwd, home=home)
+
+
+def test_secret_files_the_environment_names_are_left_out_whatever_their_names(tmp_path):
+    root = _project(tmp_path / "proj")
+    (root / "task" / "cluster-token.txt").write_text(f"{MARK} token\n")
+    (root / "signing.bin").write_text(f"{MARK} key\n")
+    env = {**os.environ, "RAY_AUTH_TOKEN_PATH": str(root / "task" / "cluster-token.txt"),
+           "STALWART_CHECKPOINT_KEY_FILE": "signing.bin"}  # relative: to the cwd
+    excludes = jobs.JobSpec(config=jobs.config_in("config.toml", root),
+                            run_dir=root / "runs" / "new").runtime_env(root, "", environ=env)
+    assert {"/task/cluster-token.txt", "/signing.bin"} <= set(excludes["excludes"])
+    proc = _stalwart("submit", "config.toml", "--dry-run", cwd=root, env=env)
+    assert proc.returncode == 0, proc.stderr
+    assert "cluster-token.txt" not in proc.stdout and "signing.bin" not in proc.stdout
+    assert f"would upload {len(PROJECT)} files" in proc.stdout
