@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,7 +52,9 @@ def secret_files_in(cwd: Path, environ: Mapping[str, str]) -> list[str]:
         if value := environ.get(var):
             path = (cwd / Path(value).expanduser()).resolve()
             if path.is_relative_to(cwd) and path != cwd:
-                excludes.append(f"/{path.relative_to(cwd).as_posix()}")
+                # anchored, its glob characters escaped: this one file only
+                rel = re.sub(r"([*?\[\\])", r"\\\1", path.relative_to(cwd).as_posix())
+                excludes.append(f"/{rel}")
     return excludes
 
 
