@@ -13,6 +13,7 @@
 #   auth_token  the cluster's token (mode 600), generated here; ~/.ray/auth_token is untouched
 #   pids        one `node-I PID` line per node (PID = its session and process group id)
 #   logs/       each `ray start`'s output
+#   .rayignore, .gitignore  `*`: no job upload (nor git) takes DIR, wherever it is
 #   ray_temp_dir  the path of the cluster's own Ray temp dir (/tmp/stalwart-ray-*: Ray's
 #               session logs), removed by down.sh
 #
@@ -105,6 +106,12 @@ PY
 # Only now, with every check passed, does DIR receive anything.
 mkdir -p "$STATE_DIR/logs"
 STATE_DIR=$(cd "$STATE_DIR" && pwd)
+# DIR holds the token: Ray leaves a directory with a `.rayignore` of `*` out of every job's
+# working_dir (`stalwart submit`, `ray job submit --working-dir`), git one with a `.gitignore`.
+for ignore in .rayignore .gitignore; do
+    printf '# deploy/local state (the cluster token): never uploaded, never committed\n*\n' \
+        >"$STATE_DIR/$ignore"
+done
 PIDS_FILE=$STATE_DIR/pids
 
 # Token authentication with a token of this cluster's own, passed by environment, so the

@@ -1,6 +1,8 @@
 """`stalwart submit / status / logs / stop`: a run as a Ray job on a cluster, from anywhere.
 
-`submit` returns once the cluster has the job (closing the terminal does not stop it) unless
+`submit` ships the working directory (never from $HOME or /; credentials left out, see
+stalwart.cli.upload) and says how many files and bytes; `--dry-run` lists them and stops. It
+returns once the cluster has the job (closing the terminal does not stop it) unless
 --follow streams its output to the end. Exit codes as for `stalwart run`: 0 done (or submitted),
 1 the job failed or was stopped, 2 bad input (nothing submitted), 130 Ctrl-C while following
 (which stops the following, never the job).
@@ -14,7 +16,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stalwart.cli import jobs
+from stalwart.cli import jobs, upload
 from stalwart.cli.run_options import RESUME_HELP, add_inject_option, add_set_option, run_config
 
 if TYPE_CHECKING:
@@ -40,6 +42,9 @@ def add_job_commands(sub: argparse._SubParsersAction) -> None:
     s.add_argument("--follow", action="store_true", help="stream the job's output until it "
                    "ends; exit 0 if it succeeded, 1 if it failed or was stopped")
     s.add_argument("--job-id", help="the job's submission id (default: one Ray makes up)")
+    s.add_argument("--dry-run", action="store_true", help="list the files the job would "
+                   "upload (size, path) and their totals, and submit nothing (no cluster "
+                   "needed)")
 
     for name, what in (("status", "show a job's status"), ("logs", "print a job's output"),
                        ("stop", "stop a job: it checkpoints its last step, as on Ctrl-C")):
@@ -63,8 +68,9 @@ def _submit(args: argparse.Namespace) -> int:
     from stalwart.run_dir import RunDir
 
     # Everything local first: a refused job leaves nothing on the cluster.
-    address = jobs.resolve_address(args.address)
     cwd = Path.cwd().resolve()
+    upload.refuse_home_or_root(cwd)
+    address = None if args.dry_run else jobs.resolve_address(args.address)
     config_path = jobs.config_in(args.config, cwd)
     config = run_config(args)  # the config the job's `stalwart run` will build
     jobs.check_storage(config.checkpoint.storage)
@@ -72,8 +78,15 @@ def _submit(args: argparse.Namespace) -> int:
                         injects=tuple(args.inject), resume=args.resume,
                         run_dir=jobs.absolute_run_dir(args.run_dir, RunDir.default_path(config),
                                                       cwd))
+    # What Ray will pack, found as Ray finds it (its excludes, .gitignore and .rayignore).
+    shipped = upload.listing(cwd, spec.runtime_env(cwd, config.checkpoint.storage)["excludes"])
+    if address is None:  # --dry-run
+        print(upload.describe(shipped))
+        print(f"entrypoint: {spec.entrypoint()}\nnothing submitted (--dry-run)")
+        return EXIT_OK
 
     client = jobs.job_client(address)
+    print(f"uploading {shipped.summary()} from {cwd}", flush=True)
     job_id = jobs.submit(client, spec, cwd=cwd, storage=config.checkpoint.storage,
                          job_id=args.job_id)
     submit_cmd, run_cmd = spec.resume_commands(address)

@@ -20,7 +20,7 @@ import logging
 import os
 import shlex
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from stalwart.cli.cluster import check_listening
+from stalwart.cli.upload import SECRET_EXCLUDES, secret_files_in
 from stalwart.errors import ClusterError, ConfigError
 
 if TYPE_CHECKING:
@@ -41,12 +42,13 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 STOP_GRACE_S = 120
 CONNECT_TIMEOUT_S = 5.0
 # What a job never needs from the working directory: environments, VCS data, caches, runs and
-# checkpoints (large, and a job writes its own run dir by absolute path), and deploy/local's
-# state directory, which holds the cluster's token.
+# checkpoints (large, and a job writes its own run dir by absolute path), deploy/local's
+# state directory (it holds the cluster's token; one elsewhere holds a `.rayignore` of `*`),
+# and credentials of every kind (upload.SECRET_EXCLUDES). Gitignore-style patterns.
 WORKING_DIR_EXCLUDES = (
     ".git/", ".venv/", "venv/", ".ci-venv/", "__pycache__/", "*.pyc", "*.egg-info/",
     ".pytest_cache/", ".ruff_cache/", "runs/", "checkpoints/", "bench/results/",
-    ".local-cluster/",
+    ".local-cluster/", *SECRET_EXCLUDES,
 )
 
 
@@ -84,8 +86,11 @@ class JobSpec:
         return [self._args("submit", address=address, resume=True),
                 self._args("run", address=None, resume=True)]
 
-    def runtime_env(self, cwd: Path, storage: str) -> dict[str, object]:
-        excludes = list(WORKING_DIR_EXCLUDES)
+    def runtime_env(self, cwd: Path, storage: str,
+                    environ: Mapping[str, str] | None = None) -> dict[str, object]:
+        # The secret files $RAY_AUTH_TOKEN_PATH and the like name, when they are in cwd.
+        excludes = [*WORKING_DIR_EXCLUDES,
+                    *secret_files_in(cwd, os.environ if environ is None else environ)]
         # The run's own files, wherever under the working directory they are kept.
         for path in (self.run_dir, Path(storage) if "://" not in storage else None):
             if path is not None and path.is_absolute() and path.is_relative_to(cwd):

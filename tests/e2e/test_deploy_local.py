@@ -286,4 +286,6 @@ def test_down_stops_every_process_of_the_cluster(cluster):
                     if _session_members(pid)}) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert not left, f"processes left in the cluster's sessions: {left}"
-    assert sorted(p.name for p in cluster.state_dir.iterdir()) == ["logs"]
+    # what stays: the logs, and the ignore files that keep them out of uploads and commits
+    assert sorted(p.name for p in cluster.state_dir.iterdir()) == [".gitignore", ".rayignore",
+                                                                   "logs"]

@@ -35,7 +35,8 @@ SBATCH = REPO / "deploy" / "slurm" / "stalwart.sbatch"
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 # The kinds deploy/kubernetes may hold, with the apiVersion each must carry.
-API_VERSIONS = {"RayCluster": "ray.io/v1", "RayJob": "ray.io/v1", "PersistentVolumeClaim": "v1"}
+API_VERSIONS = {"RayCluster": "ray.io/v1", "RayJob": "ray.io/v1", "PersistentVolumeClaim": "v1",
+                "Secret": "v1"}
 # KubeRay builds the head service from the head container's ports, found by these names.
 HEAD_PORTS = {"gcs-server": 6379, "dashboard": 8265, "client": 10001}
 DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?")
@@ -125,7 +126,7 @@ def _entrypoint() -> tuple[argparse.Namespace, JobConfig]:
 def test_the_manifests_are_found() -> None:
     # guards the scan: with no documents, the parametrized tests below would prove nothing
     assert sorted(d["kind"] for _, d in DOCUMENTS) == ["PersistentVolumeClaim", "RayCluster",
-                                                        "RayJob"]
+                                                        "RayJob", "Secret"]
 
 
 @pytest.mark.parametrize(("name", "doc"), DOCUMENTS, ids=[f"{n}:{d.get('kind')}"
@@ -244,12 +245,19 @@ def _instructions() -> list[tuple[str, str]]:
     return [(op, expand(rest)) for op, rest in pairs]
 
 
+def _run_flags(rest: str) -> tuple[list[str], list[str]]:
+    """A RUN's own flags (`--mount=...`) and its shell command's tokens."""
+    tokens = shlex.split(rest)
+    flags = list(itertools.takewhile(lambda t: t.startswith("--"), tokens))
+    return flags, tokens[len(flags):]
+
+
 def _runs() -> list[list[str]]:
     """The commands of every RUN, in order, as argv lists (a `a && b` RUN gives two)."""
     commands = []
     for op, rest in _instructions():
         if op == "RUN":
-            tokens = shlex.split(rest)
+            tokens = _run_flags(rest)[1]
             cuts = [-1] + [i for i, t in enumerate(tokens) if t in ("&&", "||", ";")] + [len(tokens)]
             commands += [tokens[a + 1:b] for a, b in itertools.pairwise(cuts)]
     return commands
@@ -270,11 +278,13 @@ def test_dockerfile_installs_cpu_torch_then_the_project() -> None:
     tokens = torch[0]
     assert tokens[:2] == ["pip", "install"]
     assert tokens[tokens.index("--index-url") + 1] == "https://download.pytorch.org/whl/cpu"
-    (copy,) = [rest.split() for op, rest in _instructions()
-               if op == "COPY" and rest.split()[-2] == "."]
-    source = copy[-1]  # the checkout, copied whole (.dockerignore trims it)
-    install = [t for t in _runs() if t[:2] == ["pip", "install"] and source in t]
-    assert install, f"no RUN pip-installs the project copied to {source}"
+    # the checkout, bind-mounted whole for one RUN (.dockerignore trims it)
+    (source,) = [flag.split("target=")[1].split(",")[0] for op, rest in _instructions()
+                 if op == "RUN" for flag in _run_flags(rest)[0]
+                 if flag.startswith("--mount=type=bind,source=.,")]
+    install = [t for t in _runs() if t[:2] == ["pip", "install"]
+               and any(a.startswith(source) for a in t)]
+    assert install, f"no RUN pip-installs the project mounted at {source}"
     assert _runs().index(tokens) < _runs().index(install[0]), "torch must come first"
 
 
@@ -287,7 +297,9 @@ def test_dockerfile_runs_as_a_non_root_user_from_a_workdir_with_the_examples() -
 
 
 def test_dockerignore_keeps_local_state_out_of_the_build_context() -> None:
-    entries = {ln.strip().rstrip("/") for ln in (REPO / ".dockerignore").read_text().splitlines()
+    # (`**/x` leaves out x at any depth, the root's included)
+    entries = {ln.strip().rstrip("/").removeprefix("**/")
+               for ln in (REPO / ".dockerignore").read_text().splitlines()
                if ln.strip() and not ln.startswith("#")}
     assert {".git", ".venv", "runs", "bench/results"} <= entries, entries
 
