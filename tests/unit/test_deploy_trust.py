@@ -47,7 +47,10 @@ def _documents() -> list[dict[str, Any]]:
 
 
 def _one(kind: str) -> dict[str, Any]:
-    (doc,) = [d for d in _documents() if d["kind"] == kind]
+    """The one document of `kind`; for a Secret, the Ray token's (the other is the
+    checkpoint key's)."""
+    (doc,) = [d for d in _documents() if d["kind"] == kind
+              and (kind != "Secret" or TOKEN_KEY in d.get("stringData", {}))]
     return doc
 
 
@@ -185,3 +188,28 @@ def test_constraints_pin_ray_torch_and_every_direct_dependency_within_pyproject(
     dockerfile = (DOCKER / "Dockerfile").read_text()
     assert f"ARG TORCH_VERSION={pins['torch']}" in dockerfile
     assert f"rayproject/ray:{pins['ray']}-" in dockerfile
+
+
+def test_every_pod_that_may_run_a_driver_has_the_checkpoint_key_from_its_secret():
+    key_secret = [d for d in _documents() if d["kind"] == "Secret"
+                  and d["metadata"]["name"] == "stalwart-checkpoint-key"]
+    assert len(key_secret) == 1
+    assert key_secret[0]["stringData"]["checkpoint.key"].startswith("REPLACE-")
+    for doc in _documents():
+        if doc["kind"] not in ("RayCluster", "RayJob"):
+            continue
+        cluster = doc["spec"] if doc["kind"] == "RayCluster" else doc["spec"]["rayClusterSpec"]
+        groups = [cluster["headGroupSpec"], *cluster["workerGroupSpecs"]]
+        for group in groups:
+            pod = group["template"]["spec"]
+            volumes = {v["name"]: v for v in pod["volumes"]}
+            (container,) = pod["containers"]
+            env = {e["name"]: e.get("value") for e in container["env"]}
+            path = env["STALWART_CHECKPOINT_KEY_FILE"]
+            (mount,) = [m for m in container["volumeMounts"]
+                        if path.startswith(m["mountPath"].rstrip("/") + "/")]
+            assert mount.get("readOnly") is True
+            secret = volumes[mount["name"]]["secret"]
+            assert secret["secretName"] == "stalwart-checkpoint-key"
+            assert path.rsplit("/", 1)[-1] == "checkpoint.key"
+            assert secret["defaultMode"] & 0o007 == 0  # not readable by other users
