@@ -17,7 +17,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stalwart.cli import jobs, upload
-from stalwart.cli.run_options import RESUME_HELP, add_inject_option, add_set_option, run_config
+from stalwart.cli.run_options import (
+    RESUME_HELP,
+    TRUST_UNSIGNED_HELP,
+    add_inject_option,
+    add_set_option,
+    run_config,
+)
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -38,6 +44,7 @@ def add_job_commands(sub: argparse._SubParsersAction) -> None:
                    "path its nodes can write")
     add_inject_option(s, "inject a fault, as for `stalwart run` (repeatable)")
     s.add_argument("--resume", action="store_true", help=RESUME_HELP)
+    s.add_argument("--trust-unsigned", action="store_true", help=TRUST_UNSIGNED_HELP)
     s.add_argument("--address", help=ADDRESS_HELP)
     s.add_argument("--follow", action="store_true", help="stream the job's output until it "
                    "ends; exit 0 if it succeeded, 1 if it failed or was stopped")
@@ -76,6 +83,7 @@ def _submit(args: argparse.Namespace) -> int:
     jobs.check_storage(config.checkpoint.storage)
     spec = jobs.JobSpec(config=config_path, overrides=tuple(args.overrides),
                         injects=tuple(args.inject), resume=args.resume,
+                        trust_unsigned=args.trust_unsigned,
                         run_dir=jobs.absolute_run_dir(args.run_dir, RunDir.default_path(config),
                                                       cwd))
     # What Ray will pack, found as Ray finds it (its excludes, .gitignore and .rayignore).

@@ -66,6 +66,7 @@ class JobSpec:
     overrides: tuple[str, ...] = ()
     injects: tuple[str, ...] = ()
     resume: bool = False
+    trust_unsigned: bool = False
 
     def _args(self, command: str, *, address: str | None, resume: bool,
               injects: tuple[str, ...] = ()) -> str:
@@ -73,6 +74,7 @@ class JobSpec:
         args += [a for o in self.overrides for a in ("--set", o)]
         args += [a for f in injects for a in ("--inject", f)]
         args += ["--resume"] if resume else []
+        args += ["--trust-unsigned"] if self.trust_unsigned else []
         args += ["--address", address] if address else []
         return shlex.join(args)  # every user value quoted: a --set may hold spaces or quotes
 

@@ -67,6 +67,13 @@ def test_resume_is_passed_through_and_resume_commands_continue_the_run():
         assert args.inject == []  # a fault that fired once is not injected again
 
 
+def test_trust_unsigned_is_passed_through_to_the_run_and_its_resume_commands():
+    spec = _spec(trust_unsigned=True)
+    for command in (spec.entrypoint(), *spec.resume_commands("http://head:8265")):
+        assert _parser().parse_args(shlex.split(command)[1:]).trust_unsigned
+    assert not _parser().parse_args(shlex.split(_spec().entrypoint())[1:]).trust_unsigned
+
+
 def test_runtime_env_ships_cwd_without_runs_state_or_environments(tmp_path):
     spec = _spec(run_dir=tmp_path / "out" / "r1")
     env = spec.runtime_env(tmp_path, storage=str(tmp_path / "ckpt"))
