@@ -388,7 +388,8 @@ EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (
         Started, Resumed, StartedFrom, WorkersStarted, Finished, Stopped, Failed, Interrupted,
         Failure, CheckpointChosen, Recovered, Resized, Straggler, CheckpointCommitted,
-        CheckpointSkipped, MemoryTier, FaultInjected, FaultSkipped, ProfileSaved)
+        CheckpointSkipped, UnsignedCheckpointAccepted, MemoryTier, FaultInjected, FaultSkipped,
+        ProfileSaved)
 }
 
 T = TypeVar("T")

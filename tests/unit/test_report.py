@@ -219,6 +219,15 @@ def test_a_half_written_last_line_is_skipped_a_damaged_whole_line_is_not(
         read_jsonl(damaged)
 
 
+def test_every_event_class_is_registered_for_reading_back() -> None:
+    """An event stalwart emits but cannot read back would make its run dir unreadable."""
+    def subclasses(cls: type) -> set[type]:
+        return {c for sub in cls.__subclasses__() for c in (sub, *subclasses(sub))}
+
+    emitted = {c for c in subclasses(E.Event) if "kind" in vars(c)}
+    assert emitted == set(E.EVENT_TYPES.values()), emitted ^ set(E.EVENT_TYPES.values())
+
+
 def test_every_event_kind_reads_back_through_the_checks(tmp_path: Path) -> None:
     """What stalwart writes, the checked reader takes: every kind, blank and optional fields."""
     written = [ev(T0 + i, kind) for i, kind in enumerate(E.EVENT_TYPES)]
