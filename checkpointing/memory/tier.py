@@ -22,7 +22,9 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from stalwart.checkpointing.errors import SnapshotCorrupt
 from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
 from stalwart.checkpointing.memory.replication import Replicator, holders_for
 from stalwart.checkpointing.memory.store import Inventory, MemoryStore
@@ -166,7 +168,7 @@ class MemoryTier:
 
     def export(self, generation: int, source: int, step: int
                ) -> tuple[Any, dict[str, Any], int | None]:
-        """A held snapshot's buffer (as a numpy array, which Ray moves without pickling),
+        """A held snapshot's buffer (as a numpy array, which Ray moves as raw bytes),
         values and CRC32 (its owner's), for a peer that restores from it and checks it."""
         shard = self.store.get(generation, source, step)
         if shard is None:
@@ -194,6 +196,12 @@ class MemoryTier:
         reader = MemoryReader(build_metadata(layouts), local=local, fetch=remote)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single
             warnings.simplefilter("ignore", UserWarning)  # process": yes, no collectives
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            try:
+                dcp.load(state, storage_reader=reader, no_dist=True)
+            except CheckpointException as exc:  # DCP wraps the reader's errors: unwrap ours
+                for inner, _trace in exc.failures.values():
+                    if isinstance(inner, SnapshotCorrupt):
+                        raise inner from exc
+                raise
         engine.load_state_dict(state)
         return reader.fetched

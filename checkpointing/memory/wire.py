@@ -1,4 +1,4 @@
-"""The memory tier's wire format: what peers send each other, as data, never as pickles.
+"""The memory tier's wire format: what peers send each other, as plain data only.
 
 A snapshot travels as a fixed header (three int64: step, buffer bytes, message bytes), then
 its raw buffer, then one UTF-8 JSON message: generation, sender rank, step, CRC32 of the

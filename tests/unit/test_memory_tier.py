@@ -124,6 +124,7 @@ class StagedRun:
 def _staged_run(gpt: tuple[JobConfig, TrainTask]) -> StagedRun:
     engine = _engine(gpt, STAGED_AT)
     shard = _stager(engine).stage(engine.step)
+    shard.seal()  # its CRC32, as the replication thread records it
     tensors, values = _tensors(engine), _values(engine.state_dict())
     report, _ = engine.train_step()
     run = StagedRun(engine, shard, tensors, values, report, _tensors(engine))
@@ -283,7 +284,7 @@ def test_reader_fetches_a_missing_shard_once_from_its_first_source(gpt) -> None:
         fetches.append(src)
         # What a peer sends: a copy of its buffer, not this worker's own memory.
         return Shard(step=run.shard.step, layout=layout, buffer=run.shard.buffer.clone(),
-                     values=dict(run.shard.values))
+                     values=dict(run.shard.values), crc=run.shard.crc)
 
     reader = MemoryReader(build_metadata({0: layout, 1: layout}), local=lambda src: None,
                           fetch=fetch)
