@@ -156,6 +156,9 @@ class Replicator:
                 break
             except FuturesTimeout:
                 continue
+            except BaseException:
+                self._pending = None  # that exchange is over (a refusal): the next may start
+                raise
         else:
             raise ReplicationAbandoned("the snapshot exchange was abandoned: leaving the world")
         self._pending = None
