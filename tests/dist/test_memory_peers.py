@@ -1,7 +1,8 @@
 """Snapshots from a lying peer, on real gloo ranks: a header for a step from the future, a
 snapshot that says it is another rank's shard, and a layout that claims another rank's
 chunks are each refused by their holder (SnapshotRefused, nothing stored), while the honest
-snapshot that holder already kept still restores, bit for bit."""
+snapshot that holder already kept still restores, bit for bit. And ranks of a new world
+that restored different steps stop before training on."""
 
 from __future__ import annotations
 
@@ -11,7 +12,10 @@ import torch
 from stalwart.checkpointing.errors import SnapshotRefused
 from stalwart.checkpointing.memory.tier import MemoryTier, StateAccess
 from stalwart.checkpointing.memory.wire import SnapshotMessage, encode_message
+from stalwart.workers.errors import RestoredStepMismatch
 from tests.dist.launcher import run_ranks
+from tests.dist.test_checkpoint_reshard import make_engine
+from tests.dist.test_data_parallel import cache_dir  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
@@ -111,3 +115,22 @@ def test_a_lying_peer_is_refused_and_the_honest_snapshot_still_restores() -> Non
         if h.source == FORGER:
             names = {it.index.fqn for it in results[0]["inventory"].layouts[h.layout_key].items}
             assert "model.w1" not in names
+
+
+def restored_steps(rank: int, world: int, cache: str, steps: list[int]) -> str:
+    """Each rank's engine as if it had restored `steps[rank]`; what the check says."""
+    engine = make_engine(rank, world, cache, [])
+    engine.step = steps[rank]
+    try:
+        engine.check_restored_step()
+    except RestoredStepMismatch as exc:
+        return str(exc)
+    return "same"
+
+
+def test_ranks_that_restored_different_steps_do_not_train_on(cache_dir) -> None:  # noqa: F811
+    assert run_ranks(restored_steps, 2, cache_dir, [4, 4]) == ["same", "same"]
+    said = run_ranks(restored_steps, 2, cache_dir, [4, 5])
+    assert said[0] == ("the ranks of this world restored different steps (from 4 to 5; "
+                       "rank 0 has 4): it must not train on")
+    assert said[1].startswith("the ranks of this world restored different steps (from 4 to 5")
