@@ -9,6 +9,19 @@ class CheckpointError(StalwartError):
     """A checkpoint is missing, damaged, or does not fit the model."""
 
 
+class SnapshotRefused(CheckpointError):
+    """A snapshot a peer sent is refused: its step is not the one being exchanged, or its
+    sender, shard or chunks are not the sender's own. It never enters the memory tier."""
+
+
+class SnapshotFormatError(SnapshotRefused):
+    """Bytes from a peer are not a well-formed snapshot message (wrong type, shape or size)."""
+
+
+class SnapshotCorrupt(CheckpointError):
+    """A snapshot held in memory no longer matches the CRC32 its owner computed."""
+
+
 class StorageURLError(StalwartError):
     """checkpoint.storage cannot be used (unknown protocol, filesystem not installed)."""
 

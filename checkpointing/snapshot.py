@@ -18,6 +18,7 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,6 +68,9 @@ class Shard:
     values: dict[str, Any] = field(default_factory=dict)
     ready_event: Any = None
     """A CUDA event recorded after the device-to-host copy, or None when it is complete."""
+    crc: int | None = None
+    """CRC32 of `buffer`, computed by the shard's owner once staged (`seal`) and carried to
+    its holders; checked before a restore uses the bytes. None: not sealed yet."""
 
     def tensor(self, index: MetadataIndex) -> torch.Tensor:
         slot = self.layout.slots[index]
@@ -77,6 +81,30 @@ class Shard:
         if self.ready_event is not None:
             self.ready_event.synchronize()
             self.ready_event = None
+
+    def seal(self) -> int:
+        """Wait for the staging copy, then record the buffer's CRC32 (off the training
+        thread: zlib releases the GIL)."""
+        self.ready()
+        self.crc = buffer_crc(self.buffer)
+        return self.crc
+
+
+def buffer_crc(buffer: torch.Tensor) -> int:
+    """CRC32 of a flat uint8 CPU buffer."""
+    return zlib.crc32(buffer.numpy())
+
+
+def layout_key(items: tuple[WriteItem, ...], slots: dict[MetadataIndex, TensorSlot]) -> str:
+    """A digest of a layout's items and tensor slots: equal layouts have equal keys (and a
+    layout received from a peer must match the key it came with)."""
+    digest = hashlib.sha256()
+    for item in items:
+        digest.update(repr((item.index.fqn, item.index.offset, item.type)).encode())
+        if item.type != WriteItemType.BYTE_IO:
+            slot = slots[item.index]
+            digest.update(repr((slot.shape, slot.dtype)).encode())
+    return digest.hexdigest()[:16]
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -96,9 +124,7 @@ def build_layout(state_dict: dict[str, Any]) -> tuple[ShardLayout, list[tuple[Te
     slots: dict[MetadataIndex, TensorSlot] = {}
     sources: list[tuple[TensorSlot, torch.Tensor]] = []
     offset = 0
-    digest = hashlib.sha256()
     for item in plan.items:
-        digest.update(repr((item.index.fqn, item.index.offset, item.type)).encode())
         if item.type == WriteItemType.BYTE_IO:
             continue
         src = planner.resolve_data(item)
@@ -109,12 +135,12 @@ def build_layout(state_dict: dict[str, Any]) -> tuple[ShardLayout, list[tuple[Te
         # Align every tensor to 64 bytes so that each view is aligned for any dtype.
         offset = (offset + 63) // 64 * 64
         slot = TensorSlot(offset=offset, nbytes=nbytes, dtype=src.dtype, shape=shape)
-        digest.update(repr((shape, src.dtype)).encode())
         slots[item.index] = slot
         sources.append((slot, src))
         offset += nbytes
-    layout = ShardLayout(items=tuple(plan.items), slots=slots, planner_data=dict(plan.planner_data),
-                    nbytes=offset, key=digest.hexdigest()[:16])
+    items = tuple(plan.items)
+    layout = ShardLayout(items=items, slots=slots, planner_data=dict(plan.planner_data),
+                         nbytes=offset, key=layout_key(items, slots))
     return layout, sources
 
 

@@ -247,13 +247,15 @@ class TrainWorker:
         """After every rank restored: stage the restored step in this world and replicate
         it, then forget older generations' snapshots. Collective."""
         assert self.engine is not None
+        self.engine.check_restored_step()  # every rank restored the same step, or fail here
         if self._tiered:
             self.tier.after_restore(self.engine.step)
 
     def memory_inventory(self) -> Inventory:
         return self.tier.inventory()
 
-    def export_snapshot(self, generation: int, source: int, step: int) -> tuple[Any, Any]:
+    def export_snapshot(self, generation: int, source: int, step: int
+                        ) -> tuple[Any, Any, int | None]:
         return self.tier.export(generation, source, step)
 
     def forget_snapshots(self, before_generation: int) -> None:

@@ -30,6 +30,7 @@ from stalwart.parallel.grad_norm import clip_grad_norm
 from stalwart.parallel.invariant_reduce import PairwiseAccumulator
 from stalwart.parallel.pipeline import Pipeline, build_pipeline
 from stalwart.parallel.recipe import parallelize
+from stalwart.workers.errors import RestoredStepMismatch
 from stalwart.workers.local_timer import LocalTimer
 from stalwart.workers.reports import StepReport
 from stalwart.workers.sampler import GlobalSampler, rank_slice
@@ -254,6 +255,19 @@ class TrainEngine:
                     local = value.to_local() if isinstance(value, DTensor) else value
                     sig.append(local.data_ptr())
         return tuple(sig)
+
+    def check_restored_step(self) -> None:
+        """Collective: every rank of this world restored the same step (one all-reduce of
+        step and -step with MAX), or RestoredStepMismatch before training goes on."""
+        if not dist.is_initialized():
+            return
+        both = torch.tensor([self.step, -self.step], dtype=torch.int64, device=self.device)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX)
+        highest, lowest = int(both[0]), -int(both[1])
+        if highest != lowest:
+            raise RestoredStepMismatch(
+                f"the ranks of this world restored different steps (from {lowest} to "
+                f"{highest}; rank {self.rank} has {self.step}): it must not train on")
 
     def tier_view(self) -> StateAccess:
         """This engine as the in-memory checkpoint tier sees it."""

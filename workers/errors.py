@@ -10,11 +10,17 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
+from stalwart.checkpointing.errors import CheckpointError
+
 # What torch's process groups put in the messages of a failed or timed-out collective.
 COLLECTIVE_MARKERS = (
     "Connection closed by peer", "Connection reset by peer", "Broken pipe",
     "gloo/transport", "Timed out waiting", "ProcessGroupNCCL", "NCCL error", "Socket Timeout",
 )
+
+
+class RestoredStepMismatch(CheckpointError):
+    """The ranks of a new world restored different steps (checked before training goes on)."""
 
 
 def classify_exception(exc: BaseException) -> str:

@@ -7,11 +7,16 @@ value), recording which source ranks hold each chunk. `MemoryReader` then serves
 new shard needs, so a snapshot taken by one world and layout loads into any other, exactly
 as a storage checkpoint does. Each source shard is fetched at most once, and only if needed:
 a shard this worker holds itself is read in place.
+
+Every shard is checked against the CRC32 its owner computed before any of its bytes are
+used: a copy held here that fails is fetched from its holder instead; a fetched copy that
+fails ends the restore with SnapshotCorrupt.
 """
 
 from __future__ import annotations
 
 import io
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -26,7 +31,8 @@ from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPla
 from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
-from stalwart.checkpointing.snapshot import Shard, ShardLayout
+from stalwart.checkpointing.errors import SnapshotCorrupt
+from stalwart.checkpointing.snapshot import Shard, ShardLayout, buffer_crc
 
 
 def build_metadata(layouts: dict[int, ShardLayout]) -> Metadata:
@@ -65,6 +71,18 @@ def _narrow(tensor: torch.Tensor, offsets: Any, lengths: Any) -> torch.Tensor:
     return tensor
 
 
+def damage(src: int, shard: Shard) -> str | None:
+    """Why `shard`'s bytes must not be used (None: they match their CRC32)."""
+    shard.ready()
+    if shard.crc is None:
+        return f"rank {src}'s snapshot of step {shard.step} has no checksum"
+    crc = buffer_crc(shard.buffer)
+    if crc != shard.crc:
+        return (f"rank {src}'s snapshot of step {shard.step} is damaged: its bytes have CRC32 "
+                f"{crc:08x}, its owner computed {shard.crc:08x}")
+    return None
+
+
 class MemoryReader(StorageReader):
     """A DCP StorageReader over snapshots held in memory (here or by peers)."""
 
@@ -82,15 +100,24 @@ class MemoryReader(StorageReader):
         for src in sources:  # one already here, or this worker's own
             if src in self._shards:
                 return self._shards[src]
+        damaged = []
         for src in sources:
             shard = self._local(src)
             if shard is not None:
-                self._shards[src] = shard
-                return shard
+                why = damage(src, shard)
+                if why is None:
+                    self._shards[src] = shard
+                    return shard
+                damaged.append(why + " (the copy held here; fetching it instead)")
+                print(f"stalwart memory tier: {damaged[-1]}", file=sys.stderr, flush=True)
         src = sources[0]
-        self._shards[src] = self._fetch(src)
+        shard = self._fetch(src)
+        why = damage(src, shard)
+        if why is not None:
+            raise SnapshotCorrupt("; ".join([*damaged, why]))
+        self._shards[src] = shard
         self.fetched.append(src)
-        return self._shards[src]
+        return shard
 
     # -- StorageReader
     def reset(self, checkpoint_id: Any = None) -> None:

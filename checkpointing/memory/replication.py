@@ -7,8 +7,11 @@ over processes instead, which still survives the loss of a process.
 The copy runs on a background thread over a gloo process group of its own (never the
 training group: its point-to-point traffic must not interleave with the step's
 collectives). One exchange per snapshot: every rank sends a header (step, sizes) then its
-buffer and packed values to its holders, and receives the same from the ranks it holds for.
-A received snapshot enters the store only once it is complete.
+buffer and a JSON message (its CRC32, layout and values: memory/wire.py) to its holders,
+and receives the same from the ranks it holds for. A received snapshot enters the store only
+once it is complete and checked: its step is the one being exchanged, it is the sender's own
+shard, and its layout claims no chunk that another rank declared when the world formed.
+Anything else is refused (SnapshotRefused, raised by `wait` once the others are stored).
 
 Ordering, which makes some step always complete somewhere: a rank waits for its previous
 exchange (`wait`) before the all-reduce that ends the next step. So once any rank is past
@@ -18,7 +21,6 @@ t may overwrite step t-2's buffers.
 
 from __future__ import annotations
 
-import pickle
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -28,8 +30,21 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from stalwart.checkpointing.errors import SnapshotRefused
+from stalwart.checkpointing.memory.catalog import describe, foreign_claims
 from stalwart.checkpointing.memory.store import MemoryStore
+from stalwart.checkpointing.memory.wire import (
+    SnapshotMessage,
+    claims,
+    decode_claims,
+    decode_message,
+    encode_claims,
+    encode_message,
+)
 from stalwart.checkpointing.snapshot import Shard, ShardLayout
+
+MAX_MESSAGE_BYTES = 1 << 28
+"""The largest snapshot message (layout and values, JSON) accepted from a peer."""
 
 
 class ReplicationAbandoned(RuntimeError):
@@ -68,6 +83,21 @@ def holders_for(nodes: list[str], replicas: int) -> dict[int, list[int]]:
     return out
 
 
+def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
+    """Every rank's `data`, by rank: the lengths first, then the bytes padded to the longest
+    (tensors only: no Python object travels)."""
+    world = dist.get_world_size(group)
+    lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    longest = max(1, max(int(n) for n in lengths))
+    mine = torch.zeros(longest, dtype=torch.uint8)
+    if data:
+        mine[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    gathered = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(gathered, mine, group=group)
+    return [g[:int(n)].numpy().tobytes() for g, n in zip(gathered, lengths, strict=True)]
+
+
 def exchanges(rank: int, holders: dict[int, list[int]], replica_class: list[Any] | None = None
               ) -> tuple[list[int], list[int]]:
     """(ranks this rank sends its snapshot to, ranks it receives snapshots from).
@@ -87,8 +117,11 @@ def exchanges(rank: int, holders: dict[int, list[int]], replica_class: list[Any]
 
 class Replicator:
     def __init__(self, *, rank: int, generation: int, holders: dict[int, list[int]],
-                 store: MemoryStore, replica_class: list[Any] | None = None) -> None:
+                 store: MemoryStore, replica_class: list[Any] | None = None,
+                 max_bytes: int = 1 << 62) -> None:
         self.rank = rank
+        self.max_bytes = max_bytes
+        """The largest snapshot buffer accepted from a peer (the tier's memory limit)."""
         self.generation = generation
         self.store = store
         self.sends_to, self.receives_from = exchanges(rank, holders, replica_class)
@@ -98,7 +131,7 @@ class Replicator:
         self._layouts_sent: set[tuple[int, str]] = set()  # (holder, layout key)
         self._layouts_seen: dict[tuple[int, str], ShardLayout] = {}
         self._abandoned = threading.Event()
-        self._names_shared = False
+        self._claims_shared = False
 
     def replicate(self, shard: Shard, before_payload: Callable[[], None] | None = None) -> None:
         """Start copying `shard` to this rank's holders (and receiving its sources').
@@ -108,6 +141,8 @@ class Replicator:
         self.wait()
         if self.group is not None:
             self._pending = self._executor.submit(self._exchange, shard, before_payload)
+        else:
+            shard.seal()  # no peers (a single process): the snapshot still gets its CRC
 
     def wait(self) -> None:
         """Block until the exchange in flight is complete; re-raises its error, or raises
@@ -121,6 +156,9 @@ class Replicator:
                 break
             except FuturesTimeout:
                 continue
+            except BaseException:
+                self._pending = None  # that exchange is over (a refusal): the next may start
+                raise
         else:
             raise ReplicationAbandoned("the snapshot exchange was abandoned: leaving the world")
         self._pending = None
@@ -128,28 +166,35 @@ class Replicator:
     def abandon(self) -> None:
         self._abandoned.set()
 
-    def _share_names(self, layout: ShardLayout) -> None:
-        """Once per world: every rank learns the names in every rank's shard, so that a
-        shard lost with all its copies is known to be missing (a pipeline stage's layers
-        are in no other shard). The first snapshot is taken at the same step everywhere."""
-        names: list[Any] = [None] * dist.get_world_size(self.group)
-        dist.all_gather_object(names, sorted(it.index.fqn for it in layout.items),
-                               group=self.group)
-        self.store.set_names(self.generation, frozenset(n for ns in names for n in ns))
-        self._names_shared = True
+    def _share_claims(self, layout: ShardLayout) -> None:
+        """Once per world: every rank learns what every rank's shard holds (its claims), so
+        that a shard lost with all its copies is known to be missing (a pipeline stage's
+        layers are in no other shard), and a layout that later claims another rank's chunks
+        is refused. The first snapshot is taken at the same step everywhere."""
+        shared = all_gather_bytes(encode_claims(layout), self.group)
+        self.store.set_claims(self.generation, {r: decode_claims(b) for r, b in enumerate(shared)})
+        self._claims_shared = True
+
+    def _message(self, shard: Shard, with_layout: bool) -> bytes:
+        assert shard.crc is not None
+        return encode_message(SnapshotMessage(
+            generation=self.generation, source=self.rank, step=shard.step,
+            nbytes=shard.layout.nbytes, crc=shard.crc, layout_key=shard.layout.key,
+            layout=shard.layout if with_layout else None, values=shard.values))
 
     def _exchange(self, shard: Shard, before_payload: Callable[[], None] | None) -> None:
-        shard.ready()
+        shard.seal()  # the CRC its holders keep, checked before a restore uses the bytes
         group = self.group
-        if not self._names_shared:
-            self._share_names(shard.layout)
+        if not self._claims_shared:
+            self._share_claims(shard.layout)
         # The layout goes with the first snapshot that uses it; later ones name it by key.
+        encoded: dict[bool, bytes] = {}
         payloads = {}
         for h in self.sends_to:
             send_layout = (h, shard.layout.key) not in self._layouts_sent
-            payloads[h] = pickle.dumps((shard.layout.key,
-                                        shard.layout if send_layout else None, shard.values),
-                                       protocol=pickle.HIGHEST_PROTOCOL)
+            if send_layout not in encoded:
+                encoded[send_layout] = self._message(shard, send_layout)
+            payloads[h] = encoded[send_layout]
         ops, headers = [], {}
         for h in self.sends_to:
             header = torch.tensor([shard.step, shard.layout.nbytes, len(payloads[h])],
@@ -168,23 +213,59 @@ class Replicator:
                                                                dtype=torch.uint8),
                                   group=group, group_peer=h))
         for q in self.receives_from:
-            step, nbytes, nvalues = (int(x) for x in headers[q].tolist())
+            step, nbytes, nmessage = (int(x) for x in headers[q].tolist())
+            if not (0 <= nbytes <= self.max_bytes and 0 < nmessage <= MAX_MESSAGE_BYTES):
+                # Nothing this large (or negative) is allocated: the exchange fails here.
+                raise SnapshotRefused(
+                    f"rank {q}'s snapshot header announces {nbytes} bytes and a {nmessage}-byte "
+                    f"message (at most {self.max_bytes} and {MAX_MESSAGE_BYTES} are accepted)")
             buf = self.store.reusable_buffer(self.generation, q, nbytes)
             if buf is None:
                 buf = torch.empty(nbytes, dtype=torch.uint8)
-            values = torch.empty(nvalues, dtype=torch.uint8)
-            incoming[q] = (step, buf, values)
+            message = torch.empty(nmessage, dtype=torch.uint8)
+            incoming[q] = (step, buf, message)
             ops.append(dist.P2POp(dist.irecv, buf, group=group, group_peer=q))
-            ops.append(dist.P2POp(dist.irecv, values, group=group, group_peer=q))
+            ops.append(dist.P2POp(dist.irecv, message, group=group, group_peer=q))
         self._run(ops)
         for h in self.sends_to:
             self._layouts_sent.add((h, shard.layout.key))
-        for q, (step, buf, values) in incoming.items():
-            key, layout, vals = pickle.loads(values.numpy().tobytes())
-            if layout is not None:
-                self._layouts_seen[(q, key)] = layout
-            self.store.put(self.generation, q, Shard(step=step, layout=self._layouts_seen[(q, key)],
-                                                     buffer=buf, values=vals))
+        refused = []
+        for q, (step, buf, message) in incoming.items():
+            try:
+                self._accept(q, step, buf, message.numpy().tobytes(), exchanging=shard.step)
+            except SnapshotRefused as exc:  # the others' snapshots are still taken
+                refused.append(str(exc))
+        if refused:
+            raise SnapshotRefused("; ".join(refused))
+
+    def _accept(self, q: int, step: int, buf: torch.Tensor, data: bytes, *,
+                exchanging: int) -> None:
+        """Check what rank `q` sent, then store it; raises SnapshotRefused (nothing stored)."""
+        msg = decode_message(data)
+        refuse = f"refused rank {q}'s snapshot: "
+        if step != exchanging or msg.step != exchanging:
+            raise SnapshotRefused(refuse + f"it is for step {msg.step} (header {step}), but "
+                                  f"step {exchanging} is being exchanged")
+        if msg.source != q or q not in self.receives_from:
+            raise SnapshotRefused(refuse + f"it says it is rank {msg.source}'s shard; this "
+                                  f"rank holds for ranks {self.receives_from}")
+        if msg.generation != self.generation:
+            raise SnapshotRefused(refuse + f"it is of generation {msg.generation}, not "
+                                  f"{self.generation}")
+        if msg.nbytes != buf.numel():
+            raise SnapshotRefused(refuse + f"its message says {msg.nbytes} bytes, its header "
+                                  f"{buf.numel()}")
+        layout = msg.layout or self._layouts_seen.get((q, msg.layout_key))
+        if layout is None or layout.nbytes != msg.nbytes:
+            raise SnapshotRefused(refuse + f"it names layout {msg.layout_key!r}, which it "
+                                  f"never sent (or of another size)")
+        foreign = foreign_claims(q, claims(layout), self.store.claims(self.generation))
+        if foreign:
+            raise SnapshotRefused(refuse + f"its layout claims chunks of other ranks: "
+                                  f"{describe(foreign)}")
+        self._layouts_seen[(q, layout.key)] = layout
+        self.store.put(self.generation, q, Shard(step=step, layout=layout, buffer=buf,
+                                                 values=msg.values, crc=msg.crc))
 
     def _run(self, ops: list[Any]) -> None:
         if not ops:

@@ -20,6 +20,9 @@ import torch
 
 from stalwart.checkpointing.snapshot import Shard, ShardLayout
 
+Claim = tuple[str, tuple[int, ...] | None]
+"""(name, chunk offsets) of a tensor chunk a shard holds, (name, None) of a value."""
+
 KEEP = 2
 
 
@@ -40,17 +43,24 @@ class Inventory:
     nbytes: int
     names: dict[int, frozenset[str]] = field(default_factory=dict)
     """Per generation, the names in every rank's shard (when the world shared them)."""
+    claims: dict[int, dict[int, frozenset[Claim]]] = field(default_factory=dict)
+    """Per generation, what each rank declared its shard holds when the world formed."""
 
 
 class MemoryStore:
     def __init__(self) -> None:
         self._shards: dict[tuple[int, int], list[Shard]] = {}
-        self._names: dict[int, frozenset[str]] = {}
+        self._claims: dict[int, dict[int, frozenset[Claim]]] = {}
         self._lock = threading.Lock()
 
-    def set_names(self, generation: int, names: frozenset[str]) -> None:
+    def set_claims(self, generation: int, claims: dict[int, frozenset[Claim]]) -> None:
+        """What each rank of `generation`'s world declared its shard holds."""
         with self._lock:
-            self._names[generation] = names
+            self._claims[generation] = dict(claims)
+
+    def claims(self, generation: int) -> dict[int, frozenset[Claim]]:
+        with self._lock:
+            return dict(self._claims.get(generation, {}))
 
     def put(self, generation: int, source: int, shard: Shard) -> None:
         """Record a complete snapshot; the oldest beyond KEEP is forgotten."""
@@ -89,11 +99,16 @@ class MemoryStore:
             holdings, layouts = [], {}
             for (gen, src), shards in sorted(self._shards.items()):
                 for s in shards:
+                    if s.crc is None:
+                        continue  # not sealed yet (its exchange has not started): not served
                     holdings.append(Holding(gen, src, s.step, s.layout.key))
                     layouts[s.layout.key] = s.layout
             gens = {h.generation for h in holdings}
-            return Inventory(holdings=tuple(holdings), layouts=layouts, nbytes=self._nbytes(),
-                             names={g: n for g, n in self._names.items() if g in gens})
+            return Inventory(
+                holdings=tuple(holdings), layouts=layouts, nbytes=self._nbytes(),
+                names={g: frozenset(name for cs in c.values() for name, _ in cs)
+                       for g, c in self._claims.items() if g in gens},
+                claims={g: c for g, c in self._claims.items() if g in gens})
 
     def _nbytes(self, extra: Sequence[torch.Tensor] = ()) -> int:
         seen = {id(b): b.numel() for b in extra}
@@ -111,9 +126,9 @@ class MemoryStore:
         """Forget every snapshot of generations older than `generation`."""
         with self._lock:
             self._shards = {k: v for k, v in self._shards.items() if k[0] >= generation}
-            self._names = {g: n for g, n in self._names.items() if g >= generation}
+            self._claims = {g: c for g, c in self._claims.items() if g >= generation}
 
     def clear(self) -> None:
         with self._lock:
             self._shards.clear()
-            self._names.clear()
+            self._claims.clear()

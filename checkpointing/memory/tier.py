@@ -22,7 +22,9 @@ from typing import Any, Protocol
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
+from stalwart.checkpointing.errors import SnapshotCorrupt
 from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
 from stalwart.checkpointing.memory.replication import Replicator, holders_for
 from stalwart.checkpointing.memory.store import Inventory, MemoryStore
@@ -87,7 +89,7 @@ class MemoryTier:
         self.limit_bytes = memory_limit_bytes(limit_gb, nodes.count(nodes[rank]))
         self.replicator = Replicator(rank=rank, generation=generation,
                                      holders=holders_for(nodes, replicas), store=self.store,
-                                     replica_class=replica_class)
+                                     replica_class=replica_class, max_bytes=self.limit_bytes)
         # The limit is checked when a layout is known, before its buffers are allocated.
         self.stager = SnapshotStager(state_dict=engine.state_dict,
                                      scalar_state=engine.scalar_state,
@@ -164,33 +166,42 @@ class MemoryTier:
     def inventory(self) -> Inventory:
         return self.store.inventory()
 
-    def export(self, generation: int, source: int, step: int) -> tuple[Any, dict[str, Any]]:
-        """A held snapshot's buffer (as a numpy array, which Ray moves without pickling)
-        and values, for a peer that restores from it."""
+    def export(self, generation: int, source: int, step: int
+               ) -> tuple[Any, dict[str, Any], int | None]:
+        """A held snapshot's buffer (as a numpy array, which Ray moves as raw bytes),
+        values and CRC32 (its owner's), for a peer that restores from it and checks it."""
         shard = self.store.get(generation, source, step)
         if shard is None:
             raise LookupError(f"no snapshot of rank {source} of generation {generation} at "
                               f"step {step} is held here")
         shard.ready()
-        return shard.buffer.numpy().copy(), dict(shard.values)
+        return shard.buffer.numpy().copy(), dict(shard.values), shard.crc
 
     def restore(self, engine: StateAccess, *, generation: int, step: int,
-                layouts: dict[int, ShardLayout], fetch: Callable[[int], tuple[Any, dict[str, Any]]]
-                ) -> list[int]:
+                layouts: dict[int, ShardLayout],
+                fetch: Callable[[int], tuple[Any, dict[str, Any], int | None]]) -> list[int]:
         """Load step `step` of generation `generation` into the engine, resharded to this
-        world; returns the source ranks whose shards came from peers."""
+        world; returns the source ranks whose shards came from peers. Each shard's bytes are
+        checked against its CRC32 before they are used: a mismatch raises SnapshotCorrupt
+        (the restore from memory fails, and the world falls back to storage)."""
         def local(src: int) -> Shard | None:
             return self.store.get(generation, src, step)
 
         def remote(src: int) -> Shard:
-            array, values = fetch(src)
+            array, values, crc = fetch(src)
             return Shard(step=step, layout=layouts[src], buffer=torch.from_numpy(array),
-                         values=values)
+                         values=values, crc=crc)
 
         state = engine.state_dict()
         reader = MemoryReader(build_metadata(layouts), local=local, fetch=remote)
         with warnings.catch_warnings():  # "assuming the intent is to load in a single
             warnings.simplefilter("ignore", UserWarning)  # process": yes, no collectives
-            dcp.load(state, storage_reader=reader, no_dist=True)
+            try:
+                dcp.load(state, storage_reader=reader, no_dist=True)
+            except CheckpointException as exc:  # DCP wraps the reader's errors: unwrap ours
+                for inner, _trace in exc.failures.values():
+                    if isinstance(inner, SnapshotCorrupt):
+                        raise inner from exc
+                raise
         engine.load_state_dict(state)
         return reader.fetched

@@ -47,9 +47,9 @@ def restore_in_new_world(rank, world, cache, layout, choice, held, all_exported)
     the chosen step, fetching what it lacks from the survivors' exports."""
     engine = make_engine(rank, world, cache, layout)
     tier = MemoryTier()
-    for (src, step), (array, values) in held.items():
+    for (src, step), (array, values, crc) in held.items():
         tier.store.put(0, src, Shard(step=step, layout=choice.layouts[src],
-                                     buffer=torch.from_numpy(array), values=values))
+                                     buffer=torch.from_numpy(array), values=values, crc=crc))
     tier.join(engine.tier_view(), rank=rank, generation=1, nodes=[f"n{r}" for r in range(world)],
               replicas=1, limit_gb=1.0)
     fetched = tier.restore(engine.tier_view(), generation=0, step=choice.step,

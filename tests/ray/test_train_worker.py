@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import time
+import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -181,8 +182,10 @@ def test_a_worker_trains_stops_leaves_and_joins_again(make_actor) -> None:
     inventory = ray.get(actor.memory_inventory.remote(), timeout=DEADLINE_S)
     held = {(h.generation, h.source, h.step) for h in inventory.holdings}
     assert (0, 0, last) in held and inventory.nbytes > 0
-    buffer, values = ray.get(actor.export_snapshot.remote(0, 0, last), timeout=DEADLINE_S)
+    buffer, values, crc = ray.get(actor.export_snapshot.remote(0, 0, last),
+                                  timeout=DEADLINE_S)
     assert buffer.nbytes > 0 and values["train.step"] == last
+    assert crc == zlib.crc32(buffer)  # its owner's CRC32 comes with it
 
     # The same process joins the next world and restores the stop step from storage.
     join_alone(actor, generation=1, node=node)

@@ -123,7 +123,7 @@ REPLICA = _layout("replica", _chunk("w", 0, 4, 4), _value("train.step"))
 
 
 def _shard(step: int, nbytes: int = 8, layout: ShardLayout = SHARD0) -> Shard:
-    return Shard(step=step, layout=layout, buffer=torch.zeros(nbytes, dtype=torch.uint8))
+    return Shard(step=step, layout=layout, buffer=torch.zeros(nbytes, dtype=torch.uint8), crc=0)
 
 
 def _steps(store: MemoryStore, generation: int, source: int) -> list[int]:
@@ -159,7 +159,7 @@ def test_store_replaces_a_step_put_again_and_a_reused_buffer() -> None:
     store.put(0, 0, again)
     assert _steps(store, 0, 0) == [1, 2] and store.get(0, 0, 2) is again
     # A new step written into step 1's buffer: step 1 is gone, not listed twice.
-    reused = Shard(step=3, layout=SHARD0, buffer=first.buffer)
+    reused = Shard(step=3, layout=SHARD0, buffer=first.buffer, crc=0)
     store.put(0, 0, reused)
     assert _steps(store, 0, 0) == [2, 3] and store.get(0, 0, 3) is reused
 

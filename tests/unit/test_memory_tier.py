@@ -19,6 +19,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
+from stalwart.checkpointing.errors import SnapshotCorrupt
 from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
 from stalwart.checkpointing.memory.tier import MemoryTier
 from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager, build_layout
@@ -124,6 +125,7 @@ class StagedRun:
 def _staged_run(gpt: tuple[JobConfig, TrainTask]) -> StagedRun:
     engine = _engine(gpt, STAGED_AT)
     shard = _stager(engine).stage(engine.step)
+    shard.seal()  # its CRC32, as the replication thread records it
     tensors, values = _tensors(engine), _values(engine.state_dict())
     report, _ = engine.train_step()
     run = StagedRun(engine, shard, tensors, values, report, _tensors(engine))
@@ -283,7 +285,7 @@ def test_reader_fetches_a_missing_shard_once_from_its_first_source(gpt) -> None:
         fetches.append(src)
         # What a peer sends: a copy of its buffer, not this worker's own memory.
         return Shard(step=run.shard.step, layout=layout, buffer=run.shard.buffer.clone(),
-                     values=dict(run.shard.values))
+                     values=dict(run.shard.values), crc=run.shard.crc)
 
     reader = MemoryReader(build_metadata({0: layout, 1: layout}), local=lambda src: None,
                           fetch=fetch)
@@ -385,3 +387,53 @@ def test_the_tier_tells_its_hooks_the_snapshots_step(gpt) -> None:
         tier.leave()
     # no process group here, so no exchange: only the staging's moment comes
     assert hooks.seen == [("mid_copy", STAGED_AT)]
+
+
+# ---------------------------------------------------------------------------- CRC32 at restore
+
+
+def _flipped(shard: Shard) -> torch.Tensor:
+    """A copy of the shard's buffer with one bit of its first tensor flipped."""
+    bad = shard.buffer.clone()
+    bad[next(iter(shard.layout.slots.values())).offset] ^= 1
+    return bad
+
+
+def test_a_flipped_byte_in_a_held_replica_is_caught_before_it_is_used(gpt) -> None:
+    run = _staged_run(gpt)
+    tier, bad = MemoryTier(), _flipped(run.shard)
+    tier.store.put(0, 1, Shard(step=STAGED_AT, layout=run.shard.layout, buffer=bad,
+                               values=dict(run.shard.values), crc=run.shard.crc))
+    fresh = _engine(gpt)
+    before = _tensors(fresh)
+    with pytest.raises(SnapshotCorrupt, match=f"rank 1's snapshot of step {STAGED_AT} is "
+                                              f"damaged: its bytes have CRC32"):
+        tier.restore(fresh.tier_view(), generation=0, step=STAGED_AT,
+                     layouts={1: run.shard.layout},
+                     fetch=lambda src: (bad.numpy().copy(), dict(run.shard.values),
+                                        run.shard.crc))
+    _assert_equal_tensors(_tensors(fresh), before)  # nothing of it was loaded
+    assert fresh.step == 0
+
+
+def test_a_damaged_copy_held_here_is_fetched_from_its_holder_instead(gpt) -> None:
+    run = _staged_run(gpt)
+    tier = MemoryTier()
+    tier.store.put(0, 1, Shard(step=STAGED_AT, layout=run.shard.layout,
+                               buffer=_flipped(run.shard), values=dict(run.shard.values),
+                               crc=run.shard.crc))
+    fresh = _engine(gpt)
+    fetched = tier.restore(fresh.tier_view(), generation=0, step=STAGED_AT,
+                           layouts={1: run.shard.layout},
+                           fetch=lambda src: (run.shard.buffer.numpy().copy(),
+                                              dict(run.shard.values), run.shard.crc))
+    assert fetched == [1]
+    _assert_equal_tensors(_tensors(fresh), run.tensors)
+
+
+def test_an_unsealed_snapshot_is_not_served() -> None:
+    store = MemoryTier().store
+    layout, _ = build_layout({"w": torch.zeros(2)})
+    store.put(0, 0, Shard(step=1, layout=layout, buffer=torch.zeros(layout.nbytes,
+                                                                    dtype=torch.uint8)))
+    assert store.inventory().holdings == ()  # its CRC32 is not known yet
