@@ -83,11 +83,25 @@ class VerifiedReader(FsspecReader):
         return metadata
 
 
+def _numpy_scalar_globals() -> list[Any]:
+    """What a numpy scalar in a scheduler's or optimizer's state pickles as: numpy's scalar
+    constructor (from raw bytes) and its dtypes, nothing that runs other code."""
+    try:
+        import numpy as np
+    except ImportError:
+        return []
+    core = getattr(np, "_core", None) or np.core
+    return [core.multiarray.scalar, np.dtype,
+            *(getattr(np.dtypes, n) for n in dir(np.dtypes) if n.endswith("DType"))]
+
+
 class SafeLoadPlanner(DefaultLoadPlanner):
-    """DCP's default load planner, with byte items loaded as data only (weights_only)."""
+    """DCP's default load planner, with byte items loaded as data only (weights_only, plus
+    numpy scalars)."""
 
     def load_bytes(self, read_item: ReadItem, value: io.BytesIO) -> None:
-        loaded = torch.load(value, weights_only=True)
+        with torch.serialization.safe_globals(_numpy_scalar_globals()):
+            loaded = torch.load(value, weights_only=True)
         if self.flatten_state_dict:
             set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn],
                         loaded)

@@ -28,6 +28,7 @@ from stalwart.checkpointing.errors import SnapshotCorrupt
 from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
 from stalwart.checkpointing.memory.replication import Replicator, holders_for
 from stalwart.checkpointing.memory.store import Inventory, MemoryStore
+from stalwart.checkpointing.safe_load import SafeLoadPlanner
 from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager
 from stalwart.errors import ConfigError
 
@@ -197,7 +198,7 @@ class MemoryTier:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single
             warnings.simplefilter("ignore", UserWarning)  # process": yes, no collectives
             try:
-                dcp.load(state, storage_reader=reader, no_dist=True)
+                dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
             except CheckpointException as exc:  # DCP wraps the reader's errors: unwrap ours
                 for inner, _trace in exc.failures.values():
                     if isinstance(inner, SnapshotCorrupt):

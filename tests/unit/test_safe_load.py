@@ -83,6 +83,19 @@ def test_a_byte_item_loads_as_data_only(tmp_path: Path) -> None:
     assert not marker.exists()
 
 
+def test_numpy_scalars_in_a_schedule_still_load(tmp_path: Path) -> None:
+    import numpy as np
+
+    planner = SafeLoadPlanner()
+    state = {"x": None}
+    planner.set_up_planner(state, metadata=None, is_coordinator=True)
+    buf = io.BytesIO()
+    torch.save({"last_lr": [np.float64(0.5)], "steps": np.int64(3)}, buf)
+    buf.seek(0)
+    planner.load_bytes(_read_item("x"), buf)
+    assert state["x"] == {"last_lr": [0.5], "steps": 3}
+
+
 def _read_item(fqn: str):
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import LoadItemType, ReadItem
