@@ -53,9 +53,10 @@ def listeners(pid: int | str = "self") -> set[tuple[str, int]]:
     return found
 
 
-def listening_on(*ports: int) -> set[tuple[str, int]]:
-    """This process's listeners on these ports (other tests may leave listeners of their own)."""
-    return {lst for lst in listeners() if lst[1] in ports}
+def listening_on(*ports: int, pid: int | str = "self") -> set[tuple[str, int]]:
+    """The listeners of process `pid` on these ports (other tests may leave listeners of
+    their own in this process)."""
+    return {lst for lst in listeners(pid) if lst[1] in ports}
 
 
 def open_fds() -> int:
