@@ -12,8 +12,10 @@ process can join any number of worlds, each at a fresh rendezvous.
 
 from __future__ import annotations
 
+import errno
 import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -45,22 +47,24 @@ class RendezvousHost:
 
     def __init__(self, node_ip: str | None, *, timeout_s: float) -> None:
         if node_ip:
-            family = socket.AF_INET6 if ":" in node_ip else socket.AF_INET
-            bind_to, publish = node_ip, node_ip
+            publish = node_ip
+            sock = _listener(socket.AF_INET6 if ":" in node_ip else socket.AF_INET, node_ip)
         else:
-            # Ray reported no address for this node: listen on all interfaces (the old
-            # behaviour) and publish the host name for the other ranks to resolve.
-            family, bind_to, publish = socket.AF_INET, "", socket.getfqdn()
-        with socket.socket(family, socket.SOCK_STREAM) as sock:
-            sock.bind((bind_to, 0))
-            sock.listen(socket.SOMAXCONN)  # peers that come before the store's thread queue
-            port = sock.getsockname()[1]
+            # Ray reported no address for this node: listen on all interfaces (as torch's
+            # own rendezvous does) and publish the host name for the other ranks to resolve.
+            publish = socket.getfqdn()
+            sock = _listener(socket.AF_INET, "")
+        with sock:
+            bound, port = sock.getsockname()[:2]
+            # The store's own client connects to the bound address (loopback when it is all
+            # interfaces): Ray's address may not lead back to this host from itself.
+            here = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bound, bound)
             # The store closes the descriptor it serves on when it is destroyed: it gets a
             # duplicate, and ours closes here exactly once, whatever the store does.
             fd = os.dup(sock.fileno())
             try:
                 self._store: dist.TCPStore | None = dist.TCPStore(
-                    publish, port, is_master=True, master_listen_fd=fd,
+                    here, port, is_master=True, master_listen_fd=fd,
                     wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
             except BaseException:
                 _close_if_same_socket(fd, sock)
@@ -84,6 +88,27 @@ def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _listener(family: socket.AddressFamily, addr: str) -> socket.socket:
+    """A socket listening on `addr` at a port the OS picks."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.bind((addr, 0))
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL or not addr:
+                raise
+            # Ray's address for this node is not one of its interfaces (a NAT in front of
+            # it): only all interfaces can be bound. Peers still connect to Ray's address.
+            print(f"stalwart: {addr} is not an address of this host; the rendezvous "
+                  "listens on all interfaces", file=sys.stderr, flush=True)
+            sock.bind(("", 0))
+        sock.listen(socket.SOMAXCONN)  # peers that come before the store's thread queue
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
 def _close_if_same_socket(fd: int, sock: socket.socket) -> None:

@@ -116,6 +116,31 @@ def test_an_ipv6_node_address_hosts_on_ipv6():
         host.close()
 
 
+def test_without_a_usable_node_address_the_store_listens_on_all_interfaces(capfd):
+    # No address from Ray: the host name is published.
+    host = RendezvousHost(None, timeout_s=30)
+    try:
+        assert host.address.host == socket.getfqdn()
+        assert listening_on(host.address.port) == {("0.0.0.0", host.address.port)}
+    finally:
+        host.close()
+    # An address that is not this host's (TEST-NET-3; Ray behind a NAT): it is still what
+    # the peers are told, and the worker's log says why the store listens everywhere.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("203.0.113.7", 0))
+            pytest.skip("203.0.113.7 is an address of this host")
+        except OSError:
+            pass
+    host = RendezvousHost("203.0.113.7", timeout_s=30)
+    try:
+        assert host.address.host == "203.0.113.7"
+        assert listening_on(host.address.port) == {("0.0.0.0", host.address.port)}
+    finally:
+        host.close()
+    assert "203.0.113.7 is not an address of this host" in capfd.readouterr().err
+
+
 def test_closing_frees_the_port_and_leaves_no_descriptor():
     RendezvousHost("127.0.0.1", timeout_s=30).close()  # torch's lazy set-up, once
     before = open_fds()
