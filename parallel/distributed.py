@@ -1,37 +1,124 @@
-"""Process groups and devices: join a world at a rendezvous address, leave it cleanly.
+"""Process groups and devices: host or join a world's rendezvous, join the world, leave it cleanly.
 
 The device is chosen at run time: CUDA with NCCL when the worker was given a GPU and CUDA
 is present, otherwise CPU with gloo. Nothing else in stalwart hard-codes a backend.
+
+The rendezvous is a TCPStore that the world's rank 0 hosts. Rank 0 binds its port before
+the address is published and keeps it (`RendezvousHost`): no other process can take the
+port in between, and the store listens on the node's address only, not on all interfaces.
+The store lives as long as the process group and is released when the world is left, so a
+process can join any number of worlds, each at a fresh rendezvous.
 """
 
 from __future__ import annotations
 
+import errno
+import os
 import socket
+import sys
 from dataclasses import dataclass
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+# The store this process's world was formed through (the host's on rank 0, a client's
+# elsewhere). The process group holds it too; this reference is the one we can drop.
+_world_store: dist.TCPStore | None = None
+
 
 @dataclass(frozen=True)
 class RendezvousAddress:
-    """Where a generation of workers meets to form its process group: rank 0's node address
-    and a port free on it (torch's TCP init method)."""
+    """Where a generation of workers meets to form its process group: the address and port
+    of the TCPStore that the generation's rank 0 hosts (see RendezvousHost)."""
 
     host: str
     port: int
 
-    @property
-    def init_method(self) -> str:
-        return f"tcp://{self.host}:{self.port}"
+
+class RendezvousHost:
+    """The store of one rendezvous, hosted by the process that will be the world's rank 0.
+
+    The listening socket is bound (port 0: the OS picks a free one) and listening before the
+    address is known to anyone, and the store serves on that very socket, so the port is
+    never free between its choice and its use. Own it until the process joins the world
+    (`init_process_group(..., host=this)` hands the store over), or `close()` it.
+    """
+
+    def __init__(self, node_ip: str | None, *, timeout_s: float) -> None:
+        if node_ip:
+            publish = node_ip
+            sock = _listener(socket.AF_INET6 if ":" in node_ip else socket.AF_INET, node_ip)
+        else:
+            # Ray reported no address for this node: listen on all interfaces (as torch's
+            # own rendezvous does) and publish the host name for the other ranks to resolve.
+            publish = socket.getfqdn()
+            sock = _listener(socket.AF_INET, "")
+        with sock:
+            bound, port = sock.getsockname()[:2]
+            # The store's own client connects to the bound address (loopback when it is all
+            # interfaces): Ray's address may not lead back to this host from itself.
+            here = {"0.0.0.0": "127.0.0.1", "::": "::1"}.get(bound, bound)
+            # The store closes the descriptor it serves on when it is destroyed: it gets a
+            # duplicate, and ours closes here exactly once, whatever the store does.
+            fd = os.dup(sock.fileno())
+            try:
+                self._store: dist.TCPStore | None = dist.TCPStore(
+                    here, port, is_master=True, master_listen_fd=fd,
+                    wait_for_workers=False, timeout=timedelta(seconds=timeout_s))
+            except BaseException:
+                _close_if_same_socket(fd, sock)
+                raise
+        self.address = RendezvousAddress(host=publish, port=port)
+
+    def take_store(self) -> dist.TCPStore:
+        if self._store is None:
+            raise RuntimeError(f"the rendezvous at {self.address} was closed or already joined")
+        store, self._store = self._store, None
+        return store
+
+    def close(self) -> None:
+        """Stop listening (unless the world joined through it holds the store now)."""
+        self._store = None
 
 
 def free_port() -> int:
-    """A port that is free now on this host (the OS picks it, so parallel runs never clash)."""
+    """A port that is free now on this host. Racy (another process may take it before the
+    caller binds it): for tests and tools only; a world's rendezvous uses RendezvousHost."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("", 0))
         return s.getsockname()[1]
+
+
+def _listener(family: socket.AddressFamily, addr: str) -> socket.socket:
+    """A socket listening on `addr` at a port the OS picks."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        try:
+            sock.bind((addr, 0))
+        except OSError as exc:
+            if exc.errno != errno.EADDRNOTAVAIL or not addr:
+                raise
+            # Ray's address for this node is not one of its interfaces (a NAT in front of
+            # it): only all interfaces can be bound. Peers still connect to Ray's address.
+            print(f"stalwart: {addr} is not an address of this host; the rendezvous "
+                  "listens on all interfaces", file=sys.stderr, flush=True)
+            sock.bind(("", 0))
+        sock.listen(socket.SOMAXCONN)  # peers that come before the store's thread queue
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def _close_if_same_socket(fd: int, sock: socket.socket) -> None:
+    """Close `fd`, a duplicate of `sock`, unless a failed store closed it already (then the
+    number may name another thread's file by now, which must stay open)."""
+    try:
+        if os.fstat(fd).st_ino == os.fstat(sock.fileno()).st_ino:
+            os.close(fd)
+    except OSError:
+        pass
 
 
 def pick_device(want_gpu: bool) -> torch.device:
@@ -49,19 +136,42 @@ def backend_for(device: torch.device) -> str:
 
 
 def init_process_group(rdzv: RendezvousAddress, *, rank: int, world_size: int,
-                       device: torch.device, timeout_s: float) -> None:
-    dist.init_process_group(
-        backend=backend_for(device),
-        init_method=rdzv.init_method,
-        rank=rank,
-        world_size=world_size,
-        timeout=timedelta(seconds=timeout_s),
-    )
+                       device: torch.device, timeout_s: float,
+                       host: RendezvousHost | None = None) -> None:
+    """Join the world that meets at `rdzv`: rank 0 through the store it hosts there (`host`,
+    which published `rdzv`), every other rank as a client of that store.
+
+    The store and the process group share `timeout_s` (failure.collective_timeout_s).
+    """
+    global _world_store
+    timeout = timedelta(seconds=timeout_s)
+    if rank == 0:
+        if host is None or host.address != rdzv:
+            raise ValueError(f"rank 0 must host the rendezvous it joins ({rdzv}); "
+                             f"it hosts {host.address if host else 'none'}")
+        store = host.take_store()
+        store.set_timeout(timeout)
+    elif host is not None:
+        raise ValueError(f"rank {rank} hosts a rendezvous ({host.address}); only rank 0 may")
+    else:
+        store = dist.TCPStore(rdzv.host, rdzv.port, is_master=False, timeout=timeout)
+    _world_store = store
+    try:
+        # The prefix is the one torch's own rendezvous gives the default group's keys.
+        dist.init_process_group(backend=backend_for(device),
+                                store=dist.PrefixStore("default_pg", store),
+                                rank=rank, world_size=world_size, timeout=timeout)
+    except BaseException:
+        _world_store = None
+        raise
 
 
 def destroy_process_group() -> None:
+    global _world_store
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+    # On rank 0 the store stops listening once the last group that uses it is gone.
+    _world_store = None
 
 
 def abort_process_groups() -> None:
@@ -72,8 +182,10 @@ def abort_process_groups() -> None:
     peer whose groups are only destroyed keeps their sockets open for as long as anything
     references them; either can leave a survivor blocked in a collective until its timeout.
     """
+    global _world_store
     if dist.is_available() and dist.is_initialized():
         dist.distributed_c10d._abort_process_group()
+    _world_store = None
 
 
 def forget_dtensor_caches() -> None:

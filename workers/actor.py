@@ -35,10 +35,10 @@ from stalwart.config import FaultSpec, JobConfig, config_from_dict
 from stalwart.events import WorkerPlace
 from stalwart.parallel.distributed import (
     RendezvousAddress,
+    RendezvousHost,
     abort_process_groups,
     destroy_process_group,
     forget_dtensor_caches,
-    free_port,
     init_process_group,
     pick_device,
 )
@@ -122,6 +122,9 @@ class TrainWorker:
         self._error: str | None = None
         self._error_kind: str | None = None
         self._preempted = False
+        # The rendezvous this worker hosts for the next world, from rendezvous_address()
+        # until it joins that world as rank 0 (the world holds the store from then on).
+        self._rendezvous: RendezvousHost | None = None
         self._install_sigterm_handler()
 
     def __repr__(self) -> str:
@@ -165,10 +168,23 @@ class TrainWorker:
         return self.describe()
 
     def rendezvous_address(self) -> RendezvousAddress:
-        """Called on the next rank 0 only: this node's address and a port free on it now."""
+        """Called on the next rank 0 only: host the next world's store, listening on this
+        node's address at a port the OS picked, and say where it is.
+
+        The port is held from now until the world is left, so nothing else can take it.
+        Asked again (a world that failed while it formed), the last rendezvous closes first.
+        """
         import ray
 
-        return RendezvousAddress(host=ray.util.get_node_ip_address(), port=free_port())
+        self._close_rendezvous()
+        self._rendezvous = RendezvousHost(ray.util.get_node_ip_address() or None,
+                                          timeout_s=self.config.failure.collective_timeout_s)
+        return self._rendezvous.address
+
+    def _close_rendezvous(self) -> None:
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
 
     def describe(self) -> WorkerPlace:
         """Where this worker runs, for the event log, fault injection and tests that kill it."""
@@ -192,8 +208,12 @@ class TrainWorker:
         self._reset_run_state()
         self.faults.arm(rank, faults)
         device = pick_device(self.config.scaling.gpus_per_worker > 0)
+        host, self._rendezvous = self._rendezvous, None
+        if rank != 0 and host is not None:
+            host.close()  # hosted for a world that never formed; rank 0 hosts this one
+            host = None
         init_process_group(rdzv, rank=rank, world_size=world_size, device=device,
-                           timeout_s=self.config.failure.collective_timeout_s)
+                           timeout_s=self.config.failure.collective_timeout_s, host=host)
         forget_dtensor_caches()  # the last world's meshes must not come back (see there)
         self.engine = TrainEngine(self.config, self.task, rank=rank, world_size=world_size,
                                   device=device)
@@ -374,6 +394,7 @@ class TrainWorker:
         # while every peer waits for the next world.
         self.engine = None
         destroy_process_group()
+        self._close_rendezvous()  # hosted for a world that never formed
         self._reset_run_state()
         self.rank = -1
         self.faults.disarm()
@@ -388,3 +409,4 @@ class TrainWorker:
             self.checkpointer.close()
         self.tier.leave()
         destroy_process_group()
+        self._close_rendezvous()
