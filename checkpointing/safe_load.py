@@ -9,6 +9,7 @@ checkpoint: step, LR schedule, optimizer settings) load with `weights_only=True`
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import io
 import pickle
@@ -83,6 +84,7 @@ class VerifiedReader(FsspecReader):
         return metadata
 
 
+@functools.cache
 def _numpy_scalar_globals() -> list[Any]:
     """What a numpy scalar in a scheduler's or optimizer's state pickles as: numpy's scalar
     constructor (from raw bytes) and its dtypes, nothing that runs other code."""

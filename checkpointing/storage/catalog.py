@@ -132,7 +132,7 @@ def verify(info: CheckpointInfo, trust: CheckpointTrust) -> CheckpointInfo:
     accepted unsigned."""
     check_manifest(info)
     unsigned = check_signature(info.manifest, trust, f"checkpoint {info.path!r}")
-    verify_files(info)
+    _check_files(info)
     return dataclasses.replace(info, unsigned=unsigned)
 
 
@@ -140,6 +140,11 @@ def verify_files(info: CheckpointInfo) -> None:
     """Every file of the manifest is there with its size and sha256 (the manifest's own
     trust is verify()'s to check)."""
     check_manifest(info)
+    _check_files(info)
+
+
+def _check_files(info: CheckpointInfo) -> None:
+    """Each file against the size and sha256 the (already checked) manifest gives."""
     fs, root = filesystem(info.path)
     for name, meta in info.manifest["files"].items():
         path = f"{root}/{name}"
