@@ -114,7 +114,18 @@ class Controller:
         finally:
             self.group.shutdown(graceful=isinstance(self.state, Finished | Stopped))
             self.stop.uninstall()
+        if isinstance(self.state, Failed):
+            self._log_unreported_commit()
         return self.state
+
+    def _log_unreported_commit(self) -> None:
+        """A failed run's last commit that rank 0 wrote but did not live to report (it died
+        before the next poll): logged, so the log names what a resume will start from.
+        Looked for once the workers are gone, when no commit can still be landing."""
+        try:
+            self.commits.found(newest_valid(self.storage_url, self.trust))
+        except (OSError, CheckpointError) as exc:  # the failure may be storage itself
+            self.display.log(f"could not list the checkpoints after the failure: {exc}")
 
     def _handle(self, state: State) -> State:
         handler = getattr(self, f"_on_{state.name.lower()}", None)  # _on_running...

@@ -270,8 +270,8 @@ class CheckpointCommitted(Event):
     """Seconds from the start of the save to the manifest written; null when found on
     restore."""
     found_on_restore: bool = False
-    """Rank 0 did not live to report it (its node lost just after the manifest landed); a
-    restore found it on storage."""
+    """Rank 0 did not live to report it (it died just after the manifest landed); a
+    restore, or the end of a failed run, found it on storage."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -185,6 +185,23 @@ def test_a_commit_rank_0_did_not_live_to_report_is_logged_when_a_restore_finds_i
     assert w.event("recovered")["from_step"] == 4
 
 
+def test_a_commit_rank_0_did_not_live_to_report_is_logged_when_the_run_fails(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No restore follows a failure past the budget, so the end of the run looks on storage:
+    the log's newest commit is the step a resume will start from."""
+    storage = tmp_path / "checkpoints"
+    _commit_checkpoint(storage, 2)
+    _commit_checkpoint(storage, 4)
+    w = FakeWorld(tmp_path, monkeypatch, [
+        Plan(polls=[statuses([1, 2, 3], commits=[2]), Poll([status(1, [4, 5])], dead=[0])]),
+    ], ["failure.max_failures=0"], storage=storage)
+    assert isinstance(w.run(), Failed)
+
+    assert w.kinds() == ["started", "checkpoint_committed", "failure", "checkpoint_committed"]
+    assert [(c["step"], c["found_on_restore"]) for c in w.all("checkpoint_committed")] == [
+        (2, False), (4, True)]
+
+
 def test_a_resumed_runs_own_checkpoint_is_not_logged_again_when_a_restore_finds_it(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     storage = tmp_path / "checkpoints"
