@@ -35,6 +35,7 @@ from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.config import JobConfig
 from stalwart.errors import ConfigError
 from stalwart.events import WorkerPlace
+from stalwart.orchestrator.driver_loss import run_namespace, start_beacon
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.group import Arm, WorkerGroup
 from stalwart.workers.actor import TrainWorker
@@ -126,9 +127,12 @@ class ElasticGroup(WorkerGroup):
     LEAVE_TIMEOUT_S = 10.0
 
     def __init__(self, config: JobConfig, storage_url: str, *, trust: CheckpointTrust,
-                 runtime_env: dict[str, Any] | None = None) -> None:
+                 runtime_env: dict[str, Any] | None = None,
+                 outlive_driver: bool = False) -> None:
         """`trust`: the checkpoint key and what a load accepts, handed to every worker at
-        its start (the key is never written to storage or the run dir)."""
+        its start (the key is never written to storage or the run dir). `outlive_driver`:
+        detached workers that commit the step in flight if this driver is killed
+        (workers/driver_watch.py); for a cluster that outlives the driver."""
         self.config = config
         self.storage_url = storage_url
         self.trust = trust
@@ -144,6 +148,8 @@ class ElasticGroup(WorkerGroup):
         self._created = 0
         self._config_dict = config.to_dict()
         self._actor_class = ray.remote(TrainWorker)
+        # The beacon of a driver whose workers outlive it (orchestrator/driver_loss.py).
+        self._beacon = start_beacon(trust.run_id, self.driver_node_id) if outlive_driver else None
 
     # ------------------------------------------------------------------ the pool
 
@@ -165,8 +171,11 @@ class ElasticGroup(WorkerGroup):
         )
         if self.runtime_env:
             options["runtime_env"] = self.runtime_env
+        if self._beacon is not None:  # found again by the run's next driver
+            options.update(lifetime="detached", namespace=run_namespace(self.trust.run_id))
         actor = self._actor_class.options(**options).remote(
-            self._config_dict, self.storage_url, self._created, trust=self.trust)
+            self._config_dict, self.storage_url, self._created, trust=self.trust,
+            driver_beacon=self._beacon)
         return Worker(key=name, actor=actor, warm=actor.warm_up.remote())
 
     def refresh(self, timeout: float = 0.0) -> None:
@@ -462,6 +471,9 @@ class ElasticGroup(WorkerGroup):
         for w in self.members + self.idle + self.starting:
             ray.kill(w.actor, no_restart=True)
         self.members, self.idle, self.starting = [], [], []
+        if self._beacon is not None:  # after the workers: they must not take it for a loss
+            ray.kill(self._beacon, no_restart=True)
+            self._beacon = None
 
     def _get(self, refs: list[Any], *, timeout: float | None = None,
              kind: FailureKind = FailureKind.START_ERROR) -> list[Any]:

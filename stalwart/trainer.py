@@ -224,6 +224,15 @@ class Trainer:
         spares = math.ceil(sc.spare_workers * sc.cpus_per_worker)
         return max(1, os.cpu_count() or 1) + spares
 
+    def _settle_previous_driver(self, run_id: str) -> bool:
+        """On a cluster: refuse a run whose driver runs elsewhere; let a killed driver's
+        workers finish committing first (True: the newest checkpoint may be new)."""
+        from stalwart.orchestrator.driver_loss import settle_previous_driver
+        from stalwart.workers.actor import DRIVER_LOST_STOP_S
+
+        return settle_previous_driver(run_id, wait_s=DRIVER_LOST_STOP_S + 10,
+                                      log=lambda m: print(f"stalwart: {m}", flush=True))
+
     def _check_resources(self) -> None:
         import ray
 
@@ -262,6 +271,8 @@ class Trainer:
         started_ray, runtime_env = self._connect()
         display = None
         try:
+            if self.address is not None and self._settle_previous_driver(trust.run_id):
+                resume_from, changes, skipped = self._check_run_dir(storage_url, trust)
             self._check_resources()
             self._make_storage(storage_url)
             for cb in self.callbacks:
@@ -290,7 +301,7 @@ class Trainer:
             controller = Controller(
                 self.config, storage_url=storage_url,
                 group=ElasticGroup(self.config, storage_url, runtime_env=runtime_env,
-                                   trust=trust),
+                                   trust=trust, outlive_driver=self.address is not None),
                 group_error=GroupFailed, trust=trust, events=self.run_dir.events,
                 metrics=self.run_dir.metrics, display=display, resume_from=resume_from,
                 policies=default_policies(self.config, storage_url=storage_url,

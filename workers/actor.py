@@ -43,6 +43,7 @@ from stalwart.parallel.distributed import (
     pick_device,
 )
 from stalwart.task import TrainTask, build_task
+from stalwart.workers.driver_watch import DriverWatch, end_this_actor
 from stalwart.workers.engine import TrainEngine
 from stalwart.workers.errors import classify_exception
 from stalwart.workers.faults import FaultInjector
@@ -92,9 +93,16 @@ def warm_model(task: TrainTask, config: JobConfig) -> None:
     task.loss(model, inputs, targets).backward()
 
 
+# How long the ranks of a driver that died may take to finish the step in flight and
+# commit it before they exit anyway (the previous commit stays valid).
+DRIVER_LOST_STOP_S = 300.0
+
+
 class TrainWorker:
     def __init__(self, config: dict[str, Any], storage_url: str, number: int = 0, *,
-                 trust: CheckpointTrust) -> None:
+                 trust: CheckpointTrust, driver_beacon: Any = None) -> None:
+        """`driver_beacon`: the driver's DriverBeacon when this worker is detached and must
+        outlive a killed driver (workers/driver_watch.py); None when it dies with it."""
         self.config: JobConfig = config_from_dict(config)
         self.storage_url = storage_url
         self.trust = trust  # the checkpoint key, from the driver; only ever in memory
@@ -126,6 +134,8 @@ class TrainWorker:
         # until it joins that world as rank 0 (the world holds the store from then on).
         self._rendezvous: RendezvousHost | None = None
         self._install_sigterm_handler()
+        self._driver_watch = (DriverWatch(driver_beacon, self._on_driver_lost).start()
+                              if driver_beacon is not None else None)
 
     def __repr__(self) -> str:
         """What Ray shows for this actor: in its log prefix, as the dashboard's Repr.
@@ -150,6 +160,21 @@ class TrainWorker:
 
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _on_driver_lost(self) -> None:
+        """The driver died without stopping the run (on the watch's thread): stop after the
+        step in flight as on a stop request, so that step is committed (rank 0 writes the
+        manifest once every rank saved its shard), then end this actor: nobody else will."""
+        print(f"stalwart: {self!r}: the driver is gone; checkpointing the step in flight, "
+              f"then exiting", file=sys.stderr, flush=True)
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._stop.set()
+            thread.join(DRIVER_LOST_STOP_S)
+        if self.rank == 0 and self._commits:
+            print(f"stalwart: committed step {self._commits[-1].step} for the next driver "
+                  f"(--auto-resume continues from it)", file=sys.stderr, flush=True)
+        end_this_actor()
 
     # ------------------------------------------------------------------ set-up
 
