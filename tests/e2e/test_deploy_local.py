@@ -22,9 +22,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import torch
 
 from stalwart.run_dir import read_jsonl
-from tests.cli_helpers import REFERENCE_CONFIG, STALWART, TINY, sets, wait_for_step
+from tests.cli_helpers import (
+    REFERENCE_CONFIG,
+    STALWART,
+    TINY,
+    exported_weights,
+    sets,
+    wait_for_step,
+)
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(240)]
 
@@ -241,6 +249,49 @@ def test_stop_checkpoints_the_run_and_a_resumed_submit_continues_it(cluster):
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert len(resumed) == 1 and resumed[0]["from_step"] == step
     assert events[-1]["kind"] == "finished" and events[-1]["step"] == step + 10
+
+
+def _driver_pid(cluster: Cluster, job_id: str) -> int:
+    """The PID of a job's driver (`stalwart run`), from the cluster's job API."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import sys; from stalwart.cli.jobs import find, job_client; "
+         "print(find(job_client(sys.argv[1]), sys.argv[2]).driver_info.pid)",
+         cluster.dashboard, job_id],
+        env=cluster.env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    return int(proc.stdout)
+
+
+def test_a_killed_driver_loses_no_step_and_an_auto_resumed_submit_ends_bit_identical(
+        cluster, tmp_path):
+    """SIGKILL of a job's driver: its workers commit the step in flight and exit; the job
+    submitted again with --auto-resume continues from there, to the failure-free weights."""
+    run = sets(*TINY, "train.steps=300", "checkpoint.persist_every=50", "run.log_every=1")
+    straight = cluster.project / "runs" / "straight-300"
+    cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(straight), "--follow")
+    run_dir = cluster.project / "runs" / "driver-killed"
+    cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(run_dir),
+                     "--job-id", "stalwart-driver-kill")
+    deadline = time.monotonic() + 120
+    while not (run_dir / "metrics.jsonl").exists() or read_jsonl(
+            run_dir / "metrics.jsonl")[-1]["step"] < 60:
+        assert time.monotonic() < deadline, "step 60 not reached"
+        time.sleep(0.05)
+    os.kill(_driver_pid(cluster, "stalwart-driver-kill"), signal.SIGKILL)
+    logged = read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
+
+    again = cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(run_dir), "--auto-resume",
+                             "--follow")
+    assert again.stdout.rstrip().endswith("SUCCEEDED")
+    events = _events(run_dir)
+    resumed = [e for e in events if e["kind"] == "resumed"]
+    # at most one step behind the last step the killed driver logged (the last periodic
+    # commit, step 50, is at least 10 behind)
+    assert len(resumed) == 1 and resumed[0]["from_step"] >= logged - 1
+    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 300
+    a = exported_weights(straight, tmp_path, "straight")
+    b = exported_weights(run_dir, tmp_path, "killed")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_ray_job_submit_runs_stalwart_as_well(cluster):
