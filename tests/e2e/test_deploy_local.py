@@ -262,36 +262,63 @@ def _driver_pid(cluster: Cluster, job_id: str) -> int:
     return int(proc.stdout)
 
 
-def test_a_killed_driver_loses_no_step_and_an_auto_resumed_submit_ends_bit_identical(
-        cluster, tmp_path):
-    """SIGKILL of a job's driver: its workers commit the step in flight and exit; the job
-    submitted again with --auto-resume continues from there, to the failure-free weights."""
-    run = sets(*TINY, "train.steps=300", "checkpoint.persist_every=50", "run.log_every=1")
-    straight = cluster.project / "runs" / "straight-300"
-    cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(straight), "--follow")
-    run_dir = cluster.project / "runs" / "driver-killed"
-    cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(run_dir),
-                     "--job-id", "stalwart-driver-kill")
+def _wait_for_step(run_dir: Path, step: int) -> None:
     deadline = time.monotonic() + 120
     while not (run_dir / "metrics.jsonl").exists() or read_jsonl(
-            run_dir / "metrics.jsonl")[-1]["step"] < 60:
-        assert time.monotonic() < deadline, "step 60 not reached"
+            run_dir / "metrics.jsonl")[-1]["step"] < step:
+        assert time.monotonic() < deadline, f"step {step} not reached"
         time.sleep(0.05)
+
+
+def test_a_killed_then_terminated_driver_loses_no_step_and_auto_resume_ends_bit_identical(
+        cluster, tmp_path):
+    """SIGKILL of a job's driver: its workers commit the step in flight and exit. The job
+    submitted again with --auto-resume continues from there. SIGTERM of that one's driver
+    checkpoints the step in flight and stops; a third submit finishes, with the weights of a
+    failure-free run."""
+    run = sets(*TINY, "train.steps=200", "checkpoint.persist_every=50", "run.log_every=1")
+    straight = cluster.project / "runs" / "straight-200"
+    cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(straight), "--follow")
+    run_dir = cluster.project / "runs" / "driver-lost"
+    cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(run_dir), "--auto-resume",
+                     "--job-id", "stalwart-driver-kill")
+    _wait_for_step(run_dir, 60)
     os.kill(_driver_pid(cluster, "stalwart-driver-kill"), signal.SIGKILL)
     logged = read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
+
+    cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(run_dir), "--auto-resume",
+                     "--job-id", "stalwart-driver-term")
+    resumed = _wait_for_event(run_dir, "resumed")
+    # at most one step behind the last step the killed driver logged (the last periodic
+    # commit, step 50, is at least 10 behind)
+    assert resumed["from_step"] >= logged - 1
+    _wait_for_step(run_dir, resumed["from_step"] + 20)
+    os.kill(_driver_pid(cluster, "stalwart-driver-term"), signal.SIGTERM)
+    logs = cluster.stalwart("logs", "stalwart-driver-term", "--follow", check=1)
+    stopped = [e for e in _events(run_dir) if e["kind"] == "stopped"]
+    assert len(stopped) == 1 and f"STOPPED at step {stopped[0]['step']}" in logs.stdout
+    commits = [e["step"] for e in _events(run_dir) if e["kind"] == "checkpoint_committed"]
+    assert commits[-1] == stopped[0]["step"]  # the step in flight, checkpointed
 
     again = cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(run_dir), "--auto-resume",
                              "--follow")
     assert again.stdout.rstrip().endswith("SUCCEEDED")
     events = _events(run_dir)
-    resumed = [e for e in events if e["kind"] == "resumed"]
-    # at most one step behind the last step the killed driver logged (the last periodic
-    # commit, step 50, is at least 10 behind)
-    assert len(resumed) == 1 and resumed[0]["from_step"] >= logged - 1
-    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 300
+    assert [e["from_step"] for e in events if e["kind"] == "resumed"] == [
+        resumed["from_step"], stopped[0]["step"]]
+    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 200
     a = exported_weights(straight, tmp_path, "straight")
-    b = exported_weights(run_dir, tmp_path, "killed")
+    b = exported_weights(run_dir, tmp_path, "lost")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def _wait_for_event(run_dir: Path, kind: str) -> dict:
+    deadline = time.monotonic() + 120
+    while not (found := [e for e in (_events(run_dir) if (run_dir / "events.jsonl").exists()
+                                     else []) if e["kind"] == kind]):
+        assert time.monotonic() < deadline, f"no {kind} event"
+        time.sleep(0.1)
+    return found[-1]
 
 
 def test_ray_job_submit_runs_stalwart_as_well(cluster):
