@@ -82,7 +82,6 @@ class RunStatus:
 def read_status(run_dir: Path, *, trust_unsigned: bool = False) -> RunStatus:
     """The run's status from its files; a damaged record is a RecordError (bad input)."""
     from stalwart.config import load_config
-    from stalwart.report.summary import END_EVENTS, invocations
 
     events = ev.read_events(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() \
         else []
@@ -91,14 +90,15 @@ def read_status(run_dir: Path, *, trust_unsigned: bool = False) -> RunStatus:
     config_file = run_dir / "config.toml"
     has_config = config_file.exists()
     config = load_config(config_file if has_config else None)
-    ends = [e for e in (invocations(events)[-1] if events else []) if isinstance(e, END_EVENTS)]
-    end = ends[-1] if ends else None
-    starts = [e.start_step for e in events if isinstance(e, ev.Started)]
+    end = last_end(events)
+    starts = [e for e in events if isinstance(e, ev.Started)]
     step = end.step if end is not None else (rows[-1].step if rows else
-                                             (starts[-1] if starts else None))
+                                             (starts[-1].start_step if starts else None))
+    # The newest invocation's target (a resume may have changed train.steps).
+    steps_total = starts[-1].steps if starts else (config.train.steps if has_config else None)
     return RunStatus(
         state=end.kind.upper() if end is not None else NO_END,
-        reason=getattr(end, "reason", None), step=step, steps_total=config.train.steps,
+        reason=getattr(end, "reason", None), step=step, steps_total=steps_total,
         last_event=events[-1].time if events else None, has_config=has_config,
         checkpoints=_checkpoints(run_dir, config, trust_unsigned=trust_unsigned))
 
@@ -131,6 +131,24 @@ def _checkpoints(run_dir: Path, config: JobConfig, *, trust_unsigned: bool) -> C
         return Checkpoints(url=url, skipped=skipped)
     return Checkpoints(url=url, newest=newest.step, newest_path=newest.path,
                        unsigned=newest.unsigned, skipped=skipped)
+
+
+END_EVENTS = (ev.Finished, ev.Stopped, ev.Failed, ev.Interrupted)
+# Each invocation of `stalwart run` starts with one of these (a resume, or a fresh start in
+# a run dir that held no checkpoint): an end written before it is an earlier invocation's.
+BEGIN_EVENTS = (ev.Resumed, ev.StartedFrom, ev.Started)
+
+
+def last_end(events: list[ev.Event]
+             ) -> ev.Finished | ev.Stopped | ev.Failed | ev.Interrupted | None:
+    """The newest invocation's end event, or None while it has none."""
+    end: ev.Finished | ev.Stopped | ev.Failed | ev.Interrupted | None = None
+    for e in events:
+        if isinstance(e, BEGIN_EVENTS):
+            end = None
+        elif isinstance(e, END_EVENTS):
+            end = e
+    return end
 
 
 def continue_command(run_dir: str, *, trust_unsigned: bool) -> str:

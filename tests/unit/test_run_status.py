@@ -129,6 +129,14 @@ def test_a_resumed_run_is_running_again_after_its_stop(tmp_path, capsys) -> None
     assert code == 3 and "no end recorded" in out.splitlines()[0]
 
 
+def test_a_run_started_again_without_a_checkpoint_is_running(tmp_path, capsys) -> None:
+    # Stopped before its first checkpoint, then started afresh in the same run dir: no
+    # `resumed` event, but a new `started`.
+    events = [started(), E.Stopped(time=T0 + 3, step=2), started(T0 + 100)]
+    code, out = status(make_run(tmp_path, events, rows_to=2), capsys=capsys)
+    assert code == 3 and "no end recorded" in out.splitlines()[0]
+
+
 def test_a_run_without_a_checkpoint(tmp_path, capsys) -> None:
     run = make_run(tmp_path, [started(), E.Stopped(time=T0 + 3, step=2)], rows_to=2)
     code, out = status(run, capsys=capsys)
