@@ -17,6 +17,7 @@ from stalwart.orchestrator.profiles import save_trace
 from stalwart.orchestrator.stragglers import StragglerDetector
 
 if TYPE_CHECKING:
+    from stalwart.checkpointing.memory.limits import MemoryLimit
     from stalwart.checkpointing.storage.catalog import CheckpointInfo
     from stalwart.config import JobConfig
     from stalwart.events import WorkerPlace
@@ -81,24 +82,31 @@ class TierReporter(ControllerObserver):
         self.world_size = 0
         self._reported = -1  # the generation whose memory-tier size was last reported
         self._bytes: dict[int, int] = {}
+        self._limit: MemoryLimit | None = None  # the tightest any worker of the world has
 
     def after_launch(self, generation: int, world_size: int, now: float) -> None:
-        self.world_size, self._bytes = world_size, {}
+        self.world_size, self._bytes, self._limit = world_size, {}, None
 
     def on_status(self, rank: int, status: WorkerStatus, now: float) -> None:
         if status.snapshot_bytes:
             self._bytes[rank] = max(status.snapshot_bytes, self._bytes.get(rank, 0))
+        limit = status.tier_limit
+        if limit is not None and (self._limit is None or limit.bytes < self._limit.bytes):
+            self._limit = limit
 
     def after_poll(self, state: Running, last_step: int, now: float) -> None:
         if self._reported == state.generation or len(self._bytes) < self.world_size \
                 or last_step < state.start_step + TIER_STEADY_AFTER:
             return
         self._reported = state.generation
-        ck = self.checkpoint
+        ck, limit = self.checkpoint, self._limit
         self.events.emit(ev.MemoryTier(generation=state.generation,
                          bytes_per_worker=max(self._bytes.values()),
                          bytes_total=sum(self._bytes.values()),
-                         snapshot_every=ck.snapshot_every, replicas=ck.replicas))
+                         snapshot_every=ck.snapshot_every, replicas=ck.replicas,
+                         limit_bytes=limit.bytes if limit else None,
+                         limit_bound=limit.bound if limit else None,
+                         limit_bound_bytes=limit.bound_bytes if limit else None))
 
 
 class StragglerReporter(ControllerObserver):

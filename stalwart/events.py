@@ -310,6 +310,16 @@ class MemoryTier(Event):
     bytes_total: int
     snapshot_every: int
     replicas: int
+    limit_bytes: int | None = None
+    """The most the tier may hold on a worker (the smallest of the workers' limits): the
+    configured checkpoint.memory_limit_gb, else 40% of `limit_bound_bytes` shared among the
+    node's ranks."""
+    limit_bound: str | None = None
+    """What set that limit: configured (checkpoint.memory_limit_gb), cgroup (the worker's
+    container or job: cgroup v2 memory.max, v1 memory.limit_in_bytes), ray (Ray's memory
+    resource of the node) or physical (the node's RAM), whichever is smallest."""
+    limit_bound_bytes: int | None = None
+    """That bound's bytes: for the node (cgroup, ray, physical), or per worker (configured)."""
 
 
 # ---------------------------------------------------------------- faults and profiles

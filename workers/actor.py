@@ -374,7 +374,7 @@ class TrainWorker:
                             commits=commits, done=done, stopped_early=self._stopped_early,
                             error=error, error_kind=self._error_kind, faults=faults,
                             profiles=profiles, preempted=self._preempted,
-                            snapshot_bytes=self.tier.nbytes())
+                            snapshot_bytes=self.tier.nbytes(), tier_limit=self.tier.limit)
 
     # ------------------------------------------------------------------ leaving
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from stalwart.checkpointing.memory.limits import MemoryLimit
 from stalwart.checkpointing.storage.writer import CommitReport
 from stalwart.workers.faults import FaultFired
 
@@ -89,3 +90,5 @@ class WorkerStatus:
     """The process got SIGTERM: its machine is going away."""
     snapshot_bytes: int = 0
     """Memory the worker's in-memory checkpoint tier holds (its snapshots and replicas)."""
+    tier_limit: MemoryLimit | None = None
+    """The most the tier may hold on this worker, and which bound set it."""

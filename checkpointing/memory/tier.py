@@ -13,7 +13,6 @@ memory too, and no more than two steps per shard are ever held.
 
 from __future__ import annotations
 
-import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -25,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from stalwart.checkpointing.errors import SnapshotCorrupt
+from stalwart.checkpointing.memory.limits import GIB, MemoryLimit, memory_limit, ray_node_memory
 from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
 from stalwart.checkpointing.memory.replication import Replicator, holders_for
 from stalwart.checkpointing.memory.store import Inventory, MemoryStore
@@ -32,20 +32,9 @@ from stalwart.checkpointing.safe_load import SafeLoadPlanner
 from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager
 from stalwart.errors import ConfigError
 
-GIB = 1 << 30
-
 
 class MemoryLimitError(ConfigError):
     """The memory tier would hold more than checkpoint.memory_limit_gb on a worker."""
-
-
-def memory_limit_bytes(limit_gb: float, ranks_on_node: int) -> int:
-    """checkpoint.memory_limit_gb in bytes; 0 means 40% of this node's memory, shared
-    among the ranks on it."""
-    if limit_gb > 0:
-        return int(limit_gb * GIB)
-    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return int(0.4 * total / max(1, ranks_on_node))
 
 
 @dataclass(frozen=True)
@@ -77,7 +66,7 @@ class MemoryTier:
         self.replicator: Replicator | None = None
         self.generation = -1
         self.rank = -1
-        self.limit_bytes = 0
+        self.limit: MemoryLimit | None = None
 
     # ------------------------------------------------------------------ per generation
 
@@ -87,10 +76,11 @@ class MemoryTier:
         other process groups it creates. `replica_class` tells data-parallel replicas apart
         (equal values: identical state), so that no snapshot is sent to its own twin."""
         self.rank, self.generation = rank, generation
-        self.limit_bytes = memory_limit_bytes(limit_gb, nodes.count(nodes[rank]))
+        self.limit = memory_limit(limit_gb, nodes.count(nodes[rank]),
+                                  ray_memory=ray_node_memory())
         self.replicator = Replicator(rank=rank, generation=generation,
                                      holders=holders_for(nodes, replicas), store=self.store,
-                                     replica_class=replica_class, max_bytes=self.limit_bytes)
+                                     replica_class=replica_class, max_bytes=self.limit.bytes)
         # The limit is checked when a layout is known, before its buffers are allocated.
         self.stager = SnapshotStager(state_dict=engine.state_dict,
                                      scalar_state=engine.scalar_state,
@@ -117,14 +107,15 @@ class MemoryTier:
         # Two buffers of our own, two per shard held for a peer (peers' shards are the
         # same size in data parallelism and about the same when sharded).
         need = 2 * layout.nbytes * (1 + held)
-        if need > self.limit_bytes:
+        assert self.limit is not None
+        if need > self.limit.bytes:
             raise MemoryLimitError(
                 f"the in-memory checkpoint tier needs about {need / GIB:.2f} GiB on worker "
                 f"rank {self.rank} (2 snapshots of its {layout.nbytes / GIB:.2f} GiB shard "
                 f"and of the {held} shard(s) it holds for peers), more than "
-                f"checkpoint.memory_limit_gb allows ({self.limit_bytes / GIB:.2f} GiB); raise "
-                f"the limit, lower checkpoint.replicas, or set checkpoint.snapshot_every = 0 "
-                f"to use storage checkpoints only")
+                f"{self.limit.describe()}; raise checkpoint.memory_limit_gb, lower "
+                f"checkpoint.replicas, or set checkpoint.snapshot_every = 0 to use storage "
+                f"checkpoints only")
 
     def wait_replicated(self) -> None:
         """Before a step's final all-reduce: the previous snapshot is on its holders."""

@@ -1,5 +1,8 @@
 """`stalwart submit / status / logs / stop`: a run as a Ray job on a cluster, from anywhere.
 
+`status` also takes a run directory: that is read locally by stalwart.cli.run_status (its
+own exit codes: 0 finished, 1 ended early, 3 no end recorded).
+
 `submit` ships the working directory (never from $HOME or /; credentials left out, see
 stalwart.cli.upload) and says how many files and bytes; `--dry-run` lists them and stops. It
 returns once the cluster has the job (closing the terminal does not stop it) unless
@@ -24,6 +27,7 @@ from stalwart.cli.run_options import (
     add_set_option,
     run_config,
 )
+from stalwart.errors import ClusterError, ConfigError
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -53,10 +57,19 @@ def add_job_commands(sub: argparse._SubParsersAction) -> None:
                    "upload (size, path) and their totals, and submit nothing (no cluster "
                    "needed)")
 
-    for name, what in (("status", "show a job's status"), ("logs", "print a job's output"),
+    for name, what in (("status", "show a job's status, or a run directory's"),
+                       ("logs", "print a job's output"),
                        ("stop", "stop a job: it checkpoints its last step, as on Ctrl-C")):
         p = sub.add_parser(name, help=what)
-        p.add_argument("job_id", metavar="JOB", help="the job's submission id (or job id)")
+        if name == "status":  # a run dir, read locally (stalwart/cli/run_status.py), or a job
+            p.add_argument("job_id", metavar="RUN_DIR|JOB", help="a run directory (its "
+                           "state, step, newest checkpoint, how to continue it), or a job's "
+                           "submission id (or job id)")
+            p.add_argument("--trust-unsigned", action="store_true", help="for a run "
+                           "directory: also accept checkpoints not signed with this key, as "
+                           "`run --trust-unsigned` does")
+        else:
+            p.add_argument("job_id", metavar="JOB", help="the job's submission id (or job id)")
         p.add_argument("--address", help=ADDRESS_HELP)
         if name == "logs":
             p.add_argument("--follow", action="store_true", help="stream until the job ends "
@@ -125,7 +138,17 @@ def _follow(client: JobSubmissionClient, job_id: str, address: str) -> int:
 
 
 def _status(args: argparse.Namespace) -> int:
-    address = jobs.resolve_address(args.address)
+    from stalwart.cli.run_status import is_run_dir_arg, run_status
+
+    if is_run_dir_arg(args.job_id):
+        return run_status(args.job_id, trust_unsigned=args.trust_unsigned)
+    if args.trust_unsigned:
+        raise ConfigError(f"--trust-unsigned is for a run directory, and there is none named "
+                          f"{args.job_id!r} here")
+    try:
+        address = jobs.resolve_address(args.address)
+    except ClusterError as exc:
+        raise ClusterError(f"no run directory {args.job_id!r} here; as a job id: {exc}") from None
     print(_describe(jobs.find(jobs.job_client(address), args.job_id)))
     return EXIT_OK
 

@@ -268,7 +268,7 @@ class CheckpointConfig:
     key_file: str = ""
     """File holding the key that signs and verifies checkpoints (at least 32 characters); empty: the file named by `$STALWART_CHECKPOINT_KEY_FILE`, else `~/.config/stalwart/checkpoint.key`, created with mode 0600 on first use. Keep it out of checkpoint storage. See docs/security.md."""
     memory_limit_gb: float = 0.0
-    """Most memory the in-memory tier may hold per worker (two snapshots of its shard and of each peer shard it holds); `0`: 40% of the node's memory shared among its workers. Checked at the first snapshot."""
+    """Most memory the in-memory tier may hold per worker (two snapshots of its shard and of each peer shard it holds); `0`: 40% of the smallest of the worker's cgroup limit (its container or Slurm job), Ray's `memory` resource of the node and the node's RAM, shared among the node's workers (docs/memory-tier.md). Checked at the first snapshot."""
 
     def __post_init__(self) -> None:
         _check_kinds(self, "checkpoint")
@@ -276,7 +276,8 @@ class CheckpointConfig:
                  "must be >= 0 (0 turns the in-memory tier off)")
         _require(self.replicas >= 0, "checkpoint.replicas", self.replicas, "must be >= 0")
         _require(self.memory_limit_gb >= 0, "checkpoint.memory_limit_gb", self.memory_limit_gb,
-                 "must be >= 0 (0: 40% of the node's memory, shared among its workers)")
+                 "must be >= 0 (0: 40% of the memory the node's workers may use, shared "
+                 "among them)")
         _require(self.persist_every >= 1, "checkpoint.persist_every", self.persist_every,
                  "must be >= 1")
         _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last,

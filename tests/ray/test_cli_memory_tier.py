@@ -40,6 +40,11 @@ def test_the_memory_tier_reports_its_size(sharded_run):
     # Two snapshots of its own shard and two of the one it holds for its peer, at least.
     assert tier["bytes_per_worker"] > 0 and tier["replicas"] == 1
     assert tier["bytes_total"] >= tier["bytes_per_worker"]
+    # The default limit: 40% of the smallest bound, shared by the node's 2 ranks. Ray's
+    # memory resource is below the machine's RAM (the object store takes its share), so
+    # the bound is Ray's, or a container's below it; never the RAM.
+    assert tier["limit_bound"] in ("ray", "cgroup")
+    assert tier["limit_bytes"] == int(0.4 * tier["limit_bound_bytes"] / 2)
 
 
 def test_a_kill_restores_the_step_before_it_from_memory(tmp_path, sharded_run):
