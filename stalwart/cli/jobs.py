@@ -117,7 +117,11 @@ class JobSpec:
     @property
     def stop_wait_s(self) -> int:
         """Seconds Ray waits after the stop signal before it SIGKILLs the job."""
-        return math.ceil(self.stop_timeout_s) + STOP_MARGIN_S
+        return _stop_wait_s(self.stop_timeout_s)
+
+
+def _stop_wait_s(stop_timeout_s: float) -> int:
+    return math.ceil(stop_timeout_s) + STOP_MARGIN_S
 
 
 def stop_wait_of(job: JobDetails) -> int:
@@ -125,7 +129,7 @@ def stop_wait_of(job: JobDetails) -> int:
     try:
         return int((job.metadata or {})["stalwart_stop_wait_s"])
     except (KeyError, ValueError):  # a job from before this was recorded, or not ours
-        return JobSpec(config=PurePosixPath("."), run_dir=Path("/")).stop_wait_s
+        return _stop_wait_s(FailureConfig().stop_timeout_s)
 
 
 def config_in(config: str | Path, cwd: Path) -> PurePosixPath:

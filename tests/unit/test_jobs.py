@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path, PurePosixPath
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -99,6 +100,9 @@ def test_runtime_env_ships_cwd_without_runs_state_or_environments(tmp_path):
                                "RAY_JOB_STOP_WAIT_TIME_S": str(120 + jobs.STOP_MARGIN_S)}
     slow = _spec(stop_timeout_s=600.5).runtime_env(tmp_path, storage="")
     assert slow["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == str(601 + jobs.STOP_MARGIN_S)
+    # `stalwart stop` waits as long as the job was told to (its metadata), else the default's.
+    assert jobs.stop_wait_of(SimpleNamespace(metadata={"stalwart_stop_wait_s": "661"})) == 661
+    assert jobs.stop_wait_of(SimpleNamespace(metadata=None)) == 120 + jobs.STOP_MARGIN_S
     elsewhere = _spec(run_dir=Path("/elsewhere/r1")).runtime_env(tmp_path, storage="s3://b/c")
     assert elsewhere["excludes"] == list(jobs.WORKING_DIR_EXCLUDES)
 
