@@ -91,7 +91,7 @@ class Controller:
         self.world_size = 0
         self.layout: dict[str, int] = {}
         self.workers: list[ev.WorkerPlace] = []
-        self.stop = StopRequest()  # the first Ctrl-C
+        self.stop = StopRequest(config.failure.stop_timeout_s)  # the first Ctrl-C or SIGTERM
         self._stop_sent = False
         self._planned: ResizeDecision | None = None  # waiting for every rank to stop
         self._started_emitted = False
@@ -112,6 +112,7 @@ class Controller:
                     check_transition(self.state, new)
                     self.state = new
         finally:
+            self.stop.settle()  # the stop's deadline is met (or moot) once the loop ends
             self.group.shutdown(graceful=isinstance(self.state, Finished | Stopped))
             self.stop.uninstall()
         if isinstance(self.state, Failed):
@@ -243,7 +244,7 @@ class Controller:
         if self.stop.requested and not self._stop_sent:
             self._stop_sent = True
             self.display.log("stopping after the step in flight and checkpointing it "
-                             "(Ctrl-C again to abandon the checkpoint)")
+                             "(Ctrl-C or SIGTERM again abandons the checkpoint)")
             self.group.request_stop()
         # Pace the polls: every answer costs the workers' actor threads the GIL, taken from
         # the training thread; answers arrive in milliseconds, so without this pause the

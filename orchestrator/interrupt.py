@@ -1,34 +1,97 @@
-"""Ctrl-C on the driver: the first stops the run after the step in flight and checkpoints it;
-the second abandons it (KeyboardInterrupt).
+"""A stop on the driver: Ctrl-C (SIGINT) or SIGTERM (Slurm's time limit, a pod's deletion,
+`ray job stop`). The first stops the run after the step in flight and checkpoints it; a second
+of either abandons that checkpoint (StopAbandoned, a KeyboardInterrupt), and so does the
+stop's own deadline (`failure.stop_timeout_s`) when the checkpoint is not committed by then.
+The previous committed checkpoint stays either way.
 
-A flag rather than KeyboardInterrupt at the first, so the interrupt never lands half-way
-through the controller's own bookkeeping. Only the main thread may own signal handlers:
-elsewhere (a Tune trial's thread) nothing is installed and the flag stays as it is set.
+A flag rather than an exception at the first, so the signal never lands half-way through the
+controller's own bookkeeping. The deadline is a timer whose expiry is delivered to the main
+thread like a second signal, so it also ends a driver blocked in a call that never returns.
+
+Only the main thread may own signal handlers: elsewhere (a Tune trial's thread) nothing is
+installed and the flag stays as it is set. The handlers that were there (Ray's driver installs
+one for SIGTERM when it connects) are put back by `uninstall`.
 """
 
 from __future__ import annotations
 
+import _thread
+import math
 import signal
 import threading
 from typing import Any
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+class StopAbandoned(KeyboardInterrupt):
+    """The stop's checkpoint was given up: a second stop signal, or the stop's deadline.
+
+    `signum` is the signal that asked for the stop: a process stopped by SIGTERM exits 143,
+    by Ctrl-C 130, however the stop then ended."""
+
+    def __init__(self, signum: int, why: str) -> None:
+        super().__init__(why)
+        self.signum = signum
+
 
 class StopRequest:
-    def __init__(self) -> None:
+    def __init__(self, timeout_s: float = math.inf) -> None:
         self.requested = False
-        self._previous: Any = None
+        self.signum: int | None = None
+        """The signal that asked for the stop (None: asked in code, or not asked)."""
+        self.timeout_s = timeout_s
+        self._previous: dict[int, Any] = {}
+        self._lock = threading.Lock()
+        self._timer: threading.Timer | None = None
+        self._expired = self._settled = False
 
     def install(self) -> None:
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum in STOP_SIGNALS:
+            self._previous[signum] = signal.signal(signum, self._on_signal)
+
+    def settle(self) -> None:
+        """The run reached its end (or is leaving): the deadline no longer applies. A second
+        signal still abandons what is left (the workers' graceful shutdown)."""
+        with self._lock:
+            self._settled = True
+            if self._timer is not None:
+                self._timer.cancel()
 
     def uninstall(self) -> None:
-        """Put the handler that was there back."""
-        if self._previous is not None:
-            signal.signal(signal.SIGINT, self._previous)
-            self._previous = None
+        """Put the handlers that were there back."""
+        self.settle()
+        for signum, previous in self._previous.items():
+            if previous is not None:  # None: a handler not installed from Python; leave it
+                signal.signal(signum, previous)
+        self._previous = {}
 
-    def _on_sigint(self, signum: int, frame: Any) -> None:
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        first = self.signum if self.signum is not None else signum
+        if self._expired:
+            raise StopAbandoned(first, f"the step in flight was not checkpointed within "
+                                       f"failure.stop_timeout_s={self.timeout_s:g}s of the "
+                                       f"{signal_name(first)}; abandoned it")
         if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
+            raise StopAbandoned(first, f"{signal_name(signum)} during the stop; abandoned "
+                                       f"the checkpoint of the step in flight")
+        self.requested, self.signum = True, signum
+        if math.isfinite(self.timeout_s):
+            self._timer = threading.Timer(self.timeout_s, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self) -> None:
+        """On the timer's thread: run the handler on the main thread, as a second signal."""
+        with self._lock:
+            if self._settled:
+                return
+            self._expired = True
+            assert self.signum is not None
+            _thread.interrupt_main(self.signum)

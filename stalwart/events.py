@@ -79,7 +79,7 @@ class Started(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Resumed(Event):
-    """`--resume`: the run continues from a committed checkpoint."""
+    """`--resume` or `--auto-resume`: the run continues from a committed checkpoint."""
 
     kind: ClassVar[str] = "resumed"
     from_step: int
@@ -127,7 +127,7 @@ class Finished(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Stopped(Event):
-    """Stopped on request (Ctrl-C, `stalwart stop`) after checkpointing `step`."""
+    """Stopped on request (Ctrl-C, SIGTERM, `stalwart stop`) after checkpointing `step`."""
 
     kind: ClassVar[str] = "stopped"
     step: int
@@ -147,8 +147,9 @@ class Failed(Event):
 
 @dataclass(frozen=True, kw_only=True)
 class Interrupted(Event):
-    """The driver ended without a final checkpoint (a second Ctrl-C, Tune stopping or pausing
-    a trial, a callback's exception). Workers were stopped; committed checkpoints are intact."""
+    """The driver ended without a final checkpoint (a second Ctrl-C or SIGTERM, a stop past
+    failure.stop_timeout_s, Tune stopping or pausing a trial, a callback's exception).
+    Workers were stopped; committed checkpoints are intact."""
 
     kind: ClassVar[str] = "interrupted"
     step: int

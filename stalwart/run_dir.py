@@ -7,8 +7,8 @@
                     window_s, ...
     checkpoints/    storage checkpoints, unless checkpoint.storage points elsewhere
 
-A run directory that already holds checkpoints is never reused without --resume, so no run
-can overwrite another's work.
+A run directory that already holds checkpoints is never reused without --resume (or
+--auto-resume, which continues only the same run), so no run can overwrite another's work.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Generic, Literal, TypeVar
 
 from stalwart.checkpointing.storage.catalog import list_step_dirs
 from stalwart.config import JobConfig, dump_config
@@ -85,6 +85,28 @@ class RunDir:
         if self.config_file.exists():
             raise RunDirError(f"run dir {self.path} already holds a run (config.toml); pass "
                               f"--resume to continue it, or choose another --run-dir")
+
+    def auto_resume_mode(self, storage_url: str) -> Literal["new", "again", "resume"]:
+        """What --auto-resume does here (reads only): "resume" when the run dir holds a run
+        and its storage a committed checkpoint; "again" when the run dir holds a run that
+        committed none yet (a retried job that died before its first commit: it starts
+        again from step 0 in the same run dir); "new" when the run dir holds no run. Whether
+        the run dir's run is this one (its identity keys) is the caller's check.
+
+        Checkpoints with no run dir's config.toml beside them are refused: nothing tells
+        whose they are."""
+        if self.path.exists() and not self.path.is_dir():
+            raise RunDirError(f"run dir {self.path} is a file, not a directory")
+        steps = list_step_dirs(storage_url)
+        if not self.config_file.exists():
+            if steps:
+                raise RunDirError(
+                    f"--auto-resume: {storage_url} holds checkpoints (steps "
+                    f"{[s for s, _ in steps][-3:]}) but run dir {self.path} holds no "
+                    f"config.toml, so nothing says which run they are; choose another "
+                    f"--run-dir or checkpoint.storage")
+            return "new"
+        return "resume" if any(done for _, done in steps) else "again"
 
     def check_resumable(self) -> None:
         if self.path.exists() and not self.path.is_dir():

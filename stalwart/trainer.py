@@ -52,7 +52,7 @@ IDENTITY_KEYS = ("task.path", "task.args", "train.seed", "train.global_batch_siz
 class RunResult:
     run_dir: Path
     state: str
-    """FINISHED, STOPPED (Ctrl-C, last step checkpointed) or FAILED."""
+    """FINISHED, STOPPED (Ctrl-C or SIGTERM, last step checkpointed) or FAILED."""
     step: int
     loss: float | None
     val_loss: float | None
@@ -60,6 +60,8 @@ class RunResult:
     tokens_per_s: float | None
     """All tokens trained in this invocation over the time the workers spent in steps."""
     reason: str | None = None
+    stop_signal: int | None = None
+    """STOPPED by a signal: which (SIGINT, SIGTERM); the CLI exits 128 + it."""
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -106,6 +108,9 @@ class Trainer:
         self.run_dir = RunDir(Path(run_dir) if run_dir else RunDir.default_path(config))
         self.address = address
         self.resume = resume
+        # run.auto_resume (--auto-resume): --resume, which is strict, wins over it.
+        self.auto_resume = config.run.auto_resume and not resume
+        self._auto_mode: str | None = None  # what auto-resume found (RunDir.auto_resume_mode)
         self.live_progress = live_progress
         self.start_from = start_from
         self.trust_unsigned = trust_unsigned
@@ -140,31 +145,58 @@ class Trainer:
 
     def _check_run_dir(self, storage_url: str, trust: CheckpointTrust
                        ) -> tuple[CheckpointInfo | None, dict[str, Any], list[str]]:
-        """(checkpoint to resume from, config changes, damaged checkpoints skipped); reads only."""
+        """(checkpoint to resume from, config changes, damaged checkpoints skipped); reads only.
+
+        run.auto_resume (unless --resume, which is strict): resume when the run dir holds
+        this run and a committed checkpoint of it; start when it holds no run; start again
+        from step 0, keeping its run id and logs, when it holds this run with no checkpoint
+        committed yet; refuse another run's."""
         rd = self.run_dir
-        if not self.resume:
+        mode = self._auto_mode = rd.auto_resume_mode(storage_url) if self.auto_resume else None
+        if not self.resume and mode in (None, "new"):
             rd.check_new(storage_url)
+            if mode == "new":
+                _say(f"auto-resume: {rd.path} holds no run yet; starting a new one")
             return None, {}, []
+        flag = "--resume" if self.resume else "--auto-resume"
         rd.check_resumable()
-        saved = load_config(rd.config_file)
-        changes = config_changes(saved, self.config)
-        identity = [k for k in changes if any(k == i or k.startswith(i + ".")
-                                              for i in IDENTITY_KEYS)]
-        if identity:
-            k = identity[0]
-            raise ConfigError(f"--resume: {k} was {changes[k][0]!r} in {rd.config_file} and is "
-                              f"{changes[k][1]!r} now; a resumed run must train the same model "
-                              f"on the same data order (unchangeable: {', '.join(IDENTITY_KEYS)})")
+        changes = self._check_same_run(flag)
+        if mode == "again":
+            _refuse_lost_commits(rd, storage_url)
+            _say(f"auto-resume: {rd.path} holds this run but no committed checkpoint yet; "
+                 f"starting it again from step 0 (its run id and logs are kept)")
+            return None, {}, []
         skipped: list[str] = []
         checkpoint = newest_valid(storage_url, trust, on_skip=lambda s, m: skipped.append(m))
         if checkpoint is None and skipped:
-            raise RunDirError(f"--resume: checkpoints were committed under {storage_url} but "
+            raise RunDirError(f"{flag}: checkpoints were committed under {storage_url} but "
                               f"none verifies (skipped: {'; '.join(skipped)}); nothing to "
                               f"resume from")
         if checkpoint is None:
-            raise RunDirError(f"--resume: no committed checkpoint under {storage_url}; "
+            raise RunDirError(f"{flag}: no committed checkpoint under {storage_url}; "
                               f"nothing to resume from")
+        if mode == "resume":
+            _say(f"auto-resume: continuing {rd.path} from its checkpoint at step "
+                 f"{checkpoint.step}")
         return checkpoint, changes, skipped
+
+    def _check_same_run(self, flag: str) -> dict[str, Any]:
+        """The config changes since the run dir's config.toml; refused if an identity key
+        changed (another model or data order: another run)."""
+        rd = self.run_dir
+        changes = config_changes(load_config(rd.config_file), self.config)
+        identity = [k for k in changes if any(k == i or k.startswith(i + ".")
+                                              for i in IDENTITY_KEYS)]
+        if not identity:
+            return changes
+        k = identity[0]
+        was = (f"{k} was {changes[k][0]!r} in {rd.config_file} and is {changes[k][1]!r} now; "
+               f"unchangeable: {', '.join(IDENTITY_KEYS)}")
+        if flag == "--auto-resume":
+            raise RunDirError(f"--auto-resume: run dir {rd.path} holds another run ({was}); "
+                              f"choose another --run-dir")
+        raise ConfigError(f"--resume: {was.split('; ')[0]}; a resumed run must train the same "
+                          f"model on the same data order ({was.split('; ')[1]})")
 
     def _check_start_from(self, trust: CheckpointTrust) -> CheckpointInfo | None:
         """The checkpoint a new run starts from, read and verified (nothing copied yet): it
@@ -174,15 +206,23 @@ class Trainer:
         if self.resume:
             raise RunDirError("start_from and resume exclude each other: resume continues the "
                               "run dir's own checkpoints")
+        if self._auto_mode == "resume":
+            # A retried run that began from start_from: it goes on from its own newest
+            # checkpoint (start_from's copy was its first).
+            _say(f"auto-resume: start_from {self.start_from} is not used; the run continues "
+                 f"from its own checkpoint")
+            return None
         return verify(read_step_dir(self.start_from), trust.for_any_run())
 
     def _trust(self) -> CheckpointTrust:
         """The key this run signs with and what it loads: its own checkpoints, by run id.
 
-        A run's id is a uuid in its run dir (`run_id`), kept by --resume. A run dir from
-        before run ids gets one now."""
+        A run's id is a uuid in its run dir (`run_id`), kept by --resume and by
+        --auto-resume of a run dir that holds a run. A run dir from before run ids gets one
+        now."""
         run_id = None
-        if self.resume and self.run_dir.run_id_file.exists():
+        keeps = self.resume or (self.auto_resume and self.run_dir.config_file.exists())
+        if keeps and self.run_dir.run_id_file.exists():
             run_id = self.run_dir.run_id_file.read_text().strip() or None
         return CheckpointTrust(key=load_key(self.config.checkpoint.key_file),
                                accept_unsigned=self.trust_unsigned,
@@ -228,9 +268,9 @@ class Trainer:
         """On a cluster: refuse a run whose driver runs elsewhere; let a killed driver's
         workers finish committing first (True: the newest checkpoint may be new)."""
         from stalwart.orchestrator.driver_loss import settle_previous_driver
-        from stalwart.workers.actor import DRIVER_LOST_STOP_S
 
-        return settle_previous_driver(run_id, wait_s=DRIVER_LOST_STOP_S + 10,
+        # The workers' own bound on their stop (workers/actor.py), and a little to exit.
+        return settle_previous_driver(run_id, wait_s=self.config.failure.stop_timeout_s + 10,
                                       log=lambda m: print(f"stalwart: {m}", flush=True))
 
     def _check_resources(self) -> None:
@@ -339,9 +379,29 @@ class Trainer:
         return RunResult(run_dir=self.run_dir.path, state=final.name, step=controller.last_step,
                          loss=controller.last_loss, val_loss=controller.last_val_loss,
                          wall_s=wall_s, reason=reason,
+                         stop_signal=controller.stop.signum if isinstance(final, Stopped) else None,
                          tokens_per_s=(controller.throughput.tokens_total
                                        / controller.throughput.train_time_s
                                        if controller.throughput.train_time_s > 0 else None))
+
+
+def _say(message: str) -> None:
+    """A line for the user before the run's display exists (what auto-resume decided)."""
+    print(message, flush=True)
+
+
+def _refuse_lost_commits(rd: RunDir, storage_url: str) -> None:
+    """A run dir whose events record committed checkpoints that its storage no longer holds
+    is not started again: that would silently throw their work away."""
+    if not rd.events.path.exists():
+        return
+    commits = [e["step"] for e in ev.read_jsonl(rd.events.path)
+               if e.get("kind") == ev.CheckpointCommitted.kind]
+    if commits:
+        raise RunDirError(f"--auto-resume: {rd.events.path} records committed checkpoints "
+                          f"(newest step {max(commits)}) but {storage_url} holds none; "
+                          f"nothing to resume from, and starting again would discard them "
+                          f"(restore the checkpoints, or choose another --run-dir)")
 
 
 def _refuse_other_owner(storage_url: str, me: Owner, owner: Owner | None) -> None:

@@ -93,11 +93,6 @@ def warm_model(task: TrainTask, config: JobConfig) -> None:
     task.loss(model, inputs, targets).backward()
 
 
-# How long the ranks of a driver that died may take to finish the step in flight and
-# commit it before they exit anyway (the previous commit stays valid).
-DRIVER_LOST_STOP_S = 300.0
-
-
 class TrainWorker:
     def __init__(self, config: dict[str, Any], storage_url: str, number: int = 0, *,
                  trust: CheckpointTrust, driver_beacon: Any = None) -> None:
@@ -170,7 +165,7 @@ class TrainWorker:
         thread = self._thread
         if thread is not None and thread.is_alive():
             self._stop.set()
-            thread.join(DRIVER_LOST_STOP_S)
+            thread.join(self.config.failure.stop_timeout_s)  # as a stop is bounded
         if self.rank == 0 and self._commits:
             print(f"stalwart: committed step {self._commits[-1].step} for the next driver "
                   f"(--auto-resume continues from it)", file=sys.stderr, flush=True)

@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING
 
 from stalwart.cli import jobs, upload
 from stalwart.cli.run_options import (
-    RESUME_HELP,
     TRUST_UNSIGNED_HELP,
     add_inject_option,
+    add_resume_options,
     add_set_option,
     run_config,
 )
@@ -47,7 +47,7 @@ def add_job_commands(sub: argparse._SubParsersAction) -> None:
                    "directory (default runs/<run.name>-<timestamp>); on a remote cluster, a "
                    "path its nodes can write")
     add_inject_option(s, "inject a fault, as for `stalwart run` (repeatable)")
-    s.add_argument("--resume", action="store_true", help=RESUME_HELP)
+    add_resume_options(s)
     s.add_argument("--trust-unsigned", action="store_true", help=TRUST_UNSIGNED_HELP)
     s.add_argument("--address", help=ADDRESS_HELP)
     s.add_argument("--follow", action="store_true", help="stream the job's output until it "
@@ -96,6 +96,8 @@ def _submit(args: argparse.Namespace) -> int:
     jobs.check_storage(config.checkpoint.storage)
     spec = jobs.JobSpec(config=config_path, overrides=tuple(args.overrides),
                         injects=tuple(args.inject), resume=args.resume,
+                        auto_resume=config.run.auto_resume,
+                        stop_timeout_s=config.failure.stop_timeout_s,
                         trust_unsigned=args.trust_unsigned,
                         run_dir=jobs.absolute_run_dir(args.run_dir, RunDir.default_path(config),
                                                       cwd))
@@ -191,9 +193,10 @@ def _stop(args: argparse.Namespace) -> int:
         print(f"job {args.job_id} already ended: {job.status.value}")
         return EXIT_OK
     client.stop_job(args.job_id)
+    wait_s = jobs.stop_wait_of(job)
     print(f"stopping job {args.job_id}: its run checkpoints the step in flight (up to "
-          f"{jobs.STOP_GRACE_S} s before it is killed)", flush=True)
-    status = jobs.wait_for_end(client, args.job_id, timeout_s=jobs.STOP_GRACE_S + 30)
+          f"{wait_s} s before it is killed)", flush=True)
+    status = jobs.wait_for_end(client, args.job_id, timeout_s=wait_s + 30)
     print(f"job {args.job_id}: {status}")
     if resume := (job.metadata or {}).get("stalwart_resume"):
         print(f"continue it with: {resume}")

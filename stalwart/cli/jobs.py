@@ -9,14 +9,18 @@ the dashboard see it like any other. This module adds what a training run needs 
   inside the job);
 - the entrypoint: `stalwart run CONFIG --address auto --run-dir ABSOLUTE_DIR ...`. A job runs in
   a temporary copy of the working directory, so a relative run dir would vanish with it;
-- a stop that checkpoints: Ray stops a job with SIGINT here (RAY_JOB_STOP_SIGNAL), which
-  `stalwart run` answers like Ctrl-C, and gives it STOP_GRACE_S before SIGKILL.
+- a stop that checkpoints: Ray stops a job with SIGTERM (RAY_JOB_STOP_SIGNAL, Ray's default,
+  set all the same so that the cluster's own default cannot change it), which `stalwart run`
+  answers as it does Ctrl-C, and waits `failure.stop_timeout_s` + STOP_MARGIN_S before SIGKILL
+  (RAY_JOB_STOP_WAIT_TIME_S). SIGTERM rather than SIGINT: it is what a scheduler, `ray job
+  stop` and a deleted RayJob send too, so every stop takes the one path.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import shlex
 import time
@@ -29,6 +33,7 @@ from urllib.parse import urlsplit
 
 from stalwart.cli.cluster import check_listening
 from stalwart.cli.upload import SECRET_EXCLUDES, secret_files_in
+from stalwart.config import FailureConfig
 from stalwart.errors import ClusterError, ConfigError
 
 if TYPE_CHECKING:
@@ -37,9 +42,10 @@ if TYPE_CHECKING:
 # Where `ray job` looks for the job API when --address is not given, in this order.
 ADDRESS_ENV_VARS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
-# Seconds a stopped job has to finish its step and write its checkpoint before SIGKILL
-# (Ray's default is 3 s; the previous committed checkpoint survives a kill anyway).
-STOP_GRACE_S = 120
+# Seconds a stopped job has, after its own stop deadline (failure.stop_timeout_s), to stop its
+# workers and exit before Ray's SIGKILL (Ray's default wait is 3 s in all; the previous
+# committed checkpoint survives a kill anyway).
+STOP_MARGIN_S = 60
 CONNECT_TIMEOUT_S = 5.0
 # What a job never needs from the working directory: environments, VCS data, caches, runs and
 # checkpoints (large, and a job writes its own run dir by absolute path), deploy/local's
@@ -66,6 +72,10 @@ class JobSpec:
     overrides: tuple[str, ...] = ()
     injects: tuple[str, ...] = ()
     resume: bool = False
+    auto_resume: bool = False
+    """run.auto_resume (--auto-resume): the job, and every command that continues it, resumes
+    when the run dir holds a checkpoint of the run and starts it otherwise."""
+    stop_timeout_s: float = FailureConfig().stop_timeout_s
     trust_unsigned: bool = False
 
     def _args(self, command: str, *, address: str | None, resume: bool,
@@ -73,7 +83,10 @@ class JobSpec:
         args = ["stalwart", command, str(self.config), "--run-dir", str(self.run_dir)]
         args += [a for o in self.overrides for a in ("--set", o)]
         args += [a for f in injects for a in ("--inject", f)]
-        args += ["--resume"] if resume else []
+        if self.auto_resume and not self.resume:  # --resume (strict) wins over the config key
+            args += ["--auto-resume"]
+        elif resume:
+            args += ["--resume"]
         args += ["--trust-unsigned"] if self.trust_unsigned else []
         args += ["--address", address] if address else []
         return shlex.join(args)  # every user value quoted: a --set may hold spaces or quotes
@@ -98,8 +111,25 @@ class JobSpec:
             if path is not None and path.is_absolute() and path.is_relative_to(cwd):
                 excludes.append(f"/{path.relative_to(cwd).as_posix()}/")
         return {"working_dir": str(cwd), "excludes": excludes,
-                "env_vars": {"RAY_JOB_STOP_SIGNAL": "SIGINT",
-                             "RAY_JOB_STOP_WAIT_TIME_S": str(STOP_GRACE_S)}}
+                "env_vars": {"RAY_JOB_STOP_SIGNAL": "SIGTERM",
+                             "RAY_JOB_STOP_WAIT_TIME_S": str(self.stop_wait_s)}}
+
+    @property
+    def stop_wait_s(self) -> int:
+        """Seconds Ray waits after the stop signal before it SIGKILLs the job."""
+        return _stop_wait_s(self.stop_timeout_s)
+
+
+def _stop_wait_s(stop_timeout_s: float) -> int:
+    return math.ceil(stop_timeout_s) + STOP_MARGIN_S
+
+
+def stop_wait_of(job: JobDetails) -> int:
+    """The stop wait a job was submitted with (as its metadata says; else the default's)."""
+    try:
+        return int((job.metadata or {})["stalwart_stop_wait_s"])
+    except (KeyError, ValueError):  # a job from before this was recorded, or not ours
+        return _stop_wait_s(FailureConfig().stop_timeout_s)
 
 
 def config_in(config: str | Path, cwd: Path) -> PurePosixPath:
@@ -259,7 +289,8 @@ def submit(client: JobSubmissionClient, spec: JobSpec, *, cwd: Path, storage: st
             runtime_env=spec.runtime_env(cwd, storage),
             # Read back by `stalwart status` and `stalwart stop`.
             metadata={"stalwart_run_dir": str(spec.run_dir),
-                      "stalwart_resume": spec.resume_commands(client.get_address())[0]})
+                      "stalwart_resume": spec.resume_commands(client.get_address())[0],
+                      "stalwart_stop_wait_s": str(spec.stop_wait_s)})
     except (RuntimeError, ValueError) as exc:  # the job API's refusal, or an upload too large
         raise ClusterError(f"the cluster at {client.get_address()} refused the job: "
                            f"{exc}") from None

@@ -2,7 +2,8 @@
 status, logs, stop).
 
 Exit codes: 0 finished, 1 the run failed, 2 bad input (nothing was started or changed),
-130 stopped by Ctrl-C after checkpointing the last completed step.
+130 stopped by Ctrl-C and 143 by SIGTERM (128 + the signal), whether the step in flight was
+checkpointed or, on a second signal or past failure.stop_timeout_s, abandoned.
 """
 
 from __future__ import annotations
@@ -19,15 +20,16 @@ from typing import TYPE_CHECKING
 from stalwart.cli.job_commands import JOB_COMMANDS, add_job_commands, run_job_command
 from stalwart.cli.plan import add_plan_parser, cmd_plan
 from stalwart.cli.run_options import (
-    RESUME_HELP,
     TRUST_UNSIGNED_HELP,
     add_inject_option,
+    add_resume_options,
     add_set_option,
     run_config,
 )
 from stalwart.errors import StalwartError
 
 if TYPE_CHECKING:
+    from stalwart.config import JobConfig
     from stalwart.trainer import RunResult
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 130
@@ -75,7 +77,7 @@ def _parser() -> argparse.ArgumentParser:
                            "raise:rank=1,step=60, term:rank=1,step=30, kill-node:node=1,"
                            "step=80, drain:node=1,step=50 (repeatable; adds to the config's "
                            "[[faults]])")
-    run.add_argument("--resume", action="store_true", help=RESUME_HELP)
+    add_resume_options(run)
     run.add_argument("--trust-unsigned", action="store_true", help=TRUST_UNSIGNED_HELP)
     run.add_argument("--profile", metavar="STEPS",
                      help="trace these steps with the PyTorch profiler on every rank: 20 or "
@@ -119,17 +121,32 @@ def _cmd_run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--profile {args.profile!r}: {exc}") from None
     # Imported once the config is good: the trainer loads torch and Ray, seconds that a
     # config error need not wait for.
+    from stalwart.orchestrator.interrupt import StopAbandoned
     from stalwart.trainer import Trainer
 
-    result = Trainer(config, run_dir=args.run_dir, address=args.address,
-                     resume=args.resume, trust_unsigned=args.trust_unsigned).fit()
+    trainer = Trainer(config, run_dir=args.run_dir, address=args.address,
+                      resume=args.resume, trust_unsigned=args.trust_unsigned)
+    try:
+        result = trainer.fit()
+    except StopAbandoned as exc:  # a second stop signal, or failure.stop_timeout_s passed
+        print(f"stalwart: stopped: {exc}; the newest committed checkpoint is intact",
+              file=sys.stderr)
+        print(_resume_line(args, config, trainer.run_dir.path))
+        return 128 + exc.signum
     print(closing_summary(result))
     if result.state == "STOPPED":
-        again = " ".join(shlex.quote(a) for o in args.overrides for a in ("--set", o))
-        print(f"resume with: stalwart run {shlex.quote(args.config)}{' ' if again else ''}"
-              f"{again} --run-dir {shlex.quote(str(result.run_dir))} --resume")
-        return EXIT_STOPPED
+        print(_resume_line(args, config, result.run_dir))
+        return 128 + result.stop_signal if result.stop_signal else EXIT_STOPPED
     return EXIT_OK if result.state == "FINISHED" else EXIT_FAILED
+
+
+def _resume_line(args: argparse.Namespace, config: JobConfig, run_dir: Path) -> str:
+    """The command that continues a stopped run (its faults are not injected again)."""
+    again = [a for o in args.overrides for a in ("--set", o)]
+    again += ["--trust-unsigned"] if args.trust_unsigned else []
+    again += ["--auto-resume" if config.run.auto_resume else "--resume"]
+    return (f"resume with: stalwart run {shlex.join([args.config, *again[:-1]])} --run-dir "
+            f"{shlex.quote(str(run_dir))} {again[-1]}")
 
 
 def closing_summary(result: RunResult) -> str:
@@ -227,8 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     except StalwartError as exc:
         print(f"stalwart: error: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
-    except KeyboardInterrupt:
-        print("stalwart: interrupted twice; stopped without a final checkpoint (the newest "
+    except KeyboardInterrupt:  # before the run's own stop handling was installed, or after
+        print("stalwart: interrupted; stopped without a final checkpoint (the newest "
               "committed one is intact)", file=sys.stderr)
         return EXIT_STOPPED
 

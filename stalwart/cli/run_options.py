@@ -16,6 +16,10 @@ if TYPE_CHECKING:
     from stalwart.config import JobConfig
 
 RESUME_HELP = "continue the run in --run-dir from its newest committed checkpoint"
+AUTO_RESUME_HELP = ("continue the run in --run-dir when it holds a committed checkpoint of "
+                    "this run, else start it (for jobs a scheduler retries: Slurm --requeue, "
+                    "a RayJob's backoffLimit); a run dir of another run is refused (sets "
+                    "run.auto_resume)")
 TRUST_UNSIGNED_HELP = ("also accept checkpoints that are not signed with this machine's "
                        "checkpoint key (made elsewhere, or before signing); their files must "
                        "still match their manifest, and the run's events record each one")
@@ -30,15 +34,28 @@ def add_inject_option(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--inject", action="append", default=[], metavar="FAULT", help=help)
 
 
+def add_resume_options(parser: argparse.ArgumentParser) -> None:
+    """--resume and --auto-resume: one or the other (argparse refuses both, exit 2)."""
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--resume", action="store_true", help=RESUME_HELP)
+    group.add_argument("--auto-resume", action="store_true", help=AUTO_RESUME_HELP)
+
+
 def run_config(args: argparse.Namespace) -> JobConfig:
-    """The config file with its --set overrides, and the --inject faults added to its
-    [[faults]] (each checked against the config, as the config's own faults are)."""
+    """The config file with its --set overrides, --auto-resume as run.auto_resume, and the
+    --inject faults added to its [[faults]] (each checked against the config, as the config's
+    own faults are)."""
     from stalwart.config import load_config, parse_fault
     from stalwart.errors import RunDirError
 
-    if args.resume and not args.run_dir:
-        raise RunDirError("--resume needs --run-dir: the run directory to continue")
+    for flag in ("resume", "auto_resume"):
+        if getattr(args, flag) and not args.run_dir:
+            raise RunDirError(f"--{flag.replace('_', '-')} needs --run-dir: the run "
+                              f"directory to continue")
     config = load_config(args.config, args.overrides)
+    if args.auto_resume:
+        config = dataclasses.replace(config, run=dataclasses.replace(config.run,
+                                                                     auto_resume=True))
     if args.inject:
         config = dataclasses.replace(config, faults=(
             *config.faults, *(parse_fault(text) for text in args.inject)))

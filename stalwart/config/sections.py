@@ -304,12 +304,15 @@ class FailureConfig:
     """Consecutive slow steps that make a rank a straggler (a `straggler` event)."""
     replace_stragglers: bool = False
     """Also replace a straggler as a failure (`failure_kind` `straggler`, counted against `max_failures`), by a warm spare or a new actor."""
+    stop_timeout_s: float = 120.0
+    """After a stop (Ctrl-C, SIGTERM, `stalwart stop`): seconds to finish the step in flight and commit its checkpoint; past it that checkpoint is abandoned (the previous one stays) and the driver exits all the same. Keep it below the scheduler's grace period (Slurm's `--signal` lead time, a pod's `terminationGracePeriodSeconds`)."""
 
     def __post_init__(self) -> None:
         _check_kinds(self, "failure")
         _require(self.max_failures >= -1, "failure.max_failures", self.max_failures,
                  "must be >= 0, or -1 for no limit")
-        for name in ("hang_timeout_floor_s", "hang_factor", "collective_timeout_s"):
+        for name in ("hang_timeout_floor_s", "hang_factor", "collective_timeout_s",
+                     "stop_timeout_s"):
             _require(getattr(self, name) > 0, f"failure.{name}", getattr(self, name),
                      "must be > 0")
         _require(self.backoff_s >= 0, "failure.backoff_s", self.backoff_s, "must be >= 0")
@@ -346,6 +349,8 @@ class RunConfig:
     """Also write the metrics and the run's failures, recoveries and resizes as TensorBoard event files under `<run dir>/tensorboard/`; needs `pip install 'stalwart[tensorboard]'`."""
     profile_steps: list[int] = field(default_factory=list)
     """Trace these steps with the PyTorch profiler on every rank: `[STEP]` or `[FIRST, LAST]` (inclusive), at most `train.steps`; `[]` is off. `--profile 20-22` sets it."""
+    auto_resume: bool = False
+    """Continue the run in the run directory when it holds a committed checkpoint of this run, start fresh when there is none, refuse a run directory of another run: a retried job (Slurm `--requeue`, a RayJob's `backoffLimit`) goes on where it was. `--auto-resume` sets it."""
 
     def __post_init__(self) -> None:
         _check_kinds(self, "run")

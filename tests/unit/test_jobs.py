@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path, PurePosixPath
+from types import SimpleNamespace
 
 import pytest
 import ray
@@ -74,15 +75,34 @@ def test_trust_unsigned_is_passed_through_to_the_run_and_its_resume_commands():
     assert not _parser().parse_args(shlex.split(_spec().entrypoint())[1:]).trust_unsigned
 
 
+def test_auto_resume_is_passed_through_to_the_run_and_its_resume_commands():
+    spec = _spec(auto_resume=True)
+    for command in (spec.entrypoint(), *spec.resume_commands("http://head:8265")):
+        args = _parser().parse_args(shlex.split(command)[1:])
+        assert args.auto_resume and not args.resume  # a retried job: the same command
+    # --resume (strict) with run.auto_resume in the config: --resume alone, never both.
+    both = _spec(auto_resume=True, resume=True)
+    for command in (both.entrypoint(), *both.resume_commands("http://head:8265")):
+        args = _parser().parse_args(shlex.split(command)[1:])
+        assert args.resume and not args.auto_resume
+    assert not _parser().parse_args(shlex.split(_spec().entrypoint())[1:]).auto_resume
+
+
 def test_runtime_env_ships_cwd_without_runs_state_or_environments(tmp_path):
     spec = _spec(run_dir=tmp_path / "out" / "r1")
     env = spec.runtime_env(tmp_path, storage=str(tmp_path / "ckpt"))
     assert env["working_dir"] == str(tmp_path)
     assert {"/out/r1/", "/ckpt/", ".local-cluster/", ".venv/", ".git/", "runs/"} <= set(
         env["excludes"])
-    # `stalwart stop` is a Ctrl-C for the run, with time to write its checkpoint.
-    assert env["env_vars"] == {"RAY_JOB_STOP_SIGNAL": "SIGINT",
-                               "RAY_JOB_STOP_WAIT_TIME_S": str(jobs.STOP_GRACE_S)}
+    # `stalwart stop` is a SIGTERM for the run (a stop, as Ctrl-C is), with time to write its
+    # checkpoint (failure.stop_timeout_s) and then to exit before Ray's SIGKILL.
+    assert env["env_vars"] == {"RAY_JOB_STOP_SIGNAL": "SIGTERM",
+                               "RAY_JOB_STOP_WAIT_TIME_S": str(120 + jobs.STOP_MARGIN_S)}
+    slow = _spec(stop_timeout_s=600.5).runtime_env(tmp_path, storage="")
+    assert slow["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"] == str(601 + jobs.STOP_MARGIN_S)
+    # `stalwart stop` waits as long as the job was told to (its metadata), else the default's.
+    assert jobs.stop_wait_of(SimpleNamespace(metadata={"stalwart_stop_wait_s": "661"})) == 661
+    assert jobs.stop_wait_of(SimpleNamespace(metadata=None)) == 120 + jobs.STOP_MARGIN_S
     elsewhere = _spec(run_dir=Path("/elsewhere/r1")).runtime_env(tmp_path, storage="s3://b/c")
     assert elsewhere["excludes"] == list(jobs.WORKING_DIR_EXCLUDES)
 
