@@ -101,9 +101,9 @@ def note(line):
         f.write(line + "\\n")
 signal.signal(signal.SIGTERM, lambda *_: note("TERM"))
 note("ready")
-while "TERM" not in log.read_text():
+while log.read_text().count("TERM") < int(sys.argv[3]):  # the stops the test sends
     time.sleep(0.02)
-time.sleep(0.5)  # the checkpoint of the step in flight; a second TERM lands here
+time.sleep(0.3)  # the checkpoint of the step in flight: the shell must wait for it
 note("checkpointed")
 sys.exit(int(sys.argv[2]))
 """
@@ -117,15 +117,15 @@ def _run_forwarding(tmp_path: Path, exit_code: int, signals: list[signal.Signals
     log = tmp_path / "driver.log"
     script = (f"set -euo pipefail\ntrap 'exit 99' TERM\nsource {shlex.quote(str(FORWARD))}\n"
               f"status=0\nrun_driver {shlex.quote(sys.executable)} driver.py driver.log "
-              f"{exit_code} || status=$?\n"
+              f"{exit_code} {len(signals)} || status=$?\n"
               'echo "stop=$STOP_SIGNAL $(trap -p TERM)"\nexit "$status"\n')
     shell = subprocess.Popen(["bash", "-c", script], cwd=tmp_path, stdout=subprocess.PIPE,
                              stderr=subprocess.PIPE, text=True)
     try:
         _wait_for(lambda: "ready" in _read(log), shell)
-        for signum in signals:
+        for sent, signum in enumerate(signals, 1):
             shell.send_signal(signum)
-            time.sleep(0.1)
+            _wait_for(lambda n=sent: _read(log).count("TERM") == n, shell)
         out, err = shell.communicate(timeout=30)
     finally:
         shell.kill()
@@ -190,8 +190,8 @@ case "$1" in
 esac
 """,
     "ray": """
-printf '%s\\n' "$@" >"$FAKE_DIR/ray.$$"
 trap 'echo ray-stopped >>"$FAKE_DIR/log"; exit 0' TERM
+printf '%s\\n' "$@" >"$FAKE_DIR/ray.$$"
 while :; do sleep 0.05; done
 """,
     "stalwart": """
@@ -201,8 +201,12 @@ echo stalwart-ready >>"$FAKE_DIR/log"
 [ -z "${FAKE_EXIT:-}" ] || exit "$FAKE_EXIT"
 while :; do sleep 0.05; done
 """,
-    # python: wait_for_nodes, whose program comes on stdin
-    "python": "cat >/dev/null\necho 'Ray cluster: all nodes'\n",
+    # python: wait_for_nodes (`python - ADDRESS N`, its program on stdin), until N nodes run
+    "python": """
+cat >/dev/null
+until [ "$(find "$FAKE_DIR" -name 'ray.*' | wc -l)" -ge "$3" ]; do sleep 0.02; done
+echo "Ray cluster: $3 nodes"
+""",
 }
 
 
@@ -276,7 +280,7 @@ def _cli_knows_auto_resume() -> bool:
 
 
 def test_the_run_auto_resumes_in_a_run_dir_that_outlives_a_requeue(tmp_path: Path) -> None:
-    _, _, argv, starts = _sbatch(tmp_path, "--set", "train.steps=5", FAKE_EXIT="0")
+    _, _, argv, starts = _sbatch(tmp_path, "--set", "train.steps=100", FAKE_EXIT="0")
     assert argv[0] == "run" and "--auto-resume" in argv, argv
     if not _cli_knows_auto_resume():
         pytest.xfail("`stalwart run --auto-resume` is not in this CLI yet")
