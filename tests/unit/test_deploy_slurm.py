@@ -205,15 +205,20 @@ while :; do sleep 0.05; done
     "python": """
 cat >/dev/null
 until [ "$(find "$FAKE_DIR" -name 'ray.*' | wc -l)" -ge "$3" ]; do sleep 0.02; done
+if [ -n "${FAKE_HOLD:-}" ]; then
+    echo waiting-for-nodes >>"$FAKE_DIR/log"
+    until [ -e "$FAKE_DIR/go" ]; do sleep 0.02; done
+fi
 echo "Ray cluster: $3 nodes"
 """,
 }
 
 
 def _sbatch(tmp_path: Path, *args: str, send: signal.Signals | None = None,
+            when: str = "stalwart-ready",
             **env: str) -> tuple[int, list[str], list[str], list[list[str]]]:
-    """Runs stalwart.sbatch with the fakes: (its exit status, the log of events, stalwart's
-    argv, each `ray start`'s argv)."""
+    """Runs stalwart.sbatch with the fakes, sending `send` once `when` is logged: (its exit
+    status, the log of events, stalwart's argv, each `ray start`'s argv)."""
     bin_dir, venv = tmp_path / "bin", tmp_path / "venv"
     bin_dir.mkdir()
     (venv / "bin").mkdir(parents=True)
@@ -228,16 +233,17 @@ def _sbatch(tmp_path: Path, *args: str, send: signal.Signals | None = None,
     proc = subprocess.Popen(["bash", str(SBATCH), *args], cwd=REPO, env=environ,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
-        _wait_for(lambda: "stalwart-ready" in _read(log), proc)
+        _wait_for(lambda: when in _read(log), proc)
         if send is not None:
             proc.send_signal(send)  # as --signal=B: does, to the batch shell alone
+        (tmp_path / "go").touch()  # a held wait_for_nodes (FAKE_HOLD) returns
         out, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()
     assert "stalwart.sbatch: job 123, start 1, run dir runs/gpt-123" in out, out
     starts = [p.read_text().splitlines() for p in sorted(tmp_path.glob("ray.*"))]
     return (proc.returncode, _read(log).split(),
-            (tmp_path / "stalwart.argv").read_text().splitlines(), starts)
+            _read(tmp_path / "stalwart.argv").splitlines(), starts)
 
 
 def _flags(argv: list[str]) -> dict[str, str]:
@@ -263,6 +269,15 @@ def test_a_stop_by_hand_or_without_requeue_ends_the_job(
     assert status == 143
     assert log == ["stalwart-ready", "stalwart-term", "stalwart-exit",
                    "ray-stopped", "ray-stopped"]
+
+
+def test_the_warning_before_the_run_starts_ends_the_job_without_starting_it(
+        tmp_path: Path) -> None:
+    # (bash runs the trap once wait_for_nodes, in the foreground, returns)
+    status, log, argv, _ = _sbatch(tmp_path, send=signal.SIGUSR1, when="waiting-for-nodes",
+                                   FAKE_HOLD="1")
+    assert status == 143 and argv == []
+    assert log == ["waiting-for-nodes", "ray-stopped"]
 
 
 def test_a_finished_run_stops_ray_and_exits_with_its_status(tmp_path: Path) -> None:
