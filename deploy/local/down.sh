@@ -54,6 +54,7 @@ if [ ${#sessions[@]} -gt 0 ]; then
     done
     stragglers=$(left)
     if [ -n "$stragglers" ]; then
+        # shellcheck disable=SC2086 # split on purpose: the PIDs on one line
         echo "after ${TIMEOUT}s, killing what is left:" $stragglers
         for sid in "${sessions[@]}"; do
             kill -KILL -- "-$sid" 2>/dev/null || true # the node's own process group

