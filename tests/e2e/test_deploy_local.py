@@ -239,7 +239,7 @@ def test_stop_checkpoints_the_run_and_a_resumed_submit_continues_it(cluster):
     stop = cluster.stalwart("stop", "stalwart-stop")
     assert "job stalwart-stop: STOPPED" in stop.stdout and "--resume" in stop.stdout
     stopped = [e for e in _events(run_dir) if e["kind"] == "stopped"]
-    assert len(stopped) == 1  # the run saw a Ctrl-C and checkpointed its last step
+    assert len(stopped) == 1  # the run saw a SIGTERM and checkpointed its last step
     step = stopped[0]["step"]
 
     cluster.stalwart("submit", CONFIG, *sets(*TINY, f"train.steps={step + 10}",
