@@ -111,6 +111,10 @@ class Controller:
                 if new is not self.state:  # a handler returning its own state stays (polls)
                     check_transition(self.state, new)
                     self.state = new
+        except KeyboardInterrupt as exc:
+            if (restored := self.stop.restore(exc)) is exc:
+                raise
+            raise restored from None
         finally:
             self.stop.settle()  # the stop's deadline is met (or moot) once the loop ends
             self.group.shutdown(graceful=isinstance(self.state, Finished | Stopped))

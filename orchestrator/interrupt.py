@@ -49,6 +49,9 @@ class StopRequest:
         self._lock = threading.Lock()
         self._timer: threading.Timer | None = None
         self._expired = self._settled = False
+        self.abandoned: StopAbandoned | None = None
+        """The abandon raised, kept: Ray's waits turn an exception a signal handler raises
+        inside them into a plain KeyboardInterrupt (see `restore`)."""
 
     def install(self) -> None:
         if threading.current_thread() is not threading.main_thread():
@@ -75,12 +78,14 @@ class StopRequest:
     def _on_signal(self, signum: int, frame: Any) -> None:
         first = self.signum if self.signum is not None else signum
         if self._expired:
-            raise StopAbandoned(first, f"the step in flight was not checkpointed within "
-                                       f"failure.stop_timeout_s={self.timeout_s:g}s of the "
-                                       f"{signal_name(first)}; abandoned it")
+            self.abandoned = StopAbandoned(
+                first, f"the step in flight was not checkpointed within failure.stop_timeout_s="
+                       f"{self.timeout_s:g}s of the {signal_name(first)}; abandoned it")
+            raise self.abandoned
         if self.requested:
-            raise StopAbandoned(first, f"{signal_name(signum)} during the stop; abandoned "
-                                       f"the checkpoint of the step in flight")
+            self.abandoned = StopAbandoned(first, f"{signal_name(signum)} during the stop; "
+                                                  f"abandoned the checkpoint of the step in flight")
+            raise self.abandoned
         self.requested, self.signum = True, signum
         if math.isfinite(self.timeout_s):
             self._timer = threading.Timer(self.timeout_s, self._expire)
@@ -95,3 +100,10 @@ class StopRequest:
             self._expired = True
             assert self.signum is not None
             _thread.interrupt_main(self.signum)
+
+    def restore(self, exc: KeyboardInterrupt) -> KeyboardInterrupt:
+        """The interrupt to raise for `exc`: the abandon it stands for when a wait (ray.get,
+        ray.wait: Ray's own signal check) replaced it with a plain KeyboardInterrupt."""
+        if self.abandoned is not None and not isinstance(exc, StopAbandoned):
+            return self.abandoned
+        return exc

@@ -103,6 +103,29 @@ def test_past_stop_timeout_the_checkpoint_is_abandoned(tmp_path: Path, monkeypat
     assert w.shutdowns() == [False] and _handlers() == before
 
 
+def _wait_like_ray(w: FakeWorld) -> None:
+    """A wait as ray.get's: the handler's exception comes out as a plain KeyboardInterrupt."""
+    try:
+        _wait_to_be_interrupted(w)
+    except KeyboardInterrupt:
+        raise KeyboardInterrupt from None
+
+
+def test_the_abandon_survives_a_wait_that_turns_it_into_a_plain_interrupt(
+        tmp_path: Path, monkeypatch, terminate_handler) -> None:
+    w = FakeWorld(tmp_path, monkeypatch, [Plan(polls=[
+        Poll(statuses([1, 2]), hook=_sigterm),
+        Poll(statuses([3]), hook=_wait_like_ray),
+    ])], overrides=["failure.stop_timeout_s=0.2"])
+    raised: KeyboardInterrupt | None = None
+    try:
+        w.run()
+    except KeyboardInterrupt as exc:  # caught here: a plain one must fail the test, not pytest
+        raised = exc
+    assert isinstance(raised, StopAbandoned), f"{raised!r} is not the stop's abandon"
+    assert "failure.stop_timeout_s=0.2s" in str(raised) and raised.signum == signal.SIGTERM
+
+
 def test_a_run_that_ended_is_not_interrupted_by_its_stop_deadline() -> None:
     stop = StopRequest(timeout_s=0.05)
     before = _handlers()
