@@ -190,13 +190,13 @@ class Trainer:
         if not identity:
             return changes
         k = identity[0]
-        was = (f"{k} was {changes[k][0]!r} in {rd.config_file} and is {changes[k][1]!r} now; "
-               f"unchangeable: {', '.join(IDENTITY_KEYS)}")
+        was = f"{k} was {changes[k][0]!r} in {rd.config_file} and is {changes[k][1]!r} now"
+        keys = f"unchangeable: {', '.join(IDENTITY_KEYS)}"
         if flag == "--auto-resume":
-            raise RunDirError(f"--auto-resume: run dir {rd.path} holds another run ({was}); "
-                              f"choose another --run-dir")
-        raise ConfigError(f"--resume: {was.split('; ')[0]}; a resumed run must train the same "
-                          f"model on the same data order ({was.split('; ')[1]})")
+            raise RunDirError(f"--auto-resume: run dir {rd.path} holds another run ({was}; "
+                              f"{keys}); choose another --run-dir")
+        raise ConfigError(f"--resume: {was}; a resumed run must train the same model on the "
+                          f"same data order ({keys})")
 
     def _check_start_from(self, trust: CheckpointTrust) -> CheckpointInfo | None:
         """The checkpoint a new run starts from, read and verified (nothing copied yet): it
@@ -271,7 +271,7 @@ class Trainer:
 
         # The workers' own bound on their stop (workers/actor.py), and a little to exit.
         return settle_previous_driver(run_id, wait_s=self.config.failure.stop_timeout_s + 10,
-                                      log=lambda m: print(f"stalwart: {m}", flush=True))
+                                      log=lambda m: _say(f"stalwart: {m}"))
 
     def _check_resources(self) -> None:
         import ray
