@@ -170,6 +170,10 @@ def kill_driver(pgid: int, wait_s: float = 10.0) -> list[str]:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    # A SIGKILL lands asynchronously: gone before the resume starts, not a moment after.
+    deadline = time.monotonic() + 5.0
+    while _survivors(tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
     return [f"{tree[pid][1]}:{pid}" for pid in left]
 
 
