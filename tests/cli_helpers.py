@@ -65,13 +65,29 @@ def exported_weights(run_dir: Path, cwd: Path, name: str) -> dict[str, torch.Ten
     return torch.load(out)
 
 
-def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
-    """Block until a running CLI process has logged `step` in metrics.jsonl."""
+def _wait_until(done, what: str, proc: subprocess.Popen, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc.poll() is None, f"the run ended before step {step}"
-        rows = read_jsonl(metrics) if metrics.exists() else []
-        if rows and rows[-1]["step"] >= step:
+        assert proc.poll() is None, f"the run ended before {what}"
+        if done():
             return
         time.sleep(0.05)
-    raise AssertionError(f"step {step} not reached in {timeout}s")
+    raise AssertionError(f"{what} not reached in {timeout}s")
+
+
+def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Block until a running CLI process has logged `step` in metrics.jsonl."""
+    def done() -> bool:
+        rows = read_jsonl(metrics) if metrics.exists() else []
+        return bool(rows) and rows[-1]["step"] >= step
+    _wait_until(done, f"step {step}", proc, timeout)
+
+
+def wait_for_commit(run_dir: Path, proc: subprocess.Popen, timeout: float = 180) -> None:
+    """Block until a running CLI process has logged a `checkpoint_committed` event. Storage
+    writes are asynchronous: on a loaded machine training runs steps past a save before it
+    commits, so a test that needs a committed checkpoint must wait for it, not for a step."""
+    events = run_dir / "events.jsonl"
+    _wait_until(lambda: events.exists() and any(
+        e["kind"] == "checkpoint_committed" for e in read_jsonl(events)),
+        "a committed checkpoint", proc, timeout)

@@ -18,6 +18,7 @@ from tests.cli_helpers import (
     exported_weights,
     sets,
     stalwart,
+    wait_for_commit,
     wait_for_step,
 )
 from tests.ray.conftest import RUN
@@ -35,6 +36,7 @@ def test_killed_worker_restarts_from_checkpoint_with_identical_result(tmp_path, 
                             text=True)
     try:
         wait_for_step(run_dir / "metrics.jsonl", 15, proc)
+        wait_for_commit(run_dir, proc)  # the kill must find a checkpoint to restore
         (workers,) = [e["workers"] for e in read_jsonl(run_dir / "events.jsonl")
                       if e["kind"] == "workers_started"]
         os.kill(workers[1]["pid"], signal.SIGKILL)  # a real process death, by its own PID

@@ -15,7 +15,15 @@ import pytest
 from stalwart.checkpointing.memory.replication import holders_for
 from stalwart.run_dir import read_jsonl
 from stalwart.workers.faults import children_of
-from tests.cli_helpers import REFERENCE_CONFIG, STALWART, TINY, sets, stalwart, wait_for_step
+from tests.cli_helpers import (
+    REFERENCE_CONFIG,
+    STALWART,
+    TINY,
+    sets,
+    stalwart,
+    wait_for_commit,
+    wait_for_step,
+)
 from tests.ray.helpers import events_of, local_cluster, only
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
@@ -106,6 +114,7 @@ def test_two_adjacent_nodes_lost_falls_back_to_storage(tmp_path, cluster):
         stderr=subprocess.PIPE, text=True)
     try:
         wait_for_step(run_dir / "metrics.jsonl", 15, proc)
+        wait_for_commit(run_dir, proc)  # storage must hold a step for the fallback to load
         (workers,) = [e["workers"] for e in events_of(run_dir) if e["kind"] == "workers_started"]
         nodes = [w["node_id"] for w in workers]
         # Rank 0's node and the node holding its replica: both go, and rank 0's shard with
