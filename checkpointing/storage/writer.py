@@ -18,7 +18,6 @@ import json
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -39,6 +38,7 @@ from stalwart.checkpointing.storage.catalog import (
     read_step_dir,
     verify,
 )
+from stalwart.checkpointing.storage.commit_report import CommitReport
 from stalwart.checkpointing.storage.layout import (
     FORMAT_VERSION,
     MANIFEST,
@@ -55,16 +55,6 @@ from stalwart.checkpointing.storage.signing import (
     check_signature,
     sign,
 )
-
-
-@dataclass(frozen=True)
-class CommitReport:
-    """A storage checkpoint is complete and visible (its manifest is written)."""
-
-    step: int
-    path: str
-    save_s: float
-    """Seconds from the start of the save to the manifest being written."""
 
 
 def write_manifest(url: str, step: int, extra: dict[str, Any], *, key: SigningKey,
