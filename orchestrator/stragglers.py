@@ -17,7 +17,7 @@ step of a peer (a shared, loaded host) would split a single slow spell into seve
 
 from __future__ import annotations
 
-import statistics
+from bisect import bisect_left
 from dataclasses import dataclass
 
 # Below this much extra local time per step a rank is not called slow, whatever the ratio.
@@ -34,6 +34,21 @@ class Straggler:
     ratio: float
     steps: int
     """Consecutive steps above the factor."""
+
+
+def median_without(ordered: list[float], value: float) -> float:
+    """The median of `ordered` (sorted, holding `value`) with one `value` left out: what
+    statistics.median of the other ranks' times gives, in O(log n) instead of O(n log n) per
+    rank (a world of 4,096 ranks made each step's check quadratic: seconds per poll)."""
+    skip = bisect_left(ordered, value)
+    n = len(ordered) - 1
+
+    def at(i: int) -> float:  # the i-th of the others
+        return ordered[i] if i < skip else ordered[i + 1]
+
+    if n % 2:
+        return at(n // 2)
+    return (at(n // 2 - 1) + at(n // 2)) / 2
 
 
 class StragglerDetector:
@@ -70,8 +85,9 @@ class StragglerDetector:
         for step in sorted(s for s, t in self._times.items() if len(t) == self.world_size):
             times = self._times.pop(step)
             self._checked = max(self._checked, step)
+            ordered = sorted(times.values())  # once per step: each rank's peers are all but it
             for rank, local in times.items():
-                peers = statistics.median(t for r, t in times.items() if r != rank)
+                peers = median_without(ordered, local)
                 slow = local > self.factor * peers and local - peers > MIN_EXCESS_S
                 self._streak[rank] = self._streak.get(rank, 0) + 1 if slow else 0
                 if rank in self._reported:

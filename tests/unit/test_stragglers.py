@@ -3,6 +3,8 @@ reporter on the driver (orchestrator/reporting.py)."""
 
 from __future__ import annotations
 
+import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -11,7 +13,7 @@ from stalwart.config import load_config
 from stalwart.events import Straggler, WorkerPlace, read_events
 from stalwart.orchestrator.failures import FailureKind
 from stalwart.orchestrator.reporting import StragglerReporter
-from stalwart.orchestrator.stragglers import StragglerDetector
+from stalwart.orchestrator.stragglers import StragglerDetector, median_without
 from stalwart.run_dir import EventLog
 from stalwart.workers.reports import StepReport, WorkerStatus
 
@@ -22,6 +24,19 @@ def feed(d: StragglerDetector, step: int, times: list[float]) -> list:
     for rank, t in enumerate(times):
         d.observe(rank, step, t)
     return d.check()
+
+
+def test_the_peers_median_leaves_out_one_rank_as_the_plain_median_of_the_others_does(
+        ) -> None:
+    rng = random.Random(17)
+    for n in (2, 3, 4, 5, 8, 9, 64):
+        for _ in range(20):
+            times = [rng.choice([0.1, 0.2, 0.3]) if rng.random() < 0.3 else rng.random()
+                     for _ in range(n)]  # ties too
+            ordered = sorted(times)
+            for rank, t in enumerate(times):
+                others = [x for r, x in enumerate(times) if r != rank]
+                assert median_without(ordered, t) == statistics.median(others)
 
 
 def test_a_rank_slow_for_enough_steps_in_a_row_is_reported_once() -> None:

@@ -1,0 +1,208 @@
+"""The controller at thousands of ranks: the driver's CPU, its failure decision and its plan.
+
+The real Controller (orchestrator/controller.py) drives a simulated group (bench/sim_group.py)
+of 64, 1,024 and 4,096 ranks, 8 to a node: no torch training, no Ray. Per size it measures:
+
+- cpu_per_train_s: the driver's process CPU in the controller loop over a run of many polls,
+  the simulated group's own work left out, over the simulated training time (polls x poll
+  interval). Also with the group's work in, for information.
+- decision: wall (and CPU) from the return of the poll that reports a dead rank to the start
+  of the RECOVERING state (the `failure` event is written by then). Median of several.
+- plan: the controller's wall and CPU from RECOVERING to the next world launched, the
+  simulated group's own work left out (tear-down, scheduling, rendezvous, restore choice).
+
+Goal: decision under 100 ms at 4,096 ranks. Then a real Ray part (bench/scale_ray.py): the
+driver's time per polling interval, one poll per actor against one per node of 8.
+Writes bench/results/scale.json. About 3 minutes on 2 cores.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import pstats
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from sim_group import SimClock, SimGroup, SimGroupError
+
+from stalwart.checkpointing.storage.signing import CheckpointTrust, SigningKey
+from stalwart.config import load_config
+from stalwart.orchestrator.controller import Controller
+from stalwart.orchestrator.observers import ControllerObserver
+from stalwart.orchestrator.policies import default_policies
+from stalwart.orchestrator.states import Finished
+from stalwart.run_dir import EventLog, MetricsLog
+
+ROOT = Path(__file__).resolve().parent.parent
+SIZES = ((64, 8), (1024, 128), (4096, 512))  # (ranks, nodes): 8 ranks a node
+POLL_S = 0.5  # the controller's default poll interval
+GOAL_DECISION_S = 0.100
+
+
+class NullDisplay:
+    def update(self, report: Any, tokens_per_s: float | None) -> None:
+        pass
+
+    def log(self, message: str) -> None:
+        pass
+
+
+class Marks(ControllerObserver):
+    """(perf_counter, process_time, group's own wall, group's own CPU) at each recovery's
+    start and at each world's launch."""
+
+    def __init__(self, group: SimGroup) -> None:
+        self.group = group
+        self.recovering: list[tuple[float, float, float, float]] = []
+        self.launched: list[tuple[float, float, float, float]] = []
+
+    def _now(self) -> tuple[float, float, float, float]:
+        return (time.perf_counter(), time.process_time(), self.group.own_wall_s,
+                self.group.own_cpu_s)
+
+    def before_recovery(self, failure: Any) -> None:
+        self.recovering.append(self._now())
+
+    def after_launch(self, generation: int, world_size: int, now: float) -> None:
+        self.launched.append(self._now())
+
+
+def build(ranks: int, run_dir: Path, *, steps: int, fail_at: dict[int, int] | None = None,
+          ranks_per_node: int = 8) -> tuple[Controller, SimGroup, Marks]:
+    """A Controller over a SimGroup of `ranks` ranks (and one node of warm spares)."""
+    config = load_config(None, [
+        f"scaling.num_workers={ranks}", f"scaling.spare_workers={ranks_per_node}",
+        f"train.steps={steps}", f"train.global_batch_size={ranks}", "train.micro_batch_size=1",
+        "train.warmup_steps=0", "run.log_every=10", "failure.max_failures=1000",
+        "failure.backoff_s=0", "checkpoint.snapshot_every=1"])
+    clock = SimClock()
+    group = SimGroup(config, clock, ranks_per_node=ranks_per_node, step_s=POLL_S,
+                     fail_at=fail_at)
+    marks = Marks(group)
+    storage = run_dir / "checkpoints"
+    storage.mkdir(parents=True, exist_ok=True)
+    trust = CheckpointTrust(key=SigningKey(secret=b"scale bench", source="bench/scale.py"))
+    controller = Controller(
+        config, storage_url=str(storage), group=group, group_error=SimGroupError,
+        events=EventLog(run_dir / "events.jsonl"), metrics=MetricsLog(run_dir / "metrics.jsonl"),
+        display=NullDisplay(), resume_from=None, trust=trust, clock=clock,
+        poll_interval_s=POLL_S, observers=[marks],
+        policies=default_policies(config, storage_url=str(storage)))
+    return controller, group, marks
+
+
+def failure_steps(ranks: int, failures: int, every: int = 10) -> dict[int, int]:
+    """One rank dies every `every` steps, a different one each time (never rank 0)."""
+    return {every * (i + 1): 1 + (i * 7919) % (ranks - 1) for i in range(failures)}
+
+
+def steady(ranks: int, polls: int) -> dict[str, float]:
+    """The driver's CPU per second of simulated training over `polls` polls, no failure."""
+    with tempfile.TemporaryDirectory() as tmp:
+        controller, group, marks = build(ranks, Path(tmp), steps=polls)
+        state = controller.run()
+        end = (time.perf_counter(), time.process_time(), group.own_wall_s, group.own_cpu_s)
+    assert isinstance(state, Finished), state
+    (start,) = marks.launched
+    train_s = group.stats.polls * POLL_S
+    cpu_all = end[1] - start[1]
+    cpu_ctl = cpu_all - (end[3] - start[3])
+    return {"polls": group.stats.polls, "train_s": train_s,
+            "cpu_per_train_s": round(cpu_ctl / train_s, 5),
+            "cpu_per_train_s_with_group": round(cpu_all / train_s, 5),
+            "cpu_per_poll_ms": round(1000 * cpu_ctl / group.stats.polls, 3)}
+
+
+def recoveries(ranks: int, failures: int) -> dict[str, Any]:
+    """Decision and plan times over `failures` failures of one run (medians and all)."""
+    fail_at = failure_steps(ranks, failures)
+    with tempfile.TemporaryDirectory() as tmp:
+        controller, group, marks = build(ranks, Path(tmp), steps=max(fail_at) + 5,
+                                         fail_at=fail_at)
+        state = controller.run()
+    assert isinstance(state, Finished), state
+    reported = group.stats.failures_reported
+    assert len(reported) == len(marks.recovering) == failures, (reported, marks.recovering)
+    decision_wall = [r[0] - p[0] for p, r in zip(reported, marks.recovering, strict=True)]
+    decision_cpu = [r[1] - p[1] for p, r in zip(reported, marks.recovering, strict=True)]
+    # The world launched after each recovery: launched[0] is the first world's.
+    plan_wall = [(b[0] - a[0]) - (b[2] - a[2])
+                 for a, b in zip(marks.recovering, marks.launched[1:], strict=True)]
+    plan_cpu = [(b[1] - a[1]) - (b[3] - a[3])
+                for a, b in zip(marks.recovering, marks.launched[1:], strict=True)]
+    ms = lambda xs: [round(1000 * x, 3) for x in xs]  # noqa: E731
+    return {"failures": failures, "generations": group.stats.generations,
+            "decision_wall_ms": round(1000 * statistics.median(decision_wall), 3),
+            "decision_cpu_ms": round(1000 * statistics.median(decision_cpu), 3),
+            "plan_wall_ms": round(1000 * statistics.median(plan_wall), 3),
+            "plan_cpu_ms": round(1000 * statistics.median(plan_cpu), 3),
+            "all_decision_wall_ms": ms(decision_wall), "all_plan_wall_ms": ms(plan_wall)}
+
+
+def profile(ranks: int, polls: int, failures: int, top: int) -> None:
+    """cProfile of a steady run and a run with failures at `ranks` ranks (the group's own
+    functions included: read them as the simulated workers' share)."""
+    prof = cProfile.Profile()
+    prof.enable()
+    steady(ranks, polls)
+    recoveries(ranks, failures)
+    prof.disable()
+    pstats.Stats(prof).sort_stats("cumulative").print_stats(top)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(top)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--polls", type=int, default=120, help="polls of the steady run (default 120)")
+    p.add_argument("--failures", type=int, default=5, help="failures per size (default 5)")
+    p.add_argument("--sizes", default=",".join(str(r) for r, _ in SIZES),
+                   help="rank counts, 8 to a node (default 64,1024,4096)")
+    p.add_argument("--ray-actors", type=int, default=96,
+                   help="light Ray actors for the real-Ray part; 0 skips it (default 96)")
+    p.add_argument("--ray-intervals", type=int, default=30,
+                   help="polling intervals timed per way of polling (default 30)")
+    p.add_argument("--profile", type=int, default=0, metavar="RANKS",
+                   help="only print a cProfile of the controller at this many ranks")
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale.json")
+    args = p.parse_args()
+    if args.profile:
+        profile(args.profile, args.polls, args.failures, top=30)
+        return
+    sizes = [int(s) for s in args.sizes.split(",")]
+    rows = []
+    for ranks in sizes:
+        t = time.perf_counter()
+        row = {"ranks": ranks, "nodes": ranks // 8, **steady(ranks, args.polls),
+               **recoveries(ranks, args.failures)}
+        row["bench_s"] = round(time.perf_counter() - t, 1)
+        rows.append(row)
+        print(f"{ranks:>5} ranks / {ranks // 8:>3} nodes: driver CPU "
+              f"{row['cpu_per_train_s']:.4f} s per s of training "
+              f"({row['cpu_per_train_s_with_group']:.4f} with the simulated group), "
+              f"decision {row['decision_wall_ms']:.1f} ms, plan {row['plan_wall_ms']:.1f} ms "
+              f"wall / {row['plan_cpu_ms']:.1f} ms CPU", flush=True)
+    result: dict[str, Any] = {"poll_interval_s": POLL_S, "sizes": rows,
+                              "goal": {"decision_ms_below": 1000 * GOAL_DECISION_S,
+                                       "at_ranks": 4096}}
+    at_goal = [r for r in rows if r["ranks"] == 4096]
+    if at_goal:
+        met = at_goal[0]["decision_wall_ms"] < 1000 * GOAL_DECISION_S
+        result["goal"]["met"] = met
+        print(f"goal: decision under 100 ms at 4,096 ranks: "
+              f"{at_goal[0]['decision_wall_ms']:.1f} ms: {'MET' if met else 'NOT MET'}")
+    if args.ray_actors:
+        from scale_ray import ray_polling
+        result["ray"] = ray_polling(args.ray_actors, intervals=args.ray_intervals)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
