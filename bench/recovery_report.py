@@ -169,8 +169,11 @@ def plot(png: str, med: dict[str, Any]) -> str | None:
             legend.setdefault(label, handle)
     fig.legend(list(legend.values()), list(legend), loc="lower center",
                ncol=min(4, len(legend)), fontsize=8, frameon=False)
-    fig.suptitle(f"Recovery on the reference task (tiny GPT, {WORKERS} workers, fault on rank 1 "
-                 f"at step {FAULT_STEP}), medians", fontsize=10)
+    models = [m for m, here in (("tiny GPT", any(f != OUTSIDE_KILL for f in faults)),
+                                ("SIGKILL from outside: the reference GPT",
+                                 OUTSIDE_KILL in faults)) if here]
+    fig.suptitle(f"Recovery on the reference task ({'; '.join(models)}; {WORKERS} workers, "
+                 f"fault on rank 1 at step {FAULT_STEP}), medians", fontsize=10)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     Path(png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
