@@ -26,6 +26,9 @@ Faults, injected on rank 1 in the first attempt only (an O_EXCL marker file in w
          long in the all-reduce). If no new attempt starts within `hang_wait_s`, the harness
          records detected=False, writes a stop file (every later attempt returns at once),
          SIGKILLs the stopped pid and lets the run end.
+  outside-kill  nothing from inside: the harness SIGKILLs rank 1's process (its pid from
+         attempts.jsonl) once rank 0 has logged step `fault_step`, and writes fault.json itself
+         with the time read just before the signal (bench/recovery.py's outside-kill rows).
   node   a local cluster (ray.cluster_utils.Cluster): a head node with 0 CPUs (driver and Ray
          Train controller) and one 1-CPU node per worker, so rank 0 and rank 1 are on different
          nodes (checked from the node ids the workers record). Rank 1 checks that its parent is
@@ -72,14 +75,20 @@ import time
 from pathlib import Path
 from typing import Any
 
+from outside_kill import OUTSIDE_KILL, OutsideKill, last_logged, rank_pid
+from outside_kill import POLL_S as KILL_POLL_S
 from raytrain_measure import analyse, controller_events, read_fault
+from raytrain_measure import session_dir as ray_session_dir
 from raytrain_worker import (
     ATTEMPTS_FILE,
     DEFAULT_CONFIG,
+    FAULT_FILE,
     FAULTS,
     NUM_WORKERS,
+    STEPS_FILE,
     STOP_FILE,
     TINY,
+    _write_json_atomic,
     train_loop_per_worker,
 )
 
@@ -168,8 +177,8 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
     health_check_interval_s = 2 s) has taken it from the worker's queue: a worker that dies
     before that poll loses it, though its files are already in storage.
     """
-    if fault not in FAULTS:
-        raise ValueError(f"fault must be one of {FAULTS}, got {fault!r}")
+    if fault not in (*FAULTS, OUTSIDE_KILL):
+        raise ValueError(f"fault must be one of {(*FAULTS, OUTSIDE_KILL)}, got {fault!r}")
     if not 1 <= fault_step <= steps:
         raise ValueError(f"fault_step={fault_step} must be in [1, steps={steps}]")
     if checkpoint_every < 1:
@@ -245,7 +254,9 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
             train_loop_per_worker,
             train_loop_config={
                 "workdir": str(workdir), "config": str(config), "overrides": overrides,
-                "fault": fault, "fault_step": fault_step, "checkpoint_every": checkpoint_every,
+                # outside-kill: the workers inject nothing (no step is step 0)
+                "fault": fault, "fault_step": 0 if fault == OUTSIDE_KILL else fault_step,
+                "checkpoint_every": checkpoint_every,
                 "commit_checkpoints": commit_checkpoints,
             },
             torch_config=torch_config,
@@ -259,8 +270,20 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
         deadline = t_start + timeout_s
         aborted: str | None = None
         killed_pids: list[int] = []
+        killer = None
+        if fault == OUTSIDE_KILL:
+            killer = OutsideKill(
+                after_step=fault_step,
+                logged_step=lambda: last_logged(read_jsonl(workdir / STEPS_FILE)),
+                rank_pid=lambda: rank_pid(read_jsonl(workdir / ATTEMPTS_FILE), 1))
         while thread.is_alive():
-            thread.join(0.2)
+            thread.join(0.2 if killer is None else KILL_POLL_S)
+            if killer is not None and not killer.done:
+                killer.tick()
+                if killer.time is not None:  # what the rank writes before an inside fault
+                    _write_json_atomic(workdir / FAULT_FILE, {
+                        "fault": fault, "time": killer.time, "pid": killer.pid,
+                        "step_logged": killer.step_logged})
             now = time.time()
             info = read_fault(workdir)
             if info is not None and fault == "node":
@@ -290,10 +313,12 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
                 deadline = time.time() + 120  # for the teardown itself
             elif aborted is not None and now > deadline:
                 break  # teardown stuck: ray.shutdown() below ends it
-        session_dir = session_dir()
+        session_dir = ray_session_dir()
         result["fit_error"] = fit_out.get("error", "fit did not return")
         result["aborted"] = aborted
         result["harness_killed_pids"] = killed_pids
+        if killer is not None:
+            result["outside_kill"] = killer.record()
     finally:
         try:
             ray.shutdown()
@@ -350,7 +375,7 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--fault", choices=FAULTS, required=True)
+    p.add_argument("--fault", choices=(*FAULTS, OUTSIDE_KILL), required=True)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--fault-step", type=int, default=25)
     p.add_argument("--checkpoint-every", type=int, default=10)

@@ -9,6 +9,9 @@ The reference task (`examples/gpt/config.toml`) with the tiny model of tests/cli
   node   lose a whole node: on a local multi-node cluster (ray.cluster_utils.Cluster: a
          0-CPU head for the driver, one 1-CPU node per worker) the node of rank 1 loses its
          raylet and every process on it at once
+  outside-kill
+         the same SIGKILL, sent by this harness to rank 1's process (its PID) once step 25
+         is logged, for all three systems alike (see below)
 
 Rows, each measured on its own Ray:
 
@@ -34,6 +37,28 @@ Rows, each measured on its own Ray:
                     every 10 steps which rank 0 waits to see registered (else Ray Train loses
                     the newest one to a registration race and restores an older one)
 
+outside-kill (the issue's side-by-side table; bench/outside_kill.py, recovery_outside.py):
+
+  Every side trains examples/gpt/config.toml's own model and batch (the issue's "reference
+  run"; the rows above use the tiny model), 40 steps, a checkpoint every 10.
+  stalwart+spare    `stalwart run ... --run-dir DIR` with one warm spare and the memory tier,
+                    no --inject: step log DIR/metrics.jsonl (split into worlds at each
+                    `workers_started`), rank 1's pid from the newest `workers_started` event
+  ray-train         run_raytrain("outside-kill", commit_checkpoints=True): step log
+                    steps.jsonl, rank 1's pid from attempts.jsonl
+  torchrun          `python -m torch.distributed.run --standalone --nproc_per_node 2
+                    --max-restarts 3 bench/torchrun_recovery.py` (rank 0 saves a checkpoint
+                    atomically every 10 steps; every restart resumes from the newest): its
+                    steps.jsonl, rank 1's pid from its attempts.jsonl
+
+  The harness reads the step log every 50 ms; once step 25 is there it SIGKILLs the pid and
+  takes the kill time just before. recovery_s: kill -> the end of the first step completed by
+  the restarted world (the killed world's rank 0 may log its step in flight just after the
+  kill: that one counts as done before it); lost_steps: the killed world's last step - the step
+  resumed from; normal_step_s: the median step time of the same run before the kill. Targets:
+  stalwart's recovery_s <= normal_step_s + 0.5 s, Ray Train's >= 20x stalwart's, torchrun's
+  >= 10x (medians). About 3 minutes per round on 2 cores.
+
 Both sides use Ray's default node health checks (no `_system_config` for them on either
 cluster); Ray Train's own worker health check keeps its default (600 s).
 
@@ -50,7 +75,7 @@ Measured per run (seconds, one machine's time.time()):
                 `recovered` event's recovery_s, cross-checked against metrics.jsonl)
   lost_steps    steps completed before the fault - the step restored from
 
-    python bench/recovery.py [--rounds 1] [--faults kill hang node] [--keep]
+    python bench/recovery.py [--rounds 1] [--faults kill hang node outside-kill] [--keep]
                              [--out bench/results/recovery.json] [--png bench/results/recovery.png]
 
 Targets (printed with MET / NOT MET): a kill recovered at least 10x faster than Ray Train
@@ -78,9 +103,11 @@ from pathlib import Path
 from typing import Any
 
 import common
+from outside_kill import POLL_S as KILL_POLL_S
 from raytrain_recovery import TINY
 from recovery_measure import summarise, verdicts
-from recovery_report import one_line, plot, print_table
+from recovery_outside import run_stalwart_outside, run_torchrun_outside
+from recovery_report import one_line, plot, print_outside, print_table
 from recovery_runs import run_ray_train, run_stalwart
 from recovery_setup import (
     ELASTIC,
@@ -88,14 +115,20 @@ from recovery_setup import (
     FAULTS,
     HANG_WAIT_S,
     INJECT,
+    OUTSIDE_KILL,
+    OUTSIDE_MODEL,
+    OUTSIDE_STALWART,
     PERSIST_EVERY,
     RUNNERS,
     SPARE,
     STALWART_OVERRIDES,
     STEPS,
+    TARGET_NEXT_STEP_SLACK_S,
+    TARGET_OUTSIDE_RATIOS,
     WORKERS,
     stalwart_overrides,
 )
+from torchrun_recovery import MAX_RESTARTS
 
 DEFAULT_OUT = common.ROOT / "bench" / "results" / "recovery.json"
 DEFAULT_PNG = common.ROOT / "bench" / "results" / "recovery.png"
@@ -154,6 +187,10 @@ def main() -> int:
             for runner in order:
                 if runner == "ray-train":
                     r = run_ray_train(fault, args, work, rnd)
+                elif runner == "torchrun":
+                    r = run_torchrun_outside(args, work, rnd)
+                elif fault == OUTSIDE_KILL:
+                    r = run_stalwart_outside(runner, args, work, rnd)
                 else:
                     r = run_stalwart(runner, fault, args, work, rnd)
                 results.append(r)
@@ -164,6 +201,8 @@ def main() -> int:
 
     med = summarise(results, args.faults)
     print_table(med)
+    if OUTSIDE_KILL in med:
+        print_outside(med)
     checks = verdicts(results, med)
     print()
     for v in checks:
@@ -185,6 +224,10 @@ def main() -> int:
         f"{ray._raylet.Config.health_check_failure_threshold()}); the stalwart cluster also "
         "sets worker_niceness=0. A replacement 1-CPU node is added as soon as the GCS reports "
         "the lost node dead, on both sides.",
+        f"{OUTSIDE_KILL}: the harness SIGKILLs rank 1's process by its PID once step "
+        f"{FAULT_STEP} is in the system's own step log (read every 50 ms), so the kill lands "
+        "a step or two later on every side; the kill time is read just before the signal. "
+        "torchrun: its elastic agent's defaults (--monitor-interval 0.1) with --max-restarts 3.",
         "stalwart's fault time is the controller's acknowledgement of the fault (the worker "
         "carries it out right after); Ray Train's is written by the worker just before it.",
     ]
@@ -241,6 +284,13 @@ def main() -> int:
             "tokens_per_step": tps, "config": args.config,
             "stalwart_overrides": STALWART_OVERRIDES, "stalwart_spare": SPARE,
             "stalwart_elastic": ELASTIC, "inject": INJECT, "hang_wait_s": HANG_WAIT_S,
+            OUTSIDE_KILL: {"kill_after_step_logged": FAULT_STEP, "poll_s": KILL_POLL_S,
+                           "stalwart_overrides": OUTSIDE_STALWART,
+                           "model_overrides": OUTSIDE_MODEL,
+                           "torchrun": {"max_restarts": MAX_RESTARTS,
+                                        "checkpoint_every": PERSIST_EVERY},
+                           "targets": {"next_step_slack_s": TARGET_NEXT_STEP_SLACK_S,
+                                       "ratios": TARGET_OUTSIDE_RATIOS}},
             "raytrain": {"commit_checkpoints": True, "hang_wait_s": HANG_WAIT_S,
                          "replace_node_after": "dead", "overrides": TINY,
                          "checkpoint_every": PERSIST_EVERY},

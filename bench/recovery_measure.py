@@ -9,10 +9,13 @@ from typing import Any, TypeVar
 import common
 from recovery_setup import (
     HANG_WAIT_S,
+    OUTSIDE_KILL,
     PERSIST_EVERY,
     RUNNERS,
     TARGET_HANG_DETECTION_S,
     TARGET_KILL_RATIO,
+    TARGET_NEXT_STEP_SLACK_S,
+    TARGET_OUTSIDE_RATIOS,
 )
 
 from stalwart import events as ev
@@ -109,7 +112,7 @@ def summarise(results: list[dict[str, Any]], faults: list[str]) -> dict[str, Any
                 "completed": sum(bool(r.get("completed")) for r in rs),
                 **{k: median([r.get(k) for r in rs])
                    for k in ("detection_s", "restart_s", "recovery_s", "restore_s", "lost_steps",
-                             "restored_from_step", "lost_steps_bound")},
+                             "restored_from_step", "lost_steps_bound", "normal_step_s")},
                 "sources": sorted({str(r.get("source")) for r in rs}),
                 "max_detection_s": max((r["detection_s"] for r in rs
                                         if r.get("detection_s") is not None), default=None),
@@ -146,6 +149,8 @@ def verdicts(results: list[dict[str, Any]], med: dict[str, Any]) -> list[dict[st
                               f"{HANG_WAIT_S:g} s" if not med["hang"]["ray-train"]["detected"]
                               else f"{common.fmt(med['hang']['ray-train']['detection_s'], '.2f')}"
                                    " s")})
+    if OUTSIDE_KILL in med:
+        out += outside_verdicts(med[OUTSIDE_KILL])
     stalwart = [r for r in results if r["system"] == "stalwart"]
     bad = [r for r in stalwart if r.get("lost_steps") is None or r.get("lost_steps_bound") is None
            or r["lost_steps"] > r["lost_steps_bound"]]
@@ -161,4 +166,30 @@ def verdicts(results: list[dict[str, Any]], med: dict[str, Any]) -> list[dict[st
                             for r in bad) or
                   ", ".join(f"{r['fault']}/{r['runner']} {r['lost_steps']}<={r['lost_steps_bound']}"
                             for r in stalwart)})
+    return out
+
+
+def outside_verdicts(rows: dict[str, Any], stalwart: str = "stalwart+spare"
+                     ) -> list[dict[str, Any]]:
+    """The outside-kill targets, on the medians of each row: stalwart's kill -> next completed
+    step within one normal step (of its own run, before the kill) + the slack, and each peer's
+    time at least its ratio over stalwart's."""
+    st = rows[stalwart]["recovery_s"]
+    normal = rows[stalwart]["normal_step_s"]
+    bound = normal + TARGET_NEXT_STEP_SLACK_S if normal is not None else None
+    out = [{
+        "target": f"{OUTSIDE_KILL}: stalwart kill -> next completed step <= one normal step + "
+                  f"{TARGET_NEXT_STEP_SLACK_S:g} s (medians)",
+        "value": st, "met": st is not None and bound is not None and st <= bound,
+        "detail": f"{common.fmt(st, '.2f')} s against {common.fmt(bound, '.2f')} s (normal "
+                  f"step {common.fmt(normal, '.3f')} s)"}]
+    for peer, target in TARGET_OUTSIDE_RATIOS.items():
+        theirs = rows[peer]["recovery_s"]
+        ratio = theirs / st if theirs is not None and st else None
+        out.append({
+            "target": f"{OUTSIDE_KILL}: {rows[peer]['label']} / stalwart kill -> next "
+                      f"completed step >= {target:g}x (medians)",
+            "value": ratio, "met": ratio is not None and ratio >= target,
+            "detail": f"{rows[peer]['label']} {common.fmt(theirs, '.2f')} s, stalwart "
+                      f"{common.fmt(st, '.2f')} s"})
     return out

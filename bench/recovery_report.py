@@ -10,6 +10,7 @@ import common
 from recovery_setup import (
     FAULT_STEP,
     HANG_WAIT_S,
+    OUTSIDE_KILL,
     PERSIST_EVERY,
     STEPS,
     TARGET_HANG_DETECTION_S,
@@ -35,13 +36,21 @@ def one_line(r: dict[str, Any]) -> str:
         extra += f"  MISSING EVENTS: {', '.join(r['missing_events'])}"
     if not r.get("completed"):
         extra += "  NOT COMPLETED"
+    if r["fault"] == OUTSIDE_KILL:
+        if r.get("restarts", 0) > 1:  # torchrun: a restart that failed too
+            extra += f"  {r['restarts']} restarts for one kill"
+        return (f"  {tag}: killed pid {r.get('killed_pid')} after step "
+                f"{r.get('kill_after_step_logged')} was logged; kill -> next completed step "
+                f"{s(r['recovery_s'])} s (normal step {s(r.get('normal_step_s'), '.3f')} s), "
+                f"lost {common.fmt(r['lost_steps'], '3d')} steps (last {r.get('last_step_of_killed_world')}, "
+                f"resumed from {r.get('resumed_from')}), load {r['load_before']:.2f}{extra}")
     return (f"  {tag}: detection {s(r['detection_s'])} s, recovery {s(r['recovery_s'])} s, "
             f"lost {common.fmt(r['lost_steps'], '3d')} steps, load "
             f"{r['load_before']:.2f}{extra}")
 
 
 def print_table(med: dict[str, Any]) -> None:
-    head = (f"{'fault':<5} | {'system':<26} | {'detect s':>8} | {'restart s':>9} | "
+    head = (f"{'fault':<12} | {'system':<30} | {'detect s':>8} | {'restart s':>9} | "
             f"{'restore s':>9} | {'recover s':>9} | {'lost':>4} | {'from':>4} | {'bound':>5} | "
             f"{'source':<8} | {'ok':>5}")
     print("\nrecovery (medians)\n" + head + "\n" + "-" * len(head))
@@ -51,7 +60,7 @@ def print_table(med: dict[str, Any]) -> None:
             if runner == "ray-train" and fault == "hang" and not m["detected"]:
                 detect = f">{HANG_WAIT_S:g} n/d".rjust(8)
             source = ",".join(x for x in m.get("sources", []) if x != "None") or "-"
-            print(f"{fault:<5} | {m['label']:<26} | {detect} | "
+            print(f"{fault:<12} | {m['label']:<30} | {detect} | "
                   f"{common.fmt(m['restart_s'], '9.2f')} | {common.fmt(m.get('restore_s'), '9.2f')} | "
                   f"{common.fmt(m['recovery_s'], '9.2f')} | "
                   f"{common.fmt(m['lost_steps'], '4.0f')} | "
@@ -68,6 +77,28 @@ def print_table(med: dict[str, Any]) -> None:
           f"completed all {STEPS} steps")
 
 
+def print_outside(med: dict[str, Any], stalwart: str = "stalwart+spare") -> None:
+    """The issue's table: kill from outside -> next completed step, side by side, each
+    system's time over stalwart's."""
+    rows = med[OUTSIDE_KILL]
+    st = rows[stalwart]["recovery_s"]
+    head = (f"{'system':<30} | {'kill -> next step s':>19} | {'normal step s':>13} | "
+            f"{'lost':>4} | {'from':>4} | {'x stalwart':>10} | {'ok':>5}")
+    print(f"\n{OUTSIDE_KILL}: SIGKILL of rank 1's process by the harness after step {FAULT_STEP} "
+          "was logged (medians)\n" + head + "\n" + "-" * len(head))
+    for m in rows.values():
+        ratio = m["recovery_s"] / st if m["recovery_s"] is not None and st else None
+        print(f"{m['label']:<30} | {common.fmt(m['recovery_s'], '19.2f')} | "
+              f"{common.fmt(m['normal_step_s'], '13.3f')} | {common.fmt(m['lost_steps'], '4.0f')} | "
+              f"{common.fmt(m['restored_from_step'], '4.0f')} | {common.fmt(ratio, '10.1f')} | "
+              f"{m['completed']}/{m['runs']:<3}")
+    print("-" * len(head))
+    print("kill -> next step: from the harness's SIGKILL to the end of the first step completed "
+          "by the restarted world (each system's own step log);\nnormal step: median step "
+          "time of the same run before the kill; lost: the killed world's last step - the step "
+          "resumed from")
+
+
 def plot(png: str, med: dict[str, Any]) -> str | None:
     try:
         import matplotlib
@@ -80,13 +111,14 @@ def plot(png: str, med: dict[str, Any]) -> str | None:
     faults = list(med)
     colors = {"stalwart": "#1f77b4", "stalwart+spare": "#6baed6",
               "stalwart+spare/storage": "#9e9ac8", "stalwart-elastic": "#08519c",
-              "stalwart-elastic/storage": "#756bb1", "ray-train": "#ff7f0e"}
+              "stalwart-elastic/storage": "#756bb1", "ray-train": "#ff7f0e",
+              "torchrun": "#2ca02c"}
     labels = {"stalwart": "stalwart (memory tier)",
               "stalwart+spare": "stalwart + warm spare (memory tier)",
               "stalwart+spare/storage": "stalwart + warm spare, storage only",
               "stalwart-elastic": "stalwart, shrinks on node loss (memory tier)",
               "stalwart-elastic/storage": "stalwart, shrinks, storage only",
-              "ray-train": "Ray Train TorchTrainer"}
+              "ray-train": "Ray Train TorchTrainer", "torchrun": "torchrun --max-restarts"}
     width = 0.8 / max(len(med[f]) for f in faults)
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.8))
     for ax, key, title in ((axes[0], "detection_s", "detection (fault -> failure decided)"),
@@ -98,6 +130,8 @@ def plot(png: str, med: dict[str, Any]) -> str | None:
                 m, color = med[fault][runner], colors[runner]
                 x = j - width * len(runners) / 2 + width * (i + 0.5)
                 value = m[key]
+                if value is None and fault != "hang":
+                    continue  # not measured for this row (torchrun has no detection event)
                 if value is None:
                     # Not detected / not recovered within the harness's wait: a hollow bar.
                     ax.bar(x, HANG_WAIT_S, width, color="none", edgecolor=color, hatch="//")
@@ -113,7 +147,9 @@ def plot(png: str, med: dict[str, Any]) -> str | None:
         ax.set_yscale("log")
         ax.set_ylim(1e-2, HANG_WAIT_S * 8)
         ax.set_xticks(range(len(faults)), [{"kill": "kill (SIGKILL)", "hang": "hang (SIGSTOP)",
-                                            "node": "node loss"}[f] for f in faults])
+                                            "node": "node loss",
+                                            OUTSIDE_KILL: "SIGKILL from outside"}[f]
+                                for f in faults])
         ax.set_ylabel("seconds (log scale)")
         ax.set_title(title)
         ax.grid(axis="y", alpha=0.3, which="both")
@@ -133,8 +169,11 @@ def plot(png: str, med: dict[str, Any]) -> str | None:
             legend.setdefault(label, handle)
     fig.legend(list(legend.values()), list(legend), loc="lower center",
                ncol=min(4, len(legend)), fontsize=8, frameon=False)
-    fig.suptitle(f"Recovery on the reference task (tiny GPT, {WORKERS} workers, fault on rank 1 "
-                 f"at step {FAULT_STEP}), medians", fontsize=10)
+    models = [m for m, here in (("tiny GPT", any(f != OUTSIDE_KILL for f in faults)),
+                                ("SIGKILL from outside: the reference GPT",
+                                 OUTSIDE_KILL in faults)) if here]
+    fig.suptitle(f"Recovery on the reference task ({'; '.join(models)}; {WORKERS} workers, "
+                 f"fault on rank 1 at step {FAULT_STEP}), medians", fontsize=10)
     fig.tight_layout(rect=(0, 0.12, 1, 1))
     Path(png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)

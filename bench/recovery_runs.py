@@ -16,13 +16,16 @@ from pathlib import Path
 from typing import Any
 
 import common
+from outside_kill import OUTSIDE_KILL, StepRow, measure_kill
 from raytrain_recovery import TINY, run_raytrain
+from raytrain_worker import STEPS_FILE
 from recovery_measure import analyse_stalwart
 from recovery_setup import (
     FAULT_STEP,
     HANG_WAIT_S,
     INJECT,
     NODE_HEAD_ARGS,
+    OUTSIDE_MODEL,
     PERSIST_EVERY,
     POLL_S,
     STEPS,
@@ -31,12 +34,13 @@ from recovery_setup import (
 )
 
 from stalwart import events as ev
-from stalwart.events import read_events
+from stalwart.events import read_events, read_jsonl
 
 
 def run_cli(cmd: list[str], log: Path, timeout: float,
-            tick: Callable[[], None] | None = None) -> tuple[int, float]:
-    """Run the CLI with output to log, calling tick() every POLL_S; (exit code, wall s).
+            tick: Callable[[], None] | None = None,
+            poll_s: float = POLL_S) -> tuple[int, float]:
+    """Run the CLI with output to log, calling tick() every poll_s; (exit code, wall s).
 
     Past the timeout the CLI gets Ctrl-C twice (stop, then abandon the checkpoint), then
     SIGKILL; its own process group only (it is started in a new session).
@@ -63,7 +67,7 @@ def run_cli(cmd: list[str], log: Path, timeout: float,
                     proc.wait()
                     break
                 stage += 1
-            time.sleep(POLL_S)
+            time.sleep(poll_s)
         code = proc.returncode if stage == 0 else -1
     return code, time.perf_counter() - t0
 
@@ -179,10 +183,11 @@ def run_ray_train(fault: str, args: argparse.Namespace, work: Path, rnd: int) ->
     load = os.getloadavg()[0]
     try:
         with output_to(log):
-                raw = run_raytrain(fault, steps=STEPS, fault_step=FAULT_STEP,
+            raw = run_raytrain(fault, steps=STEPS, fault_step=FAULT_STEP,
                                checkpoint_every=PERSIST_EVERY, workdir=workdir,
                                timeout_s=args.timeout, hang_wait_s=HANG_WAIT_S,
-                               num_cpus=WORKERS, config=args.config, overrides=list(TINY),
+                               num_cpus=WORKERS, config=args.config,
+                               overrides=list(OUTSIDE_MODEL if fault == OUTSIDE_KILL else TINY),
                                replace_node_after="dead", commit_checkpoints=True)
     except Exception as exc:  # recorded, the other runs go on
         import traceback
@@ -193,6 +198,9 @@ def run_ray_train(fault: str, args: argparse.Namespace, work: Path, rnd: int) ->
                 "completed": False, "detected": False, "detection_s": None,
                 "restart_s": None, "recovery_s": None, "lost_steps": None, "fault_time": None}
     raw.pop("step_times", None)
+    outside = measure_kill([StepRow(r["step"], r["time"], r["pid"])
+                            for r in read_jsonl(workdir / STEPS_FILE)],
+                           raw.get("fault_time")) if fault == OUTSIDE_KILL else {}
     out: dict[str, Any] = {"system": "ray-train", "runner": "ray-train", "fault": fault,
                            "round": rnd, "load_before": load, "log": str(log), "raw": raw}
     # Ray Train's own detection: its controller's FailurePolicy decision; restart_s: the
@@ -215,6 +223,9 @@ def run_ray_train(fault: str, args: argparse.Namespace, work: Path, rnd: int) ->
     )
     if out["steps_before_fault"] is not None:
         out["lost_steps_bound"] = out["steps_before_fault"] % PERSIST_EVERY
+    if outside:  # the same measure as the other outside-kill rows (worlds: rank 0's pid)
+        out.update(outside, restored_from_step=outside["resumed_from"],
+                   **raw.get("outside_kill", {}))
     if not out["detected"] and fault == "hang":
         out["not_detected_within_s"] = HANG_WAIT_S
     if not args.keep:

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from outside_kill import OUTSIDE_KILL
 from raytrain_recovery import TINY
 
-FAULTS = ("kill", "hang", "node")
+FAULTS = ("kill", "hang", "node", OUTSIDE_KILL)
 WORKERS = 2
 STEPS = 40
 FAULT_STEP = 25
@@ -15,6 +16,10 @@ PERSIST_EVERY = 10
 HANG_WAIT_S = 60.0
 TARGET_KILL_RATIO = 10.0
 TARGET_HANG_DETECTION_S = 10.0
+# outside-kill: stalwart's kill -> next completed step <= a normal step + this; and the peers'
+# times over stalwart's at least these ratios.
+TARGET_NEXT_STEP_SLACK_S = 0.5
+TARGET_OUTSIDE_RATIOS = {"ray-train": 20.0, "torchrun": 10.0}
 
 # Every stalwart run: the tiny model, a storage checkpoint every 10 steps, a metrics row every
 # step, no validation, plain log lines, up to 3 recoveries.
@@ -39,10 +44,24 @@ RUNNERS = {
     "node": [("stalwart-elastic", "stalwart (shrink)"),
              ("stalwart-elastic/storage", "stalwart (shrink), storage"),
              ("ray-train", "Ray Train")],
+    # The issue's table: stalwart with its warm spare and the memory tier, Ray Train's
+    # TorchTrainer, torchrun --max-restarts; each killed from outside by the same harness.
+    OUTSIDE_KILL: [("stalwart+spare", "stalwart (memory tier, spare)"),
+                   ("ray-train", "Ray Train"), ("torchrun", "torchrun --max-restarts")],
 }
 NODE_HEAD_ARGS: dict[str, Any] = {"num_cpus": 0, "include_dashboard": False,
                                   "_system_config": {"worker_niceness": 0}}
 POLL_S = 0.2  # how often the node run checks the GCS (as run_raytrain does)
+
+
+# outside-kill: the issue's "reference run", examples/gpt/config.toml's own model and batch (not
+# the tiny model of the other rows), on every side; the same steps and checkpoint interval.
+OUTSIDE_MODEL: list[str] = []
+OUTSIDE_STALWART = [
+    *OUTSIDE_MODEL, f"train.steps={STEPS}", f"checkpoint.persist_every={PERSIST_EVERY}",
+    "run.log_every=1", "data.val_every=0", "run.progress=false", "failure.max_failures=3",
+    f"scaling.num_workers={WORKERS}", *SPARE,
+]
 
 
 def stalwart_overrides(runner: str) -> list[str]:

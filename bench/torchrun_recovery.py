@@ -1,0 +1,178 @@
+"""torchrun's side of the recovery benchmark: the reference task as a careful user runs it under
+`torchrun --max-restarts`, checkpointing and resuming by hand.
+
+bench/recovery.py's outside-kill rows start it as
+
+    python -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 3 \
+        bench/torchrun_recovery.py --workdir DIR [--steps 40] [--checkpoint-every 10] \
+        [--config TOML] [--set KEY=VALUE ...]
+
+and SIGKILL rank 1's process once step 25 is logged. torchrun's elastic agent sees the dead
+worker (it checks every 0.1 s by default), stops the others, and starts the whole group again
+(up to --max-restarts times); every new process resumes from the newest checkpoint.
+
+What is trained is bench/torchrun_ddp.py's loop (the DDP baseline of bench/throughput.py): the
+JobConfig of the TOML + `--set` overrides (default: the tiny model of tests/cli_helpers.py), the
+GPTTask's model, init, loss, optimizer and schedule, the same token files, the same global
+sample order (GlobalSampler, from samples_seen) and one ddp_step per step.
+
+Checkpoints, as a careful user writes them: every --checkpoint-every steps (and at the last)
+rank 0 torch.saves model, optimizer, scheduler, step and samples_seen to a temporary file,
+fsyncs it and renames it to DIR/checkpoints/step-NNNNNN.pt, so a reader never sees half a file
+(DDP ranks hold the same state: one copy is enough). Every (re)started rank loads the newest.
+
+Files in DIR (time.time() of one machine, so comparable across processes):
+
+  steps.jsonl     rank 0, per completed step: {"step", "time" (its end), "loss", "attempt", "pid"}
+  attempts.jsonl  every rank: {"event": "start", "time", "rank", "attempt", "pid"} (the time is
+                  taken before torch is imported, i.e. as the process starts) and, once restored,
+                  {"event": "ready", "time", "rank", "attempt", "pid", "restored_from"}
+
+The attempt is torchrun's TORCHELASTIC_RESTART_COUNT (0, then 1 per restart).
+"""
+
+# The start time is taken before the imports, which take seconds.
+# ruff: noqa: E402
+from __future__ import annotations
+
+import time
+
+START = time.time()
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from ddp_step import ddp_step
+from torch.nn.parallel import DistributedDataParallel
+
+from stalwart.config import load_config
+from stalwart.examples.gpt.data import TokenDataset, build_token_files
+from stalwart.task import build_task
+from stalwart.workers.sampler import GlobalSampler, rank_slice
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_CONFIG = ROOT / "examples" / "gpt" / "config.toml"
+STEPS_FILE = "steps.jsonl"
+ATTEMPTS_FILE = "attempts.jsonl"
+CHECKPOINT_DIR = "checkpoints"
+MAX_RESTARTS = 3
+
+
+def torchrun_command(workdir: Path, *, nproc: int, steps: int, checkpoint_every: int,
+                     config: str | Path, overrides: list[str]) -> list[str]:
+    """The command line a user types: torchrun with --max-restarts over this script."""
+    sets = [x for o in overrides for x in ("--set", o)]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
+            "--nproc_per_node", str(nproc), "--max-restarts", str(MAX_RESTARTS),
+            str(Path(__file__).resolve()), "--workdir", str(workdir), "--steps", str(steps),
+            "--checkpoint-every", str(checkpoint_every), "--config", str(config), *sets]
+
+
+def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    # One small write with O_APPEND: lines from different processes never interleave.
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (json.dumps(row) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def newest_checkpoint(folder: Path) -> Path | None:
+    """The newest complete checkpoint (temporary files start with a dot and are left out)."""
+    done = sorted(folder.glob("step-*.pt"))
+    return done[-1] if done else None
+
+
+def save_checkpoint(folder: Path, step: int, state: dict[str, Any]) -> Path:
+    """Write, fsync, then rename: the file appears whole or not at all."""
+    folder.mkdir(parents=True, exist_ok=True)
+    final = folder / f"step-{step:06d}.pt"
+    tmp = folder / f".{final.name}.{os.getpid()}.tmp"
+    with open(tmp, "wb") as f:
+        torch.save(state, f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, final)
+    return final
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--workdir", required=True, help="step log, attempts and checkpoints")
+    p.add_argument("--steps", type=int, default=40, help="optimizer steps (train.steps)")
+    p.add_argument("--checkpoint-every", type=int, default=10)
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="stalwart TOML config")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="config override, as for `stalwart run` (repeatable)")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
+    workdir = Path(args.workdir)
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    rank = int(os.environ["RANK"])
+    append_jsonl(workdir / ATTEMPTS_FILE, {"event": "start", "time": START, "rank": rank,
+                                           "attempt": attempt, "pid": os.getpid()})
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+
+    config = load_config(args.config, [*args.overrides, f"scaling.num_workers={world}",
+                                       f"train.steps={args.steps}"])
+    t = config.train
+    task = build_task(config.task.path, config.task.args)
+    accum = t.global_batch_size // (t.micro_batch_size * world)
+    files = build_token_files(Path(config.data.cache_dir).expanduser() / "gpt-stdlib",
+                              val_fraction=task.val_fraction)
+    data = TokenDataset(files.train, task.model_config.seq_len)
+    sampler = GlobalSampler(len(data), seed=t.seed)
+
+    torch.manual_seed(t.seed)
+    model = task.build_model(config)
+    task.init_weights(model)
+    ddp = DistributedDataParallel(model)
+    optimizer = task.build_optimizer(ddp, config)
+    scheduler = task.build_lr_scheduler(optimizer, config)
+
+    # Resume: every rank from the newest checkpoint. No writer is alive now (torchrun stopped
+    # the whole old group before starting this one), so both ranks see the same files.
+    step, samples_seen = 0, 0
+    folder = workdir / CHECKPOINT_DIR
+    newest = newest_checkpoint(folder)
+    if newest is not None:
+        state = torch.load(newest, weights_only=True)
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        scheduler.load_state_dict(state["scheduler"])
+        step, samples_seen = state["step"], state["samples_seen"]
+    append_jsonl(workdir / ATTEMPTS_FILE, {
+        "event": "ready", "time": time.time(), "rank": rank, "attempt": attempt,
+        "pid": os.getpid(), "restored_from": step if newest is not None else None})
+
+    while step < t.steps:
+        start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
+        items = sampler.items(start, count)
+        loss_sum, _ = ddp_step(ddp, task, data, items, t, accum, optimizer, scheduler)
+        step += 1
+        samples_seen += t.global_batch_size
+        if rank == 0:
+            append_jsonl(workdir / STEPS_FILE, {"step": step, "time": time.time(),
+                                                "loss": loss_sum / world, "attempt": attempt,
+                                                "pid": os.getpid()})
+            if step % args.checkpoint_every == 0 or step == t.steps:
+                save_checkpoint(folder, step, {
+                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                    "scheduler": scheduler.state_dict(), "step": step,
+                    "samples_seen": samples_seen})
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
