@@ -8,6 +8,9 @@ Every rank writes its own shard; training goes on while the write runs on a back
 thread over a process group of its own (a second gloo group: a checkpoint's collectives
 must never interleave with the training step's on the same group). When the write is
 complete everywhere, rank 0 writes the manifest (the commit point) and applies `keep_last`.
+Each rank hashes its files as it writes them (storage/hashing.py) and the digests reach rank 0
+with DCP's write results, so the commit reads no file back: its time does not grow with the
+world or the checkpoint's size.
 At most one save is in flight: starting the next one waits for the previous, which bounds
 the memory held by staged copies to one checkpoint.
 """
@@ -15,6 +18,7 @@ the memory held by staged copies to one checkpoint.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -25,7 +29,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from fsspec import AbstractFileSystem
 from fsspec.implementations.local import LocalFileSystem
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from torch.distributed.checkpoint.api import CheckpointException
 
 from stalwart.checkpointing.errors import CheckpointError, describe_load_error
@@ -39,6 +42,7 @@ from stalwart.checkpointing.storage.catalog import (
     verify,
 )
 from stalwart.checkpointing.storage.commit_report import CommitReport
+from stalwart.checkpointing.storage.hashing import FileDigest, HashingWriter
 from stalwart.checkpointing.storage.layout import (
     FORMAT_VERSION,
     MANIFEST,
@@ -56,22 +60,38 @@ from stalwart.checkpointing.storage.signing import (
     sign,
 )
 
+_log = logging.getLogger(__name__)
+
 
 def write_manifest(url: str, step: int, extra: dict[str, Any], *, key: SigningKey,
-                   ranks: int | None = None) -> None:
-    """Commit a fully written checkpoint directory: checksums of every file, then the
-    manifest, signed with `key`.
+                   ranks: int | None = None, digests: dict[str, FileDigest] | None = None
+                   ) -> list[str]:
+    """Commit a fully written checkpoint directory: size and sha256 of every file, then the
+    manifest, signed with `key`. Returns the names of the files hashed by reading them.
 
     `ranks`: how many ranks wrote the checkpoint; each must have left its data file, or the
-    checkpoint is not committed (default: the ranks whose data files are there)."""
+    checkpoint is not committed (default: the ranks whose data files are there).
+    `digests`: what each file's writer hashed as it wrote it (HashingWriter); a file whose
+    size on storage is the size its writer wrote takes that digest, unread. Without it
+    (checkpoints made by hand, tests, the old path in bench/commit.py) every file is read."""
     fs, root = filesystem(join(url, step_dir_name(step)))
-    files = {}
+    digests = digests or {}
+    files, read_back = {}, []
     for info in fs.ls(root, detail=True):
         name = info["name"].rstrip("/").rsplit("/", 1)[-1]
         # A stale manifest.json.tmp is left by a commit that crashed before its rename.
         if name in (MANIFEST, f"{MANIFEST}.tmp") or info["type"] != "file":
             continue
-        files[name] = {"size": int(info["size"]), "sha256": sha256_of(fs, info["name"])}
+        size, digest = int(info["size"]), digests.get(name)
+        if digest is not None and digest.size == size:
+            files[name] = {"size": size, "sha256": digest.sha256}
+            continue
+        # No digest from a writer (a file this save did not write, e.g. left by an earlier
+        # attempt at the same step; or one DCP wrote other than through HashingWriter's
+        # streams), or a size that differs from what was written: the manifest must
+        # describe the files as they are, so this one is read and hashed here.
+        files[name] = {"size": size, "sha256": sha256_of(fs, info["name"])}
+        read_back.append(name)
     written = {r for r in map(data_file_rank, files) if r is not None}
     if ranks is None:
         ranks = max(written) + 1 if written else 1
@@ -83,6 +103,7 @@ def write_manifest(url: str, step: int, extra: dict[str, Any], *, key: SigningKe
     manifest = sign({"format": FORMAT_VERSION, "step": step, "time": time.time(),
                      "files": files, **extra, "ranks": ranks}, key)
     write_manifest_file(fs, root, manifest)
+    return read_back
 
 
 def write_manifest_file(fs: AbstractFileSystem, root: str, manifest: dict[str, Any]) -> None:
@@ -182,15 +203,15 @@ class StorageCheckpointer:
         done = self.wait()
         t0 = time.perf_counter()
         path = join(self.url, step_dir_name(step))
-        writer = FsspecWriter(path)
+        writer = HashingWriter(path)
         no_dist = self.group is None
         if self.async_save:
             fut = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                  no_dist=no_dist)
-            self._pending = self._finisher.submit(self._commit, step, t0, fut)
+            self._pending = self._finisher.submit(self._commit, step, t0, writer, fut)
         else:
             dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
-            report = self._commit(step, t0, None)
+            report = self._commit(step, t0, writer, None)
             if report is not None:
                 done.append(report)
         return done
@@ -209,32 +230,39 @@ class StorageCheckpointer:
             buf = self._persist_buffer = torch.empty_like(shard.buffer, pin_memory=False)
         buf.copy_(shard.buffer)
         copy = Shard(step=shard.step, layout=shard.layout, buffer=buf, values=dict(shard.values))
-        path = join(self.url, step_dir_name(shard.step))
+        writer = HashingWriter(join(self.url, step_dir_name(shard.step)))
 
         def write() -> None:
-            dcp.save({}, storage_writer=FsspecWriter(path), planner=SnapshotSavePlanner(copy),
+            dcp.save({}, storage_writer=writer, planner=SnapshotSavePlanner(copy),
                      process_group=self.group, no_dist=self.group is None)
 
         if self.async_save:
             write_done = self._finisher.submit(write)
-            self._pending = self._finisher.submit(self._commit, shard.step, t0, write_done)
+            self._pending = self._finisher.submit(self._commit, shard.step, t0, writer,
+                                                  write_done)
         else:
             write()
-            report = self._commit(shard.step, t0, None)
+            report = self._commit(shard.step, t0, writer, None)
             if report is not None:
                 done.append(report)
         return done
 
-    def _commit(self, step: int, t0: float, fut: Future | None) -> CommitReport | None:
+    def _commit(self, step: int, t0: float, writer: HashingWriter, fut: Future | None
+                ) -> CommitReport | None:
         if fut is not None:
             fut.result()  # re-raises a failed write on this rank
         if self.rank != 0:
             return None
         # DCP's coordinator (rank 0) finishes only after every rank's write result reached
-        # it and .metadata is written, so all shards are on storage at this point.
+        # it and .metadata is written, so all shards are on storage at this point; their
+        # digests came with the results (HashingWriter), so none is read back here.
         ranks = dist.get_world_size(self.group) if self.group is not None else 1
         extra = {**self.manifest_extra, "run_id": self.trust.run_id}
-        write_manifest(self.url, step, extra, key=self.trust.key, ranks=ranks)
+        read_back = write_manifest(self.url, step, extra, key=self.trust.key, ranks=ranks,
+                                   digests=writer.digests)
+        if read_back:
+            _log.warning("checkpoint step %d: no digest from the writer of %s; hashed by "
+                         "reading them back", step, ", ".join(sorted(read_back)))
         apply_retention(self.url, self.keep_last, newest=step, trust=self.trust,
                         verified=self._verified)
         return CommitReport(step=step, path=join(self.url, step_dir_name(step)),

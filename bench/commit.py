@@ -1,0 +1,222 @@
+"""Commit: rank 0's time from the last shard written to the manifest committed, with each
+file's sha256 read back on rank 0 (the old path) against taken from its writer (the new one).
+
+For each world size N (default 1, 2, 4) it spawns N gloo processes. Each round, every rank
+saves its shard with DCP into a fresh step directory under a temporary dir (on /tmp by
+default), twice: once with DCP's plain fsspec writer, then rank 0 commits by reading every
+file back (`write_manifest` without digests, as before issue 17); once with `HashingWriter`,
+then rank 0 commits from the digests that came with DCP's write results. The commit clock
+starts when rank 0's `dcp.save` returns (DCP's coordinator returns once every rank's shard
+and `.metadata` are written) and stops when the manifest is renamed into place.
+
+Two shapes of state, both of float32 tensors with distinct names per rank:
+- `fixed`: one model of --total-mb split over the N ranks (strong scaling);
+- `per-rank`: --shard-mb on every rank, so the checkpoint grows with N (weak scaling: how
+  a world grows in practice).
+
+It also reports each save's write time (the slowest rank's `dcp.save`) with and without
+hashing, since the new path moves the hashing onto the writers.
+
+    python bench/commit.py [--worlds 1 2 4] [--total-mb 128] [--shard-mb 32] [--rounds 3]
+                           [--dir /tmp] [--out bench/results/commit.json]
+
+The files were just written, so the old path reads them from the page cache: on object
+storage, where a read is a download, its cost is larger still. Exit code 0 (a measurement);
+1 only if a rank failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+import warnings
+from pathlib import Path
+from typing import Any
+
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_OUT = ROOT / "bench" / "results" / "commit.json"
+TENSORS_PER_RANK = 8
+MIB = 2**20
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4],
+                   help="world sizes to measure (default 1 2 4)")
+    p.add_argument("--total-mb", type=float, default=128.0,
+                   help="`fixed` shape: MiB of state over all ranks (default 128)")
+    p.add_argument("--shard-mb", type=float, default=32.0,
+                   help="`per-rank` shape: MiB of state on each rank (default 32)")
+    p.add_argument("--rounds", type=int, default=3, help="saves per path (default 3)")
+    p.add_argument("--dir", default=tempfile.gettempdir(),
+                   help="where the checkpoints are written (default the temp dir)")
+    p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON result file")
+    args = p.parse_args()
+    if any(n < 1 for n in args.worlds) or args.rounds < 1:
+        p.error("--worlds and --rounds must be >= 1")
+    if args.total_mb <= 0 or args.shard_mb <= 0:
+        p.error("--total-mb and --shard-mb must be > 0")
+    return args
+
+
+def rank_state(rank: int, nbytes: int) -> dict[str, Any]:
+    numel = max(1, nbytes // 4 // TENSORS_PER_RANK)
+    gen = torch.Generator().manual_seed(rank)
+    return {"model": {f"rank{rank}.t{i}": torch.randn(numel, generator=gen)
+                      for i in range(TENSORS_PER_RANK)}, "step": 1}
+
+
+def measure_rank(rank: int, world: int, root: str, shapes: dict[str, int], rounds: int
+                 ) -> dict[str, list[dict[str, Any]]]:
+    """For each shape (name -> bytes on each rank), each round: a plain save + read-back
+    commit, then a hashing save + digest commit."""
+    from stalwart.checkpointing.storage.signing import SigningKey
+
+    key = SigningKey(secret=b"k" * 32, source="bench")
+    out, step = {}, 0
+    for shape, shard_bytes in shapes.items():
+        out[shape] = _measure_shape(rank, world, root, rank_state(rank, shard_bytes), rounds,
+                                    key, step)
+        step += 2 * rounds
+    return out
+
+
+def _measure_shape(rank: int, world: int, root: str, state: dict[str, Any], rounds: int,
+                   key: Any, step: int) -> list[dict[str, Any]]:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    from stalwart.checkpointing.storage.hashing import HashingWriter
+    from stalwart.checkpointing.storage.layout import join, step_dir_name
+    from stalwart.checkpointing.storage.writer import write_manifest
+
+    rows = []
+    for _ in range(rounds):
+        for path in ("old", "new"):
+            step += 1
+            url = join(root, step_dir_name(step))
+            writer = FsspecWriter(url) if path == "old" else HashingWriter(url)
+            dist.barrier()
+            t0 = time.perf_counter()
+            dcp.save(state, storage_writer=writer)
+            written = time.perf_counter()
+            read_back: list[str] = []
+            if rank == 0:
+                digests = None if path == "old" else writer.digests
+                read_back = write_manifest(root, step, {"world_size": world}, key=key,
+                                           ranks=world, digests=digests)
+            committed = time.perf_counter()
+            rows.append({"path": path, "write_s": written - t0,
+                         "commit_s": committed - written if rank == 0 else None,
+                         "files_read": len(read_back)})
+            dist.barrier()
+            if rank == 0:  # keep the disk and its write-back queue to one checkpoint
+                shutil.rmtree(url)
+    return rows
+
+
+def _entry(rank: int, world: int, port: int, out_dir: str, root: str, shapes: dict[str, int],
+           rounds: int) -> None:
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # N processes share the machine's cores
+    warnings.simplefilter("ignore", UserWarning)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        result: Any = {"ok": measure_rank(rank, world, root, shapes, rounds)}
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
+
+
+def run_world(world: int, shapes: dict[str, int], rounds: int, where: str
+              ) -> list[dict[str, list[dict]]]:
+    import torch.multiprocessing as mp
+
+    from stalwart.parallel.distributed import free_port
+
+    with tempfile.TemporaryDirectory() as out_dir, \
+            tempfile.TemporaryDirectory(prefix="stalwart-commit-", dir=where) as root:
+        mp.start_processes(_entry, args=(world, free_port(), out_dir, root, shapes, rounds),
+                           nprocs=world, join=True, start_method="spawn")
+        results = [json.loads(Path(out_dir, f"{r}.json").read_text()) for r in range(world)]
+    for rank, result in enumerate(results):
+        if "error" in result:
+            raise RuntimeError(f"world {world}, rank {rank} failed:\n{result['error']}")
+    return [r["ok"] for r in results]
+
+
+def summarise(shape: str, world: int, shard_bytes: int, per_rank: list[list[dict]]
+              ) -> dict[str, Any]:
+    row: dict[str, Any] = {"shape": shape, "world": world,
+                           "checkpoint_mib": world * shard_bytes / MIB}
+    for path in ("old", "new"):
+        idx = [i for i, r in enumerate(per_rank[0]) if r["path"] == path]
+        commits = [per_rank[0][i]["commit_s"] for i in idx]
+        writes = [max(ranks[i]["write_s"] for ranks in per_rank) for i in idx]
+        row[path] = {"commit_s": commits, "commit_median_s": statistics.median(commits),
+                     "write_s": writes, "write_median_s": statistics.median(writes),
+                     "files_read": per_rank[0][idx[0]]["files_read"]}
+    return row
+
+
+def main() -> int:
+    args = parse_args()
+    rows = []
+    t_start = time.perf_counter()
+    for world in args.worlds:
+        shapes = {"fixed": int(args.total_mb * MIB / world), "per-rank": int(args.shard_mb * MIB)}
+        try:
+            per_rank = run_world(world, shapes, args.rounds, args.dir)
+        except RuntimeError as exc:
+            print(exc, file=sys.stderr)
+            return 1
+        rows += [summarise(shape, world, shard_bytes, [r[shape] for r in per_rank])
+                 for shape, shard_bytes in shapes.items()]
+    rows.sort(key=lambda r: (r["shape"] != "fixed", r["world"]))
+
+    head = ["shape", "N", "ckpt MiB", "old commit ms", "new commit ms", "old/new",
+            "files read old/new", "write s plain", "write s hashing"]
+    table = [head] + [[
+        r["shape"], str(r["world"]), f"{r['checkpoint_mib']:.0f}",
+        f"{r['old']['commit_median_s'] * 1e3:.1f}", f"{r['new']['commit_median_s'] * 1e3:.2f}",
+        f"{r['old']['commit_median_s'] / r['new']['commit_median_s']:.0f}x",
+        f"{r['old']['files_read']}/{r['new']['files_read']}",
+        f"{r['old']['write_median_s']:.2f}", f"{r['new']['write_median_s']:.2f}"]
+        for r in rows]
+    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
+    print(f"commit = rank 0 from its dcp.save returning to manifest.json in place; medians "
+          f"of {args.rounds} rounds; write = slowest rank's dcp.save; storage {args.dir}")
+    for row in table:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({
+        "method": "rank 0's time from dcp.save returning to the manifest committed; old: "
+                  "every file read back and hashed on rank 0; new: digests from the writers",
+        "rounds": args.rounds, "storage_dir": args.dir, "results": rows,
+        "seconds": time.perf_counter() - t_start,
+        "torch": torch.__version__, "python": platform.python_version(),
+        "machine": platform.machine(), "cpus": os.cpu_count(),
+    }, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
