@@ -96,7 +96,8 @@ class MemoryReader(StorageReader):
         self.fetched: list[int] = []
         """Source ranks whose shards had to be fetched from a peer (for the event log)."""
 
-    def _shard_for(self, sources: list[int]) -> Shard:
+    def shard_for(self, sources: list[int]) -> Shard:
+        """One of these source ranks' shards, CRC-checked: one held here first, else fetched."""
         for src in sources:  # one already here, or this worker's own
             if src in self._shards:
                 return self._shards[src]
@@ -139,7 +140,7 @@ class MemoryReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         where = self.metadata.storage_data
         for req in plan.items:
-            shard = self._shard_for(where[req.storage_index])
+            shard = self.shard_for(where[req.storage_index])
             if req.type == LoadItemType.BYTE_IO:
                 buf = io.BytesIO()
                 torch.save(shard.values[req.storage_index.fqn], buf)

@@ -24,6 +24,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from stalwart.checkpointing.errors import SnapshotCorrupt
+from stalwart.checkpointing.memory.direct_restore import restore_directly
 from stalwart.checkpointing.memory.limits import GIB, MemoryLimit, memory_limit, ray_node_memory
 from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
 from stalwart.checkpointing.memory.replication import Replicator, holders_for
@@ -186,6 +187,9 @@ class MemoryTier:
 
         state = engine.state_dict()
         reader = MemoryReader(build_metadata(layouts), local=local, fetch=remote)
+        if restore_directly(state, layouts, reader.shard_for):
+            engine.load_state_dict(state)
+            return reader.fetched
         with warnings.catch_warnings():  # "assuming the intent is to load in a single
             warnings.simplefilter("ignore", UserWarning)  # process": yes, no collectives
             try:

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
 from stalwart.checkpointing.errors import SnapshotCorrupt
+from stalwart.checkpointing.memory.direct_restore import restore_directly
 from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
 from stalwart.checkpointing.memory.tier import MemoryTier
 from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager, build_layout
@@ -437,3 +438,54 @@ def test_an_unsealed_snapshot_is_not_served() -> None:
     store.put(0, 0, Shard(step=1, layout=layout, buffer=torch.zeros(layout.nbytes,
                                                                     dtype=torch.uint8)))
     assert store.inventory().holdings == ()  # its CRC32 is not known yet
+
+
+# ---------------------------------------------------------------------------- direct restore
+
+
+def test_a_shard_laid_out_as_this_rank_is_copied_in_without_dcp(gpt) -> None:
+    run = _staged_run(gpt)
+    fresh = _engine(gpt)
+    state = fresh.state_dict()
+    asked = []
+
+    def shard_for(sources: list[int]) -> Shard:
+        asked.append(sources)
+        return run.shard
+
+    assert restore_directly(state, {0: run.shard.layout, 1: run.shard.layout}, shard_for)
+    assert asked == [[0, 1]]  # every source laid out as this rank is a candidate
+    fresh.load_state_dict(state)
+    _assert_equal_tensors(_tensors(fresh), run.tensors)
+    assert _values(fresh.state_dict()) == run.values
+    # The values are copies: changing the engine's changes nothing in the snapshot.
+    assert state["train"] is not run.shard.values
+    # The same next step as the run the snapshot came from, bit for bit.
+    report, _ = fresh.train_step()
+    assert (report.loss, report.lr) == (run.next_report.loss, run.next_report.lr)
+    _assert_equal_tensors(_tensors(fresh), run.next_tensors)
+
+
+def test_another_layout_is_left_to_dcp_and_the_state_untouched(gpt) -> None:
+    run = _staged_run(gpt)
+    fresh = _engine(gpt)
+    grown = {**fresh.state_dict(), "extra": torch.zeros(3)}
+    before = _tensors(fresh)
+    assert not restore_directly(grown, {0: run.shard.layout}, _no_fetch_list)
+    _assert_equal_tensors(_tensors(fresh), before)
+
+
+def test_the_tier_restores_its_own_layout_directly_and_a_fetch_is_recorded(gpt) -> None:
+    run = _staged_run(gpt)
+    fresh = _engine(gpt)
+    tier = MemoryTier()
+    fetched = tier.restore(fresh.tier_view(), generation=0, step=STAGED_AT,
+                           layouts={0: run.shard.layout},
+                           fetch=lambda src: (run.shard.buffer.numpy().copy(),
+                                              dict(run.shard.values), run.shard.crc))
+    assert fetched == [0]  # not held here: fetched from its holder, CRC checked
+    _assert_equal_tensors(_tensors(fresh), run.tensors)
+
+
+def _no_fetch_list(sources: list[int]) -> Shard:
+    raise AssertionError(f"{sources} asked for although no layout matches")

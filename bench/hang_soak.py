@@ -1,0 +1,81 @@
+"""Hang detection's false positives: the reference run, no fault, for a long time.
+
+`stalwart run examples/gpt/config.toml` with the default hang limits (failure.hang_timeout_floor_s
+2 s, failure.hang_factor 5) trains for `--minutes` with nothing injected, on whatever else the
+machine is doing, and is then stopped with SIGTERM (a stop: it checkpoints the step in flight).
+Every `failure` event in its log is a false positive: the target is none. Also printed: steps,
+the median and the slowest step time (how close a healthy step came to the limit), and the
+limit itself.
+
+    python bench/hang_soak.py [--minutes 30] [--set KEY=VALUE ...]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import statistics
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import common
+
+from stalwart.events import read_jsonl
+
+
+def soak(minutes: float, overrides: list[str], run_dir: Path) -> dict:
+    sets = ["train.steps=1000000", "failure.max_failures=-1", "run.log_every=1", *overrides]
+    cmd = common.stalwart_command(str(common.DEFAULT_CONFIG), sets, run_dir)
+    log = run_dir.parent / "soak.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
+                                env=common.child_env(), cwd=run_dir.parent)
+        try:
+            proc.wait(timeout=minutes * 60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=300)
+        finally:
+            proc.kill()
+    events = read_jsonl(run_dir / "events.jsonl")
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    times = [r["window_s"] / r["steps_in_window"] for r in rows if r.get("steps_in_window")]
+    median = statistics.median(times) if times else None
+    failures = [{k: e.get(k) for k in ("failure_kind", "ranks", "step", "message")}
+                for e in events if e["kind"] == "failure"]
+    return {
+        "minutes": minutes, "exit_code": proc.returncode, "steps": rows[-1]["step"] if rows else 0,
+        "median_step_s": median, "max_step_s": max(times) if times else None,
+        "limit_s": max(2.0, 5 * median) if median else None,
+        "false_positives": len(failures), "failures": failures,
+        "ended": events[-1]["kind"] if events else None, "log": str(log),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--set", dest="overrides", action="append", default=[])
+    p.add_argument("--out", default=str(common.ROOT / "bench" / "results" / "hang_soak.json"))
+    args = p.parse_args()
+    run_dir = Path(tempfile.mkdtemp(prefix="stalwart-soak-")) / "soak"
+    t0 = time.time()
+    result = soak(args.minutes, args.overrides, run_dir)
+    result["wall_s"] = round(time.time() - t0, 1)
+    print(f"{result['steps']} steps in {result['wall_s']:.0f} s; median step "
+          f"{result['median_step_s']:.3f} s, slowest {result['max_step_s']:.3f} s; hang limit "
+          f"{result['limit_s']:.2f} s; ended: {result['ended']} (exit {result['exit_code']})")
+    for f in result["failures"]:
+        print(f"  false positive at step {f['step']}: {f['failure_kind']} {f['message']}")
+    met = result["false_positives"] == 0 and result["ended"] == "stopped"
+    print(f"false positives: {result['false_positives']}  target 0: "
+          f"{'MET' if met else 'NOT MET'}")
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
