@@ -5,13 +5,17 @@ while the world restores) and kept across worlds. The driver keeps one poll in f
 node and acts on the first answer: an agent answers at once when it sees a process exit or
 stop, so a death on a live node reaches the controller in tens of milliseconds, not at the
 next poll. Its other answers come when the interval ends, which paces the loop.
+
+Until a node's agent has answered once (its process may take seconds to start on a busy
+node), the driver polls that node's ranks itself, one call per rank, as it would without
+agents: no heartbeat waits for an agent.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -33,6 +37,8 @@ class _Agent:
     """Its poll in flight: an agent that has not answered is not asked again."""
     told: int = -1
     """The generation whose ranks it was last sent."""
+    ready: bool = False
+    """It has answered: its node's ranks are polled through it alone."""
 
 
 class NodePolls:
@@ -48,6 +54,8 @@ class NodePolls:
         self.nodes_alive = nodes_alive
         self._agents: dict[str, _Agent] = {}
         self._actor_class = ray.remote(NodeAgent)
+        # Ranks polled directly (their agent is not up yet): each one's poll in flight.
+        self._direct: dict[int, Any] = {}
 
     def start(self, node_ids: set[str]) -> None:
         """Start an agent on each of these nodes that has none."""
@@ -73,24 +81,57 @@ class NodePolls:
                 agent.ref = agent.actor.poll.remote(
                     generation, wait_s, ranks if agent.told != generation else None)
                 agent.told = generation
+            if not agent.ready:
+                for rank, (actor, _) in ranks.items():
+                    if rank not in self._direct:
+                        self._direct[rank] = actor.poll.remote(generation)
         asked = {self._agents[n].ref: n for n in by_node}
         refs = list(asked)
-        ready, rest = ray.wait(refs, num_returns=1, timeout=wait_s + self.LATE_S)
-        if ready and rest:
-            ready += ray.wait(rest, num_returns=len(rest), timeout=self.GATHER_S)[0]
+        if any(self._agents[n].ready for n in by_node):
+            ready, rest = ray.wait(refs, num_returns=1, timeout=wait_s + self.LATE_S)
+            if ready and rest:
+                ready += ray.wait(rest, num_returns=len(rest), timeout=self.GATHER_S)[0]
+        else:  # no agent up yet: the direct polls are paced here
+            time.sleep(wait_s)
+            ready = ray.wait(refs, num_returns=len(refs), timeout=0)[0]
         answered: dict[int, WorkerStatus] = {}
         found: list[WorkerFailure] = []
         for ref in ready:
             node_id = asked[ref]
-            self._agents[node_id].ref = None
+            agent = self._agents[node_id]
+            agent.ref = None
             try:
                 report: NodeReport = ray.get(ref)
             except RayActorError:
                 found += self._agent_lost(node_id, by_node[node_id])
                 continue
-            answered.update(report.statuses)
+            agent.ready = True
+            for rank, status in report.statuses.items():
+                answered[rank] = merge(answered[rank], status) if rank in answered else status
             found += _failures(report, by_node[node_id])
+        self._collect_direct(answered, found, generation)
         return answered, found
+
+    def _collect_direct(self, answered: dict[int, WorkerStatus], found: list[WorkerFailure],
+                        generation: int) -> None:
+        """The direct polls that have answered (a failed one: the rank died)."""
+        if not self._direct:
+            return
+        refs = list(self._direct.values())
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=self.GATHER_S)[0])
+        for rank, ref in list(self._direct.items()):
+            if ref not in ready:
+                continue
+            del self._direct[rank]
+            try:
+                status: WorkerStatus = ray.get(ref)
+            except Exception as exc:
+                found.append(WorkerFailure(
+                    kind=FailureKind.WORKER_DIED, rank=rank, ranks=(rank,),
+                    message=f"worker rank {rank} died: {exc}".strip(), detected_at=time.time()))
+                continue
+            if status.generation == generation:
+                answered[rank] = merge(answered[rank], status) if rank in answered else status
 
     def _agent_lost(self, node_id: str, ranks: dict[int, tuple[Any, int]]
                     ) -> list[WorkerFailure]:
@@ -108,6 +149,7 @@ class NodePolls:
         """A world ended: answers still in flight are about it, and are dropped."""
         for agent in self._agents.values():
             agent.ref = None
+        self._direct = {}
 
     def shutdown(self) -> None:
         for agent in self._agents.values():
@@ -131,3 +173,17 @@ def _failures(report: NodeReport, ranks: dict[int, tuple[Any, int]]) -> list[Wor
                           detected_at=now, last_seen=since, pids=(ranks[rank][1],))
             for rank, since in report.stopped.items()]
     return out
+
+
+def merge(a: WorkerStatus, b: WorkerStatus) -> WorkerStatus:
+    """One rank's two answers of one pass (its own poll and its agent's, while the agent
+    starts): each drained part of its reports, so both parts are kept, in step order."""
+    return replace(
+        a, steps=sorted([*a.steps, *b.steps], key=lambda r: r.step),
+        commits=sorted([*a.commits, *b.commits], key=lambda c: c.step),
+        faults=[*a.faults, *b.faults], profiles=[*a.profiles, *b.profiles],
+        done=a.done or b.done, stopped_early=a.stopped_early or b.stopped_early,
+        error=a.error or b.error, error_kind=a.error_kind or b.error_kind,
+        preempted=a.preempted or b.preempted,
+        snapshot_bytes=max(a.snapshot_bytes, b.snapshot_bytes),
+        tier_limit=a.tier_limit or b.tier_limit, busy=a.busy and b.busy)

@@ -209,8 +209,6 @@ def test_a_killed_rank_is_replaced_and_the_next_world_restores(group: ElasticGro
     (failure,) = seen.dead
     assert failure.kind == FailureKind.WORKER_DIED
     assert failure.rank == 1 and failure.ranks == (1,) and "rank 1" in failure.message
-    # Seen by its node's agent in /proc, which knows when it was last alive.
-    assert f"pid {victim}" in failure.message and failure.last_seen is not None
 
     # Removed; the survivor leaves its world and goes back to the idle pool, first.
     group.remove((1,))
@@ -258,7 +256,7 @@ def test_a_killed_rank_is_replaced_and_the_next_world_restores(group: ElasticGro
     assert seen.steps[0][0].step == seen.steps[1][0].step == choice.step + 1
 
     # A stopped process (SIGSTOP) is reported by its node's agent as a hang of its own,
-    # without waiting for the hang detector's limit.
+    # without waiting for the hang detector's limit (the agent answered in the first world).
     os.kill(spare, signal.SIGSTOP)
     try:
         seen = poll_until(group, lambda seen: bool(seen.dead), seen)

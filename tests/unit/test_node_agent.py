@@ -107,3 +107,22 @@ def test_a_stopped_rank_is_a_hang_at_once_and_a_dead_one_outranks_it():
     both = stopped + _failures(NodeReport(exited={0: 9.0}), ranks)
     failure = _detector().find({}, both, 10.0, lambda r, heartbeat=None: heartbeat)
     assert failure.kind == FailureKind.WORKER_DIED and failure.ranks == (0,)
+
+
+def test_two_answers_of_one_rank_in_one_pass_keep_both_parts_in_step_order():
+    from stalwart.checkpointing.storage.commit_report import CommitReport
+    from stalwart.orchestrator.node_polls import merge
+    from stalwart.workers.reports import StepReport, WorkerStatus
+
+    def step(n: int) -> StepReport:
+        return StepReport(rank=0, step=n, loss=1.0, lr=0.1, tokens=8, step_time_s=0.1,
+                          time=float(n), local_s=0.05)
+
+    agent = WorkerStatus(rank=0, generation=1, steps=[step(1), step(2)],
+                         commits=[CommitReport(step=2, path="p2", save_s=0.1)], done=False)
+    direct = WorkerStatus(rank=0, generation=1, steps=[step(3)], commits=[], done=True,
+                          snapshot_bytes=10)
+    both = merge(direct, agent)
+    assert [s.step for s in both.steps] == [1, 2, 3]
+    assert [c.step for c in both.commits] == [2]
+    assert both.done and both.snapshot_bytes == 10
