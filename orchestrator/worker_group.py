@@ -150,6 +150,10 @@ class ElasticGroup(WorkerGroup):
         # The beacon of a driver whose workers outlive it (orchestrator/driver_loss.py).
         self._beacon = start_beacon(trust.run_id, self.driver_node_id) if outlive_driver else None
         self.polls = NodePolls(runtime_env, self.nodes_alive)
+        # Agents first, on every node that can hold a worker: each starts (half a second of
+        # imports) while the workers import torch, and answers from a world's first steps.
+        self.polls.start({n["NodeID"] for n in ray.nodes()
+                          if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0})
 
     # ------------------------------------------------------------------ the pool
 
