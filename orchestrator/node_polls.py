@@ -13,6 +13,7 @@ agents: no heartbeat waits for an agent.
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -39,6 +40,8 @@ class _Agent:
     """The generation whose ranks it was last sent."""
     ready: bool = False
     """It has answered: its node's ranks are polled through it alone."""
+    broken: bool = False
+    """Its poll raised: its node's ranks are polled directly for the rest of the run."""
 
 
 class NodePolls:
@@ -77,7 +80,7 @@ class NodePolls:
         self.start(set(by_node))
         for node_id, ranks in by_node.items():
             agent = self._agents[node_id]
-            if agent.ref is None:
+            if agent.ref is None and not agent.broken:
                 agent.ref = agent.actor.poll.remote(
                     generation, wait_s, ranks if agent.told != generation else None)
                 agent.told = generation
@@ -85,7 +88,7 @@ class NodePolls:
                 for rank, (actor, _) in ranks.items():
                     if rank not in self._direct:
                         self._direct[rank] = actor.poll.remote(generation)
-        asked = {self._agents[n].ref: n for n in by_node}
+        asked = {self._agents[n].ref: n for n in by_node if self._agents[n].ref is not None}
         refs = list(asked)
         if any(self._agents[n].ready for n in by_node):
             ready, rest = ray.wait(refs, num_returns=1, timeout=wait_s + self.LATE_S)
@@ -93,7 +96,7 @@ class NodePolls:
                 ready += ray.wait(rest, num_returns=len(rest), timeout=self.GATHER_S)[0]
         else:  # no agent up yet: the direct polls are paced here
             time.sleep(wait_s)
-            ready = ray.wait(refs, num_returns=len(refs), timeout=0)[0]
+            ready = ray.wait(refs, num_returns=len(refs), timeout=0)[0] if refs else []
         answered: dict[int, WorkerStatus] = {}
         found: list[WorkerFailure] = []
         for ref in ready:
@@ -104,6 +107,11 @@ class NodePolls:
                 report: NodeReport = ray.get(ref)
             except RayActorError:
                 found += self._agent_lost(node_id, by_node[node_id])
+                continue
+            except Exception as exc:  # a bug in the agent: poll that node's ranks directly
+                print(f"stalwart: the node agent on {node_id} failed ({exc}); its ranks are "
+                      f"polled directly from now on", file=sys.stderr, flush=True)
+                agent.broken, agent.ready = True, False
                 continue
             agent.ready = True
             for rank, status in report.statuses.items():
