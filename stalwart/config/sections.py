@@ -292,9 +292,9 @@ class FailureConfig:
     """Also recover from exceptions raised by the task's code; by default they fail the run at once with the traceback."""
     backoff_s: float = 0.0
     """Pause before the n-th recovery in a row (no step completed in between): `backoff_s x 2^(n-1)`, at most 60 s."""
-    hang_timeout_floor_s: float = 2.0
+    hang_timeout_floor_s: float = 5.0
     """A rank is hung after `max(hang_timeout_floor_s, hang_factor x median step time)` without a heartbeat."""
-    hang_factor: float = 5.0
+    hang_factor: float = 10.0
     """Multiple of the median step time a rank may go without a heartbeat (see the floor)."""
     collective_timeout_s: float = 300.0
     """Process-group timeout: a collective stuck longer than this raises on the workers (hangs are normally caught sooner by the heartbeat)."""

@@ -229,6 +229,8 @@ def test_stop_checkpoints_the_run_and_a_resumed_submit_continues_it(cluster):
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         wait_for_step(run_dir / "metrics.jsonl", 20, follow, timeout=120)
+        # Ctrl-C once it follows (a line of the job's log came through), not while it starts.
+        assert follow.stdout is not None and follow.stdout.readline()
         follow.send_signal(signal.SIGINT)  # Ctrl-C stops the following, not the job
         _, err = follow.communicate(timeout=30)
     finally:

@@ -42,7 +42,7 @@ def test_defaults_load_without_a_file() -> None:
     assert config.scaling.spare_workers == 0
     assert config.scaling.resize_check_s == 10.0 and config.scaling.wait_for_workers_s == 300.0
     assert config.failure.retry_user_errors is False and config.failure.backoff_s == 0.0
-    assert config.failure.hang_timeout_floor_s == 2.0 and config.failure.hang_factor == 5.0
+    assert config.failure.hang_timeout_floor_s == 5.0 and config.failure.hang_factor == 10.0
     assert config.faults == ()
 
 
