@@ -89,8 +89,7 @@ class WorkerGroup(ABC):
 
     @abstractmethod
     def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
-        """Each answering rank's status, and the ranks found dead or stopped (kind HANG).
-        Blocks up to `wait_s`: it paces the controller's loop."""
+        """Each answering rank's status, and the ranks found dead."""
 
     @abstractmethod
     def ack_faults(self, rank: int) -> None:
