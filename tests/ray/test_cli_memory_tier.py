@@ -57,8 +57,9 @@ def test_a_kill_restores_the_step_before_it_from_memory(tmp_path, sharded_run):
     # The new rank 1 holds nothing: its shard came from its replica on rank 0.
     assert recovered["peer_fetches"] >= 1
     chosen = only(events, "checkpoint_chosen")
-    assert (chosen["source"], chosen["memory_step"], chosen["storage_step"]) == \
-        ("memory", 24, 20)
+    assert (chosen["source"], chosen["memory_step"]) == ("memory", 24)
+    # Saves are asynchronous: on a loaded machine step 20 may not be committed by step 24.
+    assert chosen["storage_step"] in (10, 20)
     assert_same_weights(tmp_path, sharded_run, tmp_path / "killed")
 
 
