@@ -16,24 +16,19 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from stalwart import events as ev
-from stalwart.checkpointing.errors import CheckpointError
-from stalwart.checkpointing.storage.catalog import CheckpointInfo, list_step_dirs, newest_valid
+from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.orchestrator import reporting
 from stalwart.orchestrator.accounting import RecoveryTimer, Throughput
 from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.detection import FailureDetector
-from stalwart.orchestrator.failures import (
-    FailDecision,
-    FailureKind,
-    RetryDecision,
-    WorkerFailure,
-)
+from stalwart.orchestrator.failure_log import FailureLog, silent_failure
+from stalwart.orchestrator.failures import FailDecision, WorkerFailure
 from stalwart.orchestrator.fault_watch import FaultWatch
 from stalwart.orchestrator.interrupt import StopRequest
 from stalwart.orchestrator.observers import ControllerObserver, Display, Restored
-from stalwart.orchestrator.restore import nothing_restorable
-from stalwart.orchestrator.scaling import FormDecision, GiveUpDecision, ResizeDecision, WaitDecision
+from stalwart.orchestrator.resize_plan import ResizePlan
+from stalwart.orchestrator.scaling import FormDecision, GiveUpDecision, WaitDecision
 from stalwart.orchestrator.states import (
     Failed,
     Finished,
@@ -47,6 +42,7 @@ from stalwart.orchestrator.states import (
     Stopped,
     check_transition,
 )
+from stalwart.orchestrator.storage_restore import StorageRestore
 
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
@@ -64,8 +60,7 @@ class Controller:
                  clock: Clock | None = None, poll_interval_s: float = 0.5,
                  collective_grace_s: float = 3.0,
                  observers: Sequence[ControllerObserver] = ()) -> None:
-        self.config, self.storage_url, self.resume_from = config, storage_url, resume_from
-        self.trust = trust  # what a restore from storage accepts (signing.CheckpointTrust)
+        self.config, self.resume_from = config, resume_from
         self.group, self.group_error = group, group_error
         self.events, self.display = events, display
         self.policy, self.scaling, self.restore = (policies.failure, policies.scaling,
@@ -79,6 +74,10 @@ class Controller:
         self.stragglers = reporting.StragglerReporter(config, events, display)
         self.throughput = Throughput(config, metrics, display)
         self.commits = reporting.CommitLog(events, resume_from)
+        # trust: what a restore from storage accepts (signing.CheckpointTrust)
+        self.storage = StorageRestore(storage_url, trust, events=events, display=display,
+                                      commits=self.commits)
+        self.failures = FailureLog(self.policy, events, group.places)
         # In the order their events are written: faults and traces before the commits and
         # steps of the same answer, a recovery's `recovered` before the step's metrics row.
         self.observers: list[ControllerObserver] = [
@@ -93,10 +92,9 @@ class Controller:
         self.workers: list[ev.WorkerPlace] = []
         self.stop = StopRequest(config.failure.stop_timeout_s)  # the first Ctrl-C or SIGTERM
         self._stop_sent = False
-        self._planned: ResizeDecision | None = None  # waiting for every rank to stop
+        self.resize = ResizePlan(self.scaling, group, events, display)
         self._started_emitted = False
         self._done: dict[int, WorkerStatus] = {}
-        self._skipped: list[tuple[int, str]] = []  # checkpoints skipped in this restore
 
     # ------------------------------------------------------------------ driver loop
 
@@ -105,7 +103,8 @@ class Controller:
         try:
             while not self.state.terminal:
                 try:
-                    new = self._handle(self.state)
+                    # _on_running for Running...
+                    new = getattr(self, f"_on_{self.state.name.lower()}")(self.state)
                 except self.group_error as exc:
                     new = self._on_failure(exc.failure)  # type: ignore[attr-defined]
                 if new is not self.state:  # a handler returning its own state stays (polls)
@@ -120,23 +119,8 @@ class Controller:
             self.group.shutdown(graceful=isinstance(self.state, Finished | Stopped))
             self.stop.uninstall()
         if isinstance(self.state, Failed):
-            self._log_unreported_commit()
+            self.storage.log_unreported_commit()
         return self.state
-
-    def _log_unreported_commit(self) -> None:
-        """A failed run's last commit that rank 0 wrote but did not live to report (it died
-        before the next poll): logged, so the log names what a resume will start from.
-        Looked for once the workers are gone, when no commit can still be landing."""
-        try:
-            self.commits.found(newest_valid(self.storage_url, self.trust))
-        except (OSError, CheckpointError) as exc:  # the failure may be storage itself
-            self.display.log(f"could not list the checkpoints after the failure: {exc}")
-
-    def _handle(self, state: State) -> State:
-        handler = getattr(self, f"_on_{state.name.lower()}", None)  # _on_running...
-        if handler is None:
-            raise ValueError(f"unexpected state {state!r}")
-        return handler(state)
 
     # ------------------------------------------------------------------ forming a world
 
@@ -150,8 +134,7 @@ class Controller:
                                          world_size=self.world_size,
                                          waited=self.clock.time() - state.since)
         if self.stop.requested:  # between worlds: the newest checkpoint is where a resume starts
-            newest = newest_valid(self.storage_url, self.trust)
-            step = newest.step if newest else 0
+            step = self.storage.newest_step()
             self.events.emit(ev.Stopped(step=step,
                              kept_unlogged=self.throughput.kept_unlogged(step)))
             return Stopped(step=step)
@@ -169,24 +152,18 @@ class Controller:
         self.workers = self.group.form(state.world_size, state.generation, self.faults.arm)
         self._notify("after_form", state.generation, self.workers, self.clock.time())
         self.world_size = state.world_size
-        replicate, shard = self.config.parallel.degrees(self.world_size)
-        self.layout = {"dp_replicate": replicate, "dp_shard": shard,
-                       "tp": self.config.parallel.tp, "pp": self.config.parallel.pp}
-        reason = self.scaling.resize_reason(old_world, self.world_size, self._planned)
-        if reason is not None:
-            self.events.emit(ev.Resized(old_world_size=old_world, new_world_size=self.world_size,
-                             old_layout=old_layout, new_layout=self.layout, reason=reason,
-                             step=self.last_step, generation=state.generation))
-            self.display.log(f"world resized {old_world} -> {self.world_size} ({reason})")
-        self._planned = None
-        self._skipped = []
+        self.layout = self.config.parallel.layout(self.world_size)
+        self.resize.formed(old_world=old_world, old_layout=old_layout,
+                           new_world=self.world_size, new_layout=self.layout,
+                           step=self.last_step, generation=state.generation)
+        self.storage.start()
         if state.generation == 0:
             return Restoring(generation=0, checkpoint=self.resume_from)
-        checkpoint = self._newest_valid()
+        checkpoint = self.storage.newest_valid()
         self.commits.found(checkpoint)
         decision = self.restore.choose(self.group.memory_inventory, checkpoint)
         if checkpoint is None and (decision is None or decision.source == "none"):
-            lost = self._nothing_restorable(decision.reason if decision else None)
+            lost = self.storage.nothing_restorable(decision.reason if decision else None)
             if lost is not None:
                 return lost
         if decision is not None:  # where the world restores from, both candidates and why
@@ -206,13 +183,13 @@ class Controller:
                                                  exc.failure)  # type: ignore[attr-defined]
                 if fallback is None:
                     raise
-                if fallback.source == "none" and (lost := self._nothing_restorable(
-                        fallback.reason)) is not None:
+                if fallback.source == "none" and (
+                        lost := self.storage.nothing_restorable(fallback.reason)) is not None:
                     return lost
                 self.events.emit(fallback.event(state.generation))
                 self.display.log(fallback.message)
         if source == "none" and state.checkpoint is not None:
-            restored = self._restore_storage(state.checkpoint)
+            restored = self.storage.load(self.group, state.checkpoint)
             if isinstance(restored, Failed):
                 return restored
             start_step, source = restored, "storage"
@@ -265,11 +242,8 @@ class Controller:
             return self._on_failure(failure)
         if len(self._done) == self.world_size:
             return self._on_all_done(state)
-        if self._planned is None and not self.stop.requested:
-            decision = self.scaling.make_decision(now, world_size=self.world_size,
-                                                  workers=self.workers, room=self._room)
-            if isinstance(decision, ResizeDecision):
-                self._plan(decision)
+        if not self.stop.requested:
+            self.resize.consider(now, world_size=self.world_size, workers=self.workers)
         return state
 
     def _absorb(self, rank: int, st: WorkerStatus, now: float) -> None:
@@ -281,7 +255,7 @@ class Controller:
         if st.done:
             self._done[rank] = st
         if st.preempted and not self.stop.requested:
-            self._preempted(rank)
+            self.resize.preempted(rank)
 
     def _on_step(self, r: StepReport) -> None:
         self.last_step, self.last_loss = r.step, r.loss
@@ -314,44 +288,27 @@ class Controller:
             return Stopped(step=self.last_step)
         for rank, st in self._done.items():  # a preempted rank may stop the world on its own
             if st.preempted:
-                self._preempted(rank)
-        if self._planned is None:
+                self.resize.preempted(rank)
+        planned = self.resize.decision
+        if planned is None:
             raise ValueError("every rank stopped early with no resize planned")
-        return Resizing(generation=state.generation, reason=self._planned.reason,
-                        leaving=self._planned.leaving)
+        return Resizing(generation=state.generation, reason=planned.reason,
+                        leaving=planned.leaving)
 
     # ------------------------------------------------------------------ planned resizes
-
-    def _room(self) -> int:
-        """Ask for actors up to the ceiling; the best world the warm ones make."""
-        self.group.top_up()
-        self.group.refresh()
-        return self.group.best_world()
-
-    def _preempted(self, rank: int) -> None:
-        decision = self.scaling.preempted(self._planned, rank)
-        if self._planned is None:
-            self._plan(decision)
-        self._planned = decision
-
-    def _plan(self, decision: ResizeDecision) -> None:
-        """Stop every rank after the same step, checkpoint it, then form a new world."""
-        self._planned = decision
-        self.display.log(decision.message)
-        self.group.request_stop()
 
     def _on_resizing(self, state: Resizing) -> State:
         self.group.remove(state.leaving)
         _, late, silent = self.group.disband()
         self._committed(late)
         if silent:  # a rank that did not answer while the world stopped: a failure of its own
-            return self._on_failure(self._silent(silent))
+            return self._on_failure(silent_failure(silent, self.workers, self.clock.time()))
         return Scheduling(generation=state.generation + 1, since=self.clock.time())
 
     # ------------------------------------------------------------------ failures
 
     def _on_failure(self, failure: WorkerFailure) -> State:
-        decision = self._decide(failure)
+        decision = self.failures.decide(failure, workers=self.workers, step=self.last_step)
         if isinstance(decision, FailDecision):
             return Failed(reason=f"{decision.reason}: {failure.message}")
         if isinstance(self.state, Running):
@@ -359,28 +316,11 @@ class Controller:
             # (a preempted survivor reports it again). One whose ranks already left (the
             # failure came while the next world formed) stays, so that world's `resized`
             # records why they left.
-            self._planned = None
+            self.resize.cancel()
         if decision.delay_s:
             self.display.log(f"backing off {decision.delay_s:.1f}s before recovering")
             self.clock.sleep(decision.delay_s)
         return Recovering(generation=getattr(self.state, "generation", 0), failure=failure)
-
-    def _decide(self, failure: WorkerFailure) -> RetryDecision | FailDecision:
-        """The policy's decision on a failure, written to the event log."""
-        decision = self.policy.make_decision(failure)
-        detection = (None if failure.last_seen is None else
-                     round(max(0.0, failure.detected_at - failure.last_seen), 3))
-        # Ranks are looked up among the group's members, not self.workers: a world that
-        # failed while forming never became self.workers, and its ranks are not the last's.
-        failed = ([p for p in self.workers if p.pid in failure.pids] if failure.pids else
-                  [p for p in self.group.places() if p.rank in failure.failed_ranks])
-        self.events.emit(ev.Failure(failure_kind=failure.kind.value, rank=failure.rank,
-                         ranks=list(failure.failed_ranks),
-                         nodes=sorted({p.node_ip for p in failed}), pids=[p.pid for p in failed],
-                         message=failure.message, step=self.last_step,
-                         retry=not isinstance(decision, FailDecision),
-                         detection_s=detection, attempt=self.policy.failures))
-        return decision
 
     def _on_recovering(self, state: Recovering) -> State:
         """Kill what failed, let the survivors leave their world (keeping their processes)."""
@@ -394,63 +334,11 @@ class Controller:
             # A survivor that did not answer at all (stopped, or dead meanwhile) was killed
             # and is replaced: a failure of its own, recorded and counted like any other,
             # within the recovery under way.
-            failure = self._silent(silent)
-            decision = self._decide(failure)
+            failure = silent_failure(silent, self.workers, self.clock.time())
+            decision = self.failures.decide(failure, workers=self.workers, step=self.last_step)
             if isinstance(decision, FailDecision):
                 return Failed(reason=f"{decision.reason}: {failure.message}")
         return Scheduling(generation=state.generation + 1, since=self.clock.time())
-
-    def _silent(self, pids: list[int]) -> WorkerFailure:
-        """The failure of members that did not answer while their world was torn down."""
-        ranks = tuple(w.rank for w in self.workers if w.pid in pids)
-        return WorkerFailure(
-            kind=FailureKind.HANG, rank=ranks[0] if ranks else None, ranks=ranks,
-            pids=tuple(pids), detected_at=self.clock.time(), last_seen=None,
-            message=f"worker rank(s) {list(ranks)} (pid {', '.join(map(str, pids))}) did not "
-                    f"answer while the world was torn down (stopped or dead); replaced")
-
-    def _on_damaged_checkpoint(self, step: int, message: str) -> None:
-        self._skipped.append((step, message))
-        self.events.emit(ev.CheckpointSkipped(step=step, message=message))
-        self.display.log(f"skipping damaged checkpoint: {message}")
-
-    def _newest_valid(self, below: int | None = None) -> CheckpointInfo | None:
-        """The newest storage checkpoint that verifies (below step `below`); one accepted
-        unsigned (--trust-unsigned) is recorded."""
-        found = newest_valid(self.storage_url, self.trust, below=below,
-                             on_skip=self._on_damaged_checkpoint)
-        if found is not None and found.unsigned:
-            self.events.emit(ev.UnsignedCheckpointAccepted(step=found.step, path=found.path,
-                                                           why=found.unsigned))
-        return found
-
-    def _restore_storage(self, checkpoint: CheckpointInfo) -> int | Failed:
-        """Load `checkpoint` on every rank; one that fails to load is skipped and the next
-        older valid one is tried. Returns the step restored, or Failed when none loads."""
-        while True:
-            try:
-                return self.group.restore(checkpoint.path)
-            except CheckpointError as exc:
-                self._on_damaged_checkpoint(checkpoint.step, str(exc))
-            below = checkpoint.step
-            older = self._newest_valid(below=below)
-            if older is None:
-                lost = self._nothing_restorable(None)
-                assert lost is not None  # a checkpoint was committed: the one that failed
-                return lost
-            checkpoint = older
-            self.display.log(f"restoring from storage's step {older.step} instead")
-
-    def _nothing_restorable(self, memory_why: str | None) -> Failed | None:
-        """Failed, when checkpoints were committed but none can be restored (a fresh start
-        would silently throw their work away); None when nothing was ever committed."""
-        committed = [s for s, done in list_step_dirs(self.storage_url) if done]
-        reason = nothing_restorable(committed=committed, newest_reported=self.commits.newest,
-                                    skipped=self._skipped, memory_why=memory_why)
-        if reason is None:
-            return None
-        self.display.log(reason)
-        return Failed(reason=reason)
 
     def _notify(self, hook: str, *args: Any) -> None:
         for observer in self.observers:

@@ -180,6 +180,11 @@ class ParallelConfig:
             "needs replicated data parallelism only: dp_shard = 1, tp = 1, pp = 1, "
             "mixed_precision = fp32, no cpu_offload")
 
+    def layout(self, world_size: int) -> dict[str, int]:
+        """Every degree of a world of `world_size` ranks, as `resized` events record them."""
+        replicate, shard = self.degrees(world_size)
+        return {"dp_replicate": replicate, "dp_shard": shard, "tp": self.tp, "pp": self.pp}
+
     def degrees(self, world_size: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard) for a world of `world_size` ranks, with -1 resolved.
 

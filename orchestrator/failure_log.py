@@ -1,0 +1,55 @@
+"""Failures as the controller records them: the policy's decision on each, written as a
+`failure` event with the ranks, nodes and pids it hit and how long detection took.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from stalwart import events as ev
+from stalwart.orchestrator.failures import (
+    FailDecision,
+    FailureKind,
+    FailurePolicy,
+    RetryDecision,
+    WorkerFailure,
+)
+
+if TYPE_CHECKING:
+    from stalwart.run_dir import EventLog
+
+
+class FailureLog:
+    def __init__(self, policy: FailurePolicy, events: EventLog,
+                 members: Callable[[], list[ev.WorkerPlace]]) -> None:
+        self.policy, self.events = policy, events
+        self.members = members  # every actor of the group now, the forming world's included
+
+    def decide(self, failure: WorkerFailure, *, workers: list[ev.WorkerPlace],
+               step: int) -> RetryDecision | FailDecision:
+        """The policy's decision on a failure at `step` of the world `workers`, logged."""
+        decision = self.policy.make_decision(failure)
+        detection = (None if failure.last_seen is None else
+                     round(max(0.0, failure.detected_at - failure.last_seen), 3))
+        # Ranks are looked up among the group's members, not `workers`: a world that failed
+        # while forming never became the running world, and its ranks are not the last's.
+        failed = ([p for p in workers if p.pid in failure.pids] if failure.pids else
+                  [p for p in self.members() if p.rank in failure.failed_ranks])
+        self.events.emit(ev.Failure(failure_kind=failure.kind.value, rank=failure.rank,
+                         ranks=list(failure.failed_ranks),
+                         nodes=sorted({p.node_ip for p in failed}), pids=[p.pid for p in failed],
+                         message=failure.message, step=step,
+                         retry=not isinstance(decision, FailDecision),
+                         detection_s=detection, attempt=self.policy.failures))
+        return decision
+
+
+def silent_failure(pids: list[int], workers: list[ev.WorkerPlace], now: float) -> WorkerFailure:
+    """The failure of members that did not answer while their world was torn down."""
+    ranks = tuple(w.rank for w in workers if w.pid in pids)
+    return WorkerFailure(
+        kind=FailureKind.HANG, rank=ranks[0] if ranks else None, ranks=ranks,
+        pids=tuple(pids), detected_at=now, last_seen=None,
+        message=f"worker rank(s) {list(ranks)} (pid {', '.join(map(str, pids))}) did not "
+                f"answer while the world was torn down (stopped or dead); replaced")

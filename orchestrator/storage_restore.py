@@ -1,0 +1,91 @@
+"""Restoring from storage for the controller: the newest checkpoint that verifies, loading it
+with a fall back to older ones, and refusing a fresh start that would throw committed work away.
+
+Every damaged checkpoint passed over is written as `checkpoint_skipped`, and one accepted
+unsigned (--trust-unsigned) as `unsigned_checkpoint_accepted`, so the log says why a run
+restored the step it did.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from stalwart import events as ev
+from stalwart.checkpointing.errors import CheckpointError
+from stalwart.checkpointing.storage.catalog import CheckpointInfo, list_step_dirs, newest_valid
+from stalwart.orchestrator.restore import nothing_restorable
+from stalwart.orchestrator.states import Failed
+
+if TYPE_CHECKING:
+    from stalwart.checkpointing.storage.signing import CheckpointTrust
+    from stalwart.orchestrator.group import WorkerGroup
+    from stalwart.orchestrator.observers import Display
+    from stalwart.orchestrator.reporting import CommitLog
+    from stalwart.run_dir import EventLog
+
+
+class StorageRestore:
+    def __init__(self, storage_url: str, trust: CheckpointTrust, *, events: EventLog,
+                 display: Display, commits: CommitLog) -> None:
+        self.storage_url, self.trust = storage_url, trust
+        self.events, self.display, self.commits = events, display, commits
+        self.skipped: list[tuple[int, str]] = []  # checkpoints skipped in this restore
+
+    def start(self) -> None:
+        """A new world's restore: nothing skipped yet."""
+        self.skipped = []
+
+    def newest_step(self) -> int:
+        """The newest valid step (0: none), where a resume would start; nothing logged."""
+        newest = newest_valid(self.storage_url, self.trust)
+        return newest.step if newest else 0
+
+    def newest_valid(self, below: int | None = None) -> CheckpointInfo | None:
+        """The newest checkpoint that verifies (below step `below`)."""
+        found = newest_valid(self.storage_url, self.trust, below=below,
+                             on_skip=self._on_damaged)
+        if found is not None and found.unsigned:
+            self.events.emit(ev.UnsignedCheckpointAccepted(step=found.step, path=found.path,
+                                                           why=found.unsigned))
+        return found
+
+    def load(self, group: WorkerGroup, checkpoint: CheckpointInfo) -> int | Failed:
+        """Load `checkpoint` on every rank; one that fails to load is skipped and the next
+        older valid one is tried. Returns the step restored, or Failed when none loads."""
+        while True:
+            try:
+                return group.restore(checkpoint.path)
+            except CheckpointError as exc:
+                self._on_damaged(checkpoint.step, str(exc))
+            older = self.newest_valid(below=checkpoint.step)
+            if older is None:
+                lost = self.nothing_restorable(None)
+                assert lost is not None  # a checkpoint was committed: the one that failed
+                return lost
+            checkpoint = older
+            self.display.log(f"restoring from storage's step {older.step} instead")
+
+    def nothing_restorable(self, memory_why: str | None) -> Failed | None:
+        """Failed, when checkpoints were committed but none can be restored (a fresh start
+        would silently throw their work away); None when nothing was ever committed."""
+        committed = [s for s, done in list_step_dirs(self.storage_url) if done]
+        reason = nothing_restorable(committed=committed, newest_reported=self.commits.newest,
+                                    skipped=self.skipped, memory_why=memory_why)
+        if reason is None:
+            return None
+        self.display.log(reason)
+        return Failed(reason=reason)
+
+    def log_unreported_commit(self) -> None:
+        """A failed run's last commit that rank 0 wrote but did not live to report (it died
+        before the next poll): logged, so the log names what a resume will start from.
+        Called once the workers are gone, when no commit can still be landing."""
+        try:
+            self.commits.found(newest_valid(self.storage_url, self.trust))
+        except (OSError, CheckpointError) as exc:  # the failure may be storage itself
+            self.display.log(f"could not list the checkpoints after the failure: {exc}")
+
+    def _on_damaged(self, step: int, message: str) -> None:
+        self.skipped.append((step, message))
+        self.events.emit(ev.CheckpointSkipped(step=step, message=message))
+        self.display.log(f"skipping damaged checkpoint: {message}")
