@@ -29,8 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import shutil
 import statistics
 import sys
@@ -42,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "commit.json"
@@ -210,9 +209,7 @@ def main() -> int:
         "method": "rank 0's time from dcp.save returning to the manifest committed; old: "
                   "every file read back and hashed on rank 0; new: digests from the writers",
         "rounds": args.rounds, "storage_dir": args.dir, "results": rows,
-        "seconds": time.perf_counter() - t_start,
-        "torch": torch.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "cpus": os.cpu_count(),
+        "seconds": time.perf_counter() - t_start, "machine": machine(with_ray=False),
     }, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

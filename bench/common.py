@@ -1,9 +1,10 @@
-"""What the benchmarks that time `stalwart run` share (throughput.py, layouts.py).
+"""What the benchmarks share: timing `stalwart run` (throughput.py, layouts.py), the machine
+a report was measured on, and step logs that several processes append to.
 
-Both run `stalwart run CONFIG --set ...` as a user types it, one run after another, and
-measure the steady-state rate from the run's metrics.jsonl: the same command line, child
-environment, logging, rate window, options, checks and report layout. Each script keeps
-only what is its own (its runners or layouts, its overrides, its table).
+throughput.py and layouts.py run `stalwart run CONFIG --set ...` as a user types it, one run
+after another, and measure the steady-state rate from the run's metrics.jsonl: the same
+command line, child environment, logging, rate window, options, checks and report layout.
+Each script keeps only what is its own (its runners or layouts, its overrides, its table).
 
 The scripts import this as `from common import ...`: run as `python bench/NAME.py`, their
 folder is the first entry of sys.path.
@@ -200,16 +201,32 @@ def window_settings(args: argparse.Namespace, workers: int, tps: int,
     }
 
 
-def write_report(path: str, report: dict[str, Any], results: list[dict[str, Any]]) -> None:
-    """Adds the machine and the runs (without their loss curves) to report; writes it."""
-    import ray
+def machine(*, with_ray: bool = True) -> dict[str, Any]:
+    """The machine and versions a report was measured with."""
     import torch
 
-    report["machine"] = {
-        "cpus": os.cpu_count(), "platform": platform.platform(),
-        "python": platform.python_version(), "torch": torch.__version__,
-        "ray": ray.__version__,
-    }
+    out = {"cpus": os.cpu_count(), "platform": platform.platform(),
+           "python": platform.python_version(), "torch": torch.__version__}
+    if with_ray:
+        import ray
+
+        out["ray"] = ray.__version__
+    return out
+
+
+def append_jsonl(path: Path, row: dict[str, Any]) -> None:
+    """One JSON line, in one small O_APPEND write: lines that several processes append to the
+    same file never interleave."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    try:
+        os.write(fd, (json.dumps(row) + "\n").encode())
+    finally:
+        os.close(fd)
+
+
+def write_report(path: str, report: dict[str, Any], results: list[dict[str, Any]]) -> None:
+    """Adds the machine and the runs (without their loss curves) to report; writes it."""
+    report["machine"] = machine()
     report["runs"] = [{k: v for k, v in r.items() if k != "loss_by_step"} for r in results]
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

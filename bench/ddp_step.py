@@ -1,47 +1,104 @@
-"""One optimizer step of a plain user DDP loop, as the baselines run it (torchrun_ddp.py and
-Ray Train's workers in raytrain_worker.py): gradient accumulation with no_sync() on every
-micro-batch but the last, clip_grad_norm_, optimizer and LR schedule, then the loss summed
-over ranks. The same step on both baselines, so that they differ only in what runs them.
+"""A plain user DDP loop's setup and one optimizer step, as the baselines run them
+(torchrun_ddp.py, torchrun_recovery.py and Ray Train's workers in raytrain_worker.py).
+
+The setup takes everything that decides the numbers from stalwart: the JobConfig's task, the
+same token files and sample order, the model built and initialised from the seed on every
+rank. The step: gradient accumulation with no_sync() on every micro-batch but the last,
+clip_grad_norm_, optimizer and LR schedule, then the loss summed over ranks. The same on
+every baseline, so that they differ only in what runs them.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from stalwart.examples.gpt.data import TokenDataset, build_token_files
+from stalwart.task import build_task
+from stalwart.workers.sampler import GlobalSampler
 
 if TYPE_CHECKING:
-    from torch.nn.parallel import DistributedDataParallel
-
-    from stalwart.config import TrainConfig
+    from stalwart.config import JobConfig, TrainConfig
     from stalwart.task import TrainTask
 
 
-def ddp_step(ddp: DistributedDataParallel, task: TrainTask, data: Any, items: Any,
-             t: TrainConfig, accum: int, optimizer: torch.optim.Optimizer,
-             scheduler: torch.optim.lr_scheduler.LRScheduler) -> tuple[float, int]:
-    """Train one step on this rank's `items`, `accum` micro-batches; (the loss summed over
-    ranks, this rank's tokens)."""
-    ddp.train()
-    loss_sum = torch.zeros(())
-    tokens = 0
-    for i in range(accum):
-        inputs, targets = data.get_batch(items[i * t.micro_batch_size:
-                                               (i + 1) * t.micro_batch_size])
-        tokens += targets.numel()
-        if i < accum - 1:
-            with ddp.no_sync():
+@dataclass
+class DDPSetup:
+    task: TrainTask
+    accum: int
+    """Micro-batches per step on each rank."""
+    data: TokenDataset
+    sampler: GlobalSampler
+    model: torch.nn.Module
+    """The bare model, whose state_dict a checkpoint saves."""
+    ddp: DistributedDataParallel
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+
+    def state_dict(self, step: int, samples_seen: int) -> dict[str, Any]:
+        """What a baseline's checkpoint holds: enough to resume at `step` bit for bit."""
+        return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(), "step": step,
+                "samples_seen": samples_seen}
+
+    def load(self, state: dict[str, Any]) -> tuple[int, int]:
+        """Resume from a `state_dict`: (step, samples_seen)."""
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        return state["step"], state["samples_seen"]
+
+    def step(self, items: Any, t: TrainConfig) -> tuple[float, int]:
+        """Train one step on this rank's `items`, `accum` micro-batches; (the loss summed
+        over ranks, this rank's tokens)."""
+        ddp, task, data, accum = self.ddp, self.task, self.data, self.accum
+        ddp.train()
+        loss_sum = torch.zeros(())
+        tokens = 0
+        for i in range(accum):
+            inputs, targets = data.get_batch(items[i * t.micro_batch_size:
+                                                   (i + 1) * t.micro_batch_size])
+            tokens += targets.numel()
+            if i < accum - 1:
+                with ddp.no_sync():
+                    loss = task.loss(ddp, inputs, targets) / accum
+                    loss.backward()
+            else:
                 loss = task.loss(ddp, inputs, targets) / accum
                 loss.backward()
-        else:
-            loss = task.loss(ddp, inputs, targets) / accum
-            loss.backward()
-        loss_sum += loss.detach()
-    if t.grad_clip > 0:
-        torch.nn.utils.clip_grad_norm_(ddp.parameters(), t.grad_clip)
-    optimizer.step()
-    scheduler.step()
-    optimizer.zero_grad(set_to_none=True)
-    dist.all_reduce(loss_sum)  # the global mean loss, for logging
-    return loss_sum.item(), tokens
+            loss_sum += loss.detach()
+        if t.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(ddp.parameters(), t.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        dist.all_reduce(loss_sum)  # the global mean loss, for logging
+        return loss_sum.item(), tokens
+
+
+def build_ddp(config: JobConfig, world: int, cache: Path | None = None) -> DDPSetup:
+    """The baseline's task, data and DDP model for a world of `world` ranks. `cache`: the
+    token files' folder (default: <data.cache_dir>/gpt-stdlib, the one stalwart uses;
+    build_token_files takes a file lock, so every rank may call it at once)."""
+    t = config.train
+    task = build_task(config.task.path, config.task.args)
+    files = build_token_files(
+        (cache or Path(config.data.cache_dir) / "gpt-stdlib").expanduser(),
+        val_fraction=task.val_fraction)
+    data = TokenDataset(files.train, task.model_config.seq_len)
+    torch.manual_seed(t.seed)
+    model = task.build_model(config)
+    task.init_weights(model)
+    ddp = DistributedDataParallel(model)
+    optimizer = task.build_optimizer(ddp, config)
+    return DDPSetup(task=task, accum=t.global_batch_size // (t.micro_batch_size * world),
+                    data=data, sampler=GlobalSampler(len(data), seed=t.seed), model=model,
+                    ddp=ddp, optimizer=optimizer,
+                    scheduler=task.build_lr_scheduler(optimizer, config))
+
+

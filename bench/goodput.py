@@ -42,6 +42,7 @@ from typing import Any
 import common
 import raytrain_recovery as rt
 import raytrain_worker as rw
+from outside_kill import stalwart_rank_pid
 
 from stalwart import events as ev
 from stalwart.config import load_config
@@ -112,7 +113,7 @@ def run_stalwart(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             time.sleep(POLL_S)
             return proc.poll() is None
 
-        kills, t_stop = kill_on_schedule(running, lambda: _stalwart_rank_pid(run_dir, 1), t0,
+        kills, t_stop = kill_on_schedule(running, lambda: stalwart_rank_pid(run_dir, 1), t0,
                                          args)
         proc.send_signal(signal.SIGINT)  # stop after the step in flight, checkpoint it
         try:
@@ -134,14 +135,6 @@ def run_stalwart(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     if report.returncode == 0:  # stalwart's own report of the same run, for comparison
         out["stalwart_report"] = json.loads(report.stdout)
     return out
-
-
-def _stalwart_rank_pid(run_dir: Path, rank: int) -> int | None:
-    started = [e for e in read_events(run_dir / "events.jsonl")
-               if isinstance(e, ev.WorkersStarted)]
-    if not started:
-        return None
-    return next((w.pid for w in started[-1].workers if w.rank == rank), None)
 
 
 # ---------------------------------------------------------------------------------- Ray Train

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import sys
 import tempfile
 import traceback
@@ -29,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from common import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "memory.json"
@@ -171,8 +170,7 @@ def main() -> int:
         "model": {**MODEL, "n_params": shape.n_params}, "micro_batch": MICRO_BATCH,
         "layout": "FSDP2 ZeRO-3 (dp_shard = N), fp32, AdamW foreach=False",
         "target": TARGET, "target_met": met, "results": rows,
-        "torch": torch.__version__, "python": platform.python_version(),
-        "machine": platform.machine(), "cpus": os.cpu_count(),
+        "machine": machine(with_ray=False),
     }, indent=2) + "\n")
     print(f"wrote {out}")
     return 0

@@ -16,6 +16,7 @@ import signal
 import statistics
 import time
 from collections.abc import Callable, Hashable
+from pathlib import Path
 from typing import Any, NamedTuple
 
 OUTSIDE_KILL = "outside-kill"  # the fault's name in bench/recovery.py and run_raytrain
@@ -123,3 +124,14 @@ def rank_pid(attempts: list[dict[str, Any]], rank: int) -> int | None:
     starts = [a for a in attempts if a["event"] == "start" and a["rank"] == rank
               and not a.get("stopping")]
     return starts[-1]["pid"] if starts else None
+
+
+def stalwart_rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of `rank` in a stalwart run's newest world (its last `workers_started`)."""
+    from stalwart import events as ev
+
+    started = [e for e in ev.read_events(run_dir / "events.jsonl")
+               if isinstance(e, ev.WorkersStarted)]
+    if not started:
+        return None
+    return next((w.pid for w in started[-1].workers if w.rank == rank), None)

@@ -18,13 +18,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ddp_step import ddp_step
-from torch.nn.parallel import DistributedDataParallel
+from common import append_jsonl
+from ddp_step import build_ddp
 
 from stalwart.config import load_config
-from stalwart.examples.gpt.data import TokenDataset, build_token_files
-from stalwart.task import build_task
-from stalwart.workers.sampler import GlobalSampler, rank_slice
+from stalwart.workers.sampler import rank_slice
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "examples" / "gpt" / "config.toml"
@@ -51,15 +49,6 @@ STATE_FILE = "state.pt"           # inside each Ray Train checkpoint
 # ----------------------------------------------------------------------------------------------
 # Worker side
 # ----------------------------------------------------------------------------------------------
-
-def _append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    # One small write with O_APPEND: lines from different processes never interleave.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, (json.dumps(row) + "\n").encode())
-    finally:
-        os.close(fd)
-
 
 def _write_json_atomic(path: Path, row: dict[str, Any]) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -135,7 +124,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     node_id = ray.get_runtime_context().get_node_id()
     stopping = (workdir / STOP_FILE).exists()
-    _append_jsonl(workdir / ATTEMPTS_FILE, {
+    append_jsonl(workdir / ATTEMPTS_FILE, {
         "event": "start", "time": time.time(), "rank": rank, "world": world, "pid": os.getpid(),
         "ppid": os.getppid(), "node_id": node_id, "stopping": stopping})
     if stopping:
@@ -143,30 +132,15 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
 
     config = load_config(cfg["config"], cfg["overrides"])
     t = config.train
-    task = build_task(config.task.path, config.task.args)
-    accum = t.global_batch_size // (t.micro_batch_size * world)
-    files = build_token_files(Path(config.data.cache_dir).expanduser() / "gpt-stdlib",
-                              val_fraction=task.val_fraction)
-    data = TokenDataset(files.train, task.model_config.seq_len)
-    sampler = GlobalSampler(len(data), seed=t.seed)
-
-    torch.manual_seed(t.seed)
-    model = task.build_model(config)
-    task.init_weights(model)
-    ddp = DistributedDataParallel(model)
-    optimizer = task.build_optimizer(ddp, config)
-    scheduler = task.build_lr_scheduler(optimizer, config)
+    run = build_ddp(config, world)
 
     step, samples_seen = 0, 0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
             state = torch.load(Path(d) / STATE_FILE, weights_only=False)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step, samples_seen = state["step"], state["samples_seen"]
-    _append_jsonl(workdir / ATTEMPTS_FILE, {
+        step, samples_seen = run.load(state)
+    append_jsonl(workdir / ATTEMPTS_FILE, {
         "event": "ready", "time": time.time(), "rank": rank, "pid": os.getpid(),
         "node_id": node_id, "restored_from": step if checkpoint is not None else None,
         "pg_timeout_s": _pg_timeout_s()})
@@ -183,23 +157,19 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
             else:
                 _inject(cfg["fault"], workdir)
         start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
-        items = sampler.items(start, count)
-        loss_sum, _ = ddp_step(ddp, task, data, items, t, accum, optimizer, scheduler)
+        items = run.sampler.items(start, count)
+        loss_sum, _ = run.step(items, t)
         step += 1
         samples_seen += t.global_batch_size
         loss_value = loss_sum / world
         if rank == 0:
-            _append_jsonl(workdir / STEPS_FILE, {"step": step, "time": time.time(),
+            append_jsonl(workdir / STEPS_FILE, {"step": step, "time": time.time(),
                                                  "loss": loss_value, "pid": os.getpid()})
         if step % cfg["checkpoint_every"] == 0 or step == t.steps:
             metrics = {"step": step, "loss": loss_value}
             if rank == 0:
                 with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as tmp:
-                    torch.save({"model": model.state_dict(),
-                                "optimizer": optimizer.state_dict(),
-                                "scheduler": scheduler.state_dict(),
-                                "step": step, "samples_seen": samples_seen},
-                               Path(tmp) / STATE_FILE)
+                    torch.save(run.state_dict(step, samples_seen), Path(tmp) / STATE_FILE)
                     ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
                 if cfg["commit_checkpoints"]:
                     # Block until the controller has registered it (see run_raytrain).
@@ -207,7 +177,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
 
                     ray.train.get_all_reported_checkpoints(
                         consistency_mode=CheckpointConsistencyMode.COMMITTED)
-                _append_jsonl(workdir / CHECKPOINTS_FILE, {"step": step, "time": time.time(),
+                append_jsonl(workdir / CHECKPOINTS_FILE, {"step": step, "time": time.time(),
                                                             "pid": os.getpid()})
             else:
                 ray.train.report(metrics)

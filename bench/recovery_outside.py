@@ -29,6 +29,7 @@ from outside_kill import (
     measure_kill,
     rank_pid,
     split_worlds,
+    stalwart_rank_pid,
 )
 from recovery_runs import run_cli
 from recovery_setup import (
@@ -43,14 +44,6 @@ from torchrun_recovery import ATTEMPTS_FILE, STEPS_FILE, torchrun_command
 
 from stalwart import events as ev
 from stalwart.events import read_events, read_jsonl, read_metrics
-
-
-def _stalwart_rank_pid(run_dir: Path, rank: int) -> int | None:
-    started = [e for e in read_events(run_dir / "events.jsonl")
-               if isinstance(e, ev.WorkersStarted)]
-    if not started:
-        return None
-    return next((w.pid for w in started[-1].workers if w.rank == rank), None)
 
 
 def _failed(result: dict[str, Any], exc: Exception) -> dict[str, Any]:
@@ -74,7 +67,7 @@ def run_stalwart_outside(runner: str, args: argparse.Namespace, work: Path,
         after_step=FAULT_STEP,
         logged_step=lambda: max((r.step for r in read_metrics(run_dir / "metrics.jsonl")),
                                 default=None),
-        rank_pid=lambda: _stalwart_rank_pid(run_dir, 1))
+        rank_pid=lambda: stalwart_rank_pid(run_dir, 1))
     try:
         code, wall = run_cli(cmd, log, args.timeout, killer.tick, poll_s=POLL_S)
     except Exception as exc:  # recorded, the other runs go on

@@ -25,13 +25,10 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from ddp_step import ddp_step
-from torch.nn.parallel import DistributedDataParallel
+from ddp_step import build_ddp
 
 from stalwart.config import load_config
-from stalwart.examples.gpt.data import TokenDataset, build_token_files
-from stalwart.task import build_task
-from stalwart.workers.sampler import GlobalSampler, rank_slice
+from stalwart.workers.sampler import rank_slice
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "examples" / "gpt" / "config.toml"
@@ -65,24 +62,7 @@ def main() -> None:
     t = config.train
     if not 0 <= args.exclude < t.steps:
         raise SystemExit(f"--exclude={args.exclude} must be in [0, train.steps={t.steps})")
-    task = build_task(config.task.path, config.task.args)
-    accum = t.global_batch_size // (t.micro_batch_size * world)
-
-    # Data: the same token files and windows as GPTTask (build_token_files is safe to call
-    # from both ranks at once: it takes a file lock).
-    cache = (Path(args.cache_dir) if args.cache_dir
-             else Path(config.data.cache_dir) / "gpt-stdlib").expanduser()
-    files = build_token_files(cache, val_fraction=task.val_fraction)
-    data = TokenDataset(files.train, task.model_config.seq_len)
-    sampler = GlobalSampler(len(data), seed=t.seed)
-
-    # Model: built and initialised from the seed on every rank, exactly as stalwart does.
-    torch.manual_seed(t.seed)
-    model = task.build_model(config)
-    task.init_weights(model)
-    model = DistributedDataParallel(model)
-    optimizer = task.build_optimizer(model, config)
-    scheduler = task.build_lr_scheduler(optimizer, config)
+    run = build_ddp(config, world, Path(args.cache_dir) if args.cache_dir else None)
 
     samples_seen = 0
     losses: list[float] = []
@@ -92,8 +72,8 @@ def main() -> None:
     ends.append(time.time())
     for _step in range(1, t.steps + 1):
         start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
-        items = sampler.items(start, count)
-        loss_sum, tokens = ddp_step(model, task, data, items, t, accum, optimizer, scheduler)
+        items = run.sampler.items(start, count)
+        loss_sum, tokens = run.step(items, t)
         losses.append(loss_sum / world)
         samples_seen += t.global_batch_size
         tokens_per_step = tokens * world
@@ -114,7 +94,7 @@ def main() -> None:
                                                                ends[args.exclude + 1:],
                                                                strict=True))[measured // 2],
             "loss_by_step": {str(i + 1): v for i, v in enumerate(losses)},
-            "grad_accum": accum,
+            "grad_accum": run.accum,
             "threads": torch.get_num_threads(),
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         }

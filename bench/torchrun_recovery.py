@@ -14,7 +14,7 @@ worker (it checks every 0.1 s by default), stops the others, and starts the whol
 What is trained is bench/torchrun_ddp.py's loop (the DDP baseline of bench/throughput.py): the
 JobConfig of the TOML + `--set` overrides (default: the tiny model of tests/cli_helpers.py), the
 GPTTask's model, init, loss, optimizer and schedule, the same token files, the same global
-sample order (GlobalSampler, from samples_seen) and one ddp_step per step.
+sample order (GlobalSampler, from samples_seen) and one DDPSetup.step per step.
 
 Checkpoints, as a careful user writes them: every --checkpoint-every steps (and at the last)
 rank 0 torch.saves model, optimizer, scheduler, step and samples_seen to a temporary file,
@@ -40,7 +40,6 @@ import time
 START = time.time()
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -48,13 +47,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from ddp_step import ddp_step
-from torch.nn.parallel import DistributedDataParallel
+from common import append_jsonl
+from ddp_step import build_ddp
 
 from stalwart.config import load_config
-from stalwart.examples.gpt.data import TokenDataset, build_token_files
-from stalwart.task import build_task
-from stalwart.workers.sampler import GlobalSampler, rank_slice
+from stalwart.workers.sampler import rank_slice
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "examples" / "gpt" / "config.toml"
@@ -72,15 +69,6 @@ def torchrun_command(workdir: Path, *, nproc: int, steps: int, checkpoint_every:
             "--nproc_per_node", str(nproc), "--max-restarts", str(MAX_RESTARTS),
             str(Path(__file__).resolve()), "--workdir", str(workdir), "--steps", str(steps),
             "--checkpoint-every", str(checkpoint_every), "--config", str(config), *sets]
-
-
-def append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    # One small write with O_APPEND: lines from different processes never interleave.
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, (json.dumps(row) + "\n").encode())
-    finally:
-        os.close(fd)
 
 
 def newest_checkpoint(folder: Path) -> Path | None:
@@ -127,19 +115,7 @@ def main() -> None:
     config = load_config(args.config, [*args.overrides, f"scaling.num_workers={world}",
                                        f"train.steps={args.steps}"])
     t = config.train
-    task = build_task(config.task.path, config.task.args)
-    accum = t.global_batch_size // (t.micro_batch_size * world)
-    files = build_token_files(Path(config.data.cache_dir).expanduser() / "gpt-stdlib",
-                              val_fraction=task.val_fraction)
-    data = TokenDataset(files.train, task.model_config.seq_len)
-    sampler = GlobalSampler(len(data), seed=t.seed)
-
-    torch.manual_seed(t.seed)
-    model = task.build_model(config)
-    task.init_weights(model)
-    ddp = DistributedDataParallel(model)
-    optimizer = task.build_optimizer(ddp, config)
-    scheduler = task.build_lr_scheduler(optimizer, config)
+    run = build_ddp(config, world)
 
     # Resume: every rank from the newest checkpoint. No writer is alive now (torchrun stopped
     # the whole old group before starting this one), so both ranks see the same files.
@@ -148,18 +124,15 @@ def main() -> None:
     newest = newest_checkpoint(folder)
     if newest is not None:
         state = torch.load(newest, weights_only=True)
-        model.load_state_dict(state["model"])
-        optimizer.load_state_dict(state["optimizer"])
-        scheduler.load_state_dict(state["scheduler"])
-        step, samples_seen = state["step"], state["samples_seen"]
+        step, samples_seen = run.load(state)
     append_jsonl(workdir / ATTEMPTS_FILE, {
         "event": "ready", "time": time.time(), "rank": rank, "attempt": attempt,
         "pid": os.getpid(), "restored_from": step if newest is not None else None})
 
     while step < t.steps:
         start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
-        items = sampler.items(start, count)
-        loss_sum, _ = ddp_step(ddp, task, data, items, t, accum, optimizer, scheduler)
+        items = run.sampler.items(start, count)
+        loss_sum, _ = run.step(items, t)
         step += 1
         samples_seen += t.global_batch_size
         if rank == 0:
@@ -167,10 +140,7 @@ def main() -> None:
                                                 "loss": loss_sum / world, "attempt": attempt,
                                                 "pid": os.getpid()})
             if step % args.checkpoint_every == 0 or step == t.steps:
-                save_checkpoint(folder, step, {
-                    "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                    "scheduler": scheduler.state_dict(), "step": step,
-                    "samples_seen": samples_seen})
+                save_checkpoint(folder, step, run.state_dict(step, samples_seen))
     dist.destroy_process_group()
 
 

@@ -162,7 +162,7 @@ def test_stalwart_is_measured_from_metrics_and_its_own_events(tmp_path: Path) ->
                            samples_seen=32 * s, time=KILL + 1.3 + (s - 28) * 0.3)
              for s in range(28, 41)]
     (tmp_path / "metrics.jsonl").write_text("".join(ev.dumps(r) + "\n" for r in rows))
-    assert recovery_outside._stalwart_rank_pid(tmp_path, 1) == 12  # the newest world's
+    assert ok.stalwart_rank_pid(tmp_path, 1) == 12  # the newest world's
     m = recovery_outside.analyse_stalwart_outside(tmp_path, KILL)
     assert m["recovery_s"] == pytest.approx(1.3)
     assert (m["lost_steps"], m["restored_from_step"], m["stalwart_from_step"]) == (0, 27, 27)
