@@ -124,6 +124,7 @@ class TrainWorker:
         self._stopped_early = False
         self._error: str | None = None
         self._error_kind: str | None = None
+        self._busy: str | None = None
         self._preempted = False
         # The rendezvous this worker hosts for the next world, from rendezvous_address()
         # until it joins that world as rank 0 (the world holds the store from then on).
@@ -260,7 +261,7 @@ class TrainWorker:
         self._profiles.clear()
         self._stop.clear()
         self._done = self._stopped_early = False
-        self._error = self._error_kind = None
+        self._error = self._error_kind = self._busy = None
         self._thread = None
 
     def restore(self, path: str) -> int:
@@ -331,17 +332,22 @@ class TrainWorker:
                 if tier is not None and (step % ck.snapshot_every == 0 or persist):
                     shard = tier.snapshot(step, hooks=self.faults)
                 if cfg.data.val_every and (step % cfg.data.val_every == 0 or last):
+                    self._busy = "validating"
                     report = replace(report, val_loss=engine.validate())
                 self._steps.append(report)
                 if persist:  # from the staged snapshot when there is one
+                    self._busy = "saving a checkpoint"  # waits for the save before it
                     self._commits.extend(ckpt.save_snapshot(shard) if shard is not None
                                          else ckpt.save(step, engine.state_dict()))
+                self._busy = None
                 self._commits.extend(ckpt.poll())
                 self._profiles.extend(profiler.end(step, stop=stop))
                 if stop:
                     self._stopped_early = True
                     break
+            self._busy = "saving a checkpoint"
             self._commits.extend(ckpt.wait())
+            self._busy = None
             self._done = True
         except BaseException as exc:  # reported to the controller by poll(); the thread ends
             self._error_kind = classify_exception(exc)
@@ -357,7 +363,12 @@ class TrainWorker:
         """Stop after the step in flight (all ranks agree on which) and checkpoint it."""
         self._stop.set()
 
-    def poll(self) -> WorkerStatus:
+    def poll(self, generation: int | None = None) -> WorkerStatus:
+        """What happened since the last poll. A poll for another `generation` (left over from
+        a world that ended) drains nothing: its reports belong to this world's polls."""
+        if generation is not None and generation != self.generation:
+            return WorkerStatus(rank=self.rank, generation=self.generation, steps=[],
+                                commits=[], done=False)
         # Read the end of the thread before draining: whatever it queued before it ended is
         # then in this answer (a trace or a commit queued last is never left behind).
         done, error = self._done, self._error
@@ -369,7 +380,8 @@ class TrainWorker:
                             commits=commits, done=done, stopped_early=self._stopped_early,
                             error=error, error_kind=self._error_kind, faults=faults,
                             profiles=profiles, preempted=self._preempted,
-                            snapshot_bytes=self.tier.nbytes(), tier_limit=self.tier.limit)
+                            snapshot_bytes=self.tier.nbytes(), tier_limit=self.tier.limit,
+                            busy=self._busy)
 
     # ------------------------------------------------------------------ leaving
 
