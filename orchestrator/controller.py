@@ -227,10 +227,9 @@ class Controller:
             self.display.log("stopping after the step in flight and checkpointing it "
                              "(Ctrl-C or SIGTERM again abandons the checkpoint)")
             self.group.request_stop()
-        # Pace the polls: every answer costs the workers' actor threads the GIL, taken from
-        # the training thread; answers arrive in milliseconds, so without this pause the
-        # loop would poll back to back (measured: 40% fewer tokens/s).
-        self.clock.sleep(self.poll_interval_s)
+        # The group paces the polls: it answers when the interval ends, or at once when a
+        # process exits or stops. Every answer costs the workers' actor threads the GIL,
+        # taken from the training thread: polled back to back they lose 40% of tokens/s.
         answered, dead = self.group.poll(wait_s=self.poll_interval_s)
         now = self.clock.time()
         for rank, st in answered.items():

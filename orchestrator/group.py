@@ -89,7 +89,8 @@ class WorkerGroup(ABC):
 
     @abstractmethod
     def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
-        """Each answering rank's status, and the ranks found dead."""
+        """Each answering rank's status, and the ranks found dead or stopped (kind HANG).
+        Blocks up to `wait_s`: it paces the controller's loop."""
 
     @abstractmethod
     def ack_faults(self, rank: int) -> None:

@@ -255,6 +255,17 @@ def test_a_killed_rank_is_replaced_and_the_next_world_restores(group: ElasticGro
     assert seen.dead == []
     assert seen.steps[0][0].step == seen.steps[1][0].step == choice.step + 1
 
+    # A stopped process (SIGSTOP) is reported by its node's agent as a hang of its own,
+    # without waiting for the hang detector's limit (the agent answered in the first world).
+    os.kill(spare, signal.SIGSTOP)
+    try:
+        seen = poll_until(group, lambda seen: bool(seen.dead), seen)
+    finally:
+        os.kill(spare, signal.SIGCONT)
+    (stopped,) = seen.dead
+    assert stopped.kind == FailureKind.HANG and stopped.ranks == (1,)
+    assert "stopped" in stopped.message and stopped.pids == (spare,)
+
     # Shutdown kills every actor: members, and the replacement still starting.
     assert names - named_actors() == {victim_key}, "only the removed rank is gone so far"
     group.shutdown(graceful=False)
