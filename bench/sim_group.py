@@ -37,7 +37,7 @@ from stalwart.errors import ConfigError
 from stalwart.events import WorkerPlace
 from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
-from stalwart.orchestrator.group import Arm, WorkerGroup
+from stalwart.orchestrator.group import Arm, Disbanded, WorkerGroup
 from stalwart.workers.reports import StepReport, WorkerStatus
 
 T0 = 1_700_000_000.0  # the simulated clock starts here
@@ -264,12 +264,12 @@ class SimGroup(WorkerGroup):
             self._places = [replace(p, rank=r) for r, p in
                             enumerate(p for p in self._places if p.pid not in gone)]
 
-    def disband(self) -> tuple[list[int], list[CommitReport], list[int]]:
+    def disband(self, after_step: int) -> Disbanded:
         with self._own():
             steps = [self._reported] * len(self.members)
             self.members, self.idle = [], self.members + self.idle
             self._places = []
-            return steps, [], []
+            return Disbanded(survivor_steps=steps, commits=[], steps=[], silent=[])
 
     def shutdown(self, *, graceful: bool) -> None:
         """Nothing to end."""

@@ -52,8 +52,9 @@ class NodePolls:
     GATHER_S = 0.05
 
     def __init__(self, runtime_env: dict[str, Any] | None,
-                 nodes_alive: Callable[[set[str]], bool]) -> None:
+                 nodes_alive: Callable[[set[str]], bool], *, stopped_for_s: float) -> None:
         self.runtime_env = runtime_env
+        self.stopped_for_s = stopped_for_s  # failure.stopped_timeout_s
         self.nodes_alive = nodes_alive
         self._agents: dict[str, _Agent] = {}
         self._actor_class = ray.remote(NodeAgent)
@@ -68,7 +69,8 @@ class NodePolls:
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
             if self.runtime_env:
                 options["runtime_env"] = self.runtime_env
-            self._agents[node_id] = _Agent(actor=self._actor_class.options(**options).remote())
+            self._agents[node_id] = _Agent(
+                actor=self._actor_class.options(**options).remote(self.stopped_for_s))
 
     def poll(self, members: list[tuple[Any, WorkerPlace]], generation: int, wait_s: float
              ) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:

@@ -37,13 +37,13 @@ from stalwart.errors import ConfigError
 from stalwart.events import WorkerPlace
 from stalwart.orchestrator.driver_loss import run_namespace, start_beacon
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
-from stalwart.orchestrator.group import Arm, WorkerGroup
+from stalwart.orchestrator.group import Arm, Disbanded, WorkerGroup
 from stalwart.orchestrator.node_polls import NodePolls
 from stalwart.workers.actor import TrainWorker
 from stalwart.workers.reports import (
-    CommitReport,
     LeaveReport,
     MemoryRestoreReport,
+    StepReport,
     WorkerStatus,
 )
 
@@ -149,7 +149,8 @@ class ElasticGroup(WorkerGroup):
         self._actor_class = ray.remote(TrainWorker)
         # The beacon of a driver whose workers outlive it (orchestrator/driver_loss.py).
         self._beacon = start_beacon(trust.run_id, self.driver_node_id) if outlive_driver else None
-        self.polls = NodePolls(runtime_env, self.nodes_alive)
+        self.polls = NodePolls(runtime_env, self.nodes_alive,
+                               stopped_for_s=config.failure.stopped_timeout_s)
         # Agents first, on every node that can hold a worker: each starts (half a second of
         # imports) while the workers import torch, and answers from a world's first steps.
         self.polls.start({n["NodeID"] for n in ray.nodes()
@@ -384,21 +385,23 @@ class ElasticGroup(WorkerGroup):
                 self._kill(self.members[rank])
         self.members = [w for r, w in enumerate(self.members) if r not in set(ranks)]
 
-    def disband(self) -> tuple[list[int], list[CommitReport], list[int]]:
+    def disband(self, after_step: int) -> Disbanded:
         """Every member leaves its world; survivors go back to the idle pool.
 
-        Returns the engine steps the survivors had completed, rank 0's commits that no
-        poll reported (a save that completed while the world ended), and the pids of the
-        members that did not answer at all (a stopped or dead process: a failure of its own,
-        which the controller records). A member that cannot leave (stuck thread, dead
-        process) is killed.
+        Rank 0 also returns its commits and its steps after `after_step` that no poll
+        reported. A member that did not answer at all (a stopped or dead process) is a
+        failure of its own, which the controller records. A member that cannot leave (stuck
+        thread, dead process) is killed.
         """
         answers: list[LeaveReport | None] = _answers(
-            [w.actor.leave.remote(self.LEAVE_TIMEOUT_S) for w in self.members],
+            [w.actor.leave.remote(self.LEAVE_TIMEOUT_S, after_step) for w in self.members],
             timeout=self.LEAVE_TIMEOUT_S + 5)
         steps, survivors, commits, silent = [], [], [], []
+        late: list[StepReport] = []
         self.polls.forget()
         for rank, (w, ok) in enumerate(zip(self.members, answers, strict=True)):
+            if rank == 0 and ok is not None:
+                late = list(ok.steps)
             if ok is not None and ok.left:
                 survivors.append(w)
                 steps.append(ok.step)
@@ -412,7 +415,7 @@ class ElasticGroup(WorkerGroup):
                 self._kill(w)
         # Survivors first, in their old rank order: rank 0 usually stays rank 0.
         self.members, self.idle = [], survivors + self.idle
-        return steps, commits, silent
+        return Disbanded(survivor_steps=steps, commits=commits, steps=late, silent=silent)
 
     def _rescue(self, w: Worker) -> None:
         """Copy what a worker about to be killed holds in memory to the object store.

@@ -114,6 +114,9 @@ class TrainWorker:
         self.tier = MemoryTier()
         self._tiered = False
         self._steps: deque[StepReport] = deque()
+        # Step reports a poll has taken, kept until the world ends: the answer that carried
+        # them may be dropped then (leave returns those after the controller's last step).
+        self._sent: deque[StepReport] = deque(maxlen=256)
         self._commits: deque[CommitReport] = deque()
         self._profiles: deque[ProfileReport] = deque()
         # The faults armed in this world; it outlives the worlds (a `slow` fault lasts).
@@ -257,6 +260,7 @@ class TrainWorker:
 
     def _reset_run_state(self) -> None:
         self._steps.clear()
+        self._sent.clear()
         self._commits.clear()
         self._profiles.clear()
         self._stop.clear()
@@ -373,6 +377,7 @@ class TrainWorker:
         # then in this answer (a trace or a commit queued last is never left behind).
         done, error = self._done, self._error
         steps = [self._steps.popleft() for _ in range(len(self._steps))]
+        self._sent.extend(steps)  # until the world ends: this answer may be dropped
         commits = [self._commits.popleft() for _ in range(len(self._commits))]
         faults = self.faults.drain()
         profiles = [self._profiles.popleft() for _ in range(len(self._profiles))]
@@ -385,13 +390,14 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ leaving
 
-    def leave(self, timeout_s: float) -> LeaveReport:
+    def leave(self, timeout_s: float, after_step: int | None = None) -> LeaveReport:
         """Leave this generation's world and keep the process for the next one.
 
         The training thread has ended by now or soon will: a failed peer's collectives
         fail on every rank (the controller kills failed ranks before asking survivors to
         leave). The report says left=False if the thread is still stuck after `timeout_s`:
-        the process is then not reusable and the controller replaces it.
+        the process is then not reusable and the controller replaces it. Steps after
+        `after_step` (the controller's last) are returned, so none goes unrecorded.
         """
         step = self.engine.step if self.engine is not None else 0
         if self._thread is not None:
@@ -406,7 +412,7 @@ class TrainWorker:
                       f"within {timeout_s:.0f}s of leaving its world; its stacks:",
                       file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                return LeaveReport(left=False, step=step)
+                return LeaveReport(left=False, step=step, steps=self._steps_after(after_step))
             step = self.engine.step if self.engine is not None else step
         # Commits the controller has not polled yet, and the save in flight if it completes:
         # they are on storage, so they go on record (rank 0 reports them for everyone).
@@ -427,11 +433,19 @@ class TrainWorker:
         self.engine = None
         destroy_process_group()
         self._close_rendezvous()  # hosted for a world that never formed
+        late = self._steps_after(after_step)
         self._reset_run_state()
         self.rank = -1
         self.faults.disarm()
         announce_name(repr(self))
-        return LeaveReport(left=True, step=step, commits=tuple(commits))
+        return LeaveReport(left=True, step=step, commits=tuple(commits), steps=late)
+
+    def _steps_after(self, after_step: int | None) -> tuple[StepReport, ...]:
+        """This world's step reports after `after_step`, sent or not, once each."""
+        if after_step is None:
+            return ()
+        by_step = {r.step: r for r in (*self._sent, *self._steps) if r.step > after_step}
+        return tuple(by_step[s] for s in sorted(by_step))
 
     def shutdown(self) -> None:
         """Leave the world cleanly (the controller kills the actor if this does not return)."""

@@ -33,7 +33,7 @@ class NodeReport:
     exited: dict[int, float] = field(default_factory=dict)
     """Ranks whose process is gone (or a zombie): the last time it was seen alive."""
     stopped: dict[int, float] = field(default_factory=dict)
-    """Ranks whose process has been stopped (SIGSTOP) for STOPPED_FOR_S: since when."""
+    """Ranks whose process has been stopped (SIGSTOP) for `stopped_for_s`: since when."""
 
 
 def process_state(pid: int) -> str | None:
@@ -54,11 +54,10 @@ def process_state(pid: int) -> str | None:
 class NodeAgent:
     # /proc is read this often while a poll waits: a few microseconds per rank.
     CHECK_S = 0.02
-    # A process stopped this long is reported. Shorter stops are someone pausing it on
-    # purpose (a profiler, a debugger attaching) and resuming it.
-    STOPPED_FOR_S = 0.25
-
-    def __init__(self) -> None:
+    def __init__(self, stopped_for_s: float = 0.5) -> None:
+        # A process stopped this long is reported (failure.stopped_timeout_s). Shorter stops
+        # are someone pausing it on purpose and resuming it.
+        self.stopped_for_s = stopped_for_s
         self.generation = -1
         self.members: dict[int, tuple[Any, int]] = {}
         self._polls: dict[int, Any] = {}
@@ -108,7 +107,7 @@ class NodeAgent:
                 statuses[rank] = status
 
     def _watch(self) -> tuple[dict[int, float], dict[int, float]]:
-        """Ranks whose process is gone, and ranks stopped for STOPPED_FOR_S."""
+        """Ranks whose process is gone, and ranks stopped for `stopped_for_s`."""
         now = time.time()
         exited, stopped = {}, {}
         for rank, (_, pid) in self.members.items():
@@ -119,7 +118,7 @@ class NodeAgent:
             self._alive_at[rank] = now
             if state == "T":
                 since = self._stopped_since.setdefault(rank, now)
-                if now - since >= self.STOPPED_FOR_S:
+                if now - since >= self.stopped_for_s:
                     stopped[rank] = since
             else:
                 self._stopped_since.pop(rank, None)

@@ -44,6 +44,9 @@ class LeaveReport:
     """The last step this rank completed (the controller counts the steps a failure cost)."""
     commits: tuple[CommitReport, ...] = ()
     """Commits no poll reported yet, and the save in flight if it completed."""
+    steps: tuple[StepReport, ...] = ()
+    """Steps after the controller's last one that it may not have heard of: queued after the
+    last poll, or drained by a poll whose answer was dropped as the world ended."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -60,7 +60,7 @@ def test_the_watch_reports_a_stop_only_after_it_lasts_and_an_exit_at_once():
         time.sleep(0.05)
         exited, stopped = agent._watch()
         assert exited == {} and stopped == {}  # stopped, but not for long yet
-        time.sleep(NodeAgent.STOPPED_FOR_S)
+        time.sleep(agent.stopped_for_s)
         exited, stopped = agent._watch()
         assert exited == {} and list(stopped) == [1]
         os.kill(proc.pid, signal.SIGCONT)
