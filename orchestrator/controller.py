@@ -74,7 +74,6 @@ class Controller:
         self.stragglers = reporting.StragglerReporter(config, events, display)
         self.throughput = Throughput(config, metrics, display)
         self.commits = reporting.CommitLog(events, resume_from)
-        # trust: what a restore from storage accepts (signing.CheckpointTrust)
         self.storage = StorageRestore(storage_url, trust, events=events, display=display,
                                       commits=self.commits)
         self.failures = FailureLog(self.policy, events, group.places)

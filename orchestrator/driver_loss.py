@@ -50,7 +50,6 @@ def settle_previous_driver(run_id: str, *, wait_s: float,
     """Refuse a run another driver is running; wait up to `wait_s` for a killed driver's
     workers to commit and exit, then kill those still there. True when there were any:
     the newest checkpoint may have changed."""
-
     namespace = run_namespace(run_id)
     names = _named(namespace)
     drivers = [n for n in names if n.startswith(BEACON_PREFIX)]
@@ -85,15 +84,21 @@ def _kill_and_confirm(namespace: str, names: list[str], timeout_s: float = 30.0)
         handles.append(handle)
     deadline = time.monotonic() + timeout_s
     while handles and time.monotonic() < deadline:
-        alive = []
-        for handle in handles:
-            try:
-                ray.get(handle.__ray_ready__.remote(), timeout=1.0)
-            except ray.exceptions.RayActorError:
-                continue  # dead
-            except ray.exceptions.GetTimeoutError:
-                pass  # stopped or busy: not known dead yet
-            alive.append(handle)  # the kill has not reached it yet
-        handles = alive
+        # One probe each, all at once: an answer means the kill has not reached it yet, no
+        # answer (stopped, busy) is not known dead either; only Ray's actor error is.
+        probes = {handle.__ray_ready__.remote(): handle for handle in handles}
+        answered = set(ray.wait(list(probes), num_returns=len(probes), timeout=1.0)[0])
+        handles = [h for ref, h in probes.items() if not (ref in answered and _died(ref))]
         if handles:
             time.sleep(0.2)
+
+
+def _died(ref: object) -> bool:
+    """Whether an answered probe says its actor is dead."""
+    import ray
+
+    try:
+        ray.get(ref)
+    except ray.exceptions.RayActorError:
+        return True
+    return False

@@ -27,7 +27,8 @@ if TYPE_CHECKING:
 class StorageRestore:
     def __init__(self, storage_url: str, trust: CheckpointTrust, *, events: EventLog,
                  display: Display, commits: CommitLog) -> None:
-        self.storage_url, self.trust = storage_url, trust
+        self.storage_url = storage_url
+        self.trust = trust  # what a restore from storage accepts (--trust-unsigned, keys)
         self.events, self.display, self.commits = events, display, commits
         self.skipped: list[tuple[int, str]] = []  # checkpoints skipped in this restore
 
