@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class DDPSetup:
+    train: TrainConfig
     task: TrainTask
     accum: int
     """Micro-batches per step on each rank."""
@@ -53,10 +54,10 @@ class DDPSetup:
         self.scheduler.load_state_dict(state["scheduler"])
         return state["step"], state["samples_seen"]
 
-    def step(self, items: Any, t: TrainConfig) -> tuple[float, int]:
+    def step(self, items: Any) -> tuple[float, int]:
         """Train one step on this rank's `items`, `accum` micro-batches; (the loss summed
         over ranks, this rank's tokens)."""
-        ddp, task, data, accum = self.ddp, self.task, self.data, self.accum
+        ddp, task, data, accum, t = self.ddp, self.task, self.data, self.accum, self.train
         ddp.train()
         loss_sum = torch.zeros(())
         tokens = 0
@@ -96,7 +97,7 @@ def build_ddp(config: JobConfig, world: int, cache: Path | None = None) -> DDPSe
     task.init_weights(model)
     ddp = DistributedDataParallel(model)
     optimizer = task.build_optimizer(ddp, config)
-    return DDPSetup(task=task, accum=t.global_batch_size // (t.micro_batch_size * world),
+    return DDPSetup(train=t, task=task, accum=t.global_batch_size // (t.micro_batch_size * world),
                     data=data, sampler=GlobalSampler(len(data), seed=t.seed), model=model,
                     ddp=ddp, optimizer=optimizer,
                     scheduler=task.build_lr_scheduler(optimizer, config))

@@ -158,7 +158,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
                 _inject(cfg["fault"], workdir)
         start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
         items = run.sampler.items(start, count)
-        loss_sum, _ = run.step(items, t)
+        loss_sum, _ = run.step(items)
         step += 1
         samples_seen += t.global_batch_size
         loss_value = loss_sum / world

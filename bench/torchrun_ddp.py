@@ -73,7 +73,7 @@ def main() -> None:
     for _step in range(1, t.steps + 1):
         start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
         items = run.sampler.items(start, count)
-        loss_sum, tokens = run.step(items, t)
+        loss_sum, tokens = run.step(items)
         losses.append(loss_sum / world)
         samples_seen += t.global_batch_size
         tokens_per_step = tokens * world

@@ -132,7 +132,7 @@ def main() -> None:
     while step < t.steps:
         start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
         items = run.sampler.items(start, count)
-        loss_sum, _ = run.step(items, t)
+        loss_sum, _ = run.step(items)
         step += 1
         samples_seen += t.global_batch_size
         if rank == 0:
