@@ -61,17 +61,23 @@ POLL_S = 0.5
 def goodput(steps: list[tuple[int, float, Any]], starts: dict[Any, float], t0: float,
             t_stop: float) -> dict[str, Any]:
     """steps: (step, end time, world/attempt id) in completion order; starts: when each world
-    was ready to train. Productive time of the final trajectory over t_stop - t0."""
+    was ready to train. Productive time of the final trajectory over t_stop - t0.
+
+    A world's steps without a row (done, but their report was dropped when the world ended;
+    a `workers_started` event counts them as kept_unlogged) share the time from the world's
+    previous row to its next one."""
     durations: dict[int, float] = {}
     last_end: dict[Any, tuple[int, float]] = {}
     final = trained = 0
     for step, end, world in steps:
         if end > t_stop:  # the step in flight when the run was asked to stop
             break
-        trained += 1
         prev = last_end.get(world)
-        begin = prev[1] if prev is not None and prev[0] == step - 1 else starts.get(world, end)
-        durations[step] = end - begin  # a later completion of the same step replaces it
+        first, begin = ((prev[0] + 1, prev[1]) if prev is not None and prev[0] < step
+                        else (step, starts.get(world, end)))
+        for s in range(first, step + 1):  # a later completion of the same step replaces it
+            durations[s] = (end - begin) / (step - first + 1)
+        trained += step - first + 1
         last_end[world] = (step, end)
         final = step
     productive = sum(d for s, d in durations.items() if s <= final)

@@ -2,7 +2,8 @@
 
 SimGroup subclasses the real group's abstract base (orchestrator/group.py), so the real
 Controller drives it as it drives ElasticGroup. Its actors sit `ranks_per_node` to a node. Time
-is a SimClock that moves only when the controller sleeps (its poll pacing), so a run of many
+is a SimClock that moves only when a poll waits (the interval the real group's node agents
+pace) or the controller sleeps, so a run of many
 polls takes only the CPU it costs. Each poll answers as real workers do: every rank a
 WorkerStatus with the steps it completed since the last poll (every rank reports its steps;
 rank 0's carry the loss the controller logs), rank 0 the commits (one every `commit_every`
@@ -36,7 +37,7 @@ from stalwart.errors import ConfigError
 from stalwart.events import WorkerPlace
 from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
-from stalwart.orchestrator.group import Arm, WorkerGroup
+from stalwart.orchestrator.group import Arm, Disbanded, WorkerGroup
 from stalwart.workers.reports import StepReport, WorkerStatus
 
 T0 = 1_700_000_000.0  # the simulated clock starts here
@@ -48,7 +49,7 @@ REPLICA = ShardLayout(items=(WriteItem(index=MetadataIndex("train.step"),
 
 
 class SimClock(Clock):
-    """Moves only when the controller sleeps (or the group says time passed)."""
+    """Moves only when a poll waits or the controller sleeps."""
 
     def __init__(self, now: float = T0) -> None:
         self.now = now
@@ -205,6 +206,7 @@ class SimGroup(WorkerGroup):
         self._broken = False
 
     def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
+        self.clock.sleep(wait_s)  # the real group's node agents answer when the interval ends
         with self._own():
             answered, dead = self._answers()
             self.stats.polls += 1
@@ -262,12 +264,12 @@ class SimGroup(WorkerGroup):
             self._places = [replace(p, rank=r) for r, p in
                             enumerate(p for p in self._places if p.pid not in gone)]
 
-    def disband(self) -> tuple[list[int], list[CommitReport], list[int]]:
+    def disband(self, after_step: int) -> Disbanded:
         with self._own():
             steps = [self._reported] * len(self.members)
             self.members, self.idle = [], self.members + self.idle
             self._places = []
-            return steps, [], []
+            return Disbanded(survivor_steps=steps, commits=[], steps=[], silent=[])
 
     def shutdown(self, *, graceful: bool) -> None:
         """Nothing to end."""

@@ -46,7 +46,7 @@ from stalwart.orchestrator.storage_restore import StorageRestore
 
 if TYPE_CHECKING:
     from stalwart.config import JobConfig
-    from stalwart.orchestrator.group import WorkerGroup
+    from stalwart.orchestrator.group import Disbanded, WorkerGroup
     from stalwart.orchestrator.policies import Policies
     from stalwart.run_dir import EventLog, MetricsLog
     from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
@@ -226,10 +226,9 @@ class Controller:
             self.display.log("stopping after the step in flight and checkpointing it "
                              "(Ctrl-C or SIGTERM again abandons the checkpoint)")
             self.group.request_stop()
-        # Pace the polls: every answer costs the workers' actor threads the GIL, taken from
-        # the training thread; answers arrive in milliseconds, so without this pause the
-        # loop would poll back to back (measured: 40% fewer tokens/s).
-        self.clock.sleep(self.poll_interval_s)
+        # The group paces the polls: it answers when the interval ends, or at once when a
+        # process exits or stops. Every answer costs the workers' actor threads the GIL,
+        # taken from the training thread: polled back to back they lose 40% of tokens/s.
         answered, dead = self.group.poll(wait_s=self.poll_interval_s)
         now = self.clock.time()
         for rank, st in answered.items():
@@ -256,12 +255,21 @@ class Controller:
         if st.preempted and not self.stop.requested:
             self.resize.preempted(rank)
 
-    def _on_step(self, r: StepReport) -> None:
+    def _on_step(self, r: StepReport, *, progress: bool = True) -> None:
         self.last_step, self.last_loss = r.step, r.loss
-        self.policy.made_progress()
+        if progress:
+            self.policy.made_progress()
         if r.val_loss is not None:
             self.last_val_loss = r.val_loss
         self._notify("on_step", r)
+
+    def _ended(self, ended: Disbanded) -> list[int]:
+        """Take in rank 0's steps and commits no poll reported as its world ended (the steps
+        came before the failure the policy counted: no progress); the silent members' pids."""
+        for r in (r for r in ended.steps if r.step > self.last_step):
+            self._on_step(r, progress=False)
+        self._committed(ended.commits)
+        return ended.silent
 
     def _committed(self, commits: list[CommitReport]) -> None:
         self.commits.reported(commits)
@@ -298,8 +306,7 @@ class Controller:
 
     def _on_resizing(self, state: Resizing) -> State:
         self.group.remove(state.leaving)
-        _, late, silent = self.group.disband()
-        self._committed(late)
+        silent = self._ended(self.group.disband(after_step=self.last_step))
         if silent:  # a rank that did not answer while the world stopped: a failure of its own
             return self._on_failure(silent_failure(silent, self.workers, self.clock.time()))
         return Scheduling(generation=state.generation + 1, since=self.clock.time())
@@ -311,10 +318,8 @@ class Controller:
         if isinstance(decision, FailDecision):
             return Failed(reason=f"{decision.reason}: {failure.message}")
         if isinstance(self.state, Running):
-            # A planned resize still waiting for the ranks to stop: the recovery replaces it
-            # (a preempted survivor reports it again). One whose ranks already left (the
-            # failure came while the next world formed) stays, so that world's `resized`
-            # records why they left.
+            # The recovery replaces a planned resize still waiting for the ranks to stop (a
+            # preempted survivor says so again); one whose ranks left stays, for `resized`.
             self.resize.cancel()
         if decision.delay_s:
             self.display.log(f"backing off {decision.delay_s:.1f}s before recovering")
@@ -326,9 +331,9 @@ class Controller:
         self.display.log(f"recovering from: {state.failure.message.strip().splitlines()[-1]}")
         self._notify("before_recovery", state.failure)
         self.group.remove(state.failure.failed_ranks)
-        survivor_steps, late, silent = self.group.disband()
-        self._committed(late)
-        self._notify("after_recovery_teardown", survivor_steps, self.clock.time())
+        ended = self.group.disband(after_step=self.last_step)
+        silent = self._ended(ended)
+        self._notify("after_recovery_teardown", ended.survivor_steps, self.clock.time())
         if silent:
             # A survivor that did not answer at all (stopped, or dead meanwhile) was killed
             # and is replaced: a failure of its own, recorded and counted like any other,

@@ -1,8 +1,9 @@
 """Finding the failure to act on in a poll's answers: deaths, hangs, exceptions, collectives.
 
 An observer of the controller (it keeps the hang detector's heartbeats) that the controller
-asks once per poll. A dead rank outranks a silent one, which outranks an exception, which
-outranks a failed collective (that is a symptom of the others).
+asks once per poll. A dead rank outranks a stopped one (its node's agent saw it in /proc),
+which outranks a silent one, which outranks an exception, which outranks a failed collective
+(that is a symptom of the others).
 """
 
 from __future__ import annotations
@@ -46,23 +47,32 @@ class FailureDetector(ControllerObserver):
         self.hangs.step_time(report.step_time_s)
 
     def on_status(self, rank: int, status: WorkerStatus, now: float) -> None:
-        self.hangs.answered(rank, now, progressed=bool(status.steps or status.commits))
+        self.hangs.answered(rank, now, progressed=bool(status.steps or status.commits),
+                            busy=status.busy is not None)
         if status.done:
             self.hangs.finished(rank)  # done ranks wait for their peers: not a stall
 
     def find(self, answered: dict[int, WorkerStatus], dead: list[WorkerFailure], now: float,
              last_seen: LastSeen) -> WorkerFailure | None:
         """The failure to act on, if any (last_seen(ranks, heartbeat=None): when it began)."""
-        if dead:
-            ranks = tuple(sorted({r for f in dead for r in f.failed_ranks}))
-            first = dead[0]
+        died = [f for f in dead if f.kind != FailureKind.HANG]
+        if died:
+            ranks = tuple(sorted({r for f in died for r in f.failed_ranks}))
+            first = died[0]
             node_ids = {self.workers[r].node_id for r in ranks if r < len(self.workers)}
             lost_node = not self.nodes_alive(node_ids)
             return WorkerFailure(
                 kind=FailureKind.NODE_DIED if lost_node else FailureKind.WORKER_DIED,
-                rank=ranks[0], ranks=ranks, message=first.message if len(dead) == 1 else
+                rank=ranks[0], ranks=ranks, message=first.message if len(died) == 1 else
                 f"worker ranks {list(ranks)} died (node(s) {sorted(node_ids)}): {first.message}",
-                detected_at=now, last_seen=last_seen(ranks))
+                detected_at=now, last_seen=last_seen(ranks, _newest_seen(died)))
+        if dead:  # stopped processes, seen by their node's agent
+            ranks = tuple(sorted({r for f in dead for r in f.failed_ranks}))
+            return WorkerFailure(
+                kind=FailureKind.HANG, rank=ranks[0], ranks=ranks,
+                message=dead[0].message if len(dead) == 1 else
+                f"worker ranks {list(ranks)} are stopped: {dead[0].message}",
+                detected_at=now, last_seen=last_seen(ranks, _newest_seen(dead)))
         hang = self.hangs.check(now)
         if hang is not None:
             blame = () if hang.answering else hang.ranks
@@ -92,3 +102,9 @@ class FailureDetector(ControllerObserver):
                                              f"no rank to blame:\n{st.error}",
                                      detected_at=now, last_seen=last_seen(()))
         return None
+
+
+def _newest_seen(failures: list[WorkerFailure]) -> float | None:
+    """The last moment any of these ranks was seen well, when their reports say."""
+    seen = [f.last_seen for f in failures if f.last_seen is not None]
+    return max(seen) if seen else None

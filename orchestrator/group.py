@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from stalwart.config import FaultSpec
@@ -19,10 +20,25 @@ if TYPE_CHECKING:
     from stalwart.checkpointing.memory.catalog import MemoryChoice
     from stalwart.checkpointing.memory.store import Inventory
     from stalwart.orchestrator.failures import WorkerFailure
-    from stalwart.workers.reports import CommitReport, WorkerStatus
+    from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
 
 # Given the new world's workers (rank order), the faults each rank must carry out.
 Arm = Callable[[list[WorkerPlace]], dict[int, list[FaultSpec]]]
+
+
+@dataclass(frozen=True, kw_only=True)
+class Disbanded:
+    """What a world's members said as it ended (WorkerGroup.disband)."""
+
+    survivor_steps: list[int]
+    """Each survivor's engine step."""
+    commits: list[CommitReport]
+    """Rank 0's commits that no poll reported (a save that completed as the world ended)."""
+    steps: list[StepReport]
+    """Rank 0's steps after `after_step` that no poll brought to the controller: completed
+    after the last poll, or in a poll's answer dropped as the world ended."""
+    silent: list[int]
+    """The pids of members that did not answer at all (stopped or dead), killed."""
 
 
 class WorkerGroup(ABC):
@@ -89,7 +105,8 @@ class WorkerGroup(ABC):
 
     @abstractmethod
     def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
-        """Each answering rank's status, and the ranks found dead."""
+        """Each answering rank's status, and the ranks found dead or stopped (kind HANG).
+        Blocks up to `wait_s`: it paces the controller's loop."""
 
     @abstractmethod
     def ack_faults(self, rank: int) -> None:
@@ -104,9 +121,8 @@ class WorkerGroup(ABC):
         """Kill these ranks' actors."""
 
     @abstractmethod
-    def disband(self) -> tuple[list[int], list[CommitReport], list[int]]:
-        """Survivors leave their world: (their engine steps, commits not yet reported, the
-        pids of members that did not answer at all, stopped or dead, and were killed)."""
+    def disband(self, after_step: int) -> Disbanded:
+        """Survivors leave their world; what they say as they leave."""
 
     @abstractmethod
     def shutdown(self, *, graceful: bool) -> None:

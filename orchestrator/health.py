@@ -8,7 +8,9 @@ job: max(hang_timeout_floor_s, hang_factor x median step time), so a model with 
 not declared hung after 10 s, and a 50 ms step does not take minutes to notice.
 
 Before the first step of a generation the limit is at least scaling.start_timeout_s: the
-first step may compile, warm up caches or wait for storage.
+first step may compile, warm up caches or wait for storage. So is it while a rank says it is
+busy between steps (saving a checkpoint behind a slow store, validating): that is slow work,
+not a stuck thread, and its peers wait for it in their next collective.
 """
 
 from __future__ import annotations
@@ -43,22 +45,28 @@ class HangDetector:
         self._step_times: deque[float] = deque(maxlen=self.WINDOW)
         self._answered: dict[int, float] = {}
         self._progress: dict[int, float] = {}
+        self._busy: set[int] = set()
         self._stepped = False
 
     def reset(self, ranks: range, now: float) -> None:
         """A new generation starts: every rank counts as well now; the median is kept."""
         self._answered = {r: now for r in ranks}
         self._progress = {r: now for r in ranks}
+        self._busy = set()
         self._stepped = False
 
     def step_time(self, seconds: float) -> None:
         self._step_times.append(seconds)
         self._stepped = True
 
-    def answered(self, rank: int, now: float, *, progressed: bool) -> None:
+    def answered(self, rank: int, now: float, *, progressed: bool, busy: bool = False) -> None:
         self._answered[rank] = now
         if progressed:
             self._progress[rank] = now
+        if busy:
+            self._busy.add(rank)
+        else:
+            self._busy.discard(rank)
 
     def finished(self, rank: int) -> None:
         """The rank's loop has ended: it waits for its peers and makes no progress of its own."""
@@ -72,6 +80,11 @@ class HangDetector:
             limit = max(limit, self.start_timeout_s)
         return limit
 
+    def progress_limit_s(self) -> float:
+        """The limit for making no progress: longer while a rank is busy between steps."""
+        limit = self.limit_s()
+        return max(limit, self.start_timeout_s) if self._busy else limit
+
     def check(self, now: float) -> Hang | None:
         limit = self.limit_s()
         silent = [r for r, t in self._answered.items() if now - t > limit]
@@ -81,6 +94,7 @@ class HangDetector:
                         last_heartbeat=last, answering=False)
         # Everyone answers; progress is made together (a step ends with a collective), so
         # one stuck rank stalls them all: blame the whole group.
+        limit = self.progress_limit_s()
         if self._progress and all(now - t > limit for t in self._progress.values()):
             last = max(self._progress.values())
             return Hang(ranks=tuple(sorted(self._progress)), silent_s=now - last,

@@ -37,12 +37,13 @@ from stalwart.errors import ConfigError
 from stalwart.events import WorkerPlace
 from stalwart.orchestrator.driver_loss import run_namespace, start_beacon
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
-from stalwart.orchestrator.group import Arm, WorkerGroup
+from stalwart.orchestrator.group import Arm, Disbanded, WorkerGroup
+from stalwart.orchestrator.node_polls import NodePolls
 from stalwart.workers.actor import TrainWorker
 from stalwart.workers.reports import (
-    CommitReport,
     LeaveReport,
     MemoryRestoreReport,
+    StepReport,
     WorkerStatus,
 )
 
@@ -62,8 +63,6 @@ class Worker:
     """ObjectRef of warm_up(): ready when the actor can join a world."""
     place: WorkerPlace | None = None
     """Where it runs (its pid, node_ip, node_id), once warm."""
-    poll_ref: Any = None
-    """The poll in flight: a rank that has not answered its last poll is not asked again."""
 
 
 @ray.remote(num_cpus=0, max_retries=0)
@@ -150,6 +149,12 @@ class ElasticGroup(WorkerGroup):
         self._actor_class = ray.remote(TrainWorker)
         # The beacon of a driver whose workers outlive it (orchestrator/driver_loss.py).
         self._beacon = start_beacon(trust.run_id, self.driver_node_id) if outlive_driver else None
+        self.polls = NodePolls(runtime_env, self.nodes_alive,
+                               stopped_for_s=config.failure.stopped_timeout_s)
+        # Agents first, on every node that can hold a worker: each starts (half a second of
+        # imports) while the workers import torch, and answers from a world's first steps.
+        self.polls.start({n["NodeID"] for n in ray.nodes()
+                          if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0})
 
     # ------------------------------------------------------------------ the pool
 
@@ -193,6 +198,7 @@ class ElasticGroup(WorkerGroup):
             try:
                 w.place = ray.get(w.warm)
                 self.idle.append(w)
+                self.polls.start({w.place.node_id})  # warm before a world runs there
             except RayActorError:
                 pass  # its node went away while it started; top_up asks for another
             except RayTaskError as exc:  # the task cannot load on this worker: not transient
@@ -359,24 +365,11 @@ class ElasticGroup(WorkerGroup):
                    for r, w in enumerate(self.members)])
 
     def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
-        """Statuses of the ranks that answered within `wait_s`, and the ranks found dead."""
-        for w in self.members:
-            if w.poll_ref is None:
-                w.poll_ref = w.actor.poll.remote()
-        refs = [w.poll_ref for w in self.members]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
-        ready_set = set(ready)
-        answered: dict[int, WorkerStatus] = {}
-        dead: list[WorkerFailure] = []
-        for rank, w in enumerate(self.members):
-            if w.poll_ref not in ready_set:
-                continue
-            ref, w.poll_ref = w.poll_ref, None
-            try:
-                answered[rank] = ray.get(ref)
-            except Exception as exc:
-                dead.append(_failure_from(exc, rank, FailureKind.WORKER_DIED))
-        return answered, dead
+        """Statuses of the ranks that answered, and the ranks found dead or stopped: one
+        call per node, answered within `wait_s` or as soon as a node sees a process exit or
+        stop (orchestrator/node_polls.py)."""
+        return self.polls.poll([(w.actor, self._place(w)) for w in self.members],
+                               self.generation, wait_s)
 
     def ack_faults(self, rank: int) -> None:
         self.members[rank].actor.ack_faults.remote()
@@ -392,21 +385,23 @@ class ElasticGroup(WorkerGroup):
                 self._kill(self.members[rank])
         self.members = [w for r, w in enumerate(self.members) if r not in set(ranks)]
 
-    def disband(self) -> tuple[list[int], list[CommitReport], list[int]]:
+    def disband(self, after_step: int) -> Disbanded:
         """Every member leaves its world; survivors go back to the idle pool.
 
-        Returns the engine steps the survivors had completed, rank 0's commits that no
-        poll reported (a save that completed while the world ended), and the pids of the
-        members that did not answer at all (a stopped or dead process: a failure of its own,
-        which the controller records). A member that cannot leave (stuck thread, dead
-        process) is killed.
+        Rank 0 also returns its commits and its steps after `after_step` that no poll
+        reported. A member that did not answer at all (a stopped or dead process) is a
+        failure of its own, which the controller records. A member that cannot leave (stuck
+        thread, dead process) is killed.
         """
         answers: list[LeaveReport | None] = _answers(
-            [w.actor.leave.remote(self.LEAVE_TIMEOUT_S) for w in self.members],
+            [w.actor.leave.remote(self.LEAVE_TIMEOUT_S, after_step) for w in self.members],
             timeout=self.LEAVE_TIMEOUT_S + 5)
         steps, survivors, commits, silent = [], [], [], []
+        late: list[StepReport] = []
+        self.polls.forget()
         for rank, (w, ok) in enumerate(zip(self.members, answers, strict=True)):
-            w.poll_ref = None
+            if rank == 0 and ok is not None:
+                late = list(ok.steps)
             if ok is not None and ok.left:
                 survivors.append(w)
                 steps.append(ok.step)
@@ -420,7 +415,7 @@ class ElasticGroup(WorkerGroup):
                 self._kill(w)
         # Survivors first, in their old rank order: rank 0 usually stays rank 0.
         self.members, self.idle = [], survivors + self.idle
-        return steps, commits, silent
+        return Disbanded(survivor_steps=steps, commits=commits, steps=late, silent=silent)
 
     def _rescue(self, w: Worker) -> None:
         """Copy what a worker about to be killed holds in memory to the object store.
@@ -471,6 +466,7 @@ class ElasticGroup(WorkerGroup):
         for w in self.members + self.idle + self.starting:
             ray.kill(w.actor, no_restart=True)
         self.members, self.idle, self.starting = [], [], []
+        self.polls.shutdown()
         if self._beacon is not None:  # after the workers: they must not take it for a loss
             ray.kill(self._beacon, no_restart=True)
             self._beacon = None

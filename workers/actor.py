@@ -114,6 +114,9 @@ class TrainWorker:
         self.tier = MemoryTier()
         self._tiered = False
         self._steps: deque[StepReport] = deque()
+        # Step reports a poll has taken, kept until the world ends: the answer that carried
+        # them may be dropped then (leave returns those after the controller's last step).
+        self._sent: deque[StepReport] = deque(maxlen=256)
         self._commits: deque[CommitReport] = deque()
         self._profiles: deque[ProfileReport] = deque()
         # The faults armed in this world; it outlives the worlds (a `slow` fault lasts).
@@ -124,6 +127,7 @@ class TrainWorker:
         self._stopped_early = False
         self._error: str | None = None
         self._error_kind: str | None = None
+        self._busy: str | None = None
         self._preempted = False
         # The rendezvous this worker hosts for the next world, from rendezvous_address()
         # until it joins that world as rank 0 (the world holds the store from then on).
@@ -256,11 +260,12 @@ class TrainWorker:
 
     def _reset_run_state(self) -> None:
         self._steps.clear()
+        self._sent.clear()
         self._commits.clear()
         self._profiles.clear()
         self._stop.clear()
         self._done = self._stopped_early = False
-        self._error = self._error_kind = None
+        self._error = self._error_kind = self._busy = None
         self._thread = None
 
     def restore(self, path: str) -> int:
@@ -331,17 +336,22 @@ class TrainWorker:
                 if tier is not None and (step % ck.snapshot_every == 0 or persist):
                     shard = tier.snapshot(step, hooks=self.faults)
                 if cfg.data.val_every and (step % cfg.data.val_every == 0 or last):
+                    self._busy = "validating"
                     report = replace(report, val_loss=engine.validate())
                 self._steps.append(report)
                 if persist:  # from the staged snapshot when there is one
+                    self._busy = "saving a checkpoint"  # waits for the save before it
                     self._commits.extend(ckpt.save_snapshot(shard) if shard is not None
                                          else ckpt.save(step, engine.state_dict()))
+                self._busy = None
                 self._commits.extend(ckpt.poll())
                 self._profiles.extend(profiler.end(step, stop=stop))
                 if stop:
                     self._stopped_early = True
                     break
+            self._busy = "saving a checkpoint"
             self._commits.extend(ckpt.wait())
+            self._busy = None
             self._done = True
         except BaseException as exc:  # reported to the controller by poll(); the thread ends
             self._error_kind = classify_exception(exc)
@@ -357,11 +367,17 @@ class TrainWorker:
         """Stop after the step in flight (all ranks agree on which) and checkpoint it."""
         self._stop.set()
 
-    def poll(self) -> WorkerStatus:
+    def poll(self, generation: int | None = None) -> WorkerStatus:
+        """What happened since the last poll. A poll for another `generation` (left over from
+        a world that ended) drains nothing: its reports belong to this world's polls."""
+        if generation is not None and generation != self.generation:
+            return WorkerStatus(rank=self.rank, generation=self.generation, steps=[],
+                                commits=[], done=False)
         # Read the end of the thread before draining: whatever it queued before it ended is
         # then in this answer (a trace or a commit queued last is never left behind).
         done, error = self._done, self._error
         steps = [self._steps.popleft() for _ in range(len(self._steps))]
+        self._sent.extend(steps)  # until the world ends: this answer may be dropped
         commits = [self._commits.popleft() for _ in range(len(self._commits))]
         faults = self.faults.drain()
         profiles = [self._profiles.popleft() for _ in range(len(self._profiles))]
@@ -369,17 +385,19 @@ class TrainWorker:
                             commits=commits, done=done, stopped_early=self._stopped_early,
                             error=error, error_kind=self._error_kind, faults=faults,
                             profiles=profiles, preempted=self._preempted,
-                            snapshot_bytes=self.tier.nbytes(), tier_limit=self.tier.limit)
+                            snapshot_bytes=self.tier.nbytes(), tier_limit=self.tier.limit,
+                            busy=self._busy)
 
     # ------------------------------------------------------------------ leaving
 
-    def leave(self, timeout_s: float) -> LeaveReport:
+    def leave(self, timeout_s: float, after_step: int | None = None) -> LeaveReport:
         """Leave this generation's world and keep the process for the next one.
 
         The training thread has ended by now or soon will: a failed peer's collectives
         fail on every rank (the controller kills failed ranks before asking survivors to
         leave). The report says left=False if the thread is still stuck after `timeout_s`:
-        the process is then not reusable and the controller replaces it.
+        the process is then not reusable and the controller replaces it. Steps after
+        `after_step` (the controller's last) are returned, so none goes unrecorded.
         """
         step = self.engine.step if self.engine is not None else 0
         if self._thread is not None:
@@ -394,7 +412,7 @@ class TrainWorker:
                       f"within {timeout_s:.0f}s of leaving its world; its stacks:",
                       file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
-                return LeaveReport(left=False, step=step)
+                return LeaveReport(left=False, step=step, steps=self._steps_after(after_step))
             step = self.engine.step if self.engine is not None else step
         # Commits the controller has not polled yet, and the save in flight if it completes:
         # they are on storage, so they go on record (rank 0 reports them for everyone).
@@ -415,11 +433,19 @@ class TrainWorker:
         self.engine = None
         destroy_process_group()
         self._close_rendezvous()  # hosted for a world that never formed
+        late = self._steps_after(after_step)
         self._reset_run_state()
         self.rank = -1
         self.faults.disarm()
         announce_name(repr(self))
-        return LeaveReport(left=True, step=step, commits=tuple(commits))
+        return LeaveReport(left=True, step=step, commits=tuple(commits), steps=late)
+
+    def _steps_after(self, after_step: int | None) -> tuple[StepReport, ...]:
+        """This world's step reports after `after_step`, sent or not, once each."""
+        if after_step is None:
+            return ()
+        by_step = {r.step: r for r in (*self._sent, *self._steps) if r.step > after_step}
+        return tuple(by_step[s] for s in sorted(by_step))
 
     def shutdown(self) -> None:
         """Leave the world cleanly (the controller kills the actor if this does not return)."""

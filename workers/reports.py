@@ -44,6 +44,9 @@ class LeaveReport:
     """The last step this rank completed (the controller counts the steps a failure cost)."""
     commits: tuple[CommitReport, ...] = ()
     """Commits no poll reported yet, and the save in flight if it completed."""
+    steps: tuple[StepReport, ...] = ()
+    """Steps after the controller's last one that it may not have heard of: queued after the
+    last poll, or drained by a poll whose answer was dropped as the world ended."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -91,4 +94,7 @@ class WorkerStatus:
     snapshot_bytes: int = 0
     """Memory the worker's in-memory checkpoint tier holds (its snapshots and replicas)."""
     tier_limit: MemoryLimit | None = None
+    busy: str | None = None
+    """What the training thread is waiting on between steps ("saving a checkpoint",
+    "validating"): slow, not stuck, so the hang detector gives it a longer limit."""
     """The most the tier may hold on this worker, and which bound set it."""

@@ -301,6 +301,8 @@ class FailureConfig:
     """A rank is hung after `max(hang_timeout_floor_s, hang_factor x median step time)` without a heartbeat."""
     hang_factor: float = 10.0
     """Multiple of the median step time a rank may go without a heartbeat (see the floor)."""
+    stopped_timeout_s: float = 0.5
+    """A worker process stopped this long (SIGSTOP: state `T` in /proc, as its node's agent sees it) is hung, without waiting for the heartbeat limit above."""
     collective_timeout_s: float = 300.0
     """Process-group timeout: a collective stuck longer than this raises on the workers (hangs are normally caught sooner by the heartbeat)."""
     straggler_factor: float = 2.0
@@ -316,8 +318,8 @@ class FailureConfig:
         _check_kinds(self, "failure")
         _require(self.max_failures >= -1, "failure.max_failures", self.max_failures,
                  "must be >= 0, or -1 for no limit")
-        for name in ("hang_timeout_floor_s", "hang_factor", "collective_timeout_s",
-                     "stop_timeout_s"):
+        for name in ("hang_timeout_floor_s", "hang_factor", "stopped_timeout_s",
+                     "collective_timeout_s", "stop_timeout_s"):
             _require(getattr(self, name) > 0, f"failure.{name}", getattr(self, name),
                      "must be > 0")
         _require(self.backoff_s >= 0, "failure.backoff_s", self.backoff_s, "must be >= 0")

@@ -4,7 +4,8 @@ during the stop, or failure.stop_timeout_s, abandons that checkpoint and the pre
 stays; `--auto-resume` then continues the run from its newest checkpoint to the end.
 
 The stops that must not complete freeze the step in flight with a `hang` fault (rank 1
-SIGSTOPped), and push hang detection far out so that nothing but the stop ends the run.
+SIGSTOPped), and push hang detection (the heartbeat's and the node agent's) far out so that
+nothing but the stop ends the run.
 """
 
 from __future__ import annotations
@@ -26,7 +27,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 PERSIST_EVERY = 50
 ARGS = [str(REFERENCE_CONFIG), *sets(*RUN, f"checkpoint.persist_every={PERSIST_EVERY}"),
         "--run-dir", "run", "--auto-resume"]
-NO_HANG_DETECTION = sets("failure.hang_timeout_floor_s=300", "failure.hang_factor=1000")
+NO_HANG_DETECTION = sets("failure.hang_timeout_floor_s=300", "failure.hang_factor=1000",
+                         "failure.stopped_timeout_s=300")
 
 
 def _start(cwd: Path, *extra: str) -> subprocess.Popen:

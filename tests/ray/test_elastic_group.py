@@ -213,11 +213,13 @@ def test_a_killed_rank_is_replaced_and_the_next_world_restores(group: ElasticGro
     # Removed; the survivor leaves its world and goes back to the idle pool, first.
     group.remove((1,))
     assert [pid_of(w) for w in group.members] == [survivor]
-    steps, late, silent = group.disband()
-    assert silent == []
-    (left_at,) = steps
+    ended = group.disband(after_step=seen.latest(0))
+    assert ended.silent == []
+    (left_at,) = ended.survivor_steps
     assert left_at >= seen.latest(0), "the survivor's step is at least what it reported"
-    seen.commits += late
+    # Rank 0 survived: the steps it completed after the last one polled, none twice.
+    assert [r.step for r in ended.steps] == list(range(seen.latest(0) + 1, left_at + 1))
+    seen.commits += ended.commits
     assert group.members == [] and [pid_of(w) for w in group.idle] == [survivor, spare]
 
     # A replacement for the dead actor is asked for; the next world does not wait for it.
@@ -254,6 +256,17 @@ def test_a_killed_rank_is_replaced_and_the_next_world_restores(group: ElasticGro
     seen = poll_until(group, lambda seen: min(seen.latest(0), seen.latest(1)) > choice.step)
     assert seen.dead == []
     assert seen.steps[0][0].step == seen.steps[1][0].step == choice.step + 1
+
+    # A stopped process (SIGSTOP) is reported by its node's agent as a hang of its own,
+    # without waiting for the hang detector's limit (the agent answered in the first world).
+    os.kill(spare, signal.SIGSTOP)
+    try:
+        seen = poll_until(group, lambda seen: bool(seen.dead), seen)
+    finally:
+        os.kill(spare, signal.SIGCONT)
+    (stopped,) = seen.dead
+    assert stopped.kind == FailureKind.HANG and stopped.ranks == (1,)
+    assert "stopped" in stopped.message and stopped.pids == (spare,)
 
     # Shutdown kills every actor: members, and the replacement still starting.
     assert names - named_actors() == {victim_key}, "only the removed rank is gone so far"

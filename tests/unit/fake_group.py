@@ -30,8 +30,8 @@ from stalwart.errors import ConfigError
 from stalwart.events import WorkerPlace
 from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
-from stalwart.orchestrator.group import WorkerGroup
-from stalwart.workers.reports import WorkerStatus
+from stalwart.orchestrator.group import Disbanded, WorkerGroup
+from stalwart.workers.reports import StepReport, WorkerStatus
 
 if TYPE_CHECKING:
     from tests.unit.controller_world import FakeWorld
@@ -72,6 +72,8 @@ class Plan:
     raise_in: dict[str, BaseException] = field(default_factory=dict)
     """Method name -> exception raised (once) when the group is asked to do it."""
     on_refresh: Callable[[FakeWorld], None] | None = None
+    left_with: list[StepReport] = field(default_factory=list)
+    """Rank 0's steps that no poll reported, which it returns as the world disbands."""
 
 
 @dataclass(frozen=True)
@@ -307,7 +309,7 @@ class FakeGroup(WorkerGroup):
                 self._kill(self.members[r])
         self.members = [a for r, a in enumerate(self.members) if r not in ranks]
 
-    def disband(self) -> tuple[list[int], list, list[int]]:
+    def disband(self, after_step: int) -> Disbanded:
         self._call("disband")
         survivors = [a for a in self.members if a.pid not in self.cannot_leave | self.silent]
         for a in self.members:
@@ -316,7 +318,9 @@ class FakeGroup(WorkerGroup):
         steps = [self._steps.get(a.pid, 0) for a in survivors]
         silent = [a.pid for a in self.members if a.pid in self.silent]
         self.members, self.idle = [], survivors + self.idle
-        return steps, [], silent
+        plan = self._plan()
+        late = [r for r in (plan.left_with if plan else []) if r.step > after_step]
+        return Disbanded(survivor_steps=steps, commits=[], steps=late, silent=silent)
 
     def describe(self) -> list[WorkerPlace]:
         return [WorkerPlace(rank=r, **a.info) for r, a in enumerate(self.members)]

@@ -23,6 +23,7 @@ from tests.unit.controller_world import (
     FakeWorld,
     _commit_checkpoint,
     group_error,
+    report,
     status,
     statuses,
 )
@@ -93,6 +94,20 @@ def test_worker_died_recovers_in_place(tmp_path: Path, monkeypatch: pytest.Monke
     # once: the first world that launched
     assert w.kinds().count("started") == 1
     assert w.kinds()[0] == ("started" if where == "poll" else "failure")
+
+
+def test_steps_no_poll_reported_are_logged_as_the_world_ends(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Rank 0 completed steps 3 to 5 after the poll that brought step 2 (3 again: a dropped
+    # poll's answer); its leave report brings them, once each, before the next world.
+    first = Plan(polls=[statuses([1, 2]), Poll([status(0)], dead=[1])],
+                 left_with=[report(2), report(3), report(4), report(5)])
+    second = Plan(polls=[statuses([1, 2, 3, 4, 5, 6], done=True, t0=T1)])
+    w = FakeWorld(tmp_path, monkeypatch, [first, second], ["failure.max_failures=1"])
+    assert w.run() == Finished(step=6)
+    assert [r["step"] for r in w.rows()] == [2, 4, 2, 4, 6]  # a row every 2 steps
+    assert w.event("failure")["step"] == 2  # as known when it was detected
+    assert w.event("recovered")["lost_steps"] == 5  # no checkpoint: all five are redone
 
 
 def test_a_survivor_silent_at_the_teardown_is_a_failure_of_its_own(

@@ -165,3 +165,21 @@ def test_the_start_timeout_protects_the_first_step() -> None:
     d.answered(1, 61.0, progressed=True)
     assert d.check(66.0) is None
     assert d.check(66.5) is not None  # after the first step the floor applies
+
+
+def test_a_rank_busy_between_steps_gets_the_start_timeout_not_the_step_limit() -> None:
+    d = started()  # limit 5 s; start timeout 120 s
+    for r in range(3):
+        d.answered(r, 2.0, progressed=True)
+    for t in (4.0, 8.0, 60.0):  # rank 0 waits for a slow store; its peers wait for it
+        d.answered(0, t, progressed=False, busy=True)
+        for r in (1, 2):
+            d.answered(r, t, progressed=False)
+    assert d.check(60.0) is None
+    d.answered(0, 123.0, progressed=False, busy=True)
+    for r in (1, 2):
+        d.answered(r, 123.0, progressed=False)
+    hang = d.check(123.0)  # past the start timeout: a stuck store is a hang all the same
+    assert hang is not None and hang.answering and hang.limit_s == 120.0
+    d.answered(0, 124.0, progressed=False)  # no longer busy: back to the step limit
+    assert d.progress_limit_s() == 5.0

@@ -1,0 +1,128 @@
+"""The node agent's view of its processes (/proc), and how its reports become failures."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from stalwart.config import JobConfig
+from stalwart.events import WorkerPlace
+from stalwart.orchestrator.detection import FailureDetector
+from stalwart.orchestrator.failures import FailureKind
+from stalwart.orchestrator.node_polls import _failures
+from stalwart.workers.node_agent import NodeAgent, NodeReport, process_state
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60),
+              pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")]
+
+
+def _sleeper() -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+
+
+def test_process_state_tells_running_stopped_and_gone_apart():
+    proc = _sleeper()
+    try:
+        assert process_state(proc.pid) in ("R", "S")
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 10
+        while process_state(proc.pid) != "T" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_state(proc.pid) == "T"
+        os.kill(proc.pid, signal.SIGKILL)
+        while process_state(proc.pid) != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert process_state(proc.pid) == "Z"  # not reaped yet: dead all the same
+    finally:
+        proc.kill()
+        proc.wait()
+    assert process_state(proc.pid) == "gone"
+
+
+def test_a_command_name_with_parentheses_and_spaces_is_parsed():
+    # The state follows the last ")", whatever the command name holds.
+    assert process_state(os.getpid()) in ("R", "S")
+
+
+def test_the_watch_reports_a_stop_only_after_it_lasts_and_an_exit_at_once():
+    proc = _sleeper()
+    agent = NodeAgent()
+    agent.generation, agent.members = 0, {1: (None, proc.pid)}
+    agent._alive_at = {1: time.time()}
+    try:
+        assert agent._watch() == ({}, {})
+        os.kill(proc.pid, signal.SIGSTOP)
+        time.sleep(0.05)
+        exited, stopped = agent._watch()
+        assert exited == {} and stopped == {}  # stopped, but not for long yet
+        time.sleep(agent.stopped_for_s)
+        exited, stopped = agent._watch()
+        assert exited == {} and list(stopped) == [1]
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.05)
+        assert agent._watch() == ({}, {})  # resumed: well again
+        alive_at = agent._alive_at[1]
+        proc.kill()
+        proc.wait()
+        exited, stopped = agent._watch()
+        assert exited == {1: alive_at} and stopped == {}
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_reports_become_failures_naming_rank_pid_and_when_last_seen_well():
+    ranks = {0: (None, 100), 1: (None, 101), 2: (None, 102)}
+    report = NodeReport(errors={0: "worker rank 0 died: ActorDiedError", 1: "dup"},
+                        exited={1: 50.0}, stopped={2: 60.0})
+    failures = {f.rank: f for f in _failures(report, ranks)}
+    assert failures[0].kind == FailureKind.WORKER_DIED and failures[0].last_seen is None
+    assert failures[1].kind == FailureKind.WORKER_DIED and failures[1].last_seen == 50.0
+    assert "pid 101" in failures[1].message and failures[1].pids == (101,)
+    assert failures[2].kind == FailureKind.HANG and failures[2].last_seen == 60.0
+    assert "stopped" in failures[2].message
+
+
+def _detector() -> FailureDetector:
+    detector = FailureDetector(JobConfig(), collective_grace_s=3.0, nodes_alive=lambda n: True)
+    detector.after_form(0, [WorkerPlace(rank=r, pid=100 + r, node_ip="10.0.0.1",
+                                        node_id="n1") for r in range(2)], 0.0)
+    detector.after_launch(0, 2, 0.0)
+    return detector
+
+
+def test_a_stopped_rank_is_a_hang_at_once_and_a_dead_one_outranks_it():
+    ranks = {0: (None, 100), 1: (None, 101)}
+    stopped = _failures(NodeReport(stopped={1: 9.5}), ranks)
+    seen = []
+    failure = _detector().find({}, stopped, 10.0,
+                               lambda r, heartbeat=None: seen.append(heartbeat) or heartbeat)
+    assert failure.kind == FailureKind.HANG and failure.ranks == (1,)
+    assert failure.last_seen == 9.5 and seen == [9.5]
+    both = stopped + _failures(NodeReport(exited={0: 9.0}), ranks)
+    failure = _detector().find({}, both, 10.0, lambda r, heartbeat=None: heartbeat)
+    assert failure.kind == FailureKind.WORKER_DIED and failure.ranks == (0,)
+
+
+def test_two_answers_of_one_rank_in_one_pass_keep_both_parts_in_step_order():
+    from stalwart.checkpointing.storage.commit_report import CommitReport
+    from stalwart.orchestrator.node_polls import merge
+    from stalwart.workers.reports import StepReport, WorkerStatus
+
+    def step(n: int) -> StepReport:
+        return StepReport(rank=0, step=n, loss=1.0, lr=0.1, tokens=8, step_time_s=0.1,
+                          time=float(n), local_s=0.05)
+
+    agent = WorkerStatus(rank=0, generation=1, steps=[step(1), step(2)],
+                         commits=[CommitReport(step=2, path="p2", save_s=0.1)], done=False)
+    direct = WorkerStatus(rank=0, generation=1, steps=[step(3)], commits=[], done=True,
+                          snapshot_bytes=10)
+    both = merge(direct, agent)
+    assert [s.step for s in both.steps] == [1, 2, 3]
+    assert [c.step for c in both.commits] == [2]
+    assert both.done and both.snapshot_bytes == 10
