@@ -284,8 +284,12 @@ def test_a_killed_then_terminated_driver_loses_no_step_and_auto_resume_ends_bit_
     run_dir = cluster.project / "runs" / "driver-lost"
     cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(run_dir), "--auto-resume",
                      "--job-id", "stalwart-driver-kill")
+    # Each driver's pid is looked up before the step it is killed at: the lookup (a Python
+    # that imports Ray's job SDK) can take longer than the rest of the run on a busy machine.
+    _wait_for_step(run_dir, 1)
+    killed = _driver_pid(cluster, "stalwart-driver-kill")
     _wait_for_step(run_dir, 60)
-    os.kill(_driver_pid(cluster, "stalwart-driver-kill"), signal.SIGKILL)
+    os.kill(killed, signal.SIGKILL)
     logged = read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
 
     cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(run_dir), "--auto-resume",
@@ -294,8 +298,9 @@ def test_a_killed_then_terminated_driver_loses_no_step_and_auto_resume_ends_bit_
     # at most one step behind the last step the killed driver logged (the last periodic
     # commit, step 50, is at least 10 behind)
     assert resumed["from_step"] >= logged - 1
+    terminated = _driver_pid(cluster, "stalwart-driver-term")
     _wait_for_step(run_dir, resumed["from_step"] + 20)
-    os.kill(_driver_pid(cluster, "stalwart-driver-term"), signal.SIGTERM)
+    os.kill(terminated, signal.SIGTERM)
     logs = cluster.stalwart("logs", "stalwart-driver-term", "--follow", check=1)
     stopped = [e for e in _events(run_dir) if e["kind"] == "stopped"]
     assert len(stopped) == 1 and f"STOPPED at step {stopped[0]['step']}" in logs.stdout
