@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -74,6 +75,25 @@ def test_the_watch_reports_a_stop_only_after_it_lasts_and_an_exit_at_once():
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="needs pidfds")
+def test_an_exit_wakes_the_sleeping_agent_and_a_live_process_does_not():
+    proc = _sleeper()
+    agent = NodeAgent()
+    agent.members = {1: (None, proc.pid)}
+    agent._open_pidfds()
+    try:
+        assert agent._pidfds, "pidfd_open failed for a live child"
+        assert agent._sleep_until_an_exit(0.05) is False
+        threading.Timer(0.2, proc.kill).start()
+        assert agent._sleep_until_an_exit(30.0) is True
+    finally:
+        proc.kill()
+        proc.wait()
+        agent.members = {}
+        agent._open_pidfds()  # closes the last world's
+    assert agent._pidfds == {}
 
 
 def test_reports_become_failures_naming_rank_pid_and_when_last_seen_well():
