@@ -1,14 +1,21 @@
-"""bench/scale.py's real-Ray part: the driver's time per polling interval, per rank or per node.
+"""bench/scale.py's real-Ray part: the driver's time per polling interval, three ways.
 
 As many light actors as this machine holds (num_cpus=0, on a Ray started with explicit
-num_cpus), 8 to a "node". Two ways of polling, timed by one function that takes "how to poll
-one node" as a parameter: every actor's `poll()` once per interval (what ElasticGroup does
-today), or one call per node to an aggregator actor that polls its 8 members and returns
-their answers. The aggregator is the bench's own for now; the production per-node agent
-(workers/node_agent.py) can take its place through the same parameter.
+num_cpus), 8 to a "node". Three ways of polling, timed by one function that takes "how to poll
+one node" as a parameter:
 
-An answer is a plain dict of a WorkerStatus's size (a rank, a generation, one step report):
-the actors import neither stalwart nor torch, so a hundred of them fit in this machine.
+- per_rank: every actor's `poll()` once per interval (what the driver does for a node whose
+  agent is not up yet).
+- per_node: one call per node to the bench's own aggregator, which polls its 8 members and
+  returns their answers at once: the bare cost of one call per node.
+- per_node_agent: one call per node to the production NodeAgent (workers/node_agent.py), as
+  orchestrator/node_polls.py makes it: the members are sent with the generation's first poll
+  only, and the agent watches their pids and answers when its wait ends. Its wall is mostly
+  that wait, so the driver's CPU is its figure to compare.
+
+In all three an answer is a real WorkerStatus with one StepReport (the agent keeps only
+those), so every way ships the same answers. The actors import stalwart.workers.reports (no
+torch: about 4 MB a process), so a hundred of them fit in this machine.
 """
 
 from __future__ import annotations
@@ -23,7 +30,19 @@ from typing import Any
 
 import ray
 
+from stalwart.workers.node_agent import NodeAgent, NodeReport
+from stalwart.workers.reports import StepReport, WorkerStatus
+
 PER_NODE = 8
+GENERATION = 0
+# The agent's wait per poll (production waits the controller's interval, 0.5 s). The agent
+# answers when it ends, so it sets the agent way's wall and says nothing of its cost. With 0
+# it would give its members at most one NodeAgent.CHECK_S to answer: on a busy machine some
+# answers slip to the next report (11 of 16 in an interval, seen here with CHECK_S 20 ms).
+# 50 ms gets every answer in and keeps the intervals quick. The driver's CPU while it blocks in
+# ray.get that long (Ray's threads: about 1 ms here) is in the figure; the controller's loop
+# waits its interval whichever way it polls.
+AGENT_WAIT_S = 0.05
 
 
 @ray.remote(num_cpus=0)
@@ -33,12 +52,16 @@ class LightWorker:
     def __init__(self, rank: int) -> None:
         self.rank, self.step = rank, 0
 
-    def poll(self) -> dict[str, Any]:
+    def pid(self) -> int:
+        """Its process, which the node agent watches."""
+        return os.getpid()
+
+    def poll(self, generation: int) -> WorkerStatus:
         self.step += 1
-        return {"rank": self.rank, "generation": 0, "done": False, "commits": [],
-                "steps": [{"rank": self.rank, "step": self.step, "loss": 1.0, "lr": 1e-3,
-                           "tokens": 4096, "step_time_s": 0.5, "time": time.time(),
-                           "local_s": 0.25}]}
+        return WorkerStatus(
+            rank=self.rank, generation=generation, commits=[], done=False,
+            steps=[StepReport(rank=self.rank, step=self.step, loss=1.0, lr=1e-3, tokens=4096,
+                              step_time_s=0.5, time=time.time(), local_s=0.25)])
 
 
 @ray.remote(num_cpus=0)
@@ -48,8 +71,8 @@ class NodeAggregator:
     def __init__(self, members: list[Any]) -> None:
         self.members = members
 
-    def poll(self) -> list[dict[str, Any]]:
-        return ray.get([m.poll.remote() for m in self.members])
+    def poll(self) -> list[WorkerStatus]:
+        return ray.get([m.poll.remote(GENERATION) for m in self.members])
 
 
 @dataclass(frozen=True)
@@ -58,6 +81,8 @@ class Node:
     """Its LightWorker handles."""
     aggregator: Any
     """Its NodeAggregator handle."""
+    agent: Any
+    """Its NodeAgent actor, already sent its members (ray_polling)."""
 
 
 PollNode = Callable[[Node], list[Any]]
@@ -65,31 +90,46 @@ PollNode = Callable[[Node], list[Any]]
 
 
 def per_rank(node: Node) -> list[Any]:
-    return [m.poll.remote() for m in node.members]
+    return [m.poll.remote(GENERATION) for m in node.members]
 
 
 def per_node(node: Node) -> list[Any]:
     return [node.aggregator.poll.remote()]
 
 
+def per_node_agent(node: Node) -> list[Any]:
+    # No members: the agent has this generation's, as after NodePolls' first poll.
+    return [node.agent.poll.remote(GENERATION, AGENT_WAIT_S)]
+
+
+def answers(reply: Any) -> int:
+    """The ranks' statuses in one reply: a rank's own, an aggregator's list, an agent's report."""
+    if isinstance(reply, NodeReport):
+        return len(reply.statuses)
+    return len(reply) if isinstance(reply, list) else 1
+
+
 def time_polling(nodes: list[Node], poll_node: PollNode, *, intervals: int) -> dict[str, float]:
     """The driver's wall and CPU per polling interval: every node polled, every answer got."""
     for _ in range(3):  # warm-up: first calls set up the actors' connections
         ray.get([ref for n in nodes for ref in poll_node(n)])
-    walls, cpus, answers = [], [], 0
+    walls, cpus, counts = [], [], []
     for _ in range(intervals):
         wall, cpu = time.perf_counter(), time.process_time()
         got = ray.get([ref for n in nodes for ref in poll_node(n)])
         cpus.append(time.process_time() - cpu)
         walls.append(time.perf_counter() - wall)
-        answers = sum(len(g) if isinstance(g, list) else 1 for g in got)
-    return {"answers_per_interval": answers,
+        counts.append(sum(answers(g) for g in got))
+    # An agent may answer before a member has: that answer goes into its next report, and
+    # this interval counts one fewer.
+    return {"answers_per_interval": round(statistics.median(counts)),
+            "answers_min": min(counts),
             "driver_wall_ms": round(1000 * statistics.median(walls), 2),
             "driver_cpu_ms": round(1000 * statistics.median(cpus), 2)}
 
 
 def ray_polling(actors: int, *, intervals: int = 30) -> dict[str, Any]:
-    """Start a local Ray, `actors` light workers in nodes of 8, time both ways of polling."""
+    """Start a local Ray, `actors` light workers in nodes of 8, time the three ways of polling."""
     nodes_n = max(1, actors // PER_NODE)
     actors = nodes_n * PER_NODE
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # bench/ is not on the workers' path
@@ -98,21 +138,32 @@ def ray_polling(actors: int, *, intervals: int = 30) -> dict[str, Any]:
              configure_logging=False)
     try:
         workers = [LightWorker.remote(r) for r in range(actors)]
+        pids = ray.get([w.pid.remote() for w in workers])  # every actor is up
+        agent_class = ray.remote(NodeAgent).options(num_cpus=0)
         nodes = [Node(members=workers[i:i + PER_NODE],
-                      aggregator=NodeAggregator.remote(workers[i:i + PER_NODE]))
+                      aggregator=NodeAggregator.remote(workers[i:i + PER_NODE]),
+                      agent=agent_class.remote())
                  for i in range(0, actors, PER_NODE)]
-        ray.get([w.poll.remote() for w in workers])  # every actor is up
         ray.get([n.aggregator.poll.remote() for n in nodes])
+        # The generation's first poll sends each agent its members, rank -> (actor, pid).
+        ray.get([n.agent.poll.remote(GENERATION, AGENT_WAIT_S,
+                                     {r: (workers[r], pids[r])
+                                      for r in range(k * PER_NODE, (k + 1) * PER_NODE)})
+                 for k, n in enumerate(nodes)])
         started_s = time.perf_counter() - t
-        print(f"ray: {actors} light actors and {nodes_n} aggregators up in {started_s:.0f}s",
-              flush=True)
+        print(f"ray: {actors} light actors, {nodes_n} aggregators and {nodes_n} node agents "
+              f"up in {started_s:.0f}s", flush=True)
         out: dict[str, Any] = {"actors": actors, "nodes": nodes_n,
-                               "start_s": round(started_s, 1)}
-        for name, how in (("per_rank", per_rank), ("per_node", per_node)):
-            out[name] = time_polling(nodes, how, intervals=intervals)
-            print(f"ray: {name:<8}: {out[name]['driver_wall_ms']:.1f} ms wall, "
-                  f"{out[name]['driver_cpu_ms']:.1f} ms driver CPU per interval "
-                  f"({out[name]['answers_per_interval']} answers)", flush=True)
+                               "start_s": round(started_s, 1),
+                               "agent_wait_ms": round(1000 * AGENT_WAIT_S)}
+        for name, how in (("per_rank", per_rank), ("per_node", per_node),
+                          ("per_node_agent", per_node_agent)):
+            out[name] = r = time_polling(nodes, how, intervals=intervals)
+            waited = (f" ({out['agent_wait_ms']} ms of it the agent's wait)"
+                      if how is per_node_agent else "")
+            print(f"ray: {name:<14}: {r['driver_cpu_ms']:.1f} ms driver CPU, "
+                  f"{r['driver_wall_ms']:.1f} ms wall{waited} per interval "
+                  f"({r['answers_per_interval']} answers, fewest {r['answers_min']})", flush=True)
         return out
     finally:
         ray.shutdown()
