@@ -3,12 +3,12 @@
 SimGroup subclasses the real group's abstract base (orchestrator/group.py), so the real
 Controller drives it as it drives ElasticGroup. Its actors sit `ranks_per_node` to a node. Time
 is a SimClock that moves only when a poll waits (the interval the real group's node agents
-pace) or the controller sleeps, so a run of many
-polls takes only the CPU it costs. Each poll answers as real workers do: every rank a
-WorkerStatus with the steps it completed since the last poll (every rank reports its steps;
-rank 0's carry the loss the controller logs), rank 0 the commits (one every `commit_every`
-steps). `fail_at` kills a rank at a step: the poll that covers that step finds it dead, and
-the survivors answer with no progress (stuck in the step's collective).
+pace) or the controller sleeps, so a run of many polls takes only the CPU it costs. Each poll
+answers as real workers do: every rank a WorkerStatus with the steps it completed since the
+last poll (every rank reports its steps; rank 0's carry the loss the controller logs), rank 0
+the commits (one every `commit_every` steps). `fail_at` kills a rank at a step: the poll that
+covers that step finds it dead, and the survivors answer with no progress (stuck in the step's
+collective).
 
 The group counts its own time (`own_cpu_s`, `own_wall_s`) so that a bench can tell the
 controller's work from the simulated workers'; the fault plan's `arm`, which `form` calls

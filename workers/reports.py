@@ -94,7 +94,7 @@ class WorkerStatus:
     snapshot_bytes: int = 0
     """Memory the worker's in-memory checkpoint tier holds (its snapshots and replicas)."""
     tier_limit: MemoryLimit | None = None
+    """The most the tier may hold on this worker, and which bound set it."""
     busy: str | None = None
     """What the training thread is waiting on between steps ("saving a checkpoint",
     "validating"): slow, not stuck, so the hang detector gives it a longer limit."""
-    """The most the tier may hold on this worker, and which bound set it."""
