@@ -24,7 +24,7 @@ from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
-from stalwart.workers.node_agent import NodeAgent, NodeReport
+from stalwart.workers.node_agent import NodeAgent, NodeReport, collect_polls
 
 if TYPE_CHECKING:
     from stalwart.events import WorkerPlace
@@ -125,23 +125,10 @@ class NodePolls:
     def _collect_direct(self, answered: dict[int, WorkerStatus], found: list[WorkerFailure],
                         generation: int) -> None:
         """The direct polls that have answered (a failed one: the rank died)."""
-        if not self._direct:
-            return
-        refs = list(self._direct.values())
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=self.GATHER_S)[0])
-        for rank, ref in list(self._direct.items()):
-            if ref not in ready:
-                continue
-            del self._direct[rank]
-            try:
-                status: WorkerStatus = ray.get(ref)
-            except Exception as exc:
-                found.append(WorkerFailure(
-                    kind=FailureKind.WORKER_DIED, rank=rank, ranks=(rank,),
-                    message=f"worker rank {rank} died: {exc}".strip(), detected_at=time.time()))
-                continue
-            if status.generation == generation:
-                answered[rank] = merge(answered[rank], status) if rank in answered else status
+        statuses, errors = collect_polls(self._direct, generation, timeout=self.GATHER_S)
+        for rank, status in statuses.items():
+            answered[rank] = merge(answered[rank], status) if rank in answered else status
+        found += _died(errors, time.time())
 
     def _agent_lost(self, node_id: str, ranks: dict[int, tuple[Any, int]]
                     ) -> list[WorkerFailure]:
@@ -167,11 +154,15 @@ class NodePolls:
         self._agents = {}
 
 
+def _died(errors: dict[int, str], now: float) -> list[WorkerFailure]:
+    """Ranks whose poll failed with Ray's error."""
+    return [WorkerFailure(kind=FailureKind.WORKER_DIED, rank=rank, ranks=(rank,),
+                          message=message, detected_at=now) for rank, message in errors.items()]
+
+
 def _failures(report: NodeReport, ranks: dict[int, tuple[Any, int]]) -> list[WorkerFailure]:
     now = time.time()
-    out = [WorkerFailure(kind=FailureKind.WORKER_DIED, rank=rank, ranks=(rank,),
-                         message=message, detected_at=now)
-           for rank, message in report.errors.items() if rank not in report.exited]
+    out = _died({r: m for r, m in report.errors.items() if r not in report.exited}, now)
     out += [WorkerFailure(kind=FailureKind.WORKER_DIED, rank=rank, ranks=(rank,),
                           message=f"worker rank {rank} (pid {ranks[rank][1]}) exited",
                           detected_at=now, last_seen=alive_at, pids=(ranks[rank][1],))

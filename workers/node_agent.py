@@ -57,6 +57,31 @@ def process_state(pid: int) -> str | None:
     return stat[stat.rfind(b")") + 2:][:1].decode()
 
 
+def collect_polls(polls: dict[int, Any], generation: int, *, timeout: float
+                  ) -> tuple[dict[int, WorkerStatus], dict[int, str]]:
+    """Take the polls that answered within `timeout` out of `polls` (rank -> ObjectRef):
+    the statuses of `generation` (a leftover answer of an ended world is dropped), and the
+    ranks whose poll failed, with Ray's error (the worker died)."""
+    statuses: dict[int, WorkerStatus] = {}
+    errors: dict[int, str] = {}
+    if not polls:
+        return statuses, errors
+    refs = list(polls.values())
+    ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])
+    for rank, ref in list(polls.items()):
+        if ref not in ready:
+            continue
+        del polls[rank]
+        try:
+            status = ray.get(ref)
+        except Exception as exc:  # the worker died: Ray says how
+            errors[rank] = f"worker rank {rank} died: {exc}".strip()
+            continue
+        if status.generation == generation:
+            statuses[rank] = status
+    return statuses, errors
+
+
 class NodeAgent:
     # A stop is looked for this often, or five times per `stopped_for_s` if that is more
     # (an exit wakes the agent at once). Each check wakes this process: at 50 a second the
@@ -134,19 +159,9 @@ class NodeAgent:
 
     def _collect(self, statuses: dict[int, WorkerStatus], errors: dict[int, str], *,
                  timeout: float) -> None:
-        refs = list(self._polls.values())
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=timeout)[0])
-        for rank, ref in list(self._polls.items()):
-            if ref not in ready:
-                continue
-            del self._polls[rank]
-            try:
-                status = ray.get(ref)
-            except Exception as exc:  # the worker died: Ray says how
-                errors[rank] = f"worker rank {rank} died: {exc}".strip()
-                continue
-            if status.generation == self.generation:
-                statuses[rank] = status
+        answered, failed = collect_polls(self._polls, self.generation, timeout=timeout)
+        statuses.update(answered)
+        errors.update(failed)
 
     def _watch(self) -> tuple[dict[int, float], dict[int, float]]:
         """Ranks whose process is gone, and ranks stopped for `stopped_for_s`."""
