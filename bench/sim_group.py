@@ -128,10 +128,11 @@ class SimGroup(WorkerGroup):
 
     # -- the pool
 
-    def top_up(self) -> None:
+    def top_up(self, *, spares: bool = True) -> None:
         with self._own():
             sc = self.config.scaling
-            want = sc.ceiling + sc.spare_workers - len(self.members) - len(self.idle)
+            want = (sc.ceiling + (sc.spare_workers if spares else 0) - len(self.members)
+                    - len(self.idle))
             for _ in range(max(0, want)):
                 n = self._next_pid - 10_000
                 self.idle.append(SimActor(pid=self._next_pid, node=n // self.ranks_per_node))

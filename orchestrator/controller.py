@@ -94,6 +94,7 @@ class Controller:
         self.resize = ResizePlan(self.scaling, group, events, display)
         self._started_emitted = False
         self._done: dict[int, WorkerStatus] = {}
+        self._spares_asked = False
 
     # ------------------------------------------------------------------ driver loop
 
@@ -125,7 +126,9 @@ class Controller:
 
     def _on_scheduling(self, state: Scheduling) -> State:
         """Wait for warm workers: all that Ray has placed, then form the largest valid world."""
-        self.group.top_up()
+        # A recovery asks only for the actors its world needs; spares are replaced once the
+        # new world trains (see _on_running).
+        self.group.top_up(spares=state.generation == 0)
         self.group.refresh()
         if self.group.best_world() < self.scaling.target(self.world_size):
             self.group.refresh(timeout=self.poll_interval_s)  # actors still warming up
@@ -207,6 +210,7 @@ class Controller:
         self._notify("after_launch", state.generation, self.world_size, now)
         self.scaling.world_started(now)
         self._done, self._stop_sent = {}, False
+        self._spares_asked = state.generation == 0  # the first world asked with its members
         if not self._started_emitted:  # once, even if the first world never launched
             self._started_emitted = True
             self.events.emit(ev.Started(world_size=self.world_size,
@@ -240,6 +244,12 @@ class Controller:
             return self._on_failure(failure)
         if len(self._done) == self.world_size:
             return self._on_all_done(state)
+        if not self._spares_asked and self.last_step > state.start_step:
+            # Now that the world trains, replace the spares its recovery used. A new actor's
+            # start (a Ray worker, torch's import, the model: seconds of CPU) would otherwise
+            # slow the recovery's join, restore and first steps on the node it shares.
+            self._spares_asked = True
+            self.group.top_up()
         if not self.stop.requested:
             self.resize.consider(now, world_size=self.world_size, workers=self.workers)
         return state

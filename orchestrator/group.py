@@ -49,8 +49,9 @@ class WorkerGroup(ABC):
 
     # -- the pool of actors
     @abstractmethod
-    def top_up(self) -> None:
-        """Ask Ray for actors up to scaling.ceiling plus the warm spares."""
+    def top_up(self, *, spares: bool = True) -> None:
+        """Ask Ray for actors up to scaling.ceiling, plus the warm spares unless `spares`
+        is False (a recovery in progress: a spare's start would compete with it)."""
 
     @abstractmethod
     def refresh(self, timeout: float = 0.0) -> None:

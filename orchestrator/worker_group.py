@@ -158,10 +158,11 @@ class ElasticGroup(WorkerGroup):
 
     # ------------------------------------------------------------------ the pool
 
-    def top_up(self) -> None:
-        """Ask Ray for actors until there are enough for the largest world plus the spares."""
+    def top_up(self, *, spares: bool = True) -> None:
+        """Ask Ray for actors until there are enough for the largest world, plus the spares
+        unless `spares` is False."""
         sc = self.config.scaling
-        want = sc.ceiling + sc.spare_workers
+        want = sc.ceiling + (sc.spare_workers if spares else 0)
         while len(self.members) + len(self.idle) + len(self.starting) < want:
             self.starting.append(self._create())
 

@@ -187,11 +187,11 @@ class FakeGroup(WorkerGroup):
     def world_size(self) -> int:
         return len(self.members)
 
-    def top_up(self) -> None:
-        self._call("top_up")
+    def top_up(self, *, spares: bool = True) -> None:
+        self._call("top_up", *(() if spares else (False,)))
         sc = self.w.config.scaling
         have = len(self.members) + len(self.idle) + len(self.starting) + self.unplaced
-        self.unplaced += max(0, sc.ceiling + sc.spare_workers - have)
+        self.unplaced += max(0, sc.ceiling + (sc.spare_workers if spares else 0) - have)
         self._place()
 
     def _place(self) -> None:

@@ -235,12 +235,31 @@ def test_a_warm_spare_replaces_a_dead_worker(tmp_path: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     w = FakeWorld(tmp_path, monkeypatch, [
         Plan(polls=[statuses([1, 2]), Poll([status(0)], dead=[1])]),
-        Plan(polls=[statuses(range(1, 7), done=True, t0=T1)]),
+        Plan(polls=[statuses([1, 2], t0=T1), statuses(range(3, 7), done=True, t0=T1)]),
     ], ["failure.max_failures=1", "scaling.spare_workers=1"])
     assert w.run() == Finished(step=6)
     assert w.members(0) == [1000, 1001]
     assert w.members(1) == [1000, 1002]  # the spare, warm since the start
-    assert w.group.idle == [Actor(1003)]  # and a new spare behind it
+    assert w.group.starting == [Actor(1003)]  # and a new spare behind it
+    # The recovery asked for no actor; the new spare came once the new world trained.
+    top_ups = [(c.state, c.args) for c in w.named("top_up")]
+    assert top_ups == [("SCHEDULING", ()), ("SCHEDULING", (False,)), ("RUNNING", ())]
+
+
+def test_no_spare_is_asked_for_while_the_new_world_has_not_trained(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = FakeWorld(tmp_path, monkeypatch, [
+        Plan(polls=[statuses([1, 2]), Poll([status(0)], dead=[1])]),
+        Plan(polls=[Poll([status(0)], dead=[1])]),  # fails again before its first step
+        Plan(polls=[statuses([1, 2], t0=T1), statuses(range(3, 7), done=True, t0=T1)]),
+    ], ["failure.max_failures=2", "scaling.spare_workers=1"])
+    assert w.run() == Finished(step=6)
+    # Generation 1 found an idle spare and trained no step: nothing new was asked for it.
+    # Generation 2 needed one actor for its world (the spare was used), then a spare.
+    top_ups = [(c.state, c.args) for c in w.named("top_up")]
+    assert top_ups == [("SCHEDULING", ()), ("SCHEDULING", (False,)),
+                       ("SCHEDULING", (False,)), ("RUNNING", ())]
+    assert w.members(2) == [1000, 1003] and w.group.starting == [Actor(1004)]
 
 
 def test_second_failure_past_the_budget_fails(tmp_path: Path,
