@@ -198,13 +198,13 @@ class SimGroup(WorkerGroup):
         self._start_step = choice.step
         return choice.step, [[] for _ in self.members]
 
-    def finish_restore(self) -> None:
-        """The restored step is staged (nothing to do here)."""
-
-    def launch(self) -> None:
+    def launch(self, *, restored: bool) -> None:
         self._launched_at = self.clock.now
         self._reported = self._start_step
         self._broken = False
+
+    def settle(self) -> None:
+        """Older worlds' snapshots would be dropped (none are kept here)."""
 
     def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
         self.clock.sleep(wait_s)  # the real group's node agents answer when the interval ends

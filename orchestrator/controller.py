@@ -94,7 +94,7 @@ class Controller:
         self.resize = ResizePlan(self.scaling, group, events, display)
         self._started_emitted = False
         self._done: dict[int, WorkerStatus] = {}
-        self._spares_asked = False
+        self._trained = False
 
     # ------------------------------------------------------------------ driver loop
 
@@ -195,22 +195,20 @@ class Controller:
             if isinstance(restored, Failed):
                 return restored
             start_step, source = restored, "storage"
-        if source != "none" or state.generation > 0:
-            # The restored step is staged and replicated in this world; older worlds'
-            # snapshots are dropped everywhere.
-            self.group.finish_restore()
         kept = self.throughput.kept_unlogged(start_step)
         self._notify("after_restore", Restored(
             generation=state.generation, world_size=self.world_size, start_step=start_step,
             source=source, peer_fetches=peer_fetches, last_step=self.last_step),
             self.clock.time())
         self.last_step = start_step
-        self.group.launch()
+        # The ranks stage the restored step in this world as they start (older worlds'
+        # snapshots are dropped after its first step: see _on_running).
+        self.group.launch(restored=source != "none" or state.generation > 0)
         now = self.clock.time()
         self._notify("after_launch", state.generation, self.world_size, now)
         self.scaling.world_started(now)
         self._done, self._stop_sent = {}, False
-        self._spares_asked = state.generation == 0  # the first world asked with its members
+        self._trained = False
         if not self._started_emitted:  # once, even if the first world never launched
             self._started_emitted = True
             self.events.emit(ev.Started(world_size=self.world_size,
@@ -244,12 +242,15 @@ class Controller:
             return self._on_failure(failure)
         if len(self._done) == self.world_size:
             return self._on_all_done(state)
-        if not self._spares_asked and self.last_step > state.start_step:
-            # Now that the world trains, replace the spares its recovery used. A new actor's
-            # start (a Ray worker, torch's import, the model: seconds of CPU) would otherwise
-            # slow the recovery's join, restore and first steps on the node it shares.
-            self._spares_asked = True
-            self.group.top_up()
+        if not self._trained and self.last_step > state.start_step:
+            self._trained = True
+            if state.generation > 0:
+                # Its first step replicated the restored step: older worlds' snapshots can
+                # go. And the spares the recovery used are replaced now: a new actor's start
+                # (a Ray worker, torch's import, the model: seconds of CPU) would otherwise
+                # slow the join, restore and first steps on the node it shares.
+                self.group.settle()
+                self.group.top_up()
         if not self.stop.requested:
             self.resize.consider(now, world_size=self.world_size, workers=self.workers)
         return state

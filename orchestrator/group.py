@@ -97,12 +97,14 @@ class WorkerGroup(ABC):
         """Load a step from the memory tier: (step, shards each rank fetched from peers)."""
 
     @abstractmethod
-    def finish_restore(self) -> None:
-        """Stage the restored step in this world; drop older worlds' snapshots."""
+    def launch(self, *, restored: bool) -> None:
+        """Start the training loops. `restored`: each rank first stages the restored step in
+        this world (or, at step 0, drops older worlds' snapshots)."""
 
     @abstractmethod
-    def launch(self) -> None:
-        """Start the training loops."""
+    def settle(self) -> None:
+        """The world trained its first step, so its restored step is on its holders: idle
+        workers and the driver drop older worlds' snapshots."""
 
     @abstractmethod
     def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:

@@ -352,18 +352,16 @@ class ElasticGroup(WorkerGroup):
              for w in self.members], kind=FailureKind.COLLECTIVE_ERROR)
         return out[0].step, [list(o.fetched) for o in out]
 
-    def finish_restore(self) -> None:
-        """Members stage the restored step and replicate it; idle workers forget older
-        generations' snapshots. (The tier's size is reported through the polls.)"""
-        self._get([w.actor.finish_restore.remote() for w in self.members],
-                  kind=FailureKind.COLLECTIVE_ERROR)
-        self.rescued = {}  # the new world holds the restored step itself now
+    def launch(self, *, restored: bool) -> None:
+        self._get([w.actor.start.options(name=f"{task_name(r, self.generation)}.train").remote(
+                   restored=restored) for r, w in enumerate(self.members)])
+
+    def settle(self) -> None:
+        """Idle workers forget older generations' snapshots (each member dropped its own
+        after the first step); so does the driver's store of exports rescued from leavers."""
+        self.rescued = {}
         for w in self.idle:
             w.actor.forget_snapshots.remote(self.generation)
-
-    def launch(self) -> None:
-        self._get([w.actor.start.options(name=f"{task_name(r, self.generation)}.train").remote()
-                   for r, w in enumerate(self.members)])
 
     def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
         """Statuses of the ranks that answered, and the ranks found dead or stopped: one

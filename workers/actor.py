@@ -288,14 +288,6 @@ class TrainWorker:
                                     layouts=layouts, fetch=lambda src: ray.get(sources[src]))
         return MemoryRestoreReport(step=self.engine.step, fetched=tuple(fetched))
 
-    def finish_restore(self) -> None:
-        """After every rank restored: stage the restored step in this world and replicate
-        it, then forget older generations' snapshots. Collective."""
-        assert self.engine is not None
-        self.engine.check_restored_step()  # every rank restored the same step, or fail here
-        if self._tiered:
-            self.tier.after_restore(self.engine.step)
-
     def memory_inventory(self) -> Inventory:
         return self.tier.inventory()
 
@@ -309,11 +301,23 @@ class TrainWorker:
 
     # ------------------------------------------------------------------ running
 
-    def start(self) -> None:
-        self._thread = threading.Thread(target=self._run, name="stalwart-train", daemon=True)
+    def start(self, *, restored: bool = False) -> None:
+        """Start the training loop. `restored`: this world restored a step (or starts afresh
+        after an earlier world), which the loop first checks and stages (_take_restored)."""
+        self._thread = threading.Thread(target=self._run, args=(restored,),
+                                        name="stalwart-train", daemon=True)
         self._thread.start()
 
-    def _run(self) -> None:
+    def _take_restored(self) -> None:
+        """Collective, on the training thread: every rank restored the same step, which is
+        staged in this world and replicated while the first step runs (not before it: that
+        would add the exchange to the recovery's critical path)."""
+        assert self.engine is not None
+        self.engine.check_restored_step()
+        if self._tiered:
+            self.tier.stage_restored(self.engine.step)
+
+    def _run(self, restored: bool) -> None:
         engine, ckpt, cfg = self.engine, self.checkpointer, self.config
         assert engine is not None and ckpt is not None
         profiler = StepProfiler(cfg.run.profile_window, rank=self.rank,
@@ -321,6 +325,9 @@ class TrainWorker:
         try:
             tier = self.tier if self._tiered else None
             ck = cfg.checkpoint
+            if restored:
+                self._take_restored()
+            older_held = restored and tier is not None
             while engine.step < cfg.train.steps:
                 self.faults.at_step(engine.step + 1)
                 profiler.begin(engine.step + 1)
@@ -329,6 +336,9 @@ class TrainWorker:
                     before_update=tier.wait_copy_done if tier else None,
                     before_summary=tier.wait_replicated if tier else None,
                     after_local_work=self.faults.after_local_work)
+                if older_held:  # past the all-reduce: the restored step is on its holders
+                    tier.drop_older()
+                    older_held = False
                 step = engine.step
                 last = step == cfg.train.steps
                 persist = step % ck.persist_every == 0 or last or stop

@@ -6,9 +6,10 @@ the store (checkpointing/memory/store.py) of its own and its peers' snapshots, s
 next world can restore from survivors. Restoring reads the chosen step through DCP with the
 in-memory reader (checkpointing/memory/reader.py), resharding it to the new world.
 
-After any restore, the restored step is staged and replicated once more in the new world
-before older generations are dropped: a failure right after a recovery restores from
-memory too, and no more than two steps per shard are ever held.
+After any restore, the restored step is staged and replicated once more in the new world,
+while its first step runs; older generations are dropped once that step is done. A failure
+right after a recovery restores from memory too, and no more than two steps per shard are
+ever held.
 """
 
 from __future__ import annotations
@@ -133,14 +134,18 @@ class MemoryTier:
         if self.stager is not None:
             self.stager.wait_copy_done()
 
-    def after_restore(self, step: int) -> None:
-        """Stage the restored step in this world, replicate it everywhere, then drop older
-        generations. Collective."""
-        assert self.replicator is not None
+    def stage_restored(self, step: int) -> None:
+        """Stage the restored step in this world and start replicating it; the first step's
+        last all-reduce waits for the exchange (replication.py: ordering), then the caller
+        drops older generations (`drop_older`). Until then they stay: a failure during the
+        first step restores from them. Step 0 (a fresh start) has nothing to stage."""
         if step > 0:
             self.snapshot(step)
-            self.replicator.wait()
-            self.replicator.barrier()  # every rank's exchange is complete
+        else:
+            self.drop_older()
+
+    def drop_older(self) -> None:
+        """Forget the snapshots of older generations: this world holds its own now."""
         self.store.drop_before(self.generation)
 
     def leave(self) -> None:

@@ -56,10 +56,14 @@ def restore_in_new_world(rank, world, cache, layout, choice, held, all_exported)
                            layouts=choice.layouts,
                            fetch=lambda src: all_exported[(src, choice.step)])
     assert engine.step == SNAP_AT and engine.samples_seen == SNAP_AT * 8
-    tier.after_restore(engine.step)
-    generations = {h.generation for h in tier.inventory().holdings}
+    tier.stage_restored(engine.step)  # replicated while the first step runs
     weights = full_weights(engine)
-    losses = [engine.train_step()[0].loss for _ in range(CONTINUE)]
+    staged = {h.generation for h in tier.inventory().holdings}
+    losses = [engine.train_step(before_update=tier.wait_copy_done,
+                                before_summary=tier.wait_replicated)[0].loss]
+    tier.drop_older()  # past the first step's all-reduce: every exchange is complete
+    generations = staged, {h.generation for h in tier.inventory().holdings}
+    losses += [engine.train_step()[0].loss for _ in range(CONTINUE - 1)]
     tier.leave()
     return weights, losses, fetched, generations
 
@@ -89,7 +93,8 @@ def test_a_lost_node_is_restored_from_replicas_into_a_smaller_world(cache_dir): 
         # New rank 0 needs old shards 0 and 1 and holds 0 (its own) and 2 (a replica): it
         # fetches only 1; new rank 1 needs 2 and 3, holds 1 and 3, fetches only 2.
         assert fetched == [[1], [2]][rank]
-        assert generations == {1}  # the restored step is held anew; the old world is dropped
+        # The restored step is held anew; the old world stays until the first step is done.
+        assert generations == ({0, 1}, {1})
 
 
 def _restore_survivor(rank, world, cache, layout, choice, held, exported):

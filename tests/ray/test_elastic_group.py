@@ -167,7 +167,7 @@ def test_a_world_forms_trains_stops_and_shuts_down(group: ElasticGroup) -> None:
     assert form(group, 2, 0) == idle[:2]
     assert group.generation == 0 and [pid_of(w) for w in group.idle] == idle[2:]
 
-    group.launch()
+    group.launch(restored=False)
     seen = poll_until(group, lambda seen: min(seen.latest(0), seen.latest(1)) >= 3)
     for rank in (0, 1):
         steps = [s.step for s in seen.steps[rank]]
@@ -199,7 +199,7 @@ def test_a_killed_rank_is_replaced_and_the_next_world_restores(group: ElasticGro
     victim_key = group.members[1].key
     spare = pid_of(group.idle[0])
     pids, names = {survivor, victim, spare}, {w.key for w in group.members + group.idle}
-    group.launch()
+    group.launch(restored=False)
     # Train until the first world has written a storage checkpoint.
     seen = poll_until(group, lambda seen: bool(seen.commits) and seen.latest(0) >= 4)
 
@@ -249,13 +249,16 @@ def test_a_killed_rank_is_replaced_and_the_next_world_restores(group: ElasticGro
     assert step == choice.step
     # Rank 0 holds what it restores; rank 1 fetched every source shard from its peer.
     assert fetched == [[], sorted(choice.holders)]
-    group.finish_restore()
 
-    # The new world trains on from the restored step.
-    group.launch()
+    # The new world stages the restored step and trains on from it.
+    group.launch(restored=True)
     seen = poll_until(group, lambda seen: min(seen.latest(0), seen.latest(1)) > choice.step)
     assert seen.dead == []
     assert seen.steps[0][0].step == seen.steps[1][0].step == choice.step + 1
+    # Past its first step, the members hold this world's snapshots only.
+    group.settle()
+    held = {h.generation for inv in group.memory_inventory().values() for h in inv.holdings}
+    assert held == {1}, held
 
     # A stopped process (SIGSTOP) is reported by its node's agent as a hang of its own,
     # without waiting for the hang detector's limit (the agent answered in the first world).

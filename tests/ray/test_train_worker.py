@@ -192,8 +192,7 @@ def test_a_worker_trains_stops_leaves_and_joins_again(make_actor) -> None:
     checkpoint = newest_valid(storage, trust())
     assert checkpoint is not None and checkpoint.step == last
     assert ray.get(actor.restore.remote(checkpoint.path), timeout=DEADLINE_S) == last
-    ray.get(actor.finish_restore.remote(), timeout=DEADLINE_S)
-    ray.get(actor.start.remote(), timeout=DEADLINE_S)
+    ray.get(actor.start.remote(restored=True), timeout=DEADLINE_S)
     seen = poll_until(actor, lambda seen: len(steps_in(seen)) >= 1)
     assert steps_in(seen)[0].step == last + 1 and seen[-1].generation == 1
     ray.get(actor.request_stop.remote(), timeout=DEADLINE_S)

@@ -265,11 +265,11 @@ class FakeGroup(WorkerGroup):
         self._steps = {pid: choice.step for pid in self._steps}
         return choice.step, [[] for _ in self.members]
 
-    def finish_restore(self) -> None:
-        self._call("finish_restore")
+    def launch(self, *, restored: bool) -> None:
+        self._call("launch", *((True,) if restored else ()))
 
-    def launch(self) -> None:
-        self._call("launch")
+    def settle(self) -> None:
+        self._call("settle")
 
     def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
         self._call("poll")

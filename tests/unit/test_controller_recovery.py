@@ -244,6 +244,9 @@ def test_a_warm_spare_replaces_a_dead_worker(tmp_path: Path,
     # The recovery asked for no actor; the new spare came once the new world trained.
     top_ups = [(c.state, c.args) for c in w.named("top_up")]
     assert top_ups == [("SCHEDULING", ()), ("SCHEDULING", (False,)), ("RUNNING", ())]
+    # Older worlds' snapshots were dropped once, after that first step (not before it).
+    assert [(c.name, c.state) for c in w.named("launch", "settle", "poll")][-4:] == [
+        ("launch", "RESTORING"), ("poll", "RUNNING"), ("settle", "RUNNING"), ("poll", "RUNNING")]
 
 
 def test_no_spare_is_asked_for_while_the_new_world_has_not_trained(

@@ -46,8 +46,10 @@ def test_recovery_restores_memory_when_it_is_newest(
     _commit_checkpoint(storage, 2)
     w = _kill_at_5(storage, [4, 5], tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert w.run() == Finished(step=6)
-    assert [(c.state, c.args) for c in w.named("restore_memory", "restore", "finish_restore")
-            ] == [("RESTORING", (5,)), ("RESTORING", ())]
+    # The ranks stage the restored step as they start (launch's `restored`).
+    assert [(c.name, c.state, c.args) for c in w.named("restore_memory", "restore", "launch")
+            ] == [("launch", "RESTORING", ()), ("restore_memory", "RESTORING", (5,)),
+                  ("launch", "RESTORING", (True,))]
     chosen = w.event("checkpoint_chosen")
     assert chosen["source"] == "memory" and chosen["step"] == 5
     assert chosen["memory_step"] == 5 and chosen["storage_step"] == 2

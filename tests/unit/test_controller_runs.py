@@ -117,7 +117,7 @@ def test_resume_from_a_checkpoint_restores_before_launch(
     assert [(c.name, c.state, c.args) for c in w.calls[:6]] == [
         ("top_up", "SCHEDULING", ()), ("refresh", "SCHEDULING", (0.0,)),
         ("form", "RENDEZVOUS", (2, 0)), ("restore", "RESTORING", ("/somewhere/step_000000004",)),
-        ("finish_restore", "RESTORING", ()), ("launch", "RESTORING", ())]
+        ("launch", "RESTORING", (True,)), ("poll", "RUNNING", ())]
     assert w.event("started")["start_step"] == 4
 
 
