@@ -126,8 +126,10 @@ class Controller:
 
     def _on_scheduling(self, state: Scheduling) -> State:
         """Wait for warm workers: all that Ray has placed, then form the largest valid world."""
-        # Only the actors a world needs; spares come once it trains (see _on_running).
-        self.group.top_up(spares=False)
+        # The first world's spares warm up beside its members: on a shared node that costs
+        # less than beside synchronous training. A recovery asks only for the actors its
+        # world needs, and replaces its spares once the new world trains (_on_running).
+        self.group.top_up(spares=state.generation == 0)
         self.group.refresh()
         if self.group.best_world() < self.scaling.target(self.world_size):
             self.group.refresh(timeout=self.poll_interval_s)  # actors still warming up
@@ -243,13 +245,13 @@ class Controller:
             return self._on_all_done(state)
         if not self._trained and self.last_step > state.start_step:
             self._trained = True
-            if state.generation > 0:  # its first step replicated the restored step
+            if state.generation > 0:
+                # Its first step replicated the restored step: older worlds' snapshots can
+                # go. And the spares the recovery used are replaced now: a new actor's start
+                # (a Ray worker, torch's import, the model: seconds of CPU) would otherwise
+                # slow the join, restore and first steps on the node it shares.
                 self.group.settle()
-            # The warm spares start now, when the world trains: a new actor's start (a Ray
-            # worker, torch's import, the model: seconds of CPU) would otherwise slow the
-            # world's start-up, or a recovery's join, restore and first steps, on a node
-            # it shares.
-            self.group.top_up()
+                self.group.top_up()
         if not self.stop.requested:
             self.resize.consider(now, world_size=self.world_size, workers=self.workers)
         return state
