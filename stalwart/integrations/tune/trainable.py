@@ -82,7 +82,10 @@ def trainable(config: str | Path, overrides: Sequence[str] = (), *, metric: str 
 
     `metric`: Tune's metric; reports wait for it (val_loss exists only from the first
     validation on). `with_checkpoints`: each report at a checkpoint step waits for its
-    checkpoint and carries it (Population Based Training needs that; see TuneReporter).
+    checkpoint and carries it (Population Based Training needs that; see TuneReporter). Its
+    runs keep every checkpoint (checkpoint.keep_last = 0): retention on the workers could
+    otherwise delete one before the driver hands it to Tune, and that report would go
+    without.
     `workdir`: where the task's modules are imported from (default: the current directory,
     as for `stalwart run`). The config is checked here, before Tune starts.
     """
@@ -100,7 +103,8 @@ def trainable(config: str | Path, overrides: Sequence[str] = (), *, metric: str 
 
         if code_dir not in sys.path:  # Tune runs a trial in its own directory
             sys.path.insert(0, code_dir)
-        job = config_from_dict(apply_overrides(data, [*base, *as_overrides(params)]))
+        keep_all = ["checkpoint.keep_last=0"] if with_checkpoints else []
+        job = config_from_dict(apply_overrides(data, [*base, *as_overrides(params), *keep_all]))
         run_dir = _next_run_dir(_trial_dir())
         checkpoint = tune.get_checkpoint()
         reporter = TuneReporter(run_dir / ".tune-staging", metric,
