@@ -128,6 +128,7 @@ def test_val_loss_without_validation(tmp_path: Path) -> None:
     (GOOD + '[scheduler]\ntype = "pbt"\n', ("needs perturbation_interval",)),
     (GOOD + '[scheduler]\ntype = "pbt"\nperturbation_interval = 50\n',
      ("checkpoint.persist_every (50) must equal run.log_every (10)",)),
+    (GOOD + '[scheduler]\ntype = "pbt"\nsynch = 1\n', ("synch: 1 is not allowed: true or false",)),
 ])
 def test_bad_sweep_files(tmp_path: Path, text: str, fragments: tuple[str, ...]) -> None:
     if text == "":
@@ -150,6 +151,7 @@ def test_pbt_needs_mutations_that_a_restore_can_take(tmp_path: Path) -> None:
              "mutations task.args.d_model", "cannot change task.")
     _refused(tmp_path, PBT + '[scheduler.mutations]\n"train.lr" = { uniform = [1, 0] }\n',
              "mutations train.lr", "needs low < high")
-    sweep = load_sweep(_sweep(tmp_path, PBT + '[scheduler.mutations]\n'
+    sweep = load_sweep(_sweep(tmp_path, PBT + 'synch = true\n[scheduler.mutations]\n'
                                               '"train.lr" = { loguniform = [1e-4, 1e-2] }\n'))
-    assert type(sweep.make_scheduler()).__name__ == "PopulationBasedTraining"
+    scheduler = sweep.make_scheduler()
+    assert type(scheduler).__name__ == "PopulationBasedTraining" and scheduler._synch

@@ -50,6 +50,7 @@ SCHEDULERS: dict[str, dict[str, tuple[type, Any, str]]] = {
     "pbt": {"perturbation_interval": (int, lambda v: v > 0, "an integer > 0"),
             "quantile_fraction": (float, lambda v: 0 <= v <= 0.5, "a number in [0, 0.5]"),
             "resample_probability": (float, lambda v: 0 <= v <= 1, "a number in [0, 1]"),
+            "synch": (bool, lambda v: True, "true or false"),
             "mutations": (dict, bool, "a table of search rules")},
 }
 TOP_KEYS = ("name", "config", "set", "metric", "mode", "trials", "concurrency", "storage",
@@ -208,7 +209,9 @@ def _check_values(sweep_path: Path, job_with: JobWith, where: str, key: str, spe
 
 def _typed(where: str, value: Any, kind: type, allowed: str) -> Any:
     ok = isinstance(value, kind) and not isinstance(value, bool)
-    if kind is float:
+    if kind is bool:
+        ok = isinstance(value, bool)
+    elif kind is float:
         ok = isinstance(value, int | float) and not isinstance(value, bool)
     if not ok:
         raise _fail(where, f"{value!r} is not allowed: {allowed}")
