@@ -9,6 +9,12 @@ next poll. Its other answers come when the interval ends, which paces the loop.
 Until a node's agent has answered once (its process may take seconds to start on a busy
 node), the driver polls that node's ranks itself, one call per rank, as it would without
 agents: no heartbeat waits for an agent.
+
+A node whose agent stops answering while the other nodes' agents answer is silent: frozen
+(every process stopped), powered off or cut off. Its raylet may still accept connections
+(a stopped process's socket does) and Ray's health check takes tens of seconds, so its
+ranks are reported hung once the agent's answer is `silent_for_s` late
+(failure.node_silent_timeout_s). The node stays silent until its agent answers again.
 """
 
 from __future__ import annotations
@@ -42,6 +48,14 @@ class _Agent:
     """It has answered: its node's ranks are polled through it alone."""
     broken: bool = False
     """Its poll raised: its node's ranks are polled directly for the rest of the run."""
+    asked_at: float = 0.0
+    """time.monotonic() when its poll in flight was sent."""
+    due_s: float = 0.0
+    """That poll's interval: its answer is due at asked_at + due_s."""
+    answered_at: float = 0.0
+    """time.monotonic() when its last answer reached the driver."""
+    seen_at: float = 0.0
+    """time.time() of that answer: the last moment its node was known to be well."""
 
 
 class NodePolls:
@@ -52,11 +66,15 @@ class NodePolls:
     GATHER_S = 0.05
 
     def __init__(self, runtime_env: dict[str, Any] | None,
-                 nodes_alive: Callable[[set[str]], bool], *, stopped_for_s: float) -> None:
+                 nodes_alive: Callable[[set[str]], bool], *, stopped_for_s: float,
+                 silent_for_s: float = 0.4) -> None:
         self.runtime_env = runtime_env
         self.stopped_for_s = stopped_for_s  # failure.stopped_timeout_s
+        self.silent_for_s = silent_for_s  # failure.node_silent_timeout_s
         self.nodes_alive = nodes_alive
         self._agents: dict[str, _Agent] = {}
+        self.silent: dict[str, float] = {}
+        """Nodes found silent, and when their agent last answered (time.time())."""
         self._actor_class = ray.remote(NodeAgent)
         # Ranks polled directly (their agent is not up yet): each one's poll in flight.
         self._direct: dict[int, Any] = {}
@@ -80,20 +98,27 @@ class NodePolls:
         for rank, (actor, place) in enumerate(members):
             by_node.setdefault(place.node_id, {})[rank] = (actor, place.pid)
         self.start(set(by_node))
+        self._look_at_silent()
         for node_id, ranks in by_node.items():
             agent = self._agents[node_id]
             if agent.ref is None and not agent.broken:
                 agent.ref = agent.actor.poll.remote(
                     generation, wait_s, ranks if agent.told != generation else None)
-                agent.told = generation
+                agent.told, agent.asked_at, agent.due_s = generation, time.monotonic(), wait_s
             if not agent.ready:
                 for rank, (actor, _) in ranks.items():
                     if rank not in self._direct:
                         self._direct[rank] = actor.poll.remote(generation)
-        asked = {self._agents[n].ref: n for n in by_node if self._agents[n].ref is not None}
+        asked = {self._agents[n].ref: n for n in by_node
+                 if self._agents[n].ref is not None and n not in self.silent}
         refs = list(asked)
         if any(self._agents[n].ready for n in by_node):
-            ready, rest = ray.wait(refs, num_returns=1, timeout=wait_s + self.LATE_S)
+            # Wake when an agent's answer becomes late enough to make its node silent.
+            timeout = min(wait_s + self.LATE_S, self._until_silent({n: self._agents[n]
+                                                                    for n in by_node}))
+            if not refs:  # every node with ranks is silent: their hangs are reported
+                time.sleep(wait_s)
+            ready, rest = ray.wait(refs, num_returns=1, timeout=timeout) if refs else ([], [])
             if ready and rest:
                 ready += ray.wait(rest, num_returns=len(rest), timeout=self.GATHER_S)[0]
         else:  # no agent up yet: the direct polls are paced here
@@ -115,12 +140,60 @@ class NodePolls:
                       f"polled directly from now on", file=sys.stderr, flush=True)
                 agent.broken, agent.ready = True, False
                 continue
-            agent.ready = True
+            agent.ready, agent.answered_at, agent.seen_at = True, time.monotonic(), time.time()
             for rank, status in report.statuses.items():
                 answered[rank] = merge(answered[rank], status) if rank in answered else status
             found += _failures(report, by_node[node_id])
+        found += self._silent_ranks(by_node)
         self._collect_direct(answered, found, generation)
         return answered, found
+
+    def _until_silent(self, agents: dict[str, _Agent]) -> float:
+        """Seconds until the next agent in flight would be late enough to be silent."""
+        now = time.monotonic()
+        waits = [a.asked_at + a.due_s + self.silent_for_s - now for a in agents.values()
+                 if a.ready and a.ref is not None]
+        waits = [w for w in waits if w > 0]  # those late already do not shorten the wait
+        return min(waits, default=float("inf")) + 0.01
+
+    def _silent_ranks(self, by_node: dict[str, dict[int, tuple[Any, int]]]
+                      ) -> list[WorkerFailure]:
+        """Hangs for the ranks of nodes that have just gone silent."""
+        agents = {n: self._agents[n] for n in by_node if n not in self.silent}
+        found = []
+        now = time.time()
+        for node_id, late_s in silent_nodes(agents, time.monotonic(),
+                                            self.silent_for_s).items():
+            if not self.nodes_alive({node_id}):  # its raylet is gone too: a lost node
+                found += self._agent_lost(node_id, by_node[node_id])
+                continue
+            agent = self._agents[node_id]
+            self.silent[node_id] = agent.seen_at
+            found += [WorkerFailure(
+                kind=FailureKind.HANG, rank=rank, ranks=(rank,), detected_at=now,
+                last_seen=agent.seen_at, pids=(pid,),
+                message=f"worker rank {rank} (pid {pid}) is on node {node_id}, which stopped "
+                        f"answering: its agent is {late_s:.2f}s late while the other nodes' "
+                        f"agents answer (a frozen, powered-off or cut-off node)")
+                for rank, (_, pid) in by_node[node_id].items()]
+        return found
+
+    def _look_at_silent(self) -> None:
+        """A silent node whose agent has answered at last is well again; one whose agent
+        died is gone (Ray says so, in time)."""
+        for node_id in list(self.silent):
+            agent = self._agents.get(node_id)
+            if agent is None or agent.ref is None:
+                del self.silent[node_id]
+                continue
+            if not ray.wait([agent.ref], timeout=0)[0]:
+                continue
+            del self.silent[node_id]
+            try:
+                ray.get(agent.ref)
+                agent.ref, agent.answered_at, agent.seen_at = None, time.monotonic(), time.time()
+            except Exception:
+                del self._agents[node_id]  # started again if its node holds ranks again
 
     def _collect_direct(self, answered: dict[int, WorkerStatus], found: list[WorkerFailure],
                         generation: int) -> None:
@@ -143,15 +216,34 @@ class NodePolls:
                               detected_at=now) for rank in ranks]
 
     def forget(self) -> None:
-        """A world ended: answers still in flight are about it, and are dropped."""
-        for agent in self._agents.values():
-            agent.ref = None
+        """A world ended: answers still in flight are about it, and are dropped (a silent
+        node's is kept: when it comes, the node is well again)."""
+        for node_id, agent in self._agents.items():
+            if node_id not in self.silent:
+                agent.ref = None
         self._direct = {}
 
     def shutdown(self) -> None:
         for agent in self._agents.values():
             ray.kill(agent.actor, no_restart=True)
         self._agents = {}
+
+
+def silent_nodes(agents: dict[str, _Agent], now: float, silent_for_s: float
+                 ) -> dict[str, float]:
+    """Nodes whose agent's answer is more than `silent_for_s` late (`now` is monotonic),
+    with how late, when another of these agents has answered since that answer was due: the
+    driver hears from the cluster, so the lateness is the node's own."""
+    out = {}
+    for node_id, agent in agents.items():
+        if not agent.ready or agent.ref is None:
+            continue
+        due = agent.asked_at + agent.due_s
+        if now - due <= silent_for_s:
+            continue
+        if any(other.answered_at > due for n, other in agents.items() if n != node_id):
+            out[node_id] = now - due
+    return out
 
 
 def _died(errors: dict[int, str], now: float) -> list[WorkerFailure]:

@@ -150,7 +150,8 @@ class ElasticGroup(WorkerGroup):
         # The beacon of a driver whose workers outlive it (orchestrator/driver_loss.py).
         self._beacon = start_beacon(trust.run_id, self.driver_node_id) if outlive_driver else None
         self.polls = NodePolls(runtime_env, self.nodes_alive,
-                               stopped_for_s=config.failure.stopped_timeout_s)
+                               stopped_for_s=config.failure.stopped_timeout_s,
+                               silent_for_s=config.failure.node_silent_timeout_s)
         # Agents first, on every node that can hold a worker: each starts (half a second of
         # imports) while the workers import torch, and answers from a world's first steps.
         self.polls.start({n["NodeID"] for n in ray.nodes()
@@ -233,11 +234,14 @@ class ElasticGroup(WorkerGroup):
         return placed
 
     def nodes_alive(self, node_ids: set[str]) -> bool:
-        """Whether every one of these nodes is up: its raylet accepts a connection.
+        """Whether every one of these nodes is up: its raylet accepts a connection, and its
+        agent has not gone silent (a frozen raylet's socket still accepts one).
 
         Asked when workers die: Ray's GCS takes seconds to declare a node dead, while a
         raylet that is gone refuses connections at once.
         """
+        if node_ids & self.polls.silent.keys():
+            return False
         nodes = {n["NodeID"]: n for n in ray.nodes()}
         for node_id in node_ids:
             node = nodes.get(node_id)
@@ -378,11 +382,16 @@ class ElasticGroup(WorkerGroup):
             w.actor.request_stop.remote()
 
     def remove(self, ranks: tuple[int, ...]) -> None:
-        """Kill these members (dead, hung or on a lost node) and drop them from the world."""
+        """Kill these members (dead, hung or on a lost node) and drop them from the world;
+        so are the idle workers of silent nodes: they would not answer the next world."""
         for rank in ranks:
             if 0 <= rank < len(self.members):
                 self._kill(self.members[rank])
         self.members = [w for r, w in enumerate(self.members) if r not in set(ranks)]
+        silent = self.polls.silent.keys()
+        for w in [w for w in self.idle if w.place is not None and w.place.node_id in silent]:
+            self._kill(w)
+            self.idle.remove(w)
 
     def disband(self, after_step: int) -> Disbanded:
         """Every member leaves its world; survivors go back to the idle pool.

@@ -42,6 +42,7 @@ from stalwart.parallel.distributed import (
     init_process_group,
     pick_device,
 )
+from stalwart.parallel.world_sockets import cut, tcp_connections
 from stalwart.task import TrainTask, build_task
 from stalwart.workers.driver_watch import DriverWatch, end_this_actor
 from stalwart.workers.engine import TrainEngine
@@ -132,6 +133,8 @@ class TrainWorker:
         # The rendezvous this worker hosts for the next world, from rendezvous_address()
         # until it joins that world as rank 0 (the world holds the store from then on).
         self._rendezvous: RendezvousHost | None = None
+        # The TCP connections this world's setup opened (parallel/world_sockets.py).
+        self._world_connections: set[int] = set()
         self._install_sigterm_handler()
         self._driver_watch = (DriverWatch(driver_beacon, self._on_driver_lost).start()
                               if driver_beacon is not None else None)
@@ -236,6 +239,7 @@ class TrainWorker:
         if rank != 0 and host is not None:
             host.close()  # hosted for a world that never formed; rank 0 hosts this one
             host = None
+        before = tcp_connections()
         init_process_group(rdzv, rank=rank, world_size=world_size, device=device,
                            timeout_s=self.config.failure.collective_timeout_s, host=host)
         forget_dtensor_caches()  # the last world's meshes must not come back (see there)
@@ -253,6 +257,7 @@ class TrainWorker:
             self.tier.join(self._engine_view(), rank=rank, generation=generation, nodes=nodes,
                            replicas=ck.replicas, limit_gb=ck.memory_limit_gb,
                            replica_class=[dims.replica_class(r) for r in range(world_size)])
+        self._world_connections = tcp_connections() - before
 
     def _engine_view(self) -> StateAccess:
         assert self.engine is not None
@@ -413,7 +418,9 @@ class TrainWorker:
         if self._thread is not None:
             self.tier.abandon()  # a snapshot exchange with a lost peer must not hold us
             if self._thread.is_alive():
-                # Whatever collective the thread waits in fails now.
+                # Whatever collective the thread waits in fails now: NCCL's abort does it,
+                # gloo's needs its connections cut (a silent peer closes nothing).
+                cut(self._world_connections)
                 abort_process_groups()
             self._thread.join(timeout_s)
             if self._thread.is_alive():

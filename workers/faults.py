@@ -4,7 +4,9 @@ The faults are real, done to this process or this node: `kill` and `hang` signal
 process (SIGKILL, SIGSTOP), `term` sends it the SIGTERM a preempted machine gets, `raise`
 throws from the training loop like a bug in user code, `kill-node` SIGKILLs this node's
 raylet (Ray's per-node daemon) and every process it started, exactly as when a machine is
-lost, `drain` asks Ray to drain this node for preemption, and `slow` makes this rank a
+lost, `freeze-node` SIGSTOPs them instead (a frozen machine: its sockets stay open, nothing
+answers; it stays so until someone sends SIGCONT or Ray's health check gives up on it),
+`drain` asks Ray to drain this node for preemption, and `slow` makes this rank a
 straggler. The controller decides which rank carries out each fault (see
 orchestrator/faults.py); this module only does it.
 
@@ -169,6 +171,20 @@ def kill_this_node() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def freeze_this_node() -> None:
+    """What a frozen machine (a paused VM, a hung kernel) does to Ray: the raylet and every
+    process it started stop at once, holding their connections open."""
+    raylet = raylet_pid()
+    frozen = [p for p in children_of(raylet) if p != os.getpid()]
+    for pid in frozen:
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
+    os.kill(raylet, signal.SIGSTOP)
+    os.kill(os.getpid(), signal.SIGSTOP)
+
+
 def drain_this_node(deadline_s: float = 60.0) -> None:
     """Ask the GCS to drain this node for preemption, as a cloud provider's notice would."""
     import ray
@@ -196,6 +212,8 @@ def carry_out(fault: FaultSpec) -> None:
         raise InjectedFault(f"injected fault {fault}")
     elif kind == "kill-node":
         kill_this_node()
+    elif kind == "freeze-node":
+        freeze_this_node()
     elif kind == "drain":
         drain_this_node()
     else:

@@ -303,6 +303,8 @@ class FailureConfig:
     """Multiple of the median step time a rank may go without a heartbeat (see the floor)."""
     stopped_timeout_s: float = 0.5
     """A worker process stopped this long (SIGSTOP: state `T` in /proc, as its node's agent sees it) is hung, without waiting for the heartbeat limit above."""
+    node_silent_timeout_s: float = 0.4
+    """A node whose agent answers its poll this late while other nodes' agents answer is frozen, powered off or cut off: its ranks are hung (needs ranks on two or more nodes)."""
     collective_timeout_s: float = 300.0
     """Process-group timeout: a collective stuck longer than this raises on the workers (hangs are normally caught sooner by the heartbeat)."""
     straggler_factor: float = 2.0
@@ -319,7 +321,7 @@ class FailureConfig:
         _require(self.max_failures >= -1, "failure.max_failures", self.max_failures,
                  "must be >= 0, or -1 for no limit")
         for name in ("hang_timeout_floor_s", "hang_factor", "stopped_timeout_s",
-                     "collective_timeout_s", "stop_timeout_s"):
+                     "node_silent_timeout_s", "collective_timeout_s", "stop_timeout_s"):
             _require(getattr(self, name) > 0, f"failure.{name}", getattr(self, name),
                      "must be > 0")
         _require(self.backoff_s >= 0, "failure.backoff_s", self.backoff_s, "must be >= 0")
@@ -384,6 +386,7 @@ FAULT_KINDS = {
     "term": "rank",       # SIGTERM the rank's process: a preemption notice
     "slow": "rank",       # the rank turns straggler: its local work per step takes 3x as long
     "kill-node": "node",  # SIGKILL the raylet of a node: the node and its workers are gone
+    "freeze-node": "node",  # SIGSTOP the raylet of a node and its workers: a frozen machine
     "drain": "node",      # ask Ray to drain a node for preemption (it stays up, unschedulable)
 }
 
@@ -398,7 +401,7 @@ class FaultSpec:
     """
 
     kind: str
-    """The fault: `kill`, `kill-staging`, `kill-replicating`, `hang`, `raise`, `term`, `slow` (a rank); `kill-node`, `drain` (a node). The TOML form of `--inject`."""
+    """The fault: `kill`, `kill-staging`, `kill-replicating`, `hang`, `raise`, `term`, `slow` (a rank); `kill-node`, `freeze-node`, `drain` (a node). The TOML form of `--inject`."""
     step: int
     """The fault fires once, when its target reaches the start of this step."""
     rank: int = -1

@@ -139,3 +139,54 @@ def test_two_adjacent_nodes_lost_falls_back_to_storage(tmp_path, cluster):
     assert recovered["source"] == "storage" and recovered["from_step"] in committed
     assert recovered["from_step"] % 10 == 0
     assert events[-1]["kind"] == "finished"
+
+
+def _thaw_and_forget_frozen(cluster) -> None:
+    """Nodes a freeze-node fault stopped (raylet in state T): SIGKILL them (a stopped process
+    takes SIGKILL at once) and clean them up."""
+    from stalwart.workers.node_agent import process_state
+
+    for node in list(cluster.worker_nodes):
+        raylet = _raylet(node)
+        if raylet.poll() is None and process_state(raylet.pid) == "T":
+            for pid in [raylet.pid, *children_of(raylet.pid)]:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            cluster.remove_node(node, allow_graceful=False)
+
+
+def test_a_frozen_node_is_noticed_within_a_second_and_restored_from_replicas(tmp_path,
+                                                                             cluster):
+    _three_live_nodes(cluster)  # whatever an earlier test left
+    run_dir = tmp_path / "node-frozen"
+    try:
+        stalwart("run", str(REFERENCE_CONFIG), *sets(*SHARDED4), "--address", cluster.address,
+                 "--inject", "freeze-node:node=2,step=25", "--run-dir", "node-frozen",
+                 cwd=tmp_path, timeout=600)
+    finally:
+        _thaw_and_forget_frozen(cluster)
+    events = events_of(run_dir)
+    print(*[{k: v for k, v in e.items() if k not in ("workers", "message")} for e in events],
+          sep="\n")  # shown when the test fails
+    workers, new_world = [e["workers"] for e in events if e["kind"] == "workers_started"]
+    fault = only(events, "fault_injected")
+    frozen_node = workers[fault["rank"]]["node_id"]
+    failure = only(events, "failure")
+    # Its agent went silent (the raylet's socket still accepts connections, and Ray's
+    # health check takes far longer): every rank of that node is hung, and only those.
+    assert failure["failure_kind"] == "hang" and "stopped answering" in failure["message"]
+    assert failure["ranks"] == [r for r, w in enumerate(workers) if w["node_id"] == frozen_node]
+    assert failure["step"] == 24 and 0 <= failure["detection_s"] < 30
+    # The survivors left their world and trained on: their collectives with the frozen
+    # ranks failed when they cut their connections (gloo cannot abort them), so none was
+    # stuck, killed and replaced.
+    survivors = {w["pid"] for w in workers if w["node_id"] != frozen_node}
+    assert {w["pid"] for w in new_world} <= survivors
+    recovered = only(events, "recovered")
+    assert recovered["source"] == "memory"  # the frozen ranks' shards, from their replicas
+    assert recovered["from_step"] == 24 and recovered["lost_steps"] == 0
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
+    assert steps == list(range(1, 51))
+    assert events[-1]["kind"] == "finished"

@@ -21,7 +21,7 @@ from stalwart.workers.local_timer import LocalTimer
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
-KINDS = "kill, kill-staging, kill-replicating, hang, raise, term, slow, kill-node, drain"
+KINDS = "kill, kill-staging, kill-replicating, hang, raise, term, slow, kill-node, freeze-node, drain"
 SYNTAX = ("expected KIND:TARGET=N,step=S, e.g. kill:rank=1,step=20 or "
           f"kill-node:node=1,step=80; KIND is one of {KINDS}")
 
@@ -49,7 +49,7 @@ def test_a_fault_prints_as_the_user_writes_it() -> None:
     assert str(FaultSpec(kind="kill", rank=1, step=20)) == "kill:rank=1,step=20"
     assert str(FaultSpec(kind="kill-node", node=2, step=8)) == "kill-node:node=2,step=8"
     assert set(FAULT_KINDS) == {"kill", "kill-staging", "kill-replicating", "hang", "raise",
-                                "term", "slow", "kill-node", "drain"}
+                                "term", "slow", "kill-node", "freeze-node", "drain"}
 
 
 @pytest.mark.parametrize("text", [

@@ -146,3 +146,23 @@ def test_two_answers_of_one_rank_in_one_pass_keep_both_parts_in_step_order():
     assert [s.step for s in both.steps] == [1, 2, 3]
     assert [c.step for c in both.commits] == [2]
     assert both.done and both.snapshot_bytes == 10
+
+
+def test_a_node_is_silent_only_when_late_past_the_limit_while_another_answers():
+    from stalwart.orchestrator.node_polls import _Agent, silent_nodes
+
+    def agent(asked_at: float, answered_at: float, *, ready=True, in_flight=True) -> _Agent:
+        return _Agent(actor=None, ref=object() if in_flight else None, ready=ready,
+                      asked_at=asked_at, due_s=0.5, answered_at=answered_at)
+
+    # a's answer was due at 10.5; b answered at 10.6, after that.
+    a, b = agent(10.0, 9.9), agent(10.1, 10.6)
+    assert silent_nodes({"a": a, "b": b}, now=10.9, silent_for_s=0.5) == {}  # 0.4 s late
+    assert silent_nodes({"a": a, "b": b}, now=11.1, silent_for_s=0.5) == {"a": pytest.approx(0.6)}
+    # Nobody answered since a's answer was due: the driver may be the one that is late.
+    quiet = agent(10.1, 10.4)
+    assert silent_nodes({"a": a, "b": quiet}, now=12.0, silent_for_s=0.5) == {}
+    assert silent_nodes({"a": a}, now=12.0, silent_for_s=0.5) == {}  # one node: never
+    # An agent that has not answered once (still starting) or has no poll out is not late.
+    for other in (agent(10.0, 0.0, ready=False), agent(10.0, 9.9, in_flight=False)):
+        assert silent_nodes({"a": other, "b": b}, now=12.0, silent_for_s=0.5) == {}
