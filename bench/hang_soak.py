@@ -7,7 +7,11 @@ Every `failure` event in its log is a false positive: the target is none. Also p
 the median and the slowest step time (how close a healthy step came to the limit), and the
 limit itself.
 
-    python bench/hang_soak.py [--minutes 30] [--set KEY=VALUE ...]
+With `--nodes N` the run is spread over a local cluster of N one-CPU worker nodes (a 0-CPU
+head for the driver), so that the frozen-node rule (failure.node_silent_timeout_s: a node
+agent late while the others answer) is on trial too.
+
+    python bench/hang_soak.py [--minutes 30] [--nodes 0] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -26,10 +30,13 @@ import common
 from stalwart.events import read_jsonl
 
 
-def soak(minutes: float, overrides: list[str], run_dir: Path) -> dict:
+def soak(minutes: float, overrides: list[str], run_dir: Path, address: str | None = None
+         ) -> dict:
     sets = ["train.steps=1000000", "failure.max_failures=-1", "run.log_every=1",
             "failure.hang_timeout_floor_s=2", "failure.hang_factor=5", *overrides]
     cmd = common.stalwart_command(str(common.DEFAULT_CONFIG), sets, run_dir)
+    if address:
+        cmd += ["--address", address]
     log = run_dir.parent / "soak.log"
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
@@ -59,12 +66,30 @@ def soak(minutes: float, overrides: list[str], run_dir: Path) -> dict:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--minutes", type=float, default=30.0)
+    p.add_argument("--nodes", type=int, default=0,
+                   help="spread the run over a local cluster of this many 1-CPU nodes")
     p.add_argument("--set", dest="overrides", action="append", default=[])
     p.add_argument("--out", default=str(common.ROOT / "bench" / "results" / "hang_soak.json"))
     args = p.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="stalwart-soak-")) / "soak"
     t0 = time.time()
-    result = soak(args.minutes, args.overrides, run_dir)
+    if args.nodes:
+        from ray.cluster_utils import Cluster
+
+        cluster = Cluster(initialize_head=True, head_node_args={
+            "num_cpus": 0, "include_dashboard": False})
+        try:
+            for _ in range(args.nodes):
+                cluster.add_node(num_cpus=1)
+            cluster.wait_for_nodes()
+            spread = [f"scaling.num_workers={args.nodes}", "scaling.spare_workers=0",
+                      "scaling.placement_strategy=SPREAD"]
+            result = soak(args.minutes, [*spread, *args.overrides], run_dir, cluster.address)
+        finally:
+            cluster.shutdown()
+        result["nodes"] = args.nodes
+    else:
+        result = soak(args.minutes, args.overrides, run_dir)
     result["wall_s"] = round(time.time() - t0, 1)
     print(f"{result['steps']} steps in {result['wall_s']:.0f} s; median step "
           f"{result['median_step_s']:.3f} s, slowest {result['max_step_s']:.3f} s; hang limit "

@@ -9,6 +9,8 @@ The reference task (`examples/gpt/config.toml`) with the tiny model of tests/cli
   node   lose a whole node: on a local multi-node cluster (ray.cluster_utils.Cluster: a
          0-CPU head for the driver, one 1-CPU node per worker) the node of rank 1 loses its
          raylet and every process on it at once
+  freeze the same cluster; the node of rank 1 freezes instead: its raylet and every process
+         on it are SIGSTOPped (`--inject freeze-node:node=2,step=25`); stalwart only
   outside-kill
          the same SIGKILL, sent by this harness to rank 1's process (its PID) once step 25
          is logged, for all three systems alike (see below)
@@ -75,7 +77,7 @@ Measured per run (seconds, one machine's time.time()):
                 `recovered` event's recovery_s, cross-checked against metrics.jsonl)
   lost_steps    steps completed before the fault - the step restored from
 
-    python bench/recovery.py [--rounds 1] [--faults kill hang node outside-kill] [--keep]
+    python bench/recovery.py [--rounds 1] [--faults kill hang node freeze outside-kill] [--keep]
                              [--out bench/results/recovery.json] [--png bench/results/recovery.png]
 
 Targets (printed with MET / NOT MET): a kill recovered at least 10x faster than Ray Train
@@ -208,6 +210,8 @@ def main() -> int:
     for v in checks:
         print(f"target {v['target']}: {'MET' if v['met'] else 'NOT MET'} "
               f"(value {common.fmt(v['value'], '.2f')}; {v['detail']})")
+    health_s = (ray._raylet.Config.health_check_period_ms()
+                * ray._raylet.Config.health_check_failure_threshold() / 1000)
     notes = [
         "Ray Train runs with commit_checkpoints=True: rank 0 waits until each checkpoint is "
         "registered by the controller, so that Ray Train restores from its newest checkpoint "
@@ -230,9 +234,13 @@ def main() -> int:
         "torchrun: its elastic agent's defaults (--monitor-interval 0.1) with --max-restarts 3.",
         "stalwart's fault time is the controller's acknowledgement of the fault (the worker "
         "carries it out right after); Ray Train's is written by the worker just before it.",
+        "freeze: stalwart only, on the node-loss cluster. A frozen raylet still accepts "
+        f"connections and Ray's node health check gives up on it after about {health_s:g} s; "
+        "stalwart's rule is its node agent, failure.node_silent_timeout_s late while the other "
+        "nodes' agents answer.",
     ]
     for r in results:
-        if (r["runner"] == "stalwart-elastic" and r.get("completed")
+        if (r["runner"] == "stalwart-elastic" and r["fault"] == "node" and r.get("completed")
                 and not any(e["reason"] == "grow" for e in r.get("resized", []))):
             if r.get("replacement_added_s") is None:
                 why = ("before the GCS reported the lost node dead (Ray's default node health "

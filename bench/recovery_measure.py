@@ -9,9 +9,11 @@ from typing import Any, TypeVar
 import common
 from recovery_setup import (
     HANG_WAIT_S,
+    NODE_FAULTS,
     OUTSIDE_KILL,
     PERSIST_EVERY,
     RUNNERS,
+    TARGET_FREEZE_DETECTION_S,
     TARGET_HANG_DETECTION_S,
     TARGET_KILL_RATIO,
     TARGET_NEXT_STEP_SLACK_S,
@@ -52,7 +54,7 @@ def analyse_stalwart(run_dir: Path, fault: str, memory_tier: bool) -> dict[str, 
         "missing_events": [k for k, e in (("fault_injected", injected), ("failure", failure),
                                           ("recovered", recovered)) if e is None],
     }
-    if fault == "node" and not out["resized"]:
+    if fault in NODE_FAULTS and not out["resized"]:
         out["missing_events"].append("resized")
     if not kinds or kinds[-1] != "finished":
         out["missing_events"].append("finished (last event: "
@@ -63,7 +65,7 @@ def analyse_stalwart(run_dir: Path, fault: str, memory_tier: bool) -> dict[str, 
     out["fault_time"] = ft
     out["fault_rank"] = injected.rank
     started = [e for e in events if isinstance(e, ev.WorkersStarted)]
-    if fault == "node" and started:
+    if fault in NODE_FAULTS and started:
         workers = started[0].workers
         if injected.rank < len(workers):
             out["killed_node_id"] = workers[injected.rank].node_id
@@ -149,6 +151,17 @@ def verdicts(results: list[dict[str, Any]], med: dict[str, Any]) -> list[dict[st
                               f"{HANG_WAIT_S:g} s" if not med["hang"]["ray-train"]["detected"]
                               else f"{common.fmt(med['hang']['ray-train']['detection_s'], '.2f')}"
                                    " s")})
+    if "freeze" in med:
+        rs = [r for r in results if r["fault"] == "freeze"]
+        worst = (max(r["detection_s"] for r in rs) if rs and all(
+            r.get("detection_s") is not None for r in rs) else None)
+        recovery = med["freeze"]["stalwart-elastic"]["recovery_s"]
+        out.append({
+            "target": f"freeze: stalwart notices a frozen node within "
+                      f"{TARGET_FREEZE_DETECTION_S:g} s (every round)",
+            "value": worst, "met": worst is not None and worst <= TARGET_FREEZE_DETECTION_S,
+            "detail": f"worst detection {common.fmt(worst, '.2f')} s over {len(rs)} round(s); "
+                      f"median recovery {common.fmt(recovery, '.2f')} s"})
     if OUTSIDE_KILL in med:
         out += outside_verdicts(med[OUTSIDE_KILL])
     stalwart = [r for r in results if r["system"] == "stalwart"]

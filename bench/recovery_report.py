@@ -148,6 +148,7 @@ def plot(png: str, med: dict[str, Any]) -> str | None:
         ax.set_ylim(1e-2, HANG_WAIT_S * 8)
         ax.set_xticks(range(len(faults)), [{"kill": "kill (SIGKILL)", "hang": "hang (SIGSTOP)",
                                             "node": "node loss",
+                                            "freeze": "frozen node",
                                             OUTSIDE_KILL: "SIGKILL from outside"}[f]
                                 for f in faults])
         ax.set_ylabel("seconds (log scale)")

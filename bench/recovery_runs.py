@@ -24,6 +24,7 @@ from recovery_setup import (
     FAULT_STEP,
     HANG_WAIT_S,
     INJECT,
+    NODE_FAULTS,
     NODE_HEAD_ARGS,
     OUTSIDE_MODEL,
     PERSIST_EVERY,
@@ -82,11 +83,12 @@ def run_stalwart(runner: str, fault: str, args: argparse.Namespace, work: Path,
                               "round": rnd, "load_before": os.getloadavg()[0],
                               "log": str(log), "run_dir": str(run_dir)}
     try:
-        if fault != "node":
+        if fault not in NODE_FAULTS:
             result["command"] = cmd
             code, wall = run_cli(cmd, log, args.timeout)
         else:
-            code, wall = run_stalwart_node(cmd, run_dir, log, args.timeout, result)
+            code, wall = run_stalwart_node(cmd, run_dir, log, args.timeout, result,
+                                           freeze=fault == "freeze")
     except Exception as exc:  # recorded, the other runs go on
         import traceback
 
@@ -103,9 +105,10 @@ def run_stalwart(runner: str, fault: str, args: argparse.Namespace, work: Path,
 
 
 def run_stalwart_node(cmd: list[str], run_dir: Path, log: Path, timeout: float,
-                      result: dict[str, Any]) -> tuple[int, float]:
-    """The node fault: the CLI against a local 3-node cluster; a replacement node is added as
-    soon as the GCS reports the lost node dead (run_raytrain's replace_node_after="dead")."""
+                      result: dict[str, Any], *, freeze: bool = False) -> tuple[int, float]:
+    """The node faults: the CLI against a local 3-node cluster; a replacement node is added as
+    soon as the GCS reports the lost node dead (run_raytrain's replace_node_after="dead").
+    A frozen node's processes (this cluster's) are SIGKILLed at the end."""
     import ray
     from ray.cluster_utils import Cluster
 
@@ -142,6 +145,8 @@ def run_stalwart_node(cmd: list[str], run_dir: Path, log: Path, timeout: float,
     finally:
         try:
             ray.shutdown()
+            if freeze:
+                kill_frozen_nodes(cluster)
         finally:
             cluster.shutdown()
     ft = node.get("fault_time")
@@ -152,6 +157,23 @@ def run_stalwart_node(cmd: list[str], run_dir: Path, log: Path, timeout: float,
     result["cluster"] = {"head": NODE_HEAD_ARGS, "worker_nodes": WORKERS,
                          "cpus_per_node": 1}
     return code, wall
+
+
+def kill_frozen_nodes(cluster: Any) -> None:
+    """SIGKILL the raylet of each node a freeze-node fault stopped, and every process it
+    started: a stopped process takes SIGKILL at once, where the cluster's shutdown would wait."""
+    from ray._private import ray_constants
+
+    from stalwart.workers.faults import children_of
+    from stalwart.workers.node_agent import process_state
+
+    for node in list(cluster.worker_nodes):
+        raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
+        if raylet.poll() is None and process_state(raylet.pid) == "T":
+            for pid in [raylet.pid, *children_of(raylet.pid)]:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            cluster.remove_node(node, allow_graceful=False)
 
 
 @contextlib.contextmanager

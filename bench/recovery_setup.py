@@ -8,7 +8,9 @@ from typing import Any
 from outside_kill import OUTSIDE_KILL
 from raytrain_recovery import TINY
 
-FAULTS = ("kill", "hang", "node", OUTSIDE_KILL)
+FAULTS = ("kill", "hang", "node", "freeze", OUTSIDE_KILL)
+# Faults that need a multi-node cluster: a node is lost or frozen.
+NODE_FAULTS = ("node", "freeze")
 WORKERS = 2
 STEPS = 40
 FAULT_STEP = 25
@@ -16,6 +18,7 @@ PERSIST_EVERY = 10
 HANG_WAIT_S = 60.0
 TARGET_KILL_RATIO = 10.0
 TARGET_HANG_DETECTION_S = 10.0
+TARGET_FREEZE_DETECTION_S = 1.0  # a frozen node: noticed within a second
 # outside-kill: stalwart's kill -> next completed step <= a normal step + this; and the peers'
 # times over stalwart's at least these ratios.
 TARGET_NEXT_STEP_SLACK_S = 0.5
@@ -33,7 +36,8 @@ NO_SPARE = ["scaling.spare_workers=0"]  # whatever the config says
 ELASTIC = ["scaling.min_workers=1", "scaling.resize_check_s=2", "scaling.spare_workers=0"]
 STORAGE_ONLY = ["checkpoint.snapshot_every=0"]  # the in-memory tier off
 INJECT = {"kill": f"kill:rank=1,step={FAULT_STEP}", "hang": f"hang:rank=1,step={FAULT_STEP}",
-          "node": f"kill-node:node=2,step={FAULT_STEP}"}
+          "node": f"kill-node:node=2,step={FAULT_STEP}",
+          "freeze": f"freeze-node:node=2,step={FAULT_STEP}"}
 
 # (runner, label) per fault, in the order of a round.
 RUNNERS = {
@@ -44,6 +48,9 @@ RUNNERS = {
     "node": [("stalwart-elastic", "stalwart (shrink)"),
              ("stalwart-elastic/storage", "stalwart (shrink), storage"),
              ("ray-train", "Ray Train")],
+    # stalwart only: Ray Train has no freeze of its own here; it waits for Ray's node health
+    # check (tens of seconds) as it does for a lost node.
+    "freeze": [("stalwart-elastic", "stalwart (shrink)")],
     # The issue's table: stalwart with its warm spare and the memory tier, Ray Train's
     # TorchTrainer, torchrun --max-restarts; each killed from outside by the same harness.
     OUTSIDE_KILL: [("stalwart+spare", "stalwart (memory tier, spare)"),
