@@ -157,32 +157,29 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def _signal_this_node(sig: signal.Signals) -> None:
+    """Send `sig` to this node's raylet and every process it started, this one last."""
+    raylet = raylet_pid()
+    others = [p for p in children_of(raylet) if p != os.getpid()]
+    os.kill(raylet, sig)
+    for pid in others:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+    os.kill(os.getpid(), sig)
+
+
 def kill_this_node() -> None:
     """What losing the machine does to Ray: the raylet and every process it started go at
     once (its workers would otherwise live on for a while as orphans, still answering)."""
-    raylet = raylet_pid()
-    doomed = [p for p in children_of(raylet) if p != os.getpid()]
-    os.kill(raylet, signal.SIGKILL)
-    for pid in doomed:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    os.kill(os.getpid(), signal.SIGKILL)
+    _signal_this_node(signal.SIGKILL)
 
 
 def freeze_this_node() -> None:
     """What a frozen machine (a paused VM, a hung kernel) does to Ray: the raylet and every
     process it started stop at once, holding their connections open."""
-    raylet = raylet_pid()
-    frozen = [p for p in children_of(raylet) if p != os.getpid()]
-    for pid in frozen:
-        try:
-            os.kill(pid, signal.SIGSTOP)
-        except ProcessLookupError:
-            pass
-    os.kill(raylet, signal.SIGSTOP)
-    os.kill(os.getpid(), signal.SIGSTOP)
+    _signal_this_node(signal.SIGSTOP)
 
 
 def drain_this_node(deadline_s: float = 60.0) -> None:
