@@ -60,9 +60,11 @@ def test_a_lost_node_is_restored_from_replicas_resharded(tmp_path, cluster):
     # Every shard of step 14 survived (the lost node's as replicas): nothing is trained twice.
     assert recovered["source"] == "memory"
     assert recovered["from_step"] == 14 and recovered["lost_steps"] == 0
-    resized = only(events, "resized")
+    # It shrank; it may grow back later, once a new actor is warm on the nodes left.
+    resized, *grown = [e for e in events if e["kind"] == "resized"]
     assert resized["old_world_size"] == 4 and resized["new_world_size"] < 4
     assert resized["new_layout"]["dp_shard"] == resized["new_world_size"]  # resharded
+    assert all(e["reason"] == "grow" for e in grown)
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     assert steps == list(range(1, 51))
     assert events[-1]["kind"] == "finished"
@@ -170,7 +172,8 @@ def test_a_frozen_node_is_noticed_within_a_second_and_restored_from_replicas(tmp
     events = events_of(run_dir)
     print(*[{k: v for k, v in e.items() if k not in ("workers", "message")} for e in events],
           sep="\n")  # shown when the test fails
-    workers, new_world = [e["workers"] for e in events if e["kind"] == "workers_started"]
+    # The first world and the one after the freeze (a later one may grow back).
+    workers, new_world = [e["workers"] for e in events if e["kind"] == "workers_started"][:2]
     fault = only(events, "fault_injected")
     frozen_node = workers[fault["rank"]]["node_id"]
     failure = only(events, "failure")
