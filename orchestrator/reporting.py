@@ -38,10 +38,14 @@ class CommitLog:
         self.events = events
         # The newest step logged (a resume's own step was logged by the run that wrote it).
         self.newest = resume_from.step if resume_from else -1
+        self._logged: set[CommitReport] = set()  # a world's leave hands over polled ones too
 
     def reported(self, commits: list[CommitReport]) -> None:
         """Commits rank 0 reported (it commits for everyone)."""
         for commit in commits:
+            if commit in self._logged:
+                continue
+            self._logged.add(commit)
             self.events.emit(ev.CheckpointCommitted(step=commit.step, path=commit.path,
                              save_s=round(commit.save_s, 3)))
             self.newest = max(self.newest, commit.step)

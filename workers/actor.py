@@ -119,6 +119,8 @@ class TrainWorker:
         # them may be dropped then (leave returns those after the controller's last step).
         self._sent: deque[StepReport] = deque(maxlen=256)
         self._commits: deque[CommitReport] = deque()
+        # Commits a poll took, until the world ends: that answer may be dropped with it.
+        self._sent_commits: deque[CommitReport] = deque(maxlen=256)
         self._profiles: deque[ProfileReport] = deque()
         # The faults armed in this world; it outlives the worlds (a `slow` fault lasts).
         self.faults = FaultInjector()
@@ -267,6 +269,7 @@ class TrainWorker:
         self._steps.clear()
         self._sent.clear()
         self._commits.clear()
+        self._sent_commits.clear()
         self._profiles.clear()
         self._stop.clear()
         self._done = self._stopped_early = False
@@ -394,6 +397,7 @@ class TrainWorker:
         steps = [self._steps.popleft() for _ in range(len(self._steps))]
         self._sent.extend(steps)  # until the world ends: this answer may be dropped
         commits = [self._commits.popleft() for _ in range(len(self._commits))]
+        self._sent_commits.extend(commits)
         faults = self.faults.drain()
         profiles = [self._profiles.popleft() for _ in range(len(self._profiles))]
         return WorkerStatus(rank=self.rank, generation=self.generation, steps=steps,
@@ -431,9 +435,11 @@ class TrainWorker:
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
                 return LeaveReport(left=False, step=step, steps=self._steps_after(after_step))
             step = self.engine.step if self.engine is not None else step
-        # Commits the controller has not polled yet, and the save in flight if it completes:
-        # they are on storage, so they go on record (rank 0 reports them for everyone).
-        commits = list(self._commits)
+        # This world's commits, polled or not (an answer that carried some may have been
+        # dropped as the world ended), and the save in flight if it completes: they are on
+        # storage, so they go on record (rank 0 reports them for everyone; the driver logs
+        # each once).
+        commits = [*self._sent_commits, *self._commits]
         if self.checkpointer is not None:
             try:
                 commits.extend(self.checkpointer.wait())

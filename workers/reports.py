@@ -43,7 +43,8 @@ class LeaveReport:
     step: int
     """The last step this rank completed (the controller counts the steps a failure cost)."""
     commits: tuple[CommitReport, ...] = ()
-    """Commits no poll reported yet, and the save in flight if it completed."""
+    """This world's commits, polled or not (an answer may have been dropped as the world
+    ended), and the save in flight if it completed."""
     steps: tuple[StepReport, ...] = ()
     """Steps after the controller's last one that it may not have heard of: queued after the
     last poll, or drained by a poll whose answer was dropped as the world ended."""
