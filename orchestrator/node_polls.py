@@ -57,6 +57,11 @@ class _Agent:
     seen_at: float = 0.0
     """time.time() of that answer: the last moment its node was known to be well."""
 
+    @property
+    def due_at(self) -> float:
+        """time.monotonic() when its poll in flight should have been answered."""
+        return self.asked_at + self.due_s
+
 
 class NodePolls:
     # An agent answers when the interval ends; beyond this, its node is late.
@@ -151,7 +156,7 @@ class NodePolls:
     def _until_silent(self, agents: dict[str, _Agent]) -> float:
         """Seconds until the next agent in flight would be late enough to be silent."""
         now = time.monotonic()
-        waits = [a.asked_at + a.due_s + self.silent_for_s - now for a in agents.values()
+        waits = [a.due_at + self.silent_for_s - now for a in agents.values()
                  if a.ready and a.ref is not None]
         waits = [w for w in waits if w > 0]  # those late already do not shorten the wait
         return min(waits, default=float("inf")) + 0.01
@@ -238,7 +243,7 @@ def silent_nodes(agents: dict[str, _Agent], now: float, silent_for_s: float
     for node_id, agent in agents.items():
         if not agent.ready or agent.ref is None:
             continue
-        due = agent.asked_at + agent.due_s
+        due = agent.due_at
         if now - due <= silent_for_s:
             continue
         if any(other.answered_at > due for n, other in agents.items() if n != node_id):

@@ -75,8 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--address", help="Ray cluster to join (default: start Ray on this machine)")
     add_inject_option(run, "inject a fault, e.g. kill:rank=1,step=20, hang:rank=0,step=40, "
                            "raise:rank=1,step=60, term:rank=1,step=30, kill-node:node=1,"
-                           "step=80, freeze-node:node=1,step=80, drain:node=1,step=50 (repeatable; adds to the config's "
-                           "[[faults]])")
+                           "step=80, freeze-node:node=1,step=80, drain:node=1,step=50 "
+                           "(repeatable; adds to the config's [[faults]])")
     add_resume_options(run)
     run.add_argument("--trust-unsigned", action="store_true", help=TRUST_UNSIGNED_HELP)
     run.add_argument("--profile", metavar="STEPS",
