@@ -63,7 +63,7 @@ class Throughput(ControllerObserver):
                 step=r.step, loss=r.loss, lr=r.lr, tokens_per_s=round(tokens_per_s, 1),
                 world_size=self.world_size, samples_seen=r.samples_seen, time=r.time,
                 window_s=round(elapsed, 6), steps_in_window=len(self._unlogged_ends),
-                val_loss=r.val_loss))
+                val_loss=r.val_loss, task_metrics=r.metrics))
             self._last_log_time, self._tokens_since_log = r.time, 0
             self._unlogged_ends = {}
         self.display.update(r, tokens_per_s)

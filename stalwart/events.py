@@ -385,11 +385,15 @@ class MetricsRow:
     """How many steps the window holds."""
     val_loss: float | None = None
     """On validation steps only."""
+    task_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
+    """The task's own metrics at this step (`val_<name>` on validation steps): columns of
+    their own in the file, next to the ones above."""
 
     def to_row(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)
         if row["val_loss"] is None:
             del row["val_loss"]
+        row.update(row.pop("task_metrics"))
         return row
 
 
@@ -447,9 +451,16 @@ def read_events(path: Path) -> list[Event]:
 
 
 def read_metrics(path: Path) -> list[MetricsRow]:
-    """Every row of a metrics.jsonl (a half-written last line is left out)."""
-    return [record(MetricsRow, row, where=f"{path} line {n}", may_be_nan=MAY_BE_NAN)
-            for n, row in read_rows(path)]
+    """Every row of a metrics.jsonl (a half-written last line is left out); a column that is
+    not one of MetricsRow's fields and holds a number is a task metric."""
+    fields = {f.name for f in dataclasses.fields(MetricsRow)}
+    rows = []
+    for n, row in read_rows(path):
+        metrics = record(MetricsRow, row, where=f"{path} line {n}", may_be_nan=MAY_BE_NAN)
+        extra = {k: v for k, v in row.items() if k not in fields
+                 and isinstance(v, (int, float)) and not isinstance(v, bool)}
+        rows.append(dataclasses.replace(metrics, task_metrics=extra) if extra else metrics)
+    return rows
 
 
 def dumps(record: Event | MetricsRow) -> str:

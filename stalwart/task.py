@@ -7,9 +7,10 @@ one is refused before anything starts. stalwart
 owns the distributed parts (process groups, sharding, checkpoints, sample order); the
 task only says what to train: the model, its loss, the data, the optimizer and schedule.
 
-Contract for datasets: `len(ds)` items, and `ds.get_batch(indices) -> (inputs, targets)`
-tensors on the CPU for a 1-D array of item indices. stalwart decides which indices each
-rank reads (see stalwart.workers.sampler), so a dataset never needs to know about ranks.
+Contract for datasets: `len(ds)` items, and `ds.get_batch(indices)` for a 1-D array of item
+indices, returning CPU tensors: an `(inputs, targets)` pair, a single tensor, or a dict of
+tensors (see stalwart.batch). stalwart decides which indices each rank reads (see
+stalwart.workers.sampler), so a dataset never needs to know about ranks.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 
+from stalwart.batch import Batch, default_token_count, loss_takes_batch
 from stalwart.errors import TaskError
 
 if TYPE_CHECKING:
@@ -34,7 +36,7 @@ if TYPE_CHECKING:
 
 class Dataset(Protocol):
     def __len__(self) -> int: ...
-    def get_batch(self, indices: Any) -> tuple[torch.Tensor, torch.Tensor]: ...
+    def get_batch(self, indices: Any) -> Batch: ...
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -92,6 +94,10 @@ class TrainTask:
         if dims.pp > 1 and type(self).split_pipeline is TrainTask.split_pipeline:
             raise TaskError(f"parallel.pp = {dims.pp}: task {type(self).__name__} has no "
                             f"pipeline split (implement split_pipeline)")
+        if dims.pp > 1 and loss_takes_batch(self):
+            raise TaskError(f"parallel.pp = {dims.pp}: task {type(self).__name__}'s "
+                            f"loss(model, batch) cannot run across pipeline stages; the last "
+                            f"stage computes output_loss(output, targets) instead")
 
     def apply_tensor_parallel(self, model: torch.nn.Module, tp_mesh: DeviceMesh, *,
                               sequence_parallel: bool) -> None:
@@ -113,9 +119,20 @@ class TrainTask:
         return None
 
     def loss(self, model: torch.nn.Module, inputs: torch.Tensor, targets: torch.Tensor
-             ) -> torch.Tensor:
-        """Mean loss of one micro-batch: `output_loss` of the model's output."""
+             ) -> Any:
+        """Mean loss of one micro-batch: `output_loss` of the model's output.
+
+        An override may take the batch whole instead, as `loss(self, model, batch)`, for
+        batches that are not pairs. Either may return `(loss, metrics)`: a dict of scalars
+        averaged like the loss and logged under their names (see stalwart.batch). A dict
+        batch with this default loss calls `model(**batch)` and takes the output's `loss`.
+        """
         return self.output_loss(model(inputs), targets)
+
+    def count_tokens(self, batch: Batch) -> int:
+        """Tokens in one micro-batch, for tokens/s: the targets' elements of a pair,
+        `labels` (else `input_ids`) of a dict, the samples of anything else."""
+        return default_token_count(batch)
 
     def output_loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean loss of a model output (also what a pipeline's last stage computes); the

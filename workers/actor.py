@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from stalwart.batch import compute_loss, loss_takes_batch
 from stalwart.checkpointing.memory.store import Inventory
 from stalwart.checkpointing.memory.tier import MemoryTier, StateAccess
 from stalwart.checkpointing.snapshot import ShardLayout
@@ -90,8 +91,10 @@ def warm_model(task: TrainTask, config: JobConfig) -> None:
     model = task.build_model(config)
     task.init_weights(model)
     data = task.train_dataset(config)
-    inputs, targets = data.get_batch(np.arange(min(len(data), config.train.micro_batch_size)))
-    task.loss(model, inputs, targets).backward()
+    batch = data.get_batch(np.arange(min(len(data), config.train.micro_batch_size)))
+    task.count_tokens(batch)
+    loss, _ = compute_loss(task, model, batch, takes_batch=loss_takes_batch(task))
+    loss.backward()
 
 
 class TrainWorker:
@@ -355,7 +358,11 @@ class TrainWorker:
                     shard = tier.snapshot(step, hooks=self.faults)
                 if cfg.data.val_every and (step % cfg.data.val_every == 0 or last):
                     self._busy = "validating"
-                    report = replace(report, val_loss=engine.validate())
+                    validation = engine.validate()
+                    if validation is not None:
+                        val_loss, val_metrics = validation
+                        report = replace(report, val_loss=val_loss,
+                                         metrics={**report.metrics, **val_metrics})
                 self._steps.append(report)
                 if persist:  # from the staged snapshot when there is one
                     self._busy = "saving a checkpoint"  # waits for the save before it

@@ -23,7 +23,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from stalwart.batch import as_pair, batch_samples, compute_loss, loss_takes_batch, to_device
 from stalwart.checkpointing.memory.tier import StateAccess
+from stalwart.errors import TaskError
 from stalwart.parallel.data_parallel import gradient_sync
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
 from stalwart.parallel.grad_norm import clip_grad_norm
@@ -90,6 +92,10 @@ class TrainEngine:
         self._configured = [{k: v for k, v in g.items() if k not in ("params", "lr")}
                             for g in self.optimizer.param_groups]
 
+        self.takes_batch = loss_takes_batch(task)
+        self.metric_names: tuple[str, ...] | None = None
+        """The names of the metrics the task's loss returns, fixed by the first step: every
+        step's all-reduce carries them in this order."""
         self.train_data = task.train_dataset(config)
         self.val_data = task.val_dataset(config)
         self.sampler = GlobalSampler(len(self.train_data), seed=config.train.seed)
@@ -120,12 +126,14 @@ class TrainEngine:
         items = self.sampler.items(start, count)
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
+        metric_sums: dict[str, torch.Tensor] = {}
         tokens = 0
         local = LocalTimer(self.device, after_local_work)  # own work before the first sync
         if self.pipeline is not None:
             # The schedule splits the rank's batch into the accumulation micro-batches.
-            inputs, targets = (t.to(self.device) for t in self.train_data.get_batch(items))
-            tokens = targets.numel()
+            batch = to_device(self.train_data.get_batch(items), self.device)
+            inputs, targets = as_pair(batch, "pipeline parallelism")
+            tokens = self.task.count_tokens(batch)
             local.done()  # stages exchange activations from here on
             loss = self.pipeline.step(inputs, targets)
             if loss is not None:
@@ -133,20 +141,22 @@ class TrainEngine:
         else:
             for i in range(self.accum):
                 mb = items[i * cfg.micro_batch_size:(i + 1) * cfg.micro_batch_size]
-                inputs, targets = (t.to(self.device, non_blocking=True)
-                                   for t in self.train_data.get_batch(mb))
-                tokens += targets.numel()
+                batch = to_device(self.train_data.get_batch(mb), self.device)
+                tokens += self.task.count_tokens(batch)
                 if self.invariant is not None:
                     # Each micro-batch is a leaf of the global sum: scaled by 1 / (all the
                     # global batch's micro-batches), the same factor for any dp degree.
-                    loss = self.task.loss(self.model, inputs, targets)
+                    loss, metrics = self._loss(batch)
+                    _accumulate(metric_sums, metrics, self.accum)
                     (loss / (self.accum * self.dp_size)).backward()
                     self.invariant.add()
                     loss_sum += loss.detach() / self.accum
                     continue
                 last = i == self.accum - 1
                 with gradient_sync(self.model, last):
-                    loss = self.task.loss(self.model, inputs, targets) / self.accum
+                    loss, metrics = self._loss(batch)
+                    _accumulate(metric_sums, metrics, self.accum)
+                    loss = loss / self.accum
                     if last:  # DDP syncs gradients during this backward
                         local.done()
                     loss.backward()
@@ -169,24 +179,47 @@ class TrainEngine:
         # rank holds its data-parallel slice's loss (tensor-parallel peers hold the same
         # one; with a pipeline only the last stage has it), so the sum over the world divided
         # by the number of ranks holding a loss is the mean over the global batch.
-        summary = torch.stack([loss_sum, torch.tensor(float(stop_requested), device=self.device)])
+        # The task's metrics ride along, averaged as the loss is.
+        names = self._fix_metric_names(metric_sums)
+        summary = torch.stack([loss_sum, torch.tensor(float(stop_requested), device=self.device),
+                               *(metric_sums[n] for n in names)])
         if before_summary is not None:
             before_summary()
         if dist.is_initialized():
             dist.all_reduce(summary)
-        loss_mean, stop_votes = (summary / torch.tensor([self.loss_ranks, 1.0],
-                                                        device=self.device)).tolist()
+        divisors = torch.tensor([self.loss_ranks, 1.0] + [self.loss_ranks] * len(names),
+                                device=self.device)
+        loss_mean, stop_votes, *metric_means = (summary / divisors).tolist()
         self.step += 1
         self.samples_seen += cfg.global_batch_size
         report = StepReport(rank=self.rank, step=self.step, loss=loss_mean, lr=lr,
                             tokens=tokens * self.dp_size, step_time_s=time.perf_counter() - t0,
                             time=time.time(), samples_seen=self.samples_seen,
-                            local_s=local.seconds())
+                            local_s=local.seconds(),
+                            metrics=dict(zip(names, metric_means, strict=True)))
         return report, stop_votes > 0
 
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        return compute_loss(self.task, self.model, batch, takes_batch=self.takes_batch)
+
+    def _fix_metric_names(self, metric_sums: dict[str, torch.Tensor]) -> tuple[str, ...]:
+        """The metric names in all-reduce order: the first step's, then checked every step
+        (a rank sending other names would garble its peers' numbers)."""
+        names = tuple(sorted(metric_sums))
+        if self.pipeline is not None:
+            return ()  # the last stage runs output_loss, which has no metrics
+        if self.metric_names is None:
+            self.metric_names = names
+        elif names != self.metric_names:
+            raise TaskError(f"the task's loss returned metrics {list(names)} at step "
+                            f"{self.step + 1}, but {list(self.metric_names)} before: every "
+                            f"step must return the same names")
+        return names
+
     @torch.no_grad()
-    def validate(self) -> float | None:
-        """Mean loss over a fixed held-out set (the same samples for any world size)."""
+    def validate(self) -> tuple[float, dict[str, float]] | None:
+        """Mean loss and task metrics (as `val_<name>`) over a fixed held-out set (the same
+        samples for any world size), weighted by samples; None without a held-out set."""
         if self.val_data is None:
             return None
         cfg = self.config
@@ -196,26 +229,35 @@ class TrainEngine:
         self.model.eval()
         mb = cfg.train.micro_batch_size
         acc = torch.zeros(2, device=self.device)
+        names: tuple[str, ...] = ()
         if self.pipeline is not None:
             # One step's worth at a time: the schedule splits it into its micro-batches.
             chunk = count // cfg.data.val_batches
             for i in range(0, count, chunk):
-                inputs, targets = (t.to(self.device)
-                                   for t in self.val_data.get_batch(items[i:i + chunk]))
+                inputs, targets = as_pair(to_device(
+                    self.val_data.get_batch(items[i:i + chunk]), self.device),
+                    "pipeline parallelism")
                 loss = self.pipeline.eval_loss(inputs, targets)
                 if loss is not None:
                     acc += torch.stack([loss * len(inputs), torch.tensor(
                         float(len(inputs)), device=self.device)])
         else:
             for i in range(0, count, mb):
-                inputs, targets = (t.to(self.device)
-                                   for t in self.val_data.get_batch(items[i:i + mb]))
-                loss = self.task.loss(self.model, inputs, targets)
-                acc += torch.stack([loss * len(inputs), torch.tensor(float(len(inputs)),
-                                                                     device=self.device)])
+                batch = to_device(self.val_data.get_batch(items[i:i + mb]), self.device)
+                n = float(batch_samples(batch))
+                loss, metrics = self._loss(batch)
+                if i == 0:  # sized by the first micro-batch's metrics, in name order
+                    names = tuple(sorted(metrics))
+                    acc = torch.zeros(2 + len(names), device=self.device)
+                if tuple(sorted(metrics)) != names:
+                    raise TaskError(f"the task's loss returned metrics {sorted(metrics)} in "
+                                    f"validation, but {list(names)} before")
+                acc += torch.stack([loss * n, torch.tensor(n, device=self.device),
+                                    *(metrics[k] * n for k in names)])
         if dist.is_initialized():
             dist.all_reduce(acc)
-        return (acc[0] / acc[1]).item()
+        means = (acc / acc[1]).tolist()
+        return means[0], {f"val_{k}": v for k, v in zip(names, means[2:], strict=True)}
 
     # ------------------------------------------------------------------ state
 
@@ -303,3 +345,11 @@ class TrainEngine:
                     base_lrs[i] = new_base
         if hasattr(self.scheduler, "_last_lr"):  # what get_last_lr() answers
             self.scheduler._last_lr = [g["lr"] for g in self.optimizer.param_groups]
+
+
+def _accumulate(sums: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor],
+                accum: int) -> None:
+    """Add one micro-batch's metrics to the step's sums, as its loss is (1 / accum each)."""
+    for name, value in metrics.items():
+        share = value / accum
+        sums[name] = sums[name] + share if name in sums else share

@@ -32,6 +32,9 @@ class StepReport:
     local_s: float = 0.0
     """Seconds of this rank's own work before its first gradient synchronisation (what a
     straggler takes longer for; see orchestrator/stragglers.py)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """The task's own metrics, global means like the loss; `val_<name>` ones too on a
+    validation step."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -135,7 +135,15 @@ class DigitsTask(TrainTask):
     def val_dataset(self, config: JobConfig) -> DigitsDataset:
         return self._split()[1]
 
-    # The default loss, TrainTask.loss, is cross entropy of `logits.flatten(0, -2)` against
-    # `targets.flatten()`: for logits [B, 10] and labels [B] that is plain classification
-    # cross entropy, so it needs no override. Likewise the default AdamW and the warm-up +
-    # cosine schedule (train.lr, train.warmup_steps, ...) suit this model as they are.
+    def loss(self, model: nn.Module, images: torch.Tensor, labels: torch.Tensor
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Cross entropy, and the share of images read right as the `accuracy` metric.
+
+        stalwart averages a metric like the loss, over micro-batches and ranks, and logs it
+        in metrics.jsonl as `accuracy` (and `val_accuracy` after each validation pass)."""
+        logits = model(images)
+        accuracy = (logits.argmax(dim=-1) == labels).float().mean()
+        return nn.functional.cross_entropy(logits, labels), {"accuracy": accuracy}
+
+    # The default AdamW and the warm-up + cosine schedule (train.lr, train.warmup_steps, ...)
+    # suit this model as they are.

@@ -9,6 +9,7 @@ comes with Ray's train and tune extras anyway; TensorBoard itself is only needed
 Scalars, against the training step (wall time: when the step ended on the workers):
 
   loss, val_loss, lr, tokens_per_s, world_size   one point per metrics row, named as its columns
+  the task's own metrics (accuracy, val_accuracy, ...)   likewise, under their names
   events/failures     failures so far in this invocation, at the step each one hit
   events/resizes      resizes so far, at the step each one happened
   events/lost_steps   steps trained again after a recovery, at the step training resumed from
@@ -123,6 +124,8 @@ class TensorBoardLogger(Callback):
                 value = getattr(row, name)
                 if value is not None:
                     writer.add_scalar(name, value, global_step=row.step, walltime=row.time)
+            for name, value in row.task_metrics.items():
+                writer.add_scalar(name, value, global_step=row.step, walltime=row.time)
 
     def on_event(self, event: Event) -> None:
         text = _describe(event)

@@ -52,7 +52,7 @@ def val_loss_after_training(rank: int, world: int, cache: str, layout: list[str]
                          world_size=world, device=torch.device("cpu"))
     for _ in range(3):
         engine.train_step()
-    return engine.validate()
+    return engine.validate()[0]
 
 
 @pytest.mark.parametrize(("world", "layout"), [

@@ -1,5 +1,6 @@
 """The digits example end to end, run exactly as a user would: `stalwart run` on its config,
-with DDP as shipped and with FSDP2 (each block of model.layers sharded over both workers)."""
+with DDP as shipped and with FSDP2 (each block of model.layers sharded over both workers),
+its accuracy metric reaching metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -36,3 +37,9 @@ def test_digits_example_trains_to_a_low_val_loss(tmp_path, layout) -> None:
     assert val[-1][1] < 0.5, val  # from ln 10 = 2.3 at the start; about 0.05 in practice
     assert val[-1][1] < val[0][1]
     assert rows[-1]["world_size"] == 2
+    # The task's own metric: accuracy on every row, val_accuracy on the validation rows,
+    # both global means over the two workers.
+    assert all(0 <= r["accuracy"] <= 1 for r in rows)
+    val_accuracy = [r["val_accuracy"] for r in rows if "val_loss" in r]
+    assert len(val_accuracy) == len(val) and val_accuracy[-1] > 0.9, val_accuracy
+    assert not [r for r in rows if "val_accuracy" in r and "val_loss" not in r]

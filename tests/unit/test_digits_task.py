@@ -80,10 +80,13 @@ def test_model_shapes_blocks_and_initial_loss(config) -> None:
     inputs, targets = task.train_dataset(config).get_batch(np.arange(16))
     logits = model(inputs)
     assert logits.shape == (16, 10) and logits.dtype == torch.float32
-    # The default TrainTask.loss is plain cross entropy for [B, 10] logits and [B] labels.
-    loss = task.loss(model, inputs, targets)
+    # Plain cross entropy for [B, 10] logits and [B] labels, and the accuracy beside it.
+    loss, metrics = task.loss(model, inputs, targets)
     assert loss.shape == () and torch.allclose(loss, F.cross_entropy(logits, targets))
     assert abs(loss.item() - math.log(10)) < 0.1  # near-uniform first predictions
+    assert set(metrics) == {"accuracy"}
+    right = (logits.argmax(-1) == targets).sum().item()
+    assert metrics["accuracy"].item() == pytest.approx(right / 16)
 
 
 def test_init_weights_is_deterministic_from_the_global_seed(config) -> None:
@@ -176,7 +179,7 @@ def test_shipped_schedule_learns_to_over_90_percent(config, one_thread) -> None:
         if len(order) < batch:
             order = np.concatenate([order, rng.permutation(len(train))])
         indices, order = order[:batch], order[batch:]
-        loss = task.loss(model, *train.get_batch(indices))
+        loss, _ = task.loss(model, *train.get_batch(indices))
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.train.grad_clip)
         optimizer.step()
@@ -188,4 +191,5 @@ def test_shipped_schedule_learns_to_over_90_percent(config, one_thread) -> None:
         logits = model(inputs)
     accuracy = (logits.argmax(-1) == targets).float().mean().item()
     assert accuracy > 0.9, accuracy
+    assert task.loss(model, inputs, targets)[1]["accuracy"].item() == pytest.approx(accuracy)
     assert F.cross_entropy(logits, targets).item() < 0.5

@@ -100,12 +100,24 @@ def test_a_search_key_or_value_the_config_refuses(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize(("metric", "fragment"), [
-    ("accuracy", "'accuracy' is never reported by a stalwart run; use one of loss, val_loss"),
+    ("tokens/s", "'tokens/s' is never reported by a stalwart run; use one of loss, val_loss"),
+    ("window_s", "'window_s' is never reported"),
+    ("val_", "'val_' is never reported"),
     (None, "None is never reported"),
 ])
 def test_a_metric_no_run_reports(tmp_path: Path, metric: str | None, fragment: str) -> None:
     text = GOOD.replace('metric = "loss"', f'metric = "{metric}"' if metric else "")
     _refused(tmp_path, text, fragment)
+
+
+def test_a_task_metric_is_a_sweep_metric(tmp_path: Path) -> None:
+    """A name the task's loss may return is accepted: only the run can tell (the reporter
+    names the run's columns if it never comes)."""
+    for metric in ("accuracy", "val_accuracy"):
+        text = GOOD.replace('metric = "loss"', f'metric = "{metric}"')
+        assert load_sweep(_sweep(tmp_path, text)).metric == metric
+    text = GOOD.replace('metric = "loss"', 'metric = "val_accuracy"\nset = ["data.val_every=0"]')
+    _refused(tmp_path, text, "val_accuracy is never reported", "data.val_every = 0")
 
 
 def test_val_loss_without_validation(tmp_path: Path) -> None:

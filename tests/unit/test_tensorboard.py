@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -20,7 +21,7 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 T0 = 1_700_000_000.0
 
 
-def row(step: int, loss: float, **extra: float) -> MetricsRow:
+def row(step: int, loss: float, **extra: Any) -> MetricsRow:
     return MetricsRow(step=step, loss=loss, lr=1e-3 * step, tokens_per_s=100.0 * step,
                       world_size=2, samples_seen=8 * step, time=T0 + step, **extra)
 
@@ -60,6 +61,17 @@ def test_metrics_rows_become_scalars_against_the_step(tmp_path: Path) -> None:
     assert points(acc, "world_size") == [(10, 2), (20, 2), (30, 2)]
     # wall time is when the step ended on the workers, not when the driver wrote it
     assert [e.wall_time for e in acc.Scalars("loss")] == [T0 + 10, T0 + 20, T0 + 30]
+
+
+def test_the_tasks_own_metrics_are_scalars_too(tmp_path: Path) -> None:
+    tb = TensorBoardLogger(tmp_path)
+    tb.on_metrics(row(10, 2.5, task_metrics={"accuracy": 0.5}))
+    tb.on_metrics(row(20, 2.0, val_loss=2.2, task_metrics={"accuracy": 0.6,
+                                                           "val_accuracy": 0.55}))
+    tb.on_end(None)
+    acc = read(tmp_path)
+    assert points(acc, "accuracy") == [(10, 0.5), (20, 0.6)]
+    assert points(acc, "val_accuracy") == [(20, 0.55)]
 
 
 def test_failures_recoveries_and_resizes_line_up_with_the_loss(tmp_path: Path) -> None:

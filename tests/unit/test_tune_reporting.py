@@ -86,6 +86,30 @@ def test_reports_wait_for_the_sweeps_metric(reports: list) -> None:
     assert [(m["step"], m["val_loss"]) for m, _ in reports] == [(10, 4.0), (15, 4.0)]
 
 
+def test_a_task_metric_is_reported_and_its_validation_mean_carried(reports: list) -> None:
+    r = TuneReporter(STAGING, metric="val_accuracy")
+    r.on_metrics(_metrics(5, task_metrics={"accuracy": 0.5}))
+    r.on_metrics(_metrics(10, val_loss=4.0, task_metrics={"accuracy": 0.6,
+                                                          "val_accuracy": 0.55}))
+    r.on_metrics(_metrics(15, task_metrics={"accuracy": 0.7}))
+    assert [(m["step"], m["accuracy"], m["val_accuracy"]) for m, _ in reports] == [
+        (10, 0.6, 0.55), (15, 0.7, 0.55)]
+
+
+def test_a_metric_the_run_never_reports_fails_the_trial_by_name(reports: list) -> None:
+    from types import SimpleNamespace
+
+    from stalwart.errors import TaskError
+
+    r = TuneReporter(STAGING, metric="acuracy")  # a typo of the task's accuracy
+    r.on_metrics(_metrics(5, task_metrics={"accuracy": 0.5}))
+    r.on_end(SimpleNamespace(state="STOPPED"))  # stopped early: it may simply not have come
+    with pytest.raises(TaskError, match=r"metric 'acuracy' was never reported; the run's "
+                                        r"metrics.jsonl has accuracy, loss, lr"):
+        r.on_end(SimpleNamespace(state="FINISHED"))
+    assert reports == []
+
+
 def test_a_checkpoint_goes_with_metrics_of_its_step_or_later(tmp_path: Path,
                                                               reports: list) -> None:
     path = _checkpoint(tmp_path, 20)

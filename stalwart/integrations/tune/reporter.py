@@ -25,10 +25,8 @@ from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.storage.catalog import read_step_dir
 from stalwart.checkpointing.storage.layout import filesystem
 from stalwart.checkpointing.storage.transfer import copy_checkpoint
+from stalwart.errors import TaskError
 from stalwart.events import CheckpointCommitted, Event, MetricsRow
-
-# Metrics that hold their last value between the steps that produce them.
-CARRIED = ("val_loss",)
 
 
 def stage(path: str, staging: Path) -> Path | None:
@@ -71,6 +69,7 @@ class TuneReporter(Callback):
         self._last: dict[str, Any] | None = None
         self._commits: dict[int, Path] = {}  # step -> staged copy of a commit not reported
         self._held: list[dict[str, Any]] = []  # rows waiting for their checkpoint
+        self._columns: set[str] = set()  # every column the run's rows had
 
     def on_event(self, event: Event) -> None:
         if not isinstance(event, CheckpointCommitted):
@@ -84,7 +83,10 @@ class TuneReporter(Callback):
 
     def on_metrics(self, metrics_row: MetricsRow) -> None:
         row = metrics_row.to_row()
-        self._carried.update({k: row[k] for k in CARRIED if k in row})
+        self._columns.update(row)
+        # Validation's columns (val_loss, val_<task metric>) hold their last value between
+        # the steps that produce them.
+        self._carried.update({k: v for k, v in row.items() if k.startswith("val_")})
         metrics = {**self._carried, **row}
         if self.metric is not None and self.metric not in metrics:
             return  # e.g. val_loss before the first validation: Tune needs it in every report
@@ -98,7 +100,12 @@ class TuneReporter(Callback):
 
     def on_end(self, result: Any) -> None:
         """Rows still held, and a checkpoint committed after the last logged step (the final
-        one), still reach Tune."""
+        one), still reach Tune. A run that never reported the sweep's metric (a task
+        metric its loss does not return) is an error that names the columns it had."""
+        if self.metric is not None and self._last is None and self._columns \
+                and getattr(result, "state", None) == "FINISHED":
+            raise TaskError(f"the sweep's metric {self.metric!r} was never reported; the "
+                            f"run's metrics.jsonl has {', '.join(sorted(self._columns))}")
         if self._held:
             self._flush_held(up_to=self._held[-1]["step"])
         elif self._commits and self._last is not None:

@@ -34,6 +34,7 @@ from typing import Any
 from stalwart.config import JobConfig, apply_overrides, config_from_dict, read_toml
 from stalwart.errors import ConfigError, StalwartError
 from stalwart.integrations.tune.trainable import as_overrides
+from stalwart.metric_names import is_task_metric
 
 # Columns of metrics.jsonl that are numbers a sweep can rank trials by.
 METRICS = ("loss", "val_loss", "lr", "tokens_per_s", "world_size", "samples_seen", "step")
@@ -244,11 +245,13 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
         raise _fail(str(p), f"every trial would be refused: {exc}") from None
 
     metric = data.get("metric")
-    if metric not in METRICS:
+    if metric not in METRICS and not is_task_metric(metric):
         raise _fail(f"{p} metric", f"{metric!r} is never reported by a stalwart run; use "
-                                   f"one of {', '.join(METRICS)}")
-    if metric == "val_loss" and job.data.val_every == 0:
-        raise _fail(f"{p} metric", "val_loss is never reported: the job has data.val_every = 0")
+                                   f"one of {', '.join(METRICS)}, or a metric the task's loss "
+                                   f"returns (val_<name> for its validation mean)")
+    if isinstance(metric, str) and metric.startswith("val_") and job.data.val_every == 0:
+        raise _fail(f"{p} metric", f"{metric} is never reported: the job has "
+                                   f"data.val_every = 0")
     mode = data.get("mode", "min")
     if mode not in ("min", "max"):
         raise _fail(f"{p} mode", f"{mode!r} is not allowed: min or max")
