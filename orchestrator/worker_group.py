@@ -39,6 +39,7 @@ from stalwart.orchestrator.driver_loss import run_namespace, start_beacon
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.group import Arm, Disbanded, WorkerGroup
 from stalwart.orchestrator.node_polls import NodePolls
+from stalwart.task import TaskLike
 from stalwart.workers.actor import TrainWorker
 from stalwart.workers.reports import (
     LeaveReport,
@@ -127,15 +128,17 @@ class ElasticGroup(WorkerGroup):
 
     def __init__(self, config: JobConfig, storage_url: str, *, trust: CheckpointTrust,
                  runtime_env: dict[str, Any] | None = None,
-                 outlive_driver: bool = False) -> None:
+                 outlive_driver: bool = False, task: TaskLike | None = None) -> None:
         """`trust`: the checkpoint key and what a load accepts, handed to every worker at
         its start (the key is never written to storage or the run dir). `outlive_driver`:
         detached workers that commit the step in flight if this driver is killed
-        (workers/driver_watch.py); for a cluster that outlives the driver."""
+        (workers/driver_watch.py); for a cluster that outlives the driver. `task`: a task
+        class or instance handed to the Trainer, shipped to every worker by value."""
         self.config = config
         self.storage_url = storage_url
         self.trust = trust
         self.runtime_env = runtime_env
+        self.task = task
         self.driver_node_id = ray.get_runtime_context().get_node_id()
         self.members: list[Worker] = []
         self.idle: list[Worker] = []
@@ -182,7 +185,7 @@ class ElasticGroup(WorkerGroup):
             options.update(lifetime="detached", namespace=run_namespace(self.trust.run_id))
         actor = self._actor_class.options(**options).remote(
             self._config_dict, self.storage_url, self._created, trust=self.trust,
-            driver_beacon=self._beacon)
+            driver_beacon=self._beacon, task=self.task)
         return Worker(key=name, actor=actor, warm=actor.warm_up.remote())
 
     def refresh(self, timeout: float = 0.0) -> None:

@@ -1,7 +1,7 @@
 """stalwart: elastic, fault-tolerant PyTorch training on Ray.
 
-Public API: `JobConfig` (+ `load_config`), `TrainTask`, `Trainer` and its `RunResult`,
-`Callback`; sweeps with Ray Tune in `stalwart.integrations.tune`.
+Public API: `JobConfig` (+ `load_config`), `TrainTask`, `Trainer` and its `RunResult` (with
+its `Checkpoint`), `Callback`; sweeps with Ray Tune in `stalwart.integrations.tune`.
 
 Names are imported on first use: `stalwart` is the parent of every subsystem
 (`stalwart.parallel`, `stalwart.workers`, ...), and importing one of them must not load the
@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from stalwart.callbacks import Callback
     from stalwart.config import JobConfig, load_config
     from stalwart.task import TrainTask
-    from stalwart.trainer import RunResult, Trainer
+    from stalwart.trainer import Checkpoint, RunResult, Trainer
 
 _PUBLIC = {
     "Callback": "stalwart.callbacks",
@@ -25,10 +25,11 @@ _PUBLIC = {
     "load_config": "stalwart.config",
     "TrainTask": "stalwart.task",
     "RunResult": "stalwart.trainer",
+    "Checkpoint": "stalwart.trainer",
     "Trainer": "stalwart.trainer",
 }
 
-__all__ = ["Callback", "JobConfig", "RunResult", "TrainTask", "Trainer", "load_config"]
+__all__ = ["Callback", "Checkpoint", "JobConfig", "RunResult", "TrainTask", "Trainer", "load_config"]
 
 
 def __getattr__(name: str) -> Any:

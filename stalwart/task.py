@@ -209,6 +209,42 @@ def build_task(path: str, args: dict[str, Any]) -> TrainTask:
     """
     cls = load_task_class(path)
     check_arg_names(cls, args)
+    return _construct(cls, args, path)
+
+
+TaskLike = type[TrainTask] | TrainTask
+"""A task handed over as itself (Trainer(task=...)) rather than by `task.path`."""
+
+
+def task_path_of(task: TaskLike) -> str:
+    """The `module:qualname` a handed-over task is recorded under (config.toml, manifests,
+    events); `__main__:MyTask` for one defined in a script or a notebook."""
+    cls = task if isinstance(task, type) else type(task)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def resolve_task(path: str, args: dict[str, Any], supplied: TaskLike | None = None
+                 ) -> TrainTask:
+    """The run's task: built from `path` and `args`, or from a handed-over class (constructed
+    with `args`) or instance (used as it is, so `args` must be empty).
+
+    A handed-over task reaches the workers by value: Ray pickles it with cloudpickle, which
+    copies a class defined in `__main__` or a notebook whole, as it does a train function."""
+    if supplied is None:
+        return build_task(path, args)
+    if isinstance(supplied, TrainTask):
+        if args:
+            raise TaskError(f"task.args {sorted(args)} cannot apply to a task that is already "
+                            f"constructed ({type(supplied).__name__}); pass the class, or "
+                            f"leave task.args empty")
+        return supplied
+    if not (inspect.isclass(supplied) and issubclass(supplied, TrainTask)):
+        raise TaskError(f"task {supplied!r} is not a TrainTask subclass or instance")
+    check_arg_names(supplied, args)
+    return _construct(supplied, args, task_path_of(supplied))
+
+
+def _construct(cls: type[TrainTask], args: dict[str, Any], path: str) -> TrainTask:
     try:
         return cls(**args)
     except TaskError:

@@ -19,9 +19,10 @@ from typing import Any
 
 from stalwart import events as ev
 from stalwart.callbacks import Callback
-from stalwart.checkpointing.errors import StorageURLError
+from stalwart.checkpointing.errors import CheckpointError, StorageURLError
 from stalwart.checkpointing.storage.catalog import (
     CheckpointInfo,
+    committed_checkpoints,
     newest_valid,
     read_step_dir,
     verify,
@@ -32,7 +33,7 @@ from stalwart.checkpointing.storage.signing import CheckpointTrust, load_key
 from stalwart.checkpointing.storage.transfer import copy_checkpoint
 from stalwart.cli.cluster import connect
 from stalwart.cli.progress import ProgressDisplay
-from stalwart.config import JobConfig, load_config
+from stalwart.config import JobConfig, config_from_dict, load_config
 from stalwart.errors import ClusterError, ConfigError, RunDirError
 from stalwart.integrations.tensorboard import tensorboard_callbacks
 from stalwart.orchestrator.controller import Controller
@@ -41,11 +42,20 @@ from stalwart.orchestrator.states import Failed, Finished, State, Stopped
 from stalwart.parallel.dims import ParallelDims
 from stalwart.places import absolute_storage, probe_run_dir, probe_storage
 from stalwart.run_dir import RunDir
-from stalwart.task import build_task
+from stalwart.task import TaskLike, resolve_task, task_path_of
 
 # Keys that define what is being trained: changing them on --resume would silently mix two
 # different runs (another model, another data order), so it is refused.
 IDENTITY_KEYS = ("task.path", "task.args", "train.seed", "train.global_batch_size")
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A committed storage checkpoint: its step and the URL of its step directory (what
+    `start_from`, `stalwart export` and `--resume` read)."""
+
+    step: int
+    path: str
 
 
 @dataclass(frozen=True)
@@ -62,6 +72,10 @@ class RunResult:
     reason: str | None = None
     stop_signal: int | None = None
     """STOPPED by a signal: which (SIGINT, SIGTERM); the CLI exits 128 + it."""
+    checkpoint: Checkpoint | None = None
+    """The newest committed checkpoint in the run's storage, if any."""
+    metrics: dict[str, Any] = dataclasses.field(default_factory=dict)
+    """The last metrics row (as in metrics.jsonl), with the last validation's `val_` columns."""
 
 
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -91,13 +105,23 @@ class Trainer:
     current directory), on the driver and on every worker. `callbacks` see every metrics row
     and event as it is written (see stalwart.callbacks). `trust_unsigned`: also accept
     checkpoints that are not signed with this run's key (see docs/security.md).
+
+    `config`: a JobConfig, a TOML file's path, a dict of its tables, or None for the
+    defaults. `task`: a TrainTask subclass (constructed with task.args) or instance, used
+    instead of task.path; one defined in a script or a notebook reaches the workers by value.
     """
 
-    def __init__(self, config: JobConfig, *, run_dir: str | Path | None = None,
+    def __init__(self, config: JobConfig | str | Path | dict[str, Any] | None = None, *,
+                 task: TaskLike | None = None, run_dir: str | Path | None = None,
                  address: str | None = None, resume: bool = False,
                  live_progress: bool | None = None, start_from: str | None = None,
                  workdir: str | Path | None = None, callbacks: Sequence[Callback] = (),
                  trust_unsigned: bool = False) -> None:
+        config = as_job_config(config)
+        if task is not None:  # recorded by name in config.toml, manifests and events
+            config = dataclasses.replace(config, task=dataclasses.replace(
+                config.task, path=task_path_of(task)))
+        self.task = task
         # A relative storage path means the driver's directory; workers elsewhere would read
         # it against their own. config.toml records the absolute path.
         storage = absolute_storage(config.checkpoint.storage)
@@ -117,6 +141,8 @@ class Trainer:
         self.workdir = str(Path(workdir).resolve()) if workdir else os.getcwd()
         # run.tensorboard: its writer is one more callback (a missing package fails here).
         self.callbacks = [*callbacks, *tensorboard_callbacks(config, self.run_dir.path)]
+
+        self._last_metrics = LastMetrics()
 
     # ------------------------------------------------------------------ checks
 
@@ -298,7 +324,7 @@ class Trainer:
 
         # Every check first, keeping nothing written (the write probes remove what they
         # make): a refused run leaves the run dir and the storage as they were.
-        task = build_task(self.config.task.path, self.config.task.args)
+        task = resolve_task(self.config.task.path, self.config.task.args, self.task)
         task.check_layout(ParallelDims.from_config(self.config.parallel,
                                                    self.config.scaling.num_workers))
         storage_url = self.run_dir.storage_url(self.config)
@@ -315,6 +341,7 @@ class Trainer:
                 resume_from, changes, skipped = self._check_run_dir(storage_url, trust)
             self._check_resources()
             self._make_storage(storage_url)
+            self.run_dir.metrics.listeners.append(self._last_metrics.on_metrics)
             for cb in self.callbacks:
                 self.run_dir.metrics.listeners.append(cb.on_metrics)
                 self.run_dir.events.listeners.append(cb.on_event)
@@ -341,7 +368,8 @@ class Trainer:
             controller = Controller(
                 self.config, storage_url=storage_url,
                 group=ElasticGroup(self.config, storage_url, runtime_env=runtime_env,
-                                   trust=trust, outlive_driver=self.address is not None),
+                                   trust=trust, outlive_driver=self.address is not None,
+                                   task=self.task),
                 group_error=GroupFailed, trust=trust, events=self.run_dir.events,
                 metrics=self.run_dir.metrics, display=display, resume_from=resume_from,
                 policies=default_policies(self.config, storage_url=storage_url,
@@ -359,7 +387,7 @@ class Trainer:
                 import ray
 
                 ray.shutdown()
-        result = self._result(final, controller, time.time() - t0)
+        result = self._result(final, controller, time.time() - t0, storage_url)
         for cb in self.callbacks:
             cb.on_end(result)
         return result
@@ -369,7 +397,8 @@ class Trainer:
             self.run_dir.events.emit(ev.UnsignedCheckpointAccepted(
                 step=checkpoint.step, path=checkpoint.path, why=checkpoint.unsigned))
 
-    def _result(self, final: State, controller: Controller, wall_s: float) -> RunResult:
+    def _result(self, final: State, controller: Controller, wall_s: float,
+                storage_url: str) -> RunResult:
         reason = None
         if isinstance(final, Failed):
             reason = final.reason
@@ -382,7 +411,43 @@ class Trainer:
                          stop_signal=controller.stop.signum if isinstance(final, Stopped) else None,
                          tokens_per_s=(controller.throughput.tokens_total
                                        / controller.throughput.train_time_s
-                                       if controller.throughput.train_time_s > 0 else None))
+                                       if controller.throughput.train_time_s > 0 else None),
+                         checkpoint=_newest_committed(storage_url),
+                         metrics=self._last_metrics.row)
+
+
+class LastMetrics:
+    """The newest metrics row, with the last validation's `val_` columns (RunResult.metrics)."""
+
+    def __init__(self) -> None:
+        self.row: dict[str, Any] = {}
+        self._validation: dict[str, Any] = {}
+
+    def on_metrics(self, row: ev.MetricsRow) -> None:
+        columns = row.to_row()
+        self._validation.update({k: v for k, v in columns.items() if k.startswith("val_")})
+        self.row = {**self._validation, **columns}
+
+
+def as_job_config(config: JobConfig | str | Path | dict[str, Any] | None) -> JobConfig:
+    """The Trainer's `config` as a JobConfig: a TOML file read, a dict of tables checked as the
+    file's would be, None the defaults."""
+    if isinstance(config, JobConfig):
+        return config
+    if config is None or isinstance(config, str | Path):
+        return load_config(config)
+    if isinstance(config, dict):
+        return config_from_dict(config)
+    raise ConfigError(f"Trainer config must be a JobConfig, a TOML file's path, a dict of its "
+                      f"tables or None; got {type(config).__name__}")
+
+
+def _newest_committed(storage_url: str) -> Checkpoint | None:
+    try:
+        committed = committed_checkpoints(storage_url)
+    except (CheckpointError, OSError):  # the run's storage went away: nothing to point at
+        return None
+    return Checkpoint(step=committed[-1].step, path=committed[-1].path) if committed else None
 
 
 def _say(message: str) -> None:

@@ -44,7 +44,7 @@ from stalwart.parallel.distributed import (
     pick_device,
 )
 from stalwart.parallel.world_sockets import cut, tcp_connections
-from stalwart.task import TrainTask, build_task
+from stalwart.task import TaskLike, TrainTask, resolve_task
 from stalwart.workers.driver_watch import DriverWatch, end_this_actor
 from stalwart.workers.engine import TrainEngine
 from stalwart.workers.errors import classify_exception
@@ -99,9 +99,12 @@ def warm_model(task: TrainTask, config: JobConfig) -> None:
 
 class TrainWorker:
     def __init__(self, config: dict[str, Any], storage_url: str, number: int = 0, *,
-                 trust: CheckpointTrust, driver_beacon: Any = None) -> None:
+                 trust: CheckpointTrust, driver_beacon: Any = None,
+                 task: TaskLike | None = None) -> None:
         """`driver_beacon`: the driver's DriverBeacon when this worker is detached and must
-        outlive a killed driver (workers/driver_watch.py); None when it dies with it."""
+        outlive a killed driver (workers/driver_watch.py); None when it dies with it.
+        `task`: the task class or instance handed to the Trainer, if it was not named by
+        task.path (Ray ships it by value)."""
         self.config: JobConfig = config_from_dict(config)
         self.storage_url = storage_url
         self.trust = trust  # the checkpoint key, from the driver; only ever in memory
@@ -111,6 +114,7 @@ class TrainWorker:
         self.rank = -1
         self.generation = -1
         self.task: TrainTask | None = None
+        self._supplied_task = task
         self.engine: TrainEngine | None = None
         self.checkpointer: StorageCheckpointer | None = None
         # The memory tier outlives the worlds this worker joins: after a failure it still
@@ -190,7 +194,8 @@ class TrainWorker:
         training micro-step), so that joining a world costs only the process group and the
         restore. Warm spares stop here and wait."""
         if self.task is None:
-            task = build_task(self.config.task.path, self.config.task.args)
+            task = resolve_task(self.config.task.path, self.config.task.args,
+                                self._supplied_task)
             task.prepare_data(self.config)
             warm_model(task, self.config)
             if self.config.run.profile_window is not None:
