@@ -30,6 +30,7 @@ from stalwart.batch import compute_loss, loss_takes_batch
 from stalwart.checkpointing.memory.store import Inventory
 from stalwart.checkpointing.memory.tier import MemoryTier, StateAccess
 from stalwart.checkpointing.snapshot import ShardLayout
+from stalwart.checkpointing.storage.retention import BestRule
 from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.checkpointing.storage.writer import StorageCheckpointer
 from stalwart.config import FaultSpec, JobConfig, config_from_dict
@@ -78,6 +79,18 @@ def announce_name(name: str) -> None:
         return
     for stream in (sys.stdout, sys.stderr):
         print(f"{LOG_PREFIX_ACTOR_NAME}{name}", file=stream, flush=True)
+
+
+def keep_best_rule(config: JobConfig) -> BestRule | None:
+    ck = config.checkpoint
+    return BestRule(ck.keep_best, ck.best_metric, ck.best_mode) if ck.keep_best else None
+
+
+def step_metrics(report: StepReport) -> dict[str, float]:
+    """What a checkpoint's manifest records of its step: the loss, the validation loss on a
+    validation step, and the task's metrics (what checkpoint.keep_best ranks by)."""
+    val = {} if report.val_loss is None else {"val_loss": report.val_loss}
+    return {"loss": report.loss, **val, **report.metrics}
 
 
 def warm_model(task: TrainTask, config: JobConfig) -> None:
@@ -259,7 +272,7 @@ class TrainWorker:
             self.storage_url, rank=rank, keep_last=self.config.checkpoint.keep_last,
             async_save=self.config.checkpoint.async_save,
             manifest_extra={"world_size": world_size, "task": self.config.task.path},
-            trust=self.trust)
+            trust=self.trust, keep_best=keep_best_rule(self.config))
         ck = self.config.checkpoint
         self._tiered = ck.snapshot_every > 0
         if self._tiered:
@@ -371,8 +384,9 @@ class TrainWorker:
                 self._steps.append(report)
                 if persist:  # from the staged snapshot when there is one
                     self._busy = "saving a checkpoint"  # waits for the save before it
-                    self._commits.extend(ckpt.save_snapshot(shard) if shard is not None
-                                         else ckpt.save(step, engine.state_dict()))
+                    metrics = step_metrics(report)
+                    self._commits.extend(ckpt.save_snapshot(shard, metrics) if shard is not None
+                                         else ckpt.save(step, engine.state_dict(), metrics))
                 self._busy = None
                 self._commits.extend(ckpt.poll())
                 self._profiles.extend(profiler.end(step, stop=stop))

@@ -36,10 +36,7 @@ from stalwart.checkpointing.safe_load import SafeLoadPlanner, VerifiedReader
 from stalwart.checkpointing.snapshot import Shard
 from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
 from stalwart.checkpointing.storage.catalog import (
-    list_step_dirs,
-    read_checkpoint,
     read_step_dir,
-    verify,
 )
 from stalwart.checkpointing.storage.commit_report import CommitReport
 from stalwart.checkpointing.storage.hashing import FileDigest, HashingWriter
@@ -53,6 +50,7 @@ from stalwart.checkpointing.storage.layout import (
     sha256_of,
     step_dir_name,
 )
+from stalwart.checkpointing.storage.retention import BestRule, apply_retention
 from stalwart.checkpointing.storage.signing import (
     CheckpointTrust,
     SigningKey,
@@ -132,63 +130,18 @@ def _write_atomically(fs: AbstractFileSystem, root: str, text: str) -> None:
     fs.mv(tmp, final)
 
 
-def apply_retention(url: str, keep_last: int, newest: int, trust: CheckpointTrust,
-                    verified: dict[int, float] | None = None) -> None:
-    """Keep the newest `keep_last` checkpoints that verify, counting from `newest` (the one
-    just committed) down; drop what is older than them, and stale partial writes.
-
-    Never drops `newest` or any step above it (a newer step there is from a timeline the
-    run left, e.g. a damaged checkpoint it resumed past: not this commit's to judge), and a
-    damaged checkpoint never counts as kept, so retention cannot leave only damaged ones.
-    `verified`: step -> manifest time of checkpoints already verified (a cache the caller
-    keeps, so each checkpoint's files are hashed once, not at every commit). A checkpoint
-    counts as kept only if `trust` accepts it."""
-    if keep_last <= 0:  # keep every commit; only stale partial writes go
-        doomed = [s for s, done in list_step_dirs(url) if not done and s < newest]
-    else:
-        doomed = _older_than_kept(url, keep_last, newest, trust,
-                                  {} if verified is None else verified)
-    fs, _ = filesystem(url)
-    for step in doomed:
-        fs.rm(filesystem(join(url, step_dir_name(step)))[1], recursive=True)
-
-
-def _older_than_kept(url: str, keep_last: int, newest: int, trust: CheckpointTrust,
-                     verified: dict[int, float]) -> list[int]:
-    dirs = [(s, done) for s, done in list_step_dirs(url) if s < newest]
-    kept = 1  # `newest` itself: committed just now, from the files as they are
-    doomed = []
-    for step, done in reversed(dirs):
-        if kept >= keep_last or not done:
-            doomed.append(step)  # older than every kept checkpoint, or a stale partial write
-        elif _verifies(url, step, trust, verified):
-            kept += 1
-        # A damaged checkpoint between kept ones stays until it falls behind them.
-    return doomed
-
-
-def _verifies(url: str, step: int, trust: CheckpointTrust, verified: dict[int, float]
-              ) -> bool:
-    try:
-        info = read_checkpoint(url, step)
-        if verified.get(step) != info.manifest.get("time"):
-            verify(info, trust)
-            verified[step] = info.manifest.get("time")
-        return True
-    except CheckpointError:
-        verified.pop(step, None)
-        return False
-
-
 class StorageCheckpointer:
     def __init__(self, url: str, *, rank: int, keep_last: int, async_save: bool,
-                 manifest_extra: dict[str, Any], trust: CheckpointTrust) -> None:
+                 manifest_extra: dict[str, Any], trust: CheckpointTrust,
+                 keep_best: BestRule | None = None) -> None:
         """`trust`: the key commits are signed with, and what a load accepts; a commit
-        names `trust.run_id` as the run that wrote it."""
+        names `trust.run_id` as the run that wrote it. `keep_best`: also keep the best
+        checkpoints by a metric their manifests record (see storage/retention.py)."""
         self.url = url
         self.trust = trust
         self.rank = rank
         self.keep_last = keep_last
+        self.keep_best = keep_best
         self.async_save = async_save
         self.manifest_extra = manifest_extra
         # A group of its own for checkpoint collectives (see module docstring).
@@ -198,8 +151,10 @@ class StorageCheckpointer:
         self._persist_buffer: torch.Tensor | None = None
         self._verified: dict[int, float] = {}  # retention's cache: step -> manifest time
 
-    def save(self, step: int, state: dict[str, Any]) -> list[CommitReport]:
-        """Start writing `state` as step `step`; returns commits that completed meanwhile."""
+    def save(self, step: int, state: dict[str, Any], metrics: dict[str, float] | None = None
+             ) -> list[CommitReport]:
+        """Start writing `state` as step `step`; returns commits that completed meanwhile.
+        `metrics`: the step's metrics, recorded in the manifest (what keep_best ranks)."""
         done = self.wait()
         t0 = time.perf_counter()
         path = join(self.url, step_dir_name(step))
@@ -208,15 +163,17 @@ class StorageCheckpointer:
         if self.async_save:
             fut = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                  no_dist=no_dist)
-            self._pending = self._finisher.submit(self._commit, step, t0, writer, fut)
+            self._pending = self._finisher.submit(self._commit, step, t0, writer, fut,
+                                                  metrics)
         else:
             dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
-            report = self._commit(step, t0, writer, None)
+            report = self._commit(step, t0, writer, None, metrics)
             if report is not None:
                 done.append(report)
         return done
 
-    def save_snapshot(self, shard: Shard) -> list[CommitReport]:
+    def save_snapshot(self, shard: Shard, metrics: dict[str, float] | None = None
+                      ) -> list[CommitReport]:
         """Start writing a staged snapshot; returns commits that completed meanwhile.
 
         The snapshot's buffer is copied first (its buffer is reused two snapshots later,
@@ -239,16 +196,16 @@ class StorageCheckpointer:
         if self.async_save:
             write_done = self._finisher.submit(write)
             self._pending = self._finisher.submit(self._commit, shard.step, t0, writer,
-                                                  write_done)
+                                                  write_done, metrics)
         else:
             write()
-            report = self._commit(shard.step, t0, writer, None)
+            report = self._commit(shard.step, t0, writer, None, metrics)
             if report is not None:
                 done.append(report)
         return done
 
-    def _commit(self, step: int, t0: float, writer: HashingWriter, fut: Future | None
-                ) -> CommitReport | None:
+    def _commit(self, step: int, t0: float, writer: HashingWriter, fut: Future | None,
+                metrics: dict[str, float] | None = None) -> CommitReport | None:
         if fut is not None:
             fut.result()  # re-raises a failed write on this rank
         if self.rank != 0:
@@ -258,13 +215,15 @@ class StorageCheckpointer:
         # digests came with the results (HashingWriter), so none is read back here.
         ranks = dist.get_world_size(self.group) if self.group is not None else 1
         extra = {**self.manifest_extra, "run_id": self.trust.run_id}
+        if metrics:
+            extra["metrics"] = metrics
         read_back = write_manifest(self.url, step, extra, key=self.trust.key, ranks=ranks,
                                    digests=writer.digests)
         if read_back:
             _log.warning("checkpoint step %d: no digest from the writer of %s; hashed by "
                          "reading them back", step, ", ".join(sorted(read_back)))
         apply_retention(self.url, self.keep_last, newest=step, trust=self.trust,
-                        verified=self._verified)
+                        verified=self._verified, best=self.keep_best)
         return CommitReport(step=step, path=join(self.url, step_dir_name(step)),
                             save_s=time.perf_counter() - t0)
 

@@ -7,6 +7,7 @@ for every world size the run may take (scaling's floor, ceiling and num_workers)
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,12 +55,28 @@ class JobConfig:
         _require(not self.run.profile_steps or self.run.profile_steps[-1] <= self.train.steps,
                  "run.profile_steps", self.run.profile_steps,
                  f"steps must be <= train.steps = {self.train.steps}")
+        self._check_keep_best()
         for name in ("floor", "ceiling"):
             # Every world size the run may take must split into the layout and the batch.
             self._check_world(getattr(self.scaling, name))
         # Cross-section checks: the world must be splittable into the data-parallel layout,
         # and the global batch into micro-batches on each data-parallel rank.
         self._check_world(self.scaling.num_workers)
+
+    def _check_keep_best(self) -> None:
+        """keep_best ranks checkpoints by a value their own step recorded: a `val_` metric
+        needs checkpoints at validation steps before the last."""
+        ck, val_every = self.checkpoint, self.data.val_every
+        if not ck.keep_best or not ck.best_metric.startswith("val_"):
+            return
+        _require(val_every > 0, "checkpoint.best_metric", ck.best_metric,
+                 "is never measured: data.val_every = 0 (validate, or rank by loss)")
+        first = math.lcm(ck.persist_every, val_every)
+        _require(first < self.train.steps, "checkpoint.keep_best", ck.keep_best,
+                 f"ranks checkpoints by {ck.best_metric}, measured at validation steps only: "
+                 f"checkpoint.persist_every = {ck.persist_every} and data.val_every = "
+                 f"{val_every} first meet at step {first}, not before train.steps = "
+                 f"{self.train.steps}")
 
     def _check_world(self, world: int) -> None:
         replicate, shard = self.parallel.degrees(world)

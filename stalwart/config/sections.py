@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stalwart.errors import ConfigError
+from stalwart.metric_names import is_task_metric
 
 AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16")
@@ -264,6 +265,12 @@ class CheckpointConfig:
     """Write a storage checkpoint every this many steps (the final step is always written)."""
     keep_last: int = 3
     """Number of recent checkpoints to retain, or zero to retain all."""
+    keep_best: int = 0
+    """Also retain this many best checkpoints by `best_metric`, however old (0: none)."""
+    best_metric: str = "val_loss"
+    """What `keep_best` ranks checkpoints by: `loss`, `val_loss`, or a metric the task's loss returns (`accuracy`, `val_accuracy`). A checkpoint's own step must have it: `val_` metrics exist at validation steps only."""
+    best_mode: str = "min"
+    """`min`: lower `best_metric` is better; `max`: higher is."""
     async_save: bool = True
     """Write checkpoints in the background while training goes on."""
     snapshot_every: int = 1
@@ -287,6 +294,13 @@ class CheckpointConfig:
                  "must be >= 1")
         _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last,
                  "must be >= 0 (0 keeps all)")
+        _require(self.keep_best >= 0, "checkpoint.keep_best", self.keep_best, "must be >= 0")
+        _require(self.best_metric in ("loss", "val_loss") or is_task_metric(self.best_metric),
+                 "checkpoint.best_metric", self.best_metric,
+                 "loss, val_loss, or the name of a metric the task's loss returns (val_<name> "
+                 "for its validation mean)")
+        _require(self.best_mode in ("min", "max"), "checkpoint.best_mode", self.best_mode,
+                 "min or max")
 
 
 @dataclass(frozen=True, kw_only=True)

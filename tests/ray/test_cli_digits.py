@@ -4,6 +4,7 @@ its accuracy metric reaching metrics.jsonl."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -43,3 +44,25 @@ def test_digits_example_trains_to_a_low_val_loss(tmp_path, layout) -> None:
     val_accuracy = [r["val_accuracy"] for r in rows if "val_loss" in r]
     assert len(val_accuracy) == len(val) and val_accuracy[-1] > 0.9, val_accuracy
     assert not [r for r in rows if "val_accuracy" in r and "val_loss" not in r]
+
+
+def test_keep_best_keeps_the_checkpoint_of_the_best_val_accuracy(tmp_path) -> None:
+    """checkpoint.keep_best by the task's own metric: the newest checkpoint, and the one whose
+    step had the highest val_accuracy, whatever its age; the manifests record the metrics."""
+    run_dir = tmp_path / "run"
+    stalwart("run", str(DIGITS_CONFIG), *sets(
+        "train.steps=200", "checkpoint.persist_every=25", "data.val_every=25",
+        "checkpoint.keep_last=1", "checkpoint.keep_best=1",
+        "checkpoint.best_metric=val_accuracy", "checkpoint.best_mode=max"),
+        "--run-dir", str(run_dir), cwd=tmp_path)
+
+    rows = read_jsonl(run_dir / "metrics.jsonl")
+    scores = {r["step"]: r["val_accuracy"] for r in rows if "val_accuracy" in r}
+    assert sorted(scores) == list(range(25, 201, 25))
+    best = max(sorted(scores, reverse=True), key=lambda s: scores[s])  # a tie: the newer
+    kept = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
+    assert kept == sorted({best, 200}), (kept, scores)
+    manifest = json.loads((run_dir / "checkpoints" / f"step_{best:09d}" / "manifest.json")
+                          .read_text())
+    assert manifest["metrics"]["val_accuracy"] == scores[best]
+    assert set(manifest["metrics"]) == {"loss", "val_loss", "accuracy", "val_accuracy"}

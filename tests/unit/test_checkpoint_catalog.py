@@ -24,8 +24,9 @@ from stalwart.checkpointing.storage.catalog import (
     verify,
 )
 from stalwart.checkpointing.storage.layout import FORMAT_VERSION, MANIFEST, join, step_dir_name
+from stalwart.checkpointing.storage.retention import BestRule, apply_retention
 from stalwart.checkpointing.storage.signing import sign
-from stalwart.checkpointing.storage.writer import apply_retention, write_manifest
+from stalwart.checkpointing.storage.writer import write_manifest
 from tests.keys import signing_key, trust
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -273,6 +274,46 @@ def test_keep_last_zero_keeps_every_commit(store: Store) -> None:
                                          (60, False)]
 
 
+def _commit_scored(store: Store, scores: dict[int, float | None]) -> None:
+    for step, val_loss in scores.items():
+        metrics = {"loss": 1.0} if val_loss is None else {"loss": 1.0, "val_loss": val_loss}
+        store.commit(step, metrics=metrics)
+
+
+def test_keep_best_keeps_the_best_however_old_besides_the_newest(store: Store) -> None:
+    _commit_scored(store, {10: 3.0, 20: 1.0, 30: None, 40: 2.5, 50: 0.5, 60: 4.0, 70: None})
+    apply_retention(store.url, keep_last=2, newest=70, trust=trust(),
+                    best=BestRule(2, "val_loss"))
+    # the newest 2 (60, 70), and the 2 lowest val_loss (50, 20); 30 never had one
+    assert store.steps_on_storage() == [20, 50, 60, 70]
+    apply_retention(store.url, keep_last=2, newest=70, trust=trust(),
+                    best=BestRule(1, "val_loss", "max"))
+    assert store.steps_on_storage() == [60, 70]  # 60 is the highest and among the newest
+
+
+def test_a_best_checkpoint_among_the_newest_counts_as_both(store: Store) -> None:
+    _commit_scored(store, {10: 3.0, 20: 2.0, 30: 1.0})
+    apply_retention(store.url, keep_last=2, newest=30, trust=trust(),
+                    best=BestRule(1, "val_loss"))
+    assert store.steps_on_storage() == [20, 30]
+
+
+def test_keep_best_passes_over_a_damaged_best(store: Store) -> None:
+    _commit_scored(store, {10: 0.1, 20: 0.2, 30: 5.0, 40: 6.0})
+    store.put(10, "__0_0.distcp", b"bit rot")  # the best on paper no longer verifies
+    apply_retention(store.url, keep_last=1, newest=40, trust=trust(),
+                    best=BestRule(1, "val_loss"))
+    # 20 is the best that verifies; 10 is never kept, and it is older than the newest.
+    assert store.steps_on_storage() == [20, 40]
+
+
+def test_keep_best_ties_go_to_the_newer_step(store: Store) -> None:
+    _commit_scored(store, {10: 1.0, 20: 1.0, 30: 9.0})
+    apply_retention(store.url, keep_last=1, newest=30, trust=trust(),
+                    best=BestRule(1, "val_loss"))
+    assert store.steps_on_storage() == [20, 30]
+
+
 def test_retention_with_more_room_than_checkpoints(store: Store) -> None:
     for step in (10, 20):
         store.commit(step)
@@ -350,11 +391,11 @@ def test_retention_keeps_the_just_committed_one_when_newer_steps_are_damaged(
 
 def test_retention_hashes_each_checkpoint_once_with_a_cache(store: Store,
                                                             monkeypatch) -> None:
-    from stalwart.checkpointing.storage import writer
+    from stalwart.checkpointing.storage import retention
 
     calls: list[str] = []
-    real = writer.verify
-    monkeypatch.setattr(writer, "verify",
+    real = retention.verify
+    monkeypatch.setattr(retention, "verify",
                         lambda info, trust: (calls.append(info.path), real(info, trust))[1])
     cache: dict[int, float] = {}
     for step in (10, 20, 30, 40):

@@ -156,7 +156,7 @@ def test_unknown_key_in_a_section_names_it_and_lists_allowed() -> None:
 def test_unknown_key_in_a_toml_file(tmp_path: Path) -> None:
     path = _write(tmp_path, "[checkpoint]\nkeep_lats = 2\n")
     with pytest.raises(ConfigError, match=r"unknown key checkpoint\.keep_lats in \[checkpoint\]; "
-                                          r"allowed: storage, persist_every, keep_last, async_save"):
+                                          r"allowed: storage, persist_every, keep_last, keep_best, best_metric, best_mode, async_save"):
         load_config(path)
 
 

@@ -7,6 +7,7 @@ The fields are found from the dataclasses, so a field added later is covered too
 from __future__ import annotations
 
 import dataclasses
+import re
 import typing
 
 import pytest
@@ -131,3 +132,22 @@ def test_good_values_still_load() -> None:
     config = load_config(None, ["train.lr=1e-3", "failure.hang_factor=4", "run.name=ok",
                                 "train.seed=9223372036854775807"])
     assert config.train.lr == 1e-3 and config.train.seed == 2**63 - 1
+
+
+def test_keep_best_ranks_by_a_metric_its_checkpoints_have() -> None:
+    good = load_config(None, ["checkpoint.keep_best=2", "checkpoint.best_metric=val_accuracy",
+                              "checkpoint.best_mode=max"])
+    assert (good.checkpoint.keep_best, good.checkpoint.best_mode) == (2, "max")
+    for overrides, fragment in [
+        (["checkpoint.best_metric=tokens_per_s"], "checkpoint.best_metric = 'tokens_per_s'"),
+        (["checkpoint.best_mode=lowest"], "min or max"),
+        (["checkpoint.keep_best=-1"], "must be >= 0"),
+        (["checkpoint.keep_best=1", "data.val_every=0"], "is never measured"),
+        (["checkpoint.keep_best=1", "data.val_every=30", "train.steps=120"],
+         "first meet at step 150, not before train.steps = 120"),
+    ]:
+        with pytest.raises(ConfigError, match=re.escape(fragment)):
+            load_config(None, overrides)
+    # by the training loss every checkpoint has a value: no validation needed
+    load_config(None, ["checkpoint.keep_best=1", "checkpoint.best_metric=loss",
+                       "data.val_every=0"])
