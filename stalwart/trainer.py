@@ -35,7 +35,7 @@ from stalwart.cli.cluster import connect
 from stalwart.cli.progress import ProgressDisplay
 from stalwart.config import JobConfig, config_from_dict, load_config
 from stalwart.errors import ClusterError, ConfigError, RunDirError
-from stalwart.integrations.tensorboard import tensorboard_callbacks
+from stalwart.integrations.loggers import logger_callbacks
 from stalwart.orchestrator.controller import Controller
 from stalwart.orchestrator.policies import default_policies
 from stalwart.orchestrator.states import Failed, Finished, State, Stopped
@@ -139,8 +139,8 @@ class Trainer:
         self.start_from = start_from
         self.trust_unsigned = trust_unsigned
         self.workdir = str(Path(workdir).resolve()) if workdir else os.getcwd()
-        # run.tensorboard: its writer is one more callback (a missing package fails here).
-        self.callbacks = [*callbacks, *tensorboard_callbacks(config, self.run_dir.path)]
+        # run.loggers: each tracker is one more callback (a missing package fails here).
+        self.callbacks = [*callbacks, *logger_callbacks(config, self.run_dir.path)]
 
         self._last_metrics = LastMetrics()
 

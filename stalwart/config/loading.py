@@ -43,6 +43,9 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
         ok = isinstance(value, list) and all(isinstance(v, int) and not isinstance(v, bool)
                                              for v in value)
         value = list(value) if ok else value
+    elif origin is list and typing.get_args(hint) == (str,):
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+        value = list(value) if ok else value
     else:
         raise ConfigError(f"{name}: unexpected field type {hint!r}")
     if not ok:

@@ -369,7 +369,9 @@ class RunConfig:
     progress: bool = True
     """Show a live progress bar on a terminal (plain log lines otherwise)."""
     tensorboard: bool = False
-    """Also write the metrics and the run's failures, recoveries and resizes as TensorBoard event files under `<run dir>/tensorboard/`; needs `pip install 'stalwart[tensorboard]'`."""
+    """Also write the metrics and the run's failures, recoveries and resizes as TensorBoard event files under `<run dir>/tensorboard/`; needs `pip install 'stalwart[tensorboard]'`. The same as `"tensorboard"` in `run.loggers`."""
+    loggers: list[str] = field(default_factory=list)
+    """Experiment trackers that receive the metrics, the resolved config and the run's failures, recoveries and resizes: any of `"tensorboard"`, `"mlflow"` (MLflow's `MLFLOW_TRACKING_URI`; `pip install 'stalwart[mlflow]'`), `"wandb"` (Weights & Biases; `WANDB_MODE=offline` works without an account; `pip install 'stalwart[wandb]'`). See docs/trackers.md."""
     profile_steps: list[int] = field(default_factory=list)
     """Trace these steps with the PyTorch profiler on every rank: `[STEP]` or `[FIRST, LAST]` (inclusive), at most `train.steps`; `[]` is off. `--profile 20-22` sets it."""
     auto_resume: bool = False
@@ -380,16 +382,29 @@ class RunConfig:
         _require(bool(self.name) and "/" not in self.name, "run.name", self.name,
                  "must be non-empty and contain no '/'")
         _require(self.log_every >= 1, "run.log_every", self.log_every, "must be >= 1")
+        for name in self.loggers:
+            _require(name in LOGGERS, "run.loggers", self.loggers,
+                     f"{name!r} is not one of {', '.join(LOGGERS)}")
+        _require(len(set(self.loggers)) == len(self.loggers), "run.loggers", self.loggers,
+                 "names a logger twice")
         steps = self.profile_steps
         _require(len(steps) <= 2 and all(s >= 1 for s in steps) and steps == sorted(steps),
                  "run.profile_steps", steps,
                  "[] (off), [STEP] or [FIRST, LAST] with 1 <= FIRST <= LAST")
 
     @property
+    def active_loggers(self) -> tuple[str, ...]:
+        """run.loggers, with `tensorboard` when run.tensorboard (its older switch) is on."""
+        extra = ("tensorboard",) if self.tensorboard and "tensorboard" not in self.loggers else ()
+        return (*self.loggers, *extra)
+
+    @property
     def profile_window(self) -> tuple[int, int] | None:
         """(first, last) step to trace, both included; None when profiling is off."""
         return (self.profile_steps[0], self.profile_steps[-1]) if self.profile_steps else None
 
+
+LOGGERS = ("tensorboard", "mlflow", "wandb")
 
 FAULT_KINDS = {
     "kill": "rank",       # SIGKILL the rank's process

@@ -1,0 +1,121 @@
+"""MLflow: a run's metrics, its resolved config and its failures, recoveries and resizes, as one
+MLflow run (`run.loggers = ["mlflow"]`).
+
+Where it goes is MLflow's own setting: `MLFLOW_TRACKING_URI` (a tracking server, a database, or
+a local directory), and the experiment `MLFLOW_EXPERIMENT_NAME`, else the run's `run.name`.
+The MLflow run is named after the run directory and tagged with it. Written on the driver from
+the rows and events the run writes (a Callback), through MlflowClient with an explicit run id,
+so several runs in one process (Tune trials) never share MLflow's global active run.
+
+- parameters: the resolved config, one per `section.key` (`task.args.width`, ...);
+- metrics: the names of stalwart/integrations/run_log.py, at the training step;
+- tags: `stalwart.run_dir`, `stalwart.task`, `stalwart.state` at the end, and one
+  `stalwart.event.NNN.<kind>` per failure, recovery, resize or injected fault, its text the
+  line TensorBoard shows.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stalwart.callbacks import Callback
+from stalwart.errors import ConfigError
+from stalwart.events import Event, MetricsRow
+from stalwart.integrations.run_log import (
+    EventScalars,
+    describe,
+    event_step,
+    flat_config,
+    row_scalars,
+)
+
+if TYPE_CHECKING:
+    from stalwart.config import JobConfig
+
+# MLflow's limits: a parameter's value, a tag's value, and entries in one log_batch call.
+PARAM_CHARS = 6000
+TAG_CHARS = 5000
+BATCH = 100
+STATUS = {"FINISHED": "FINISHED", "FAILED": "FAILED", "STOPPED": "KILLED"}
+
+
+def check_available() -> None:
+    if importlib.util.find_spec("mlflow") is None:
+        raise ConfigError("run.loggers = [\"mlflow\"] needs the mlflow package: "
+                          "pip install 'stalwart[mlflow]'")
+
+
+class MLflowLogger(Callback):
+    def __init__(self, config: JobConfig, run_dir: Path) -> None:
+        check_available()
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self._client: Any = None
+        self.run_id: str | None = None
+        self._events = EventScalars()
+        self._count = 0
+        self._lock = threading.Lock()
+
+    def _open(self) -> Any:
+        """The client and this run's MLflow run, made at the first row or event (so a run
+        refused before it starts leaves nothing in the tracker)."""
+        if self._client is None:
+            from mlflow import MlflowClient
+            from mlflow.entities import Param
+
+            client = MlflowClient()  # MLFLOW_TRACKING_URI, else MLflow's default
+            name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or self.config.run.name
+            experiment = client.get_experiment_by_name(name)
+            experiment_id = (experiment.experiment_id if experiment is not None
+                             else client.create_experiment(name))
+            run = client.create_run(experiment_id, run_name=self.run_dir.name, tags={
+                "stalwart.run_dir": str(self.run_dir.resolve()),
+                "stalwart.task": self.config.task.path})
+            self.run_id = run.info.run_id
+            params = [Param(k, str(v)[:PARAM_CHARS]) for k, v in flat_config(self.config).items()]
+            for i in range(0, len(params), BATCH):
+                client.log_batch(self.run_id, params=params[i:i + BATCH])
+            self._client = client
+            # A run that ends by an exception never calls on_end: not left RUNNING.
+            atexit.register(self._end, "FAILED")
+        return self._client
+
+    def _log(self, values: dict[str, float], step: int, when: float) -> None:
+        from mlflow.entities import Metric
+
+        stamp = int(when * 1000)
+        metrics = [Metric(k, float(v), stamp, step) for k, v in values.items()]
+        if metrics:
+            self._open().log_batch(self.run_id, metrics=metrics)
+
+    def on_metrics(self, row: MetricsRow) -> None:
+        with self._lock:
+            self._log(row_scalars(row), row.step, row.time)
+
+    def on_event(self, event: Event) -> None:
+        text = describe(event)
+        if text is None:
+            return
+        with self._lock:
+            client = self._open()
+            self._log(self._events.of(event), event_step(event), event.time)
+            self._count += 1
+            client.set_tag(self.run_id, f"stalwart.event.{self._count:03d}.{event.kind}",
+                           text[:TAG_CHARS])
+
+    def on_end(self, result: Any) -> None:
+        self._end(getattr(result, "state", "FAILED"))
+
+    def _end(self, state: str) -> None:
+        with self._lock:
+            if self._client is None:
+                return
+            atexit.unregister(self._end)
+            self._client.set_tag(self.run_id, "stalwart.state", state)
+            self._client.set_terminated(self.run_id, status=STATUS.get(state, "FAILED"))
+            self._client = None
