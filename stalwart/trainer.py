@@ -36,6 +36,7 @@ from stalwart.cli.progress import ProgressDisplay
 from stalwart.config import JobConfig, config_from_dict, load_config
 from stalwart.errors import ClusterError, ConfigError, RunDirError
 from stalwart.integrations.loggers import logger_callbacks
+from stalwart.integrations.ray_metrics import RayMetrics
 from stalwart.orchestrator.controller import Controller
 from stalwart.orchestrator.policies import default_policies
 from stalwart.orchestrator.states import Failed, Finished, State, Stopped
@@ -278,7 +279,8 @@ class Trainer:
         runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(paths),
                                     "OMP_NUM_THREADS": str(max(1, int(
                                         self.config.scaling.cpus_per_worker)))}}
-        return connect(self.address, num_cpus=self._embedded_cpus()), runtime_env
+        return connect(self.address, num_cpus=self._embedded_cpus(),
+                       dashboard=self.config.run.dashboard), runtime_env
 
     def _embedded_cpus(self) -> int:
         """The Ray on this machine has its cores, plus room for the warm spares.
@@ -341,6 +343,7 @@ class Trainer:
                 resume_from, changes, skipped = self._check_run_dir(storage_url, trust)
             self._check_resources()
             self._make_storage(storage_url)
+            self.callbacks.append(RayMetrics(run=self.run_dir.path.name))  # needs Ray
             self.run_dir.metrics.listeners.append(self._last_metrics.on_metrics)
             for cb in self.callbacks:
                 self.run_dir.metrics.listeners.append(cb.on_metrics)

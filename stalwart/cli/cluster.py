@@ -15,9 +15,11 @@ from stalwart.errors import ClusterError
 EMBEDDED_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "enable_metrics_collection": False}
 
 
-def connect(address: str | None, *, num_cpus: int) -> bool:
+def connect(address: str | None, *, num_cpus: int, dashboard: bool = False) -> bool:
     """Join the cluster at `address`, or start a Ray of `num_cpus` logical CPUs on this
-    machine; True when this call started Ray (so the caller shuts it down)."""
+    machine; True when this call started Ray (so the caller shuts it down). `dashboard`:
+    the Ray started here runs its dashboard and collects metrics (run.dashboard); a cluster
+    keeps its own settings."""
     import ray
 
     if ray.is_initialized():
@@ -39,8 +41,15 @@ def connect(address: str | None, *, num_cpus: int) -> bool:
                       ).setLevel(logging.ERROR)
     # address="local": always a fresh instance of our own, never a `ray start` cluster that
     # happens to run (or to have left its address file) on this machine.
-    ray.init(address="local", num_cpus=num_cpus, include_dashboard=False,
-             logging_level="WARNING", _system_config=EMBEDDED_RAY_SYSTEM_CONFIG)
+    system_config = {**EMBEDDED_RAY_SYSTEM_CONFIG, "enable_metrics_collection": dashboard}
+    context = ray.init(address="local", num_cpus=num_cpus, include_dashboard=dashboard,
+                       logging_level="WARNING", _system_config=system_config)
+    if dashboard:
+        url = context.dashboard_url or ""
+        token = ("" if os.environ.get("RAY_AUTH_MODE") == "disabled" else
+                 " (it asks for Ray's token: ~/.ray/auth_token, or $RAY_AUTH_TOKEN)")
+        print(f"stalwart: Ray dashboard at {url if '://' in url else 'http://' + url}{token}",
+              flush=True)
     return True
 
 

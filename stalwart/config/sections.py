@@ -372,6 +372,8 @@ class RunConfig:
     """Also write the metrics and the run's failures, recoveries and resizes as TensorBoard event files under `<run dir>/tensorboard/`; needs `pip install 'stalwart[tensorboard]'`. The same as `"tensorboard"` in `run.loggers`."""
     loggers: list[str] = field(default_factory=list)
     """Experiment trackers that receive the metrics, the resolved config and the run's failures, recoveries and resizes: any of `"tensorboard"`, `"mlflow"` (MLflow's `MLFLOW_TRACKING_URI`; `pip install 'stalwart[mlflow]'`), `"wandb"` (Weights & Biases; `WANDB_MODE=offline` works without an account; `pip install 'stalwart[wandb]'`). See docs/trackers.md."""
+    dashboard: bool = False
+    """Start the Ray dashboard with the Ray that `stalwart run` starts on this machine, and collect Ray's metrics (stalwart's own among them, docs/trackers.md); its address is printed at the start. A cluster (`--address`) keeps its own dashboard."""
     profile_steps: list[int] = field(default_factory=list)
     """Trace these steps with the PyTorch profiler on every rank: `[STEP]` or `[FIRST, LAST]` (inclusive), at most `train.steps`; `[]` is off. `--profile 20-22` sets it."""
     auto_resume: bool = False

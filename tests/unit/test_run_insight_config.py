@@ -57,7 +57,7 @@ def test_both_round_trip_through_config_toml(tmp_path: Path) -> None:
     config = load_config(None, ["run.tensorboard=true", "run.profile_steps=[3, 4]"])
     path = tmp_path / "config.toml"
     path.write_text(dump_config(config))
-    assert "tensorboard = true\nloggers = []\nprofile_steps = [\n    3,\n    4,\n]" in path.read_text()
+    assert "tensorboard = true\nloggers = []\ndashboard = false\nprofile_steps = [\n    3,\n    4,\n]" in path.read_text()
     assert load_config(path) == config
 
 
