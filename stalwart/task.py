@@ -129,6 +129,12 @@ class TrainTask:
         """
         return self.output_loss(model(inputs), targets)
 
+    def export_files(self, config: JobConfig) -> dict[str, bytes]:
+        """Files an exporter needs besides the weights, by name: for `stalwart export
+        --format hf`, `config.json` and the tokenizer's files. Rank 0 writes them into every
+        checkpoint (signed with it), so export reads no task code."""
+        return {}
+
     def count_tokens(self, batch: Batch) -> int:
         """Tokens in one micro-batch, for tokens/s: the targets' elements of a pair,
         `labels` (else `input_ids`) of a dict, the samples of anything else."""

@@ -93,13 +93,14 @@ def step_metrics(report: StepReport) -> dict[str, float]:
     return {"loss": report.loss, **val, **report.metrics}
 
 
-def warm_model(task: TrainTask, config: JobConfig) -> None:
+def warm_model(task: TrainTask, config: JobConfig) -> list[list[str]]:
     """Build the model and run one micro-batch forward and backward, then drop it all.
 
     The first model built in a process pays for torch's lazy initialisation (allocator,
     kernels, autograd), about 0.2 s even for a tiny model; a replacement should not pay it
     while its peers wait. The world's model is built anew at setup (its sharding depends on
-    the world), from the seed, so this one is thrown away.
+    the world), from the seed, so this one is thrown away. Returns the groups of parameter
+    names that share one tensor (tied embeddings), which checkpoints record for exporters.
     """
     model = task.build_model(config)
     task.init_weights(model)
@@ -108,6 +109,15 @@ def warm_model(task: TrainTask, config: JobConfig) -> None:
     task.count_tokens(batch)
     loss, _ = compute_loss(task, model, batch, takes_batch=loss_takes_batch(task))
     loss.backward()
+    return tied_parameters(model)
+
+
+def tied_parameters(model: torch.nn.Module) -> list[list[str]]:
+    """Names of parameters that are one tensor, in the model's order, groups of two or more."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
 
 
 class TrainWorker:
@@ -128,6 +138,7 @@ class TrainWorker:
         self.generation = -1
         self.task: TrainTask | None = None
         self._supplied_task = task
+        self._tied: list[list[str]] = []  # tied parameter names (warm_model), for exporters
         self.engine: TrainEngine | None = None
         self.checkpointer: StorageCheckpointer | None = None
         # The memory tier outlives the worlds this worker joins: after a failure it still
@@ -210,7 +221,7 @@ class TrainWorker:
             task = resolve_task(self.config.task.path, self.config.task.args,
                                 self._supplied_task)
             task.prepare_data(self.config)
-            warm_model(task, self.config)
+            self._tied = warm_model(task, self.config)
             if self.config.run.profile_window is not None:
                 init_profiler_here()  # on the actor's thread, not the training thread
             self.task = task
@@ -271,8 +282,10 @@ class TrainWorker:
         self.checkpointer = StorageCheckpointer(
             self.storage_url, rank=rank, keep_last=self.config.checkpoint.keep_last,
             async_save=self.config.checkpoint.async_save,
-            manifest_extra={"world_size": world_size, "task": self.config.task.path},
-            trust=self.trust, keep_best=keep_best_rule(self.config))
+            manifest_extra={"world_size": world_size, "task": self.config.task.path,
+                            **({"tied": self._tied} if self._tied else {})},
+            trust=self.trust, keep_best=keep_best_rule(self.config),
+            export_files=self.task.export_files(self.config) if rank == 0 else None)
         ck = self.config.checkpoint
         self._tiered = ck.snapshot_every > 0
         if self._tiered:

@@ -118,11 +118,21 @@ def candidates(storage_url: str, step: int | None, trust: CheckpointTrust, on_sk
         below = info.step
 
 
+Write = Callable[[CheckpointInfo, dict[str, torch.Tensor], Path], Path]
+
+
+def write_file(checkpoint: CheckpointInfo, weights: dict[str, torch.Tensor], out: Path) -> Path:
+    return write_weights(weights, checkpoint.step, out)
+
+
 def export_newest(storage_url: str, step: int | None, out: Path, *, trust: CheckpointTrust,
-                  on_skip: OnSkip) -> tuple[CheckpointInfo, Path]:
+                  on_skip: OnSkip, write: Write = write_file,
+                  check: Callable[[Path], None] = check_out) -> tuple[CheckpointInfo, Path]:
     """Export `step`, or the newest checkpoint that verifies and loads; those passed over
-    go to `on_skip` (step, why). The checkpoint returned says whether it was unsigned."""
-    check_out(out)
+    go to `on_skip` (step, why). The checkpoint returned says whether it was unsigned.
+    `write` and `check` make the output: one file by default (storage/export_hf.py: a
+    Hugging Face directory)."""
+    check(out)
     skipped: list[int] = []
 
     def skip(s: int, why: str) -> None:
@@ -137,7 +147,7 @@ def export_newest(storage_url: str, step: int | None, out: Path, *, trust: Check
                 raise
             skip(info.step, str(exc))
             continue
-        return info, write_weights(weights, info.step, out)
+        return info, write(info, weights, out)
     if skipped:
         raise CheckpointError(f"no checkpoint under {storage_url} verifies and loads "
                               f"(skipped steps {sorted(skipped)})")

@@ -55,6 +55,10 @@ def data_file_rank(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+EXPORT_PREFIX = "export."
+"""A checkpoint's files for exporters (`export.config.json`, ...): TrainTask.export_files."""
+
+
 def check_file_name(name: object) -> str:
     """A file name from a manifest, safe to join under a directory: one plain path component.
 

@@ -17,6 +17,7 @@ the memory held by staged copies to one checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -41,9 +42,11 @@ from stalwart.checkpointing.storage.catalog import (
 from stalwart.checkpointing.storage.commit_report import CommitReport
 from stalwart.checkpointing.storage.hashing import FileDigest, HashingWriter
 from stalwart.checkpointing.storage.layout import (
+    EXPORT_PREFIX,
     FORMAT_VERSION,
     MANIFEST,
     METADATA,
+    check_file_name,
     data_file_rank,
     filesystem,
     join,
@@ -133,15 +136,21 @@ def _write_atomically(fs: AbstractFileSystem, root: str, text: str) -> None:
 class StorageCheckpointer:
     def __init__(self, url: str, *, rank: int, keep_last: int, async_save: bool,
                  manifest_extra: dict[str, Any], trust: CheckpointTrust,
-                 keep_best: BestRule | None = None) -> None:
+                 keep_best: BestRule | None = None,
+                 export_files: dict[str, bytes] | None = None) -> None:
         """`trust`: the key commits are signed with, and what a load accepts; a commit
         names `trust.run_id` as the run that wrote it. `keep_best`: also keep the best
-        checkpoints by a metric their manifests record (see storage/retention.py)."""
+        checkpoints by a metric their manifests record (see storage/retention.py).
+        `export_files`: what an exporter needs besides the weights (a Hugging Face
+        config.json, a tokenizer), written by rank 0 into every checkpoint as
+        `export.<name>` so the manifest signs them with the weights."""
         self.url = url
         self.trust = trust
         self.rank = rank
         self.keep_last = keep_last
         self.keep_best = keep_best
+        self.export_files = {f"{EXPORT_PREFIX}{check_file_name(name)}": data
+                             for name, data in (export_files or {}).items()}
         self.async_save = async_save
         self.manifest_extra = manifest_extra
         # A group of its own for checkpoint collectives (see module docstring).
@@ -214,11 +223,12 @@ class StorageCheckpointer:
         # it and .metadata is written, so all shards are on storage at this point; their
         # digests came with the results (HashingWriter), so none is read back here.
         ranks = dist.get_world_size(self.group) if self.group is not None else 1
+        digests = {**writer.digests, **self._write_export_files(step)}
         extra = {**self.manifest_extra, "run_id": self.trust.run_id}
         if metrics:
             extra["metrics"] = metrics
         read_back = write_manifest(self.url, step, extra, key=self.trust.key, ranks=ranks,
-                                   digests=writer.digests)
+                                   digests=digests)
         if read_back:
             _log.warning("checkpoint step %d: no digest from the writer of %s; hashed by "
                          "reading them back", step, ", ".join(sorted(read_back)))
@@ -226,6 +236,17 @@ class StorageCheckpointer:
                         verified=self._verified, best=self.keep_best)
         return CommitReport(step=step, path=join(self.url, step_dir_name(step)),
                             save_s=time.perf_counter() - t0)
+
+    def _write_export_files(self, step: int) -> dict[str, FileDigest]:
+        """The export files into step's directory, before its manifest; their digests."""
+        fs, root = filesystem(join(self.url, step_dir_name(step)))
+        digests = {}
+        for name, data in self.export_files.items():
+            with fs.open(f"{root}/{name}", "wb") as f:
+                f.write(data)
+            digests[name] = FileDigest(name=name, size=len(data),
+                                       sha256=hashlib.sha256(data).hexdigest())
+        return digests
 
     def poll(self) -> list[CommitReport]:
         """Commits completed since the last call, without blocking."""

@@ -84,10 +84,19 @@ def _parser() -> argparse.ArgumentParser:
                           "20-22 (inclusive); traces go to RUN_DIR/profile/ (sets "
                           "run.profile_steps)")
 
-    exp = sub.add_parser("export", help="write a checkpoint's full model weights to one file")
+    exp = sub.add_parser("export", help="write a checkpoint's full model weights to one file, "
+                                        "or a Hugging Face model directory")
     exp.add_argument("run_dir", help="run directory of the run to export")
     exp.add_argument("--step", type=int, help="checkpoint step (default: the newest committed)")
-    exp.add_argument("--out", required=True, help="output file: .safetensors, .pt, .pth or .bin")
+    exp.add_argument("--format", choices=("file", "hf"), default="file",
+                     help="file: the weights in one file (default); hf: a Hugging Face model "
+                          "directory (config.json, tokenizer, safetensors) for from_pretrained")
+    exp.add_argument("--out", required=True,
+                     help="output file (.safetensors, .pt, .pth or .bin), or with --format hf "
+                          "a directory that does not exist yet")
+    exp.add_argument("--max-shard-size", default="5GB",
+                     help="with --format hf: split the weights into files of at most this "
+                          "size, with an index (default 5GB)")
     exp.add_argument("--trust-unsigned", action="store_true", help=TRUST_UNSIGNED_HELP)
     add_plan_parser(sub)
 
@@ -171,23 +180,36 @@ def closing_summary(result: RunResult) -> str:
 
 
 def _cmd_export(args: argparse.Namespace) -> int:
-    from stalwart.checkpointing.storage.export import check_out, export_newest
+    from functools import partial
+
+    from stalwart.checkpointing.storage.export import check_out, export_newest, write_file
+    from stalwart.checkpointing.storage.export_hf import check_out_dir, parse_size, write_hf
     from stalwart.checkpointing.storage.signing import CheckpointTrust, load_key
     from stalwart.config import load_config
+    from stalwart.errors import ConfigError
     from stalwart.run_dir import RunDir
 
     rd = RunDir(Path(args.run_dir))
     rd.check_resumable()
     config = load_config(rd.config_file)
-    check_out(Path(args.out))
+    out = Path(args.out)
+    if args.format == "hf":
+        try:
+            shard_bytes = parse_size(args.max_shard_size)
+        except ValueError as exc:
+            raise ConfigError(f"--max-shard-size: {exc}") from None
+        write, check = partial(write_hf, max_shard_bytes=shard_bytes), check_out_dir
+    else:
+        write, check = write_file, check_out
+    check(out)
     trust = CheckpointTrust(key=load_key(config.checkpoint.key_file),
                             accept_unsigned=args.trust_unsigned)
 
     def skipped(step: int, why: str) -> None:  # read only: the checkpoint stays as it is
         print(f"stalwart: skipping checkpoint step {step}: {why}", file=sys.stderr)
 
-    checkpoint, out = export_newest(rd.storage_url(config), args.step, Path(args.out),
-                                    trust=trust, on_skip=skipped)
+    checkpoint, out = export_newest(rd.storage_url(config), args.step, out, trust=trust,
+                                    on_skip=skipped, check=check, write=write)
     if checkpoint.unsigned:
         print(f"stalwart: exporting step {checkpoint.step} although {checkpoint.unsigned} "
               f"(--trust-unsigned)", file=sys.stderr)
