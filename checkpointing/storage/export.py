@@ -40,10 +40,15 @@ def check_out(out: Path) -> None:
     """Refuse an output path that cannot be written, before anything is read."""
     if out.suffix not in SUFFIXES:
         raise CheckpointError(f"--out {str(out)!r}: unknown format; use one of {', '.join(SUFFIXES)}")
+    check_new_path(out)
+
+
+def check_new_path(out: Path) -> None:
+    """`out` does not exist yet, and can be made: its directory, or the nearest one that
+    exists (created at the write), is writable. Nothing is created before the output is
+    ready."""
     if out.exists() or out.is_symlink():
         raise CheckpointError(f"--out {str(out)!r} already exists; refusing to overwrite it")
-    # Its directory, or the nearest one that exists (created at the write), must be
-    # writable; nothing is created before the weights are ready.
     parent = out.absolute().parent
     while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
         parent = parent.parent

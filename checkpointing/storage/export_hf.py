@@ -25,6 +25,7 @@ import torch
 
 from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
+from stalwart.checkpointing.storage.export import check_new_path
 from stalwart.checkpointing.storage.layout import EXPORT_PREFIX, check_file_name, filesystem
 
 DEFAULT_SHARD = "5GB"
@@ -46,14 +47,7 @@ def parse_size(text: str) -> int:
 
 def check_out_dir(out: Path) -> None:
     """Refuse an output directory that exists or cannot be made, before anything is read."""
-    if out.exists() or out.is_symlink():
-        raise CheckpointError(f"--out {str(out)!r} already exists; refusing to overwrite it")
-    parent = out.absolute().parent
-    while not parent.exists() and not parent.is_symlink() and parent != parent.parent:
-        parent = parent.parent
-    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
-        raise CheckpointError(f"--out {str(out)!r}: {str(parent)!r} is not a writable "
-                              f"directory")
+    check_new_path(out)
 
 
 def export_files_of(checkpoint: CheckpointInfo) -> dict[str, bytes]:
