@@ -1,8 +1,5 @@
 """Your own model, trained fault-tolerantly from a plain script: `python examples/quickstart.py`.
-
-The data, the task and its loss live right here in `__main__`; Ray ships them to the workers
-by value. A batch is a dict; the loss reports a metric of its own (`mae`, then `val_mae`).
-"""
+The data, the task and its loss live here in `__main__`; Ray ships them to the workers."""
 
 import torch
 from torch import nn
@@ -10,9 +7,7 @@ from torch import nn
 import stalwart
 
 
-class Waves:
-    """y = sin(3x) + noise at n points of [-2, 2], fixed by `seed`."""
-
+class Waves:  # y = sin(3x) + noise at n points of [-2, 2]; batches are dicts
     def __init__(self, n: int, seed: int) -> None:
         g = torch.Generator().manual_seed(seed)
         self.x = torch.rand(n, 1, generator=g) * 4 - 2
@@ -41,17 +36,15 @@ class WavesTask(stalwart.TrainTask):
     def val_dataset(self, config):
         return Waves(512, seed=1)
 
-    def loss(self, model, batch):
+    def loss(self, model, batch):  # the loss, and a metric of its own: mae, then val_mae
         error = model(batch["x"]) - batch["y"]
         return error.pow(2).mean(), {"mae": error.abs().mean()}
 
 
 if __name__ == "__main__":
     result = stalwart.Trainer(task=WavesTask, config={
-        "task": {"args": {"width": 64}},
         "train": {"steps": 300, "global_batch_size": 64, "micro_batch_size": 32, "lr": 1e-2},
-        "checkpoint": {"persist_every": 100},
-        "run": {"name": "quickstart", "log_every": 50},
+        "checkpoint": {"persist_every": 100}, "run": {"name": "quickstart", "log_every": 50},
     }).fit()
     print(f"{result.state} at step {result.step}: val_loss {result.metrics['val_loss']:.4f}, "
           f"val_mae {result.metrics['val_mae']:.3f}")
