@@ -190,8 +190,8 @@ SWEEP = {
     "sweep-loguniform-low-zero": sweep(sweep_file(search=SEARCH.replace("1e-4", "0")),
                                        "[search] train.lr: loguniform needs low > 0, got 0"),
     "sweep-metric-never-reported": sweep(
-        write("sweep.toml", f'config = "{REFERENCE_CONFIG}"\nmetric = "accuracy"\n{SEARCH}'),
-        "metric: 'accuracy' is never reported by a stalwart run"),
+        write("sweep.toml", f'config = "{REFERENCE_CONFIG}"\nmetric = "accuracy%"\n{SEARCH}'),
+        "metric: 'accuracy%' is never reported by a stalwart run"),
     "sweep-unknown-config-key": sweep(sweep_file(search=SEARCH.replace("train.lr",
                                                                        "train.learning_rate")),
                                       "train.learning_rate"),

@@ -96,17 +96,28 @@ def test_a_task_metric_is_reported_and_its_validation_mean_carried(reports: list
         (10, 0.6, 0.55), (15, 0.7, 0.55)]
 
 
-def test_a_metric_the_run_never_reports_fails_the_trial_by_name(reports: list) -> None:
+def test_a_metric_the_run_never_reports_fails_the_trial_at_once(reports: list) -> None:
     from types import SimpleNamespace
 
     from stalwart.errors import TaskError
 
-    r = TuneReporter(STAGING, metric="acuracy")  # a typo of the task's accuracy
-    r.on_metrics(_metrics(5, task_metrics={"accuracy": 0.5}))
-    r.on_end(SimpleNamespace(state="STOPPED"))  # stopped early: it may simply not have come
-    with pytest.raises(TaskError, match=r"metric 'acuracy' was never reported; the run's "
-                                        r"metrics.jsonl has accuracy, loss, lr"):
-        r.on_end(SimpleNamespace(state="FINISHED"))
+    typo = TuneReporter(STAGING, metric="acuracy")  # a typo of the task's accuracy
+    with pytest.raises(TaskError, match=r"metric 'acuracy' is not reported: the run's "
+                                        r"metrics rows have accuracy, loss, lr"):
+        typo.on_metrics(_metrics(5, task_metrics={"accuracy": 0.5}))
+    # A validation mean can only be judged on a validation row.
+    val = TuneReporter(STAGING, metric="val_acuracy")
+    val.on_metrics(_metrics(5, task_metrics={"accuracy": 0.5}))
+    with pytest.raises(TaskError, match=r"metric 'val_acuracy' is not reported: the run's "
+                                        r"validation metrics rows have accuracy, loss"):
+        val.on_metrics(_metrics(10, val_loss=1.0, task_metrics={"accuracy": 0.5,
+                                                               "val_accuracy": 0.4}))
+    # A run that ended without any validation row: the backstop at the end.
+    late = TuneReporter(STAGING, metric="val_accuracy")
+    late.on_metrics(_metrics(5, task_metrics={"accuracy": 0.5}))
+    late.on_end(SimpleNamespace(state="STOPPED"))  # stopped early: it may simply not have come
+    with pytest.raises(TaskError, match=r"metric 'val_accuracy' was never reported"):
+        late.on_end(SimpleNamespace(state="FINISHED"))
     assert reports == []
 
 

@@ -89,6 +89,7 @@ class TuneReporter(Callback):
         self._carried.update({k: v for k, v in row.items() if k.startswith("val_")})
         metrics = {**self._carried, **row}
         if self.metric is not None and self.metric not in metrics:
+            self._check_coming(row)
             return  # e.g. val_loss before the first validation: Tune needs it in every report
         self._last = metrics
         if self.with_checkpoints or row["step"] == self.final_step:
@@ -97,6 +98,16 @@ class TuneReporter(Callback):
                 self._flush_held(up_to=row["step"])
             return
         self._report(metrics)
+
+    def _check_coming(self, row: dict[str, Any]) -> None:
+        """A trial whose metric will never come fails at once, naming the run's columns: a
+        task's metric is on every row, and its `val_` mean on every validation row."""
+        validation = "val_loss" in row
+        if self.metric == "val_loss" or (self.metric.startswith("val_") and not validation):
+            return
+        raise TaskError(f"the sweep's metric {self.metric!r} is not reported: the run's "
+                        f"{'validation ' if validation else ''}metrics rows have "
+                        f"{', '.join(sorted(row))}")
 
     def on_end(self, result: Any) -> None:
         """Rows still held, and a checkpoint committed after the last logged step (the final
