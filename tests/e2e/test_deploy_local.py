@@ -224,9 +224,12 @@ def test_stop_checkpoints_the_run_and_a_resumed_submit_continues_it(cluster):
     cluster.stalwart("submit", CONFIG, *sets(*TINY, "train.steps=2000",
                                              "checkpoint.persist_every=10"),
                      "--run-dir", str(run_dir), "--job-id", "stalwart-stop")
+    # As in a terminal: Ctrl-C's default action, even when pytest itself runs with SIGINT
+    # ignored (a background job of a shell; the child would inherit that).
     follow = subprocess.Popen([STALWART, "logs", "stalwart-stop", "--follow"],
                               cwd=cluster.project, env=cluster.env, text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         wait_for_step(run_dir / "metrics.jsonl", 20, follow, timeout=120)
         # Ctrl-C once it follows (a line of the job's log came through), not while it starts.
