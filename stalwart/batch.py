@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 Batch = Any
 """A tensor, a tuple or list of tensors, or a dict of tensors (nested ones too)."""
 
+
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """The batch with every tensor in it moved to `device` (other leaves kept as they are)."""
     if isinstance(batch, torch.Tensor):

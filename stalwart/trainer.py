@@ -33,7 +33,7 @@ from stalwart.checkpointing.storage.signing import CheckpointTrust, load_key
 from stalwart.checkpointing.storage.transfer import copy_checkpoint
 from stalwart.cli.cluster import connect
 from stalwart.cli.progress import ProgressDisplay
-from stalwart.config import JobConfig, config_from_dict, load_config
+from stalwart.config import JobConfig, config_from_dict, flatten, load_config
 from stalwart.errors import ClusterError, ConfigError, RunDirError
 from stalwart.integrations.loggers import logger_callbacks
 from stalwart.integrations.ray_metrics import RayMetrics
@@ -79,19 +79,9 @@ class RunResult:
     """The last metrics row (as in metrics.jsonl), with the last validation's `val_` columns."""
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}{k}"
-        if isinstance(v, dict) and key != "task.args":
-            out.update(_flatten(v, key + "."))
-        else:
-            out[key] = v
-    return out
-
-
 def config_changes(old: JobConfig, new: JobConfig) -> dict[str, list[Any]]:
-    a, b = _flatten(old.to_dict()), _flatten(new.to_dict())
+    a = flatten(old.to_dict(), keep=("task.args",))
+    b = flatten(new.to_dict(), keep=("task.args",))
     return {k: [a.get(k), b.get(k)] for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
 
 

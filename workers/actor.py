@@ -106,7 +106,7 @@ def warm_model(task: TrainTask, config: JobConfig) -> list[list[str]]:
     task.init_weights(model)
     data = task.train_dataset(config)
     batch = data.get_batch(np.arange(min(len(data), config.train.micro_batch_size)))
-    task.count_tokens(batch)
+    task.count_tokens(batch)  # a batch it cannot count fails here, before the world forms
     loss, _ = compute_loss(task, model, batch, takes_batch=loss_takes_batch(task))
     loss.backward()
     return tied_parameters(model)

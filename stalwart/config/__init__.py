@@ -12,6 +12,7 @@ from stalwart.config.loading import (
     apply_overrides,
     config_from_dict,
     dump_config,
+    flatten,
     load_config,
     read_toml,
 )
@@ -49,6 +50,7 @@ __all__ = [
     "TaskConfig",
     "TrainConfig",
     "apply_overrides",
+    "flatten",
     "config_from_dict",
     "dump_config",
     "load_config",

@@ -100,6 +100,22 @@ def _parse_value(raw: str) -> Any:
         return raw
 
 
+def flatten(data: dict[str, Any], *, keep: tuple[str, ...] = ()) -> dict[str, Any]:
+    """Nested tables as `section.key` -> value. A table named in `keep`, or an empty one,
+    stays one value (`task.args` compared whole)."""
+    out: dict[str, Any] = {}
+
+    def walk(value: Any, key: str) -> None:
+        if isinstance(value, dict) and value and key not in keep:
+            for name, inner in value.items():
+                walk(inner, f"{key}.{name}" if key else str(name))
+        else:
+            out[key] = value
+
+    walk(data, "")
+    return out
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply `a.b=value` overrides to a nested dict (copying what it changes)."""
     data = {k: dict(v) if isinstance(v, dict) else v for k, v in data.items()}

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from stalwart import events as ev
+from stalwart.config import flatten
 from stalwart.events import Event, MetricsRow
 
 ROW_SCALARS = ("loss", "val_loss", "lr", "tokens_per_s", "world_size")
@@ -78,14 +79,4 @@ class EventScalars:
 
 def flat_config(config: Any) -> dict[str, Any]:
     """The resolved config as `section.key` -> value (a tracker's run parameters)."""
-    out: dict[str, Any] = {}
-
-    def walk(value: Any, prefix: str) -> None:
-        if isinstance(value, dict) and value:
-            for key, inner in value.items():
-                walk(inner, f"{prefix}.{key}" if prefix else str(key))
-        else:
-            out[prefix] = value
-
-    walk(config.to_dict(), "")
-    return out
+    return flatten(config.to_dict())
