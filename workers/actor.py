@@ -23,10 +23,8 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-import numpy as np
 import torch
 
-from stalwart.batch import compute_loss, loss_takes_batch
 from stalwart.checkpointing.memory.store import Inventory
 from stalwart.checkpointing.memory.tier import MemoryTier, StateAccess
 from stalwart.checkpointing.snapshot import ShardLayout
@@ -50,6 +48,7 @@ from stalwart.workers.driver_watch import DriverWatch, end_this_actor
 from stalwart.workers.engine import TrainEngine
 from stalwart.workers.errors import classify_exception
 from stalwart.workers.faults import FaultInjector
+from stalwart.workers.model_warm_up import warm_model
 from stalwart.workers.profiling import StepProfiler, init_profiler_here
 from stalwart.workers.reports import (
     CommitReport,
@@ -91,33 +90,6 @@ def step_metrics(report: StepReport) -> dict[str, float]:
     validation step, and the task's metrics (what checkpoint.keep_best ranks by)."""
     val = {} if report.val_loss is None else {"val_loss": report.val_loss}
     return {"loss": report.loss, **val, **report.metrics}
-
-
-def warm_model(task: TrainTask, config: JobConfig) -> list[list[str]]:
-    """Build the model and run one micro-batch forward and backward, then drop it all.
-
-    The first model built in a process pays for torch's lazy initialisation (allocator,
-    kernels, autograd), about 0.2 s even for a tiny model; a replacement should not pay it
-    while its peers wait. The world's model is built anew at setup (its sharding depends on
-    the world), from the seed, so this one is thrown away. Returns the groups of parameter
-    names that share one tensor (tied embeddings), which checkpoints record for exporters.
-    """
-    model = task.build_model(config)
-    task.init_weights(model)
-    data = task.train_dataset(config)
-    batch = data.get_batch(np.arange(min(len(data), config.train.micro_batch_size)))
-    task.count_tokens(batch)  # a batch it cannot count fails here, before the world forms
-    loss, _ = compute_loss(task, model, batch, takes_batch=loss_takes_batch(task))
-    loss.backward()
-    return tied_parameters(model)
-
-
-def tied_parameters(model: torch.nn.Module) -> list[list[str]]:
-    """Names of parameters that are one tensor, in the model's order, groups of two or more."""
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
 
 
 class TrainWorker:

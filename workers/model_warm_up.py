@@ -1,0 +1,43 @@
+"""A worker's first model: built and run once before the worker joins a world, so the world
+does not wait for torch's lazy start-up, and so the task's model, data and loss are checked
+before any world forms."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from stalwart.batch import compute_loss, loss_takes_batch
+
+if TYPE_CHECKING:
+    from stalwart.config import JobConfig
+    from stalwart.task import TrainTask
+
+
+def warm_model(task: TrainTask, config: JobConfig) -> list[list[str]]:
+    """Build the model and run one micro-batch forward and backward, then drop it all.
+
+    The first model built in a process pays for torch's lazy initialisation (allocator,
+    kernels, autograd), about 0.2 s even for a tiny model; a replacement should not pay it
+    while its peers wait. The world's model is built anew at setup (its sharding depends on
+    the world), from the seed, so this one is thrown away. Returns the groups of parameter
+    names that share one tensor (tied embeddings), which checkpoints record for exporters.
+    """
+    model = task.build_model(config)
+    task.init_weights(model)
+    data = task.train_dataset(config)
+    batch = data.get_batch(np.arange(min(len(data), config.train.micro_batch_size)))
+    task.count_tokens(batch)  # a batch it cannot count fails here, before the world forms
+    loss, _ = compute_loss(task, model, batch, takes_batch=loss_takes_batch(task))
+    loss.backward()
+    return tied_parameters(model)
+
+
+def tied_parameters(model: torch.nn.Module) -> list[list[str]]:
+    """Names of parameters that are one tensor, in the model's order, groups of two or more."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return [names for names in groups.values() if len(names) > 1]
