@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from stalwart.errors import StalwartError
+from stalwart.core.errors import StalwartError
 
 
 class CheckpointError(StalwartError):

@@ -11,14 +11,14 @@ from __future__ import annotations
 import itertools
 from typing import TYPE_CHECKING
 
-from stalwart import events as ev
+from stalwart.core import events as ev
 from stalwart.orchestrator.observers import ControllerObserver
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
+    from stalwart.core.run_logs import EventLog, MetricsLog
     from stalwart.orchestrator.failures import WorkerFailure
     from stalwart.orchestrator.observers import Display, Restored
-    from stalwart.run_dir import EventLog, MetricsLog
     from stalwart.workers.reports import StepReport
 
 

@@ -15,9 +15,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from stalwart import events as ev
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.checkpointing.storage.signing import CheckpointTrust
+from stalwart.core import events as ev
 from stalwart.orchestrator import reporting
 from stalwart.orchestrator.accounting import RecoveryTimer, Throughput
 from stalwart.orchestrator.clock import Clock
@@ -45,10 +45,10 @@ from stalwart.orchestrator.states import (
 from stalwart.orchestrator.storage_restore import StorageRestore
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
+    from stalwart.core.run_logs import EventLog, MetricsLog
     from stalwart.orchestrator.group import Disbanded, WorkerGroup
     from stalwart.orchestrator.policies import Policies
-    from stalwart.run_dir import EventLog, MetricsLog
     from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
 
 

@@ -16,8 +16,8 @@ from stalwart.orchestrator.health import HangDetector
 from stalwart.orchestrator.observers import ControllerObserver
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
-    from stalwart.events import WorkerPlace
+    from stalwart.core.config import JobConfig
+    from stalwart.core.events import WorkerPlace
     from stalwart.workers.reports import StepReport, WorkerStatus
 
 LastSeen = Callable[..., "float | None"]

@@ -13,7 +13,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from stalwart.errors import RunDirError
+from stalwart.core.errors import RunDirError
 from stalwart.workers.driver_watch import DriverBeacon
 
 BEACON_PREFIX = "stalwart-driver-"

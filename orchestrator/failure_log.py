@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from stalwart import events as ev
+from stalwart.core import events as ev
 from stalwart.orchestrator.failures import (
     FailDecision,
     FailureKind,
@@ -17,7 +17,7 @@ from stalwart.orchestrator.failures import (
 )
 
 if TYPE_CHECKING:
-    from stalwart.run_dir import EventLog
+    from stalwart.core.run_logs import EventLog
 
 
 class FailureLog:

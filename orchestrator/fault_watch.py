@@ -9,15 +9,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stalwart import events as ev
+from stalwart.core import events as ev
 from stalwart.orchestrator.faults import FaultPlan
 from stalwart.orchestrator.observers import ControllerObserver
 
 if TYPE_CHECKING:
-    from stalwart.config import FaultSpec, JobConfig
-    from stalwart.events import WorkerPlace
+    from stalwart.core.config import FaultSpec, JobConfig
+    from stalwart.core.events import WorkerPlace
+    from stalwart.core.run_logs import EventLog
     from stalwart.orchestrator.group import WorkerGroup
-    from stalwart.run_dir import EventLog
     from stalwart.workers.reports import WorkerStatus
 
 

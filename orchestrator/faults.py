@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stalwart.config import FAULT_KINDS, FaultSpec
-from stalwart.events import WorkerPlace
+from stalwart.core.config import FAULT_KINDS, FaultSpec
+from stalwart.core.events import WorkerPlace
 
 
 def number_nodes(workers: Sequence[WorkerPlace], driver_node_id: str) -> dict[str, int]:

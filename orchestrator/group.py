@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from stalwart.config import FaultSpec
-from stalwart.events import WorkerPlace
+from stalwart.core.config import FaultSpec
+from stalwart.core.events import WorkerPlace
 
 if TYPE_CHECKING:
     from stalwart.checkpointing.memory.catalog import MemoryChoice

@@ -33,7 +33,7 @@ from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.workers.node_agent import NodeAgent, NodeReport, collect_polls
 
 if TYPE_CHECKING:
-    from stalwart.events import WorkerPlace
+    from stalwart.core.events import WorkerPlace
     from stalwart.workers.reports import WorkerStatus
 
 

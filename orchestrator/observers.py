@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
-    from stalwart.events import WorkerPlace
+    from stalwart.core.events import WorkerPlace
     from stalwart.orchestrator.failures import WorkerFailure
     from stalwart.orchestrator.states import Running
     from stalwart.workers.reports import StepReport, WorkerStatus
 
 
 class Display(Protocol):
-    """Progress for humans (stalwart/cli/progress.py)."""
+    """Progress for humans (stalwart/progress.py)."""
 
     def update(self, report: StepReport, tokens_per_s: float | None) -> None: ...
     def log(self, message: str) -> None: ...

@@ -15,7 +15,7 @@ from stalwart.orchestrator.restore import RestorePolicy
 from stalwart.orchestrator.scaling import ScalingPolicy
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from stalwart import events as ev
+from stalwart.core import events as ev
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.observers import ControllerObserver
 from stalwart.orchestrator.profiles import save_trace
@@ -19,11 +19,11 @@ from stalwart.orchestrator.stragglers import StragglerDetector
 if TYPE_CHECKING:
     from stalwart.checkpointing.memory.limits import MemoryLimit
     from stalwart.checkpointing.storage.catalog import CheckpointInfo
-    from stalwart.config import JobConfig
-    from stalwart.events import WorkerPlace
+    from stalwart.core.config import JobConfig
+    from stalwart.core.events import WorkerPlace
+    from stalwart.core.run_logs import EventLog
     from stalwart.orchestrator.observers import Display
     from stalwart.orchestrator.states import Running
-    from stalwart.run_dir import EventLog
     from stalwart.workers.reports import CommitReport, WorkerStatus
 
 # Steps into a world after which its memory tier holds what it will hold from then on (two

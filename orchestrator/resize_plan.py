@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from stalwart import events as ev
+from stalwart.core import events as ev
 from stalwart.orchestrator.scaling import ResizeDecision, ScalingPolicy
 
 if TYPE_CHECKING:
+    from stalwart.core.run_logs import EventLog
     from stalwart.orchestrator.group import WorkerGroup
     from stalwart.orchestrator.observers import Display
-    from stalwart.run_dir import EventLog
 
 
 class ResizePlan:

@@ -13,8 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from stalwart import events as ev
 from stalwart.checkpointing.memory.catalog import MemoryChoice, newest_complete
+from stalwart.core import events as ev
 from stalwart.orchestrator.failures import FailureKind
 
 if TYPE_CHECKING:

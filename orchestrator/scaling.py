@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stalwart.config import ScalingConfig
+    from stalwart.core.config import ScalingConfig
     from stalwart.orchestrator.group import WorkerGroup
 
 

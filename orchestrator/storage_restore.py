@@ -10,18 +10,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from stalwart import events as ev
 from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.storage.catalog import CheckpointInfo, list_step_dirs, newest_valid
+from stalwart.core import events as ev
 from stalwart.orchestrator.restore import nothing_restorable
 from stalwart.orchestrator.states import Failed
 
 if TYPE_CHECKING:
     from stalwart.checkpointing.storage.signing import CheckpointTrust
+    from stalwart.core.run_logs import EventLog
     from stalwart.orchestrator.group import WorkerGroup
     from stalwart.orchestrator.observers import Display
     from stalwart.orchestrator.reporting import CommitLog
-    from stalwart.run_dir import EventLog
 
 
 class StorageRestore:

@@ -32,14 +32,15 @@ from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.memory.catalog import MemoryChoice
 from stalwart.checkpointing.memory.store import Inventory
 from stalwart.checkpointing.storage.signing import CheckpointTrust
-from stalwart.config import JobConfig
-from stalwart.errors import ConfigError
-from stalwart.events import WorkerPlace
+from stalwart.core.config import JobConfig
+from stalwart.core.errors import ConfigError
+from stalwart.core.events import WorkerPlace
+from stalwart.core.ray_private import actor_row
+from stalwart.core.task import TaskLike
 from stalwart.orchestrator.driver_loss import run_namespace, start_beacon
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.group import Arm, Disbanded, WorkerGroup
 from stalwart.orchestrator.node_polls import NodePolls
-from stalwart.task import TaskLike
 from stalwart.workers.actor import TrainWorker
 from stalwart.workers.reports import (
     LeaveReport,
@@ -217,14 +218,12 @@ class ElasticGroup(WorkerGroup):
 
     def placed_starting(self) -> int:
         """Starting actors that Ray has placed on a live node (the rest wait for room)."""
-        # ray._private.state is the GCS actor table: the only way to tell an actor that is
-        # starting from one that waits for room, without the dashboard's state API.
-        from ray._private import state
-
+        # The GCS actor table is the only way to tell an actor that is starting from one that
+        # waits for room, without the dashboard's state API.
         placed = 0
         for w in self.starting:
             try:
-                row = state.actors(w.actor._actor_id.hex())
+                row = actor_row(w.actor)
             except Exception:
                 placed += 1  # cannot tell: assume it is coming
                 continue

@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 from stalwart.parallel.blocks import blocks_of
 
 if TYPE_CHECKING:
-    from stalwart.config import ParallelConfig
+    from stalwart.core.config import ParallelConfig
 
 
 def needs_fsdp(mesh: DeviceMesh, config: ParallelConfig) -> bool:

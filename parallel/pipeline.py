@@ -26,9 +26,9 @@ from stalwart.parallel.recipe import parallelize
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from stalwart.config import ParallelConfig
+    from stalwart.core.config import ParallelConfig
+    from stalwart.core.task import TrainTask
     from stalwart.parallel.dims import ParallelDims
-    from stalwart.task import TrainTask
 
 SCHEDULES = {
     "gpipe": ScheduleGPipe,

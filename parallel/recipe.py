@@ -17,8 +17,8 @@ from stalwart.parallel.data_parallel import apply_data_parallel
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from stalwart.config import ParallelConfig
-    from stalwart.task import TrainTask
+    from stalwart.core.config import ParallelConfig
+    from stalwart.core.task import TrainTask
 
 
 def parallelize(model: torch.nn.Module, *, mesh: DeviceMesh | None, config: ParallelConfig,

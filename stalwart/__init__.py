@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from stalwart.callbacks import Callback
-    from stalwart.config import JobConfig, load_config
-    from stalwart.task import TrainTask
+    from stalwart.core.config import JobConfig, load_config
+    from stalwart.core.task import TrainTask
     from stalwart.trainer import Checkpoint, RunResult, Trainer
 
 _PUBLIC = {
     "Callback": "stalwart.callbacks",
-    "JobConfig": "stalwart.config",
-    "load_config": "stalwart.config",
-    "TrainTask": "stalwart.task",
+    "JobConfig": "stalwart.core.config",
+    "load_config": "stalwart.core.config",
+    "TrainTask": "stalwart.core.task",
     "RunResult": "stalwart.trainer",
     "Checkpoint": "stalwart.trainer",
     "Trainer": "stalwart.trainer",

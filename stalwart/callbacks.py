@@ -17,15 +17,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from stalwart.events import Event, MetricsRow
+    from stalwart.core.events import Event, MetricsRow
 
 
 class Callback:
     def on_metrics(self, row: MetricsRow) -> None:
-        """One row of metrics.jsonl, typed (stalwart/events.py: MetricsRow)."""
+        """One row of metrics.jsonl, typed (stalwart/core/events.py: MetricsRow)."""
 
     def on_event(self, event: Event) -> None:
-        """One event of events.jsonl, typed: one dataclass per kind (stalwart/events.py)."""
+        """One event of events.jsonl, typed: one dataclass per kind (stalwart/core/events.py)."""
 
     def on_end(self, result: Any) -> None:
         """The run's RunResult, after the workers have stopped."""

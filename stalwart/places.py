@@ -18,7 +18,7 @@ from fsspec.implementations.local import LocalFileSystem
 
 from stalwart.checkpointing.errors import StorageURLError
 from stalwart.checkpointing.storage.layout import filesystem, join
-from stalwart.errors import RunDirError, StalwartError
+from stalwart.core.errors import RunDirError, StalwartError
 
 PROBE_PREFIX = ".stalwart-write-probe-"
 LOCAL_PROTOCOLS = ("file", "local")

@@ -13,51 +13,16 @@ A run directory that already holds checkpoints is never reused without --resume 
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable
 from datetime import datetime
 from pathlib import Path
-from typing import Generic, Literal, TypeVar
+from typing import Literal
 
 from stalwart.checkpointing.storage.catalog import list_step_dirs
-from stalwart.config import JobConfig, dump_config
-from stalwart.errors import RunDirError
-from stalwart.events import Event, MetricsRow, dumps, read_jsonl
+from stalwart.core.config import JobConfig, dump_config
+from stalwart.core.errors import RunDirError
+from stalwart.core.run_logs import EventLog, MetricsLog
 
-__all__ = ["EventLog", "MetricsLog", "RunDir", "read_jsonl"]
-
-R = TypeVar("R", Event, MetricsRow)
-
-
-class JsonlLog(Generic[R]):
-    """Appends one record per line and flushes it, so a reader (or a crash) sees whole lines.
-
-    Listeners (a run's callbacks) see each record after it is on disk, on the writer's thread.
-    """
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._lock = threading.Lock()
-        self.listeners: list[Callable[[R], None]] = []
-
-    def write(self, record: R) -> None:
-        line = dumps(record)  # type: ignore[arg-type]
-        with self._lock, self.path.open("a") as f:
-            f.write(line + "\n")
-        for listener in self.listeners:
-            listener(record)
-
-
-class EventLog(JsonlLog[Event]):
-    """events.jsonl: the run's typed events (stalwart/events.py is the schema)."""
-
-    def emit(self, event: Event) -> Event:
-        self.write(event)
-        return event
-
-
-class MetricsLog(JsonlLog[MetricsRow]):
-    """metrics.jsonl: one MetricsRow per logged step."""
+__all__ = ["RunDir"]
 
 
 class RunDir:

@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stalwart import events as ev
 from stalwart.callbacks import Callback
 from stalwart.checkpointing.errors import CheckpointError, StorageURLError
 from stalwart.checkpointing.storage.catalog import (
@@ -31,10 +30,12 @@ from stalwart.checkpointing.storage.layout import filesystem
 from stalwart.checkpointing.storage.owner import Owner, claim, read_owner
 from stalwart.checkpointing.storage.signing import CheckpointTrust, load_key
 from stalwart.checkpointing.storage.transfer import copy_checkpoint
-from stalwart.cli.cluster import connect
-from stalwart.cli.progress import ProgressDisplay
-from stalwart.config import JobConfig, config_from_dict, flatten, load_config
-from stalwart.errors import ClusterError, ConfigError, RunDirError
+from stalwart.cluster import connect
+from stalwart.core import events as ev
+from stalwart.core import ray_private
+from stalwart.core.config import JobConfig, config_from_dict, flatten, load_config
+from stalwart.core.errors import ClusterError, ConfigError, RunDirError
+from stalwart.core.task import TaskLike, resolve_task, task_path_of
 from stalwart.integrations.loggers import logger_callbacks
 from stalwart.integrations.ray_metrics import RayMetrics
 from stalwart.orchestrator.controller import Controller
@@ -42,8 +43,8 @@ from stalwart.orchestrator.policies import default_policies
 from stalwart.orchestrator.states import Failed, Finished, State, Stopped
 from stalwart.parallel.dims import ParallelDims
 from stalwart.places import absolute_storage, probe_run_dir, probe_storage
+from stalwart.progress import ProgressDisplay
 from stalwart.run_dir import RunDir
-from stalwart.task import TaskLike, resolve_task, task_path_of
 
 # Keys that define what is being trained: changing them on --resume would silently mix two
 # different runs (another model, another data order), so it is refused.
@@ -473,10 +474,5 @@ def _refuse_other_owner(storage_url: str, me: Owner, owner: Owner | None) -> Non
 
 def draining_nodes() -> set[str]:
     """Ids of the nodes Ray is draining (preemption, autoscaler scale-down): leave them."""
-    from ray._private import state
-
-    try:
-        return set(state.state.get_draining_nodes())
-    except Exception:  # a private API: if it moves, drains are noticed as node deaths instead
-        return set()
+    return ray_private.draining_nodes()
 

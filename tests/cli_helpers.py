@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from stalwart.run_dir import read_jsonl
+from stalwart.core.events import read_jsonl
 
 STALWART = str(Path(sys.executable).with_name("stalwart"))
 REFERENCE_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "config.toml"

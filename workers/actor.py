@@ -31,8 +31,10 @@ from stalwart.checkpointing.snapshot import ShardLayout
 from stalwart.checkpointing.storage.retention import BestRule
 from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.checkpointing.storage.writer import StorageCheckpointer
-from stalwart.config import FaultSpec, JobConfig, config_from_dict
-from stalwart.events import WorkerPlace
+from stalwart.core.config import FaultSpec, JobConfig, config_from_dict
+from stalwart.core.events import WorkerPlace
+from stalwart.core.ray_private import actor_name_log_marker
+from stalwart.core.task import TaskLike, TrainTask, resolve_task
 from stalwart.parallel.distributed import (
     RendezvousAddress,
     RendezvousHost,
@@ -43,7 +45,6 @@ from stalwart.parallel.distributed import (
     pick_device,
 )
 from stalwart.parallel.world_sockets import cut, tcp_connections
-from stalwart.task import TaskLike, TrainTask, resolve_task
 from stalwart.workers.driver_watch import DriverWatch, end_this_actor
 from stalwart.workers.engine import TrainEngine
 from stalwart.workers.errors import classify_exception
@@ -70,14 +71,13 @@ def announce_name(name: str) -> None:
     """
     import ray
 
-    try:
-        from ray._private.ray_constants import LOG_PREFIX_ACTOR_NAME
-    except ImportError:
+    marker = actor_name_log_marker()
+    if marker is None:
         return
     if not ray.is_initialized():  # constructed outside a Ray worker (tests): no log monitor
         return
     for stream in (sys.stdout, sys.stderr):
-        print(f"{LOG_PREFIX_ACTOR_NAME}{name}", file=stream, flush=True)
+        print(f"{marker}{name}", file=stream, flush=True)
 
 
 def keep_best_rule(config: JobConfig) -> BestRule | None:

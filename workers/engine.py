@@ -23,9 +23,9 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
-from stalwart.batch import as_pair, batch_samples, compute_loss, loss_takes_batch, to_device
 from stalwart.checkpointing.memory.tier import StateAccess
-from stalwart.errors import TaskError
+from stalwart.core.batch import as_pair, batch_samples, compute_loss, loss_takes_batch, to_device
+from stalwart.core.errors import TaskError
 from stalwart.parallel.data_parallel import gradient_sync
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
 from stalwart.parallel.grad_norm import clip_grad_norm
@@ -38,8 +38,8 @@ from stalwart.workers.reports import StepReport
 from stalwart.workers.sampler import GlobalSampler, rank_slice
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
-    from stalwart.task import TrainTask
+    from stalwart.core.config import JobConfig
+    from stalwart.core.task import TrainTask
 
 # The optimizer's state and param groups keyed by parameter name, not by group index: the
 # stages of a pipeline hold different parameters under the same indices, and DCP would keep

@@ -25,7 +25,8 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from stalwart.config import FaultSpec
+from stalwart.core.config import FaultSpec
+from stalwart.core.ray_private import drain_node
 
 
 class InjectedFault(RuntimeError):
@@ -185,13 +186,10 @@ def freeze_this_node() -> None:
 def drain_this_node(deadline_s: float = 60.0) -> None:
     """Ask the GCS to drain this node for preemption, as a cloud provider's notice would."""
     import ray
-    from ray.core.generated import autoscaler_pb2
 
-    ctx = ray.get_runtime_context()
-    gcs = ray._raylet.GcsClient(address=ctx.gcs_address)
-    accepted, why = gcs.drain_node(
-        ctx.get_node_id(), autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-        "stalwart fault injection", int((time.time() + deadline_s) * 1000))
+    accepted, why = drain_node(ray.get_runtime_context().get_node_id(),
+                               reason="stalwart fault injection",
+                               deadline_ms=int((time.time() + deadline_s) * 1000))
     if not accepted:
         raise RuntimeError(f"drain: Ray refused to drain this node: {why}")
 

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from stalwart.batch import compute_loss, loss_takes_batch
+from stalwart.core.batch import compute_loss, loss_takes_batch
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
-    from stalwart.task import TrainTask
+    from stalwart.core.config import JobConfig
+    from stalwart.core.task import TrainTask
 
 
 def warm_model(task: TrainTask, config: JobConfig) -> list[list[str]]:

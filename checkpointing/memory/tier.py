@@ -32,7 +32,7 @@ from stalwart.checkpointing.memory.replication import Replicator, holders_for
 from stalwart.checkpointing.memory.store import Inventory, MemoryStore
 from stalwart.checkpointing.safe_load import SafeLoadPlanner
 from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager
-from stalwart.errors import ConfigError
+from stalwart.core.errors import ConfigError
 
 
 class MemoryLimitError(ConfigError):

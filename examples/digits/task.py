@@ -16,11 +16,11 @@ import numpy as np
 import torch
 from torch import nn
 
-from stalwart.errors import TaskError
-from stalwart.task import TrainTask
+from stalwart.core.errors import TaskError
+from stalwart.core.task import TrainTask
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
 
 N_PIXELS = 8 * 8
 N_CLASSES = 10

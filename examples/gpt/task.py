@@ -12,7 +12,8 @@ import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stalwart.errors import TaskError
+from stalwart.core.errors import TaskError
+from stalwart.core.task import ModelDims, TrainTask
 from stalwart.examples.gpt.data import (
     TokenDataset,
     TokenFiles,
@@ -22,12 +23,11 @@ from stalwart.examples.gpt.data import (
 from stalwart.examples.gpt.model import GPT, GPTConfig, GPTConfigError
 from stalwart.examples.gpt.pipeline import GPTStage, rank_union, split_stages
 from stalwart.examples.gpt.tensor_parallel import apply_tensor_parallel
-from stalwart.task import ModelDims, TrainTask
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
     from stalwart.parallel.dims import ParallelDims
 
 

@@ -23,11 +23,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stalwart.errors import TaskError
-from stalwart.task import ModelDims, TrainTask
+from stalwart.core.errors import TaskError
+from stalwart.core.task import ModelDims, TrainTask
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
 
 NEEDS_HF = "HFCausalLMTask needs transformers, datasets and tokenizers: pip install 'stalwart[hf]'"
 SPECIAL = ["<|endoftext|>"]  # ends each document; also the model's bos, eos and pad token

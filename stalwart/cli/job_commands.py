@@ -27,7 +27,7 @@ from stalwart.cli.run_options import (
     add_set_option,
     run_config,
 )
-from stalwart.errors import ClusterError, ConfigError
+from stalwart.core.errors import ClusterError, ConfigError
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient

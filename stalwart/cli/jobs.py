@@ -31,10 +31,11 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
-from stalwart.cli.cluster import check_listening
 from stalwart.cli.upload import SECRET_EXCLUDES, secret_files_in
-from stalwart.config import FailureConfig
-from stalwart.errors import ClusterError, ConfigError
+from stalwart.cluster import check_listening
+from stalwart.core.config import FailureConfig
+from stalwart.core.errors import ClusterError, ConfigError
+from stalwart.core.ray_private import PACKAGING_LOGGER
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -200,9 +201,8 @@ def check_cluster(address: str, *, local_version: str | None = None) -> str:
     and it only checks that the cluster's Ray is new enough.)
     """
     import requests
-    from ray._private.authentication.http_token_authentication import (
-        get_auth_headers_if_auth_enabled,
-    )
+
+    from stalwart.core.ray_private import job_auth_headers
 
     if local_version is None:
         import ray
@@ -214,7 +214,7 @@ def check_cluster(address: str, *, local_version: str | None = None) -> str:
                     hint="start a cluster (deploy/local/up.sh) and pass its head's dashboard "
                          "address, http://HEAD:8265", timeout_s=CONNECT_TIMEOUT_S)
     # The headers JobSubmissionClient sends: the token when RAY_AUTH_MODE=token.
-    headers = get_auth_headers_if_auth_enabled({})
+    headers = job_auth_headers()
     try:
         response = requests.get(f"{address}/api/version", headers=headers,
                                 timeout=(CONNECT_TIMEOUT_S, 30))
@@ -269,7 +269,7 @@ def job_client(address: str) -> JobSubmissionClient:
 
     # The SDK announces every upload at INFO; stalwart prints what matters itself.
     for name in ("ray.dashboard.modules.dashboard_sdk", "ray.dashboard.modules.job.sdk",
-                 "ray._private.runtime_env.packaging"):
+                 PACKAGING_LOGGER):
         logging.getLogger(name).setLevel(logging.WARNING)
     with _api_server_address(address):
         try:

@@ -26,10 +26,10 @@ from stalwart.cli.run_options import (
     add_set_option,
     run_config,
 )
-from stalwart.errors import StalwartError
+from stalwart.core.errors import StalwartError
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
     from stalwart.trainer import RunResult
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 130
@@ -117,8 +117,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def _cmd_run(args: argparse.Namespace) -> int:
 
-    from stalwart.config import parse_profile_steps
-    from stalwart.errors import ConfigError
+    from stalwart.core.config import parse_profile_steps
+    from stalwart.core.errors import ConfigError
 
     config = run_config(args)
     if args.profile is not None:
@@ -160,7 +160,7 @@ def _resume_line(args: argparse.Namespace, config: JobConfig, run_dir: Path) -> 
 
 def closing_summary(result: RunResult) -> str:
     """What `stalwart run` prints when the run ends: state, loss, throughput, checkpoints."""
-    from stalwart import events as ev
+    from stalwart.core import events as ev
 
     commits = [e for e in ev.read_events(result.run_dir / "events.jsonl")
                if isinstance(e, ev.CheckpointCommitted)]
@@ -185,8 +185,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from stalwart.checkpointing.storage.export import check_out, export_newest, write_file
     from stalwart.checkpointing.storage.export_hf import check_out_dir, parse_size, write_hf
     from stalwart.checkpointing.storage.signing import CheckpointTrust, load_key
-    from stalwart.config import load_config
-    from stalwart.errors import ConfigError
+    from stalwart.core.config import load_config
+    from stalwart.core.errors import ConfigError
     from stalwart.run_dir import RunDir
 
     rd = RunDir(Path(args.run_dir))
@@ -220,7 +220,7 @@ def _cmd_export(args: argparse.Namespace) -> int:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     import ray
 
-    from stalwart.cli.cluster import connect
+    from stalwart.cluster import connect
     from stalwart.integrations.tune.sweep import (
         check_experiment_dir,
         embedded_cpus,

@@ -11,10 +11,10 @@ import argparse
 import dataclasses
 from typing import TYPE_CHECKING
 
-from stalwart.config import AC_MODES, PP_SCHEDULES, PRECISIONS
+from stalwart.core.config import AC_MODES, PP_SCHEDULES, PRECISIONS
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
     from stalwart.plan.estimate import ModelShape
 
 
@@ -99,8 +99,8 @@ def parse_count(text: str) -> int:
 def _plan_model(args: argparse.Namespace, config: JobConfig | None) -> tuple[ModelShape, str]:
     """The model's shape, and where it came from: the task's model (and its
     `TrainTask.model_dims` hook), or a bare --params count with its shape flags."""
+    from stalwart.core.task import build_task
     from stalwart.plan.estimate import ModelShape, PlanError
-    from stalwart.task import build_task
 
     shape_flags = {"n_layers": args.layers, "n_heads": args.heads, "d_model": args.d_model,
                    "seq_len": args.seq_len, "vocab_size": args.vocab, "ffn_hidden": args.ffn}
@@ -115,7 +115,7 @@ def _plan_model(args: argparse.Namespace, config: JobConfig | None) -> tuple[Mod
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from stalwart.config import ParallelConfig, load_config
+    from stalwart.core.config import ParallelConfig, load_config
     from stalwart.plan.estimate import PlanError, PlanLayout
     from stalwart.plan.search import (
         format_bytes,

@@ -13,7 +13,7 @@ import dataclasses
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
 
 RESUME_HELP = "continue the run in --run-dir from its newest committed checkpoint"
 AUTO_RESUME_HELP = ("continue the run in --run-dir when it holds a committed checkpoint of "
@@ -45,8 +45,8 @@ def run_config(args: argparse.Namespace) -> JobConfig:
     """The config file with its --set overrides, --auto-resume as run.auto_resume, and the
     --inject faults added to its [[faults]] (each checked against the config, as the config's
     own faults are)."""
-    from stalwart.config import load_config, parse_fault
-    from stalwart.errors import RunDirError
+    from stalwart.core.config import load_config, parse_fault
+    from stalwart.core.errors import RunDirError
 
     for flag in ("resume", "auto_resume"):
         if getattr(args, flag) and not args.run_dir:

@@ -21,11 +21,11 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stalwart import events as ev
-from stalwart.errors import RunDirError
+from stalwart.core import events as ev
+from stalwart.core.errors import RunDirError
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
 
 EXIT_FINISHED, EXIT_ENDED_EARLY, EXIT_NO_END = 0, 1, 3
 NO_END = "RUNNING"
@@ -81,7 +81,7 @@ class RunStatus:
 
 def read_status(run_dir: Path, *, trust_unsigned: bool = False) -> RunStatus:
     """The run's status from its files; a damaged record is a RecordError (bad input)."""
-    from stalwart.config import load_config
+    from stalwart.core.config import load_config
 
     events = ev.read_events(run_dir / "events.jsonl") if (run_dir / "events.jsonl").exists() \
         else []

@@ -6,8 +6,8 @@ runtime_env's `excludes` (gitignore-style patterns: `name/` is a directory at an
 `/name` is anchored at the working directory), Ray's own defaults (`.git`, `.venv`, `venv`,
 `__pycache__`; RAY_OVERRIDE_RUNTIME_ENV_DEFAULT_EXCLUDES changes them) and whatever each
 `.gitignore` (unless RAY_RUNTIME_ENV_IGNORE_GITIGNORE=1) and `.rayignore` on the way names.
-`listing` walks with Ray's own walk and matchers (ray._private.runtime_env.packaging), so what
-`submit` counts and `submit --dry-run` lists is exactly what Ray would pack.
+`listing` walks with Ray's own walk and matchers (stalwart.core.ray_private.walk_working_dir),
+so what `submit` counts and `submit --dry-run` lists is exactly what Ray would pack.
 
 Caller's contract: a symbolic link is followed, as Ray follows it, and what it points to ships
 under the link's name; `--dry-run` shows where each such file really is.
@@ -16,13 +16,13 @@ under the link's name; `--dry-run` shows where each such file really is.
 from __future__ import annotations
 
 import logging
-import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from stalwart.errors import ConfigError
+from stalwart.core.errors import ConfigError
+from stalwart.core.ray_private import walk_working_dir
 
 # Credentials a working directory may hold, by the names their tools give them. A job needs
 # none of them: the cluster's own identity (a pod's service account, a node's role) serves it.
@@ -104,14 +104,7 @@ def refuse_home_or_root(cwd: Path, home: Path | None = None) -> None:
 def listing(working_dir: Path, excludes: list[str]) -> Upload:
     """Every file Ray packs of `working_dir` given the runtime_env's `excludes`, found by Ray's
     own walk (`_dir_travel`) with the matchers and ignore files it applies."""
-    from ray._private import ray_constants
-    from ray._private.runtime_env import packaging
-
     root = working_dir.absolute()
-    # As ray._private.runtime_env.working_dir.upload_working_dir_if_needed composes them.
-    patterns = ray_constants.get_runtime_env_default_excludes() + list(excludes)
-    include_gitignore = os.environ.get(ray_constants.RAY_RUNTIME_ENV_IGNORE_GITIGNORE,
-                                       "0") != "1"
     entries: list[Entry] = []
 
     def handler(path: Path) -> None:
@@ -125,8 +118,7 @@ def listing(working_dir: Path, excludes: list[str]) -> Upload:
                              target=None if real.is_relative_to(root.resolve()) else real))
 
     # (Ray's logger would announce every ignore file found, at INFO, on stderr)
-    packaging._dir_travel(root, [packaging._get_excludes(root, patterns)], handler,
-                          include_gitignore=include_gitignore, logger=logging.getLogger(__name__))
+    walk_working_dir(root, excludes, handler, logger=logging.getLogger(__name__))
     return Upload(working_dir=root, entries=tuple(sorted(entries, key=lambda e: e.path)))
 
 

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from stalwart.callbacks import Callback
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
 
 
 def logger_callbacks(config: JobConfig, run_dir: Path) -> list[Callback]:

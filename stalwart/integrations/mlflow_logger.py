@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stalwart.callbacks import Callback
-from stalwart.errors import ConfigError
-from stalwart.events import Event, MetricsRow
+from stalwart.core.errors import ConfigError
+from stalwart.core.events import Event, MetricsRow
 from stalwart.integrations.run_log import (
     EventScalars,
     describe,
@@ -35,7 +35,7 @@ from stalwart.integrations.run_log import (
 )
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
 
 # MLflow's limits: a parameter's value, a tag's value, and entries in one log_batch call.
 PARAM_CHARS = 6000

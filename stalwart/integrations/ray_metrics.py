@@ -20,9 +20,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from stalwart import events as ev
 from stalwart.callbacks import Callback
-from stalwart.events import Event, MetricsRow
+from stalwart.core import events as ev
+from stalwart.core.events import Event, MetricsRow
 
 RECOVERY_BOUNDARIES = [0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
 GOODPUT_EVERY_S = 10.0

@@ -16,9 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from stalwart import events as ev
-from stalwart.config import flatten
-from stalwart.events import Event, MetricsRow
+from stalwart.core import events as ev
+from stalwart.core.config import flatten
+from stalwart.core.events import Event, MetricsRow
 
 ROW_SCALARS = ("loss", "val_loss", "lr", "tokens_per_s", "world_size")
 

@@ -27,8 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.callbacks import Callback
-from stalwart.errors import ConfigError
-from stalwart.events import Event, MetricsRow
+from stalwart.core.errors import ConfigError
+from stalwart.core.events import Event, MetricsRow
 from stalwart.integrations.run_log import EventScalars, describe, event_step, row_scalars
 
 # How often the writer's thread flushes to disk: a TensorBoard that is watching a run shows

@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stalwart.callbacks import Callback
-from stalwart.errors import ConfigError
-from stalwart.events import Event, MetricsRow
+from stalwart.core.errors import ConfigError
+from stalwart.core.events import Event, MetricsRow
 from stalwart.integrations.run_log import EventScalars, describe, event_step, row_scalars
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
 
 
 def check_available() -> None:

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 # The values [parallel] accepts are the values a plan accepts.
-from stalwart.config import AC_MODES, PP_SCHEDULES, PRECISIONS
-from stalwart.errors import StalwartError
+from stalwart.core.config import AC_MODES, PP_SCHEDULES, PRECISIONS
+from stalwart.core.errors import StalwartError
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
-    from stalwart.task import TrainTask
+    from stalwart.core.config import JobConfig
+    from stalwart.core.task import TrainTask
 
 
 class PlanError(StalwartError, ValueError):

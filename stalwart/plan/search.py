@@ -15,11 +15,11 @@ import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
-from stalwart.errors import ConfigError, TaskError
+from stalwart.core.errors import ConfigError, TaskError
 from stalwart.plan.estimate import MemoryEstimate, ModelShape, PlanError, PlanLayout, estimate
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
 
 LayoutCheck = Callable[[PlanLayout], "str | None"]
 """Why a layout cannot run (one line), or None when it can."""
@@ -71,8 +71,8 @@ def valid_layouts(devices: int, shape: ModelShape, options: PlanLayout | None = 
 def runnable_check(config: JobConfig) -> LayoutCheck:
     """The checks a run of `config` makes before start, for any layout and world: the
     [parallel] and batch rules of the config and the task's `check_layout`."""
+    from stalwart.core.task import build_task
     from stalwart.parallel.dims import ParallelDims
-    from stalwart.task import build_task
 
     task = build_task(config.task.path, config.task.args)
 

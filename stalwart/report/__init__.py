@@ -14,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-from stalwart.config import read_toml
-from stalwart.errors import RecordError, RunDirError, StalwartError
-from stalwart.events import Event, MetricsRow, read_events, read_metrics
+from stalwart.core.config import read_toml
+from stalwart.core.errors import RecordError, RunDirError, StalwartError
+from stalwart.core.events import Event, MetricsRow, read_events, read_metrics
 from stalwart.report.summary import Summary, summarize
 from stalwart.report.table import format_summary
 

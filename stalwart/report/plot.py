@@ -8,8 +8,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from stalwart import events as ev
-from stalwart.errors import StalwartError
+from stalwart.core import events as ev
+from stalwart.core.errors import StalwartError
 from stalwart.report.summary import END_EVENTS, Summary, kept_rows
 
 

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from stalwart import events as ev
+from stalwart.core import events as ev
 
 # Events that end an invocation of a run; without one after the last start, it is running.
 END_EVENTS: tuple[type[ev.Event], ...] = (ev.Finished, ev.Failed, ev.Stopped, ev.Interrupted)

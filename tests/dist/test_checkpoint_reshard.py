@@ -9,7 +9,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from stalwart.checkpointing.storage.layout import join, step_dir_name
 from stalwart.checkpointing.storage.writer import StorageCheckpointer
-from stalwart.task import build_task
+from stalwart.core.task import build_task
 from stalwart.workers.engine import TrainEngine
 from tests.dist.launcher import run_ranks
 from tests.dist.test_data_parallel import cache_dir, tiny_config  # noqa: F401 (fixture)

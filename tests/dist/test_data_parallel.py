@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from stalwart.config import load_config
+from stalwart.core.config import load_config
 from stalwart.examples.gpt.data import build_token_files
-from stalwart.task import build_task
+from stalwart.core.task import build_task
 from stalwart.workers.engine import TrainEngine
 from tests.dist.launcher import run_ranks
 

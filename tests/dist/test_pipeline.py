@@ -43,7 +43,7 @@ def test_pipeline_matches_one_process(cache_dir, untied_losses, world, layout): 
 def val_loss_after_training(rank: int, world: int, cache: str, layout: list[str]) -> float:
     import torch
 
-    from stalwart.task import build_task
+    from stalwart.core.task import build_task
     from stalwart.workers.engine import TrainEngine
     from tests.dist.test_data_parallel import tiny_config
 

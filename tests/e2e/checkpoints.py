@@ -11,8 +11,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
 from stalwart.checkpointing.storage.layout import step_dir_name
 from stalwart.checkpointing.storage.writer import write_manifest
-from stalwart.config import dump_config, load_config
-from stalwart.task import build_task
+from stalwart.core.config import dump_config, load_config
+from stalwart.core.task import build_task
 from tests.cli_helpers import REFERENCE_CONFIG, TINY
 from tests.keys import signing_key
 

@@ -284,8 +284,8 @@ def checkpointed_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run dir (config.toml of the tiny reference model) with a committed checkpoint at
     step 10, written by the storage writer a run uses."""
     from stalwart.checkpointing.storage.writer import StorageCheckpointer
-    from stalwart.config import dump_config, load_config
-    from stalwart.task import build_task
+    from stalwart.core.config import dump_config, load_config
+    from stalwart.core.task import build_task
 
     path = tmp_path_factory.mktemp("export") / "run"
     path.mkdir()

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from stalwart.core.events import read_jsonl
 from stalwart.parallel.distributed import free_port
-from stalwart.run_dir import read_jsonl
 from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

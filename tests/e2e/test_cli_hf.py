@@ -13,7 +13,7 @@ import torch
 
 from stalwart.checkpointing.storage.catalog import find_step
 from stalwart.checkpointing.storage.export import load_weights
-from stalwart.run_dir import read_jsonl
+from stalwart.core.events import read_jsonl
 from tests.cli_helpers import sets, stalwart
 from tests.keys import trust
 

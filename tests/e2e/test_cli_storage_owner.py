@@ -14,8 +14,8 @@ from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 from stalwart.checkpointing.storage.layout import step_dir_name
 from stalwart.checkpointing.storage.owner import OWNER, Owner, claim, read_owner
 from stalwart.checkpointing.storage.writer import write_manifest
-from stalwart.config import dump_config, load_config
-from stalwart.task import build_task
+from stalwart.core.config import dump_config, load_config
+from stalwart.core.task import build_task
 from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
 from tests.keys import signing_key
 

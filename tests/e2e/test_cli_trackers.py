@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.run_dir import read_jsonl
+from stalwart.core.events import read_jsonl
 from tests.cli_helpers import sets, stalwart
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from stalwart import events as E
 from stalwart.checkpointing.storage.layout import MANIFEST, step_dir_name
+from stalwart.core import events as E
 from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
 from tests.e2e.checkpoints import run_dir_with_checkpoints
 from tests.unit.test_report import clean_run

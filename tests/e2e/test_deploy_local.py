@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from stalwart.run_dir import read_jsonl
+from stalwart.core.events import read_jsonl
 from tests.cli_helpers import (
     REFERENCE_CONFIG,
     STALWART,

@@ -11,7 +11,7 @@ import torch
 from stalwart.examples.gpt.task import GPTTask
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
 
 
 class ExplodingGPTTask(GPTTask):

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from stalwart.run_dir import read_jsonl
+from stalwart.core.events import read_jsonl
 from tests.cli_helpers import TINY, exported_weights
 
 # 60 tiny steps, a checkpoint every 10, a metrics row every step, gradients summed in one

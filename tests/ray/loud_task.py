@@ -10,7 +10,7 @@ from stalwart.examples.gpt.task import GPTTask
 if TYPE_CHECKING:
     import torch
 
-    from stalwart.config import JobConfig
+    from stalwart.core.config import JobConfig
 
 
 class LoudGPTTask(GPTTask):

@@ -20,8 +20,8 @@ import pytest
 import ray
 from ray.util.state import list_actors, list_tasks
 
-from stalwart.config import load_config, parse_fault
-from stalwart.run_dir import read_jsonl
+from stalwart.core.config import load_config, parse_fault
+from stalwart.core.events import read_jsonl
 from stalwart.trainer import Trainer
 from tests.cli_helpers import REFERENCE_CONFIG, TINY
 

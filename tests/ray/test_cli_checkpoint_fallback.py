@@ -11,7 +11,7 @@ import pytest
 
 from stalwart.checkpointing.storage.layout import step_dir_name
 from stalwart.checkpointing.storage.writer import write_manifest
-from stalwart.run_dir import read_jsonl
+from stalwart.core.events import read_jsonl
 from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
 from tests.keys import signing_key
 

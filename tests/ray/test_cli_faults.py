@@ -12,7 +12,7 @@ import textwrap
 import pytest
 
 from stalwart.checkpointing.storage.catalog import committed_checkpoints, verify
-from stalwart.run_dir import read_jsonl
+from stalwart.core.events import read_jsonl
 from tests.cli_helpers import (
     REFERENCE_CONFIG,
     STALWART,

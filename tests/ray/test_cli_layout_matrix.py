@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.run_dir import read_jsonl
+from stalwart.core.events import read_jsonl
 from tests.cli_helpers import REFERENCE_CONFIG, STALWART, TINY, run_from_thread, sets, stalwart
 from tests.ray.helpers import local_cluster
 

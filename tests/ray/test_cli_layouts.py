@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.run_dir import read_jsonl
+from stalwart.core.events import read_jsonl
 from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 
 from stalwart.checkpointing.memory.replication import holders_for
-from stalwart.run_dir import read_jsonl
+from stalwart.core.events import read_jsonl
 from stalwart.workers.faults import children_of
 from tests.cli_helpers import (
     REFERENCE_CONFIG,

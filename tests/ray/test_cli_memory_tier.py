@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.run_dir import read_jsonl
+from stalwart.core.events import read_jsonl
 from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
 from tests.ray.helpers import assert_same_weights, only
 

@@ -10,7 +10,7 @@ import textwrap
 import pytest
 import torch
 
-from stalwart.run_dir import read_jsonl
+from stalwart.core.events import read_jsonl
 from tests.cli_helpers import REFERENCE_CONFIG, STALWART, exported_weights, sets, stalwart
 from tests.ray.helpers import ELASTIC, consumed_samples, local_cluster, wait_for_event
 

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.checkpointing.storage.catalog import list_step_dirs
-from stalwart.run_dir import read_jsonl
+from stalwart.core.events import read_jsonl
 from tests.cli_helpers import REFERENCE_CONFIG, STALWART, sets, stalwart, wait_for_step
 from tests.ray.conftest import RUN
 

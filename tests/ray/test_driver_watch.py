@@ -12,7 +12,7 @@ import uuid
 import pytest
 import ray
 
-from stalwart.errors import RunDirError
+from stalwart.core.errors import RunDirError
 from stalwart.orchestrator.driver_loss import (
     run_namespace,
     settle_previous_driver,

@@ -18,11 +18,11 @@ import ray
 
 from stalwart.checkpointing.memory.catalog import MemoryChoice, newest_complete
 from stalwart.checkpointing.storage.catalog import newest_valid
-from stalwart.cli.cluster import connect
-from stalwart.config import load_config
+from stalwart.cluster import connect
+from stalwart.core.config import load_config
+from stalwart.core.task import build_task
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.worker_group import ElasticGroup, Worker
-from stalwart.task import build_task
 from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
 from tests.cli_helpers import REFERENCE_CONFIG, TINY
 from tests.keys import trust

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.run_dir import read_jsonl
+from stalwart.core.events import read_jsonl
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.config import load_config, parse_fault
-from stalwart.run_dir import read_jsonl
+from stalwart.core.config import load_config, parse_fault
+from stalwart.core.events import read_jsonl
 from stalwart.trainer import Trainer
 from tests.cli_helpers import STALWART, sets
 

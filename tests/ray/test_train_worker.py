@@ -16,10 +16,10 @@ import pytest
 import ray
 
 from stalwart.checkpointing.storage.catalog import newest_valid
-from stalwart.cli.cluster import connect
-from stalwart.config import JobConfig, load_config
-from stalwart.events import WorkerPlace
-from stalwart.task import build_task
+from stalwart.cluster import connect
+from stalwart.core.config import JobConfig, load_config
+from stalwart.core.events import WorkerPlace
+from stalwart.core.task import build_task
 from stalwart.workers.actor import TrainWorker
 from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
 from tests.cli_helpers import REFERENCE_CONFIG, TINY

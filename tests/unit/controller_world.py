@@ -17,14 +17,15 @@ import pytest
 
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.checkpointing.storage.layout import join, step_dir_name
-from stalwart.config import JobConfig, load_config, parse_fault
+from stalwart.core.config import JobConfig, load_config, parse_fault
+from stalwart.core.events import read_jsonl
+from stalwart.core.run_logs import EventLog, MetricsLog
 from stalwart.orchestrator import controller as controller_module
 from stalwart.orchestrator.controller import Controller
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.observers import ControllerObserver
 from stalwart.orchestrator.policies import default_policies
 from stalwart.orchestrator.states import State
-from stalwart.run_dir import EventLog, MetricsLog, read_jsonl
 from stalwart.workers.faults import FaultFired
 from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
 from tests.keys import signing_key, trust

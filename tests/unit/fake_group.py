@@ -25,9 +25,9 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from stalwart.checkpointing.memory.catalog import MemoryChoice
 from stalwart.checkpointing.memory.store import Holding, Inventory
 from stalwart.checkpointing.snapshot import ShardLayout
-from stalwart.config import FaultSpec
-from stalwart.errors import ConfigError
-from stalwart.events import WorkerPlace
+from stalwart.core.config import FaultSpec
+from stalwart.core.errors import ConfigError
+from stalwart.core.events import WorkerPlace
 from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.group import Disbanded, WorkerGroup

@@ -14,14 +14,14 @@ from pathlib import Path
 
 import pytest
 
-from stalwart import events as ev
 from stalwart.checkpointing.storage.layout import step_dir_name
 from stalwart.checkpointing.storage.owner import Owner, claim
 from stalwart.checkpointing.storage.writer import write_manifest
 from stalwart.cli.main import _parser, main
 from stalwart.cli.run_options import run_config
-from stalwart.config import load_config
-from stalwart.errors import ConfigError, RunDirError
+from stalwart.core import events as ev
+from stalwart.core.config import load_config
+from stalwart.core.errors import ConfigError, RunDirError
 from stalwart.run_dir import RunDir
 from stalwart.trainer import Trainer
 from tests.cli_helpers import REFERENCE_CONFIG, TINY

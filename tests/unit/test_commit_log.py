@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 
 from stalwart.checkpointing.storage.commit_report import CommitReport
+from stalwart.core.events import read_jsonl
+from stalwart.core.run_logs import EventLog
 from stalwart.orchestrator.reporting import CommitLog
-from stalwart.run_dir import EventLog, read_jsonl
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.config import JobConfig, dump_config, load_config
-from stalwart.errors import ConfigError
+from stalwart.core.config import JobConfig, dump_config, load_config
+from stalwart.core.errors import ConfigError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -124,7 +124,7 @@ def test_overrides_apply_on_top_of_file_and_in_order(tmp_path: Path) -> None:
 
 
 def test_overrides_do_not_mutate_the_loaded_data(tmp_path: Path) -> None:
-    from stalwart.config import apply_overrides
+    from stalwart.core.config import apply_overrides
 
     data = {"task": {"args": {"d_model": 128}}, "train": {"steps": 10}}
     out = apply_overrides(data, ["task.args.d_model=64", "train.steps=5"])
@@ -433,9 +433,9 @@ def test_pipeline_keys_are_checked() -> None:
 
 
 def test_the_gpt_refuses_layouts_it_cannot_take() -> None:
-    from stalwart.errors import TaskError
+    from stalwart.core.errors import TaskError
+    from stalwart.core.task import build_task
     from stalwart.parallel.dims import ParallelDims
-    from stalwart.task import build_task
 
     path = "stalwart.examples.gpt.task:GPTTask"
     tied = build_task(path, {"n_layers": 4})
@@ -451,8 +451,8 @@ def test_the_gpt_refuses_layouts_it_cannot_take() -> None:
 
 
 def test_zero_bubble_with_data_parallelism_is_refused_naming_the_alternative() -> None:
+    from stalwart.core.task import build_task
     from stalwart.parallel.dims import ParallelDims
-    from stalwart.task import build_task
 
     task = build_task("stalwart.examples.gpt.task:GPTTask", {"n_layers": 4,
                                                              "tie_embeddings": False})

@@ -12,9 +12,9 @@ import typing
 
 import pytest
 
-from stalwart.config import FaultSpec, JobConfig, config_from_dict, load_config
-from stalwart.config.sections import MAX_DURATION_S
-from stalwart.errors import ConfigError
+from stalwart.core.config import FaultSpec, JobConfig, config_from_dict, load_config
+from stalwart.core.config.sections import MAX_DURATION_S
+from stalwart.core.errors import ConfigError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -70,7 +70,7 @@ def test_toml_inf_and_nan_literals_are_refused_from_a_file(tmp_path, section, ke
 
 
 def test_the_rule_holds_for_sections_built_in_python() -> None:
-    from stalwart.config import FailureConfig, TrainConfig
+    from stalwart.core.config import FailureConfig, TrainConfig
 
     with pytest.raises(ConfigError, match=r"^train\.lr = inf is invalid"):
         TrainConfig(lr=float("inf"))

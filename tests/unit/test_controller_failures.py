@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.config import parse_fault
+from stalwart.core.config import parse_fault
 from stalwart.orchestrator.states import Failed, Finished
 from stalwart.workers.faults import FaultFired
 from stalwart.workers.reports import WorkerStatus

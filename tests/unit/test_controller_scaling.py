@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.checkpointing.storage.layout import join
-from stalwart.config import parse_fault
+from stalwart.core.config import parse_fault
 from stalwart.orchestrator.states import Failed, Finished
 from stalwart.workers.faults import FaultFired
 from tests.unit.controller_world import (

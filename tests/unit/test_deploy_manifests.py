@@ -24,7 +24,7 @@ from packaging.requirements import Requirement
 from packaging.specifiers import SpecifierSet
 
 from stalwart.cli.main import _parser
-from stalwart.config import JobConfig, load_config
+from stalwart.core.config import JobConfig, load_config
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

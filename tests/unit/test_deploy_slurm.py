@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from stalwart.cli.main import _parser
-from stalwart.config import FailureConfig, load_config
+from stalwart.core.config import FailureConfig, load_config
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -12,10 +12,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from stalwart.config import load_config
-from stalwart.errors import TaskError
+from stalwart.core.config import load_config
+from stalwart.core.errors import TaskError
+from stalwart.core.task import build_task
 from stalwart.examples.digits.task import DigitsTask, split_indices
-from stalwart.task import build_task
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.config import JobConfig
+from stalwart.core.config import JobConfig
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -73,7 +73,7 @@ def test_every_config_key_is_in_the_generated_reference(key):
 
 
 def test_every_event_kind_is_in_the_run_directory_schema():
-    from stalwart.events import EVENT_TYPES
+    from stalwart.core.events import EVENT_TYPES
 
     text = (DOCS / "run-directory.md").read_text()
     assert {"started", "checkpoint_committed", "resumed", "finished"} <= set(EVENT_TYPES)
@@ -82,7 +82,7 @@ def test_every_event_kind_is_in_the_run_directory_schema():
 
 
 def test_every_metrics_field_is_in_the_run_directory_schema():
-    from stalwart.events import MetricsRow
+    from stalwart.core.events import MetricsRow
 
     text = (DOCS / "run-directory.md").read_text().split("### Metrics rows", 1)[1]
     for f in dataclasses.fields(MetricsRow):

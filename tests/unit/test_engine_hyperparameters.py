@@ -8,8 +8,8 @@ import copy
 import pytest
 import torch
 
-from stalwart.config import load_config
-from stalwart.task import build_task
+from stalwart.core.config import load_config
+from stalwart.core.task import build_task
 from stalwart.workers.engine import TrainEngine
 from tests.cli_helpers import REFERENCE_CONFIG, TINY
 

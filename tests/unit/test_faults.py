@@ -11,9 +11,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from stalwart.config import FAULT_KINDS, FaultSpec, JobConfig, dump_config, load_config, parse_fault
-from stalwart.errors import ConfigError
-from stalwart.events import WorkerPlace
+from stalwart.core.config import (
+    FAULT_KINDS,
+    FaultSpec,
+    JobConfig,
+    dump_config,
+    load_config,
+    parse_fault,
+)
+from stalwart.core.errors import ConfigError
+from stalwart.core.events import WorkerPlace
 from stalwart.orchestrator.faults import FaultPlan, number_nodes
 from stalwart.workers import faults as fault_module
 from stalwart.workers.faults import SLOWDOWN, STRIKES_AT, FaultInjector, InjectedFault

@@ -26,7 +26,7 @@ import ray
 
 from stalwart.cli import jobs
 from stalwart.cli.main import _parser, main
-from stalwart.errors import ClusterError, ConfigError
+from stalwart.core.errors import ClusterError, ConfigError
 from stalwart.parallel.distributed import free_port
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

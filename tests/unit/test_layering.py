@@ -1,6 +1,8 @@
 """The import rules of the house (DESIGN.md), checked on the source text.
 
-workers/, parallel/ and checkpointing/ sit below the driver: they never import the CLI, the
+The rooms below the top floor (orchestrator/, workers/, parallel/, checkpointing/) import from
+`stalwart` only the basement, stalwart.core, and the rooms below them; the basement imports no
+room. workers/, parallel/ and checkpointing/ sit below the driver: they never import the CLI, the
 trainer, orchestrator/, examples/, integrations/, report/ or plan/. checkpointing/ never imports
 workers/, and stalwart/plan/ never imports the example it used to read shapes from. Every
 import counts, wherever it stands: a lazy one inside a function or one under
@@ -34,11 +36,26 @@ DRIVER = (
     "stalwart.plan",
 )
 
-# folder on disk -> (its import name, the module prefixes it must never import)
+# The basement: the one part of `stalwart` that the lower rooms may import.
+BASEMENT = "stalwart.core"
+
+# folder on disk -> (its import name, the parts of `stalwart` it may import). Anything else
+# under `stalwart` (the top floor: the API, cli/, the trainer, integrations/, report/, plan/,
+# the run directory) is forbidden to it.
+ALLOWED: dict[str, tuple[str, tuple[str, ...]]] = {
+    "stalwart/core": (BASEMENT, (BASEMENT,)),
+    "orchestrator": ("stalwart.orchestrator", (BASEMENT, "stalwart.orchestrator",
+                                               "stalwart.workers", "stalwart.parallel",
+                                               "stalwart.checkpointing")),
+    "workers": ("stalwart.workers", (BASEMENT, "stalwart.workers", "stalwart.parallel",
+                                     "stalwart.checkpointing")),
+    "parallel": ("stalwart.parallel", (BASEMENT, "stalwart.parallel")),
+    "checkpointing": ("stalwart.checkpointing", (BASEMENT, "stalwart.checkpointing")),
+}
+
+# folder on disk -> (its import name, the module prefixes it must never import): the rules
+# for the top floor's own rooms.
 RULES: dict[str, tuple[str, tuple[str, ...]]] = {
-    "workers": ("stalwart.workers", DRIVER),
-    "parallel": ("stalwart.parallel", DRIVER),
-    "checkpointing": ("stalwart.checkpointing", (*DRIVER, "stalwart.workers")),
     # The plan room reads the model's shape from the task (TrainTask.model_dims), not from
     # the example, and is pure arithmetic beside the driver.
     "stalwart/plan": (
@@ -89,6 +106,27 @@ def violations(
     return [bad[line] for line in sorted(bad)]
 
 
+def outside(source: str, module: str, allowed: tuple[str, ...], *,
+            is_package: bool = False) -> list[str]:
+    """The imports of `source` that reach a part of `stalwart` not under one of `allowed`."""
+    bad: dict[int, str] = {}
+    for line, name in imported_modules(source, module, is_package=is_package):
+        if name != "stalwart" and not name.startswith("stalwart."):
+            continue
+        if line not in bad and not any(name == a or name.startswith(a + ".") for a in allowed):
+            bad[line] = f"{module}:{line} imports {name} (allowed: {', '.join(allowed)})"
+    return [bad[line] for line in sorted(bad)]
+
+
+def _room_violations(folder: str, package: str, check) -> list[str]:
+    base = ROOT / folder
+    bad = []
+    for path in sorted(base.rglob("*.py")):
+        module = _module_name(package, base, path)
+        bad += check(path.read_text(), module, is_package=path.name == "__init__.py")
+    return bad
+
+
 def test_checker_flags_a_lazy_and_a_type_checking_import():
     source = (
         "from __future__ import annotations\n"
@@ -100,7 +138,7 @@ def test_checker_flags_a_lazy_and_a_type_checking_import():
         "    import stalwart.trainer\n"
         "    from stalwart import cli\n"
     )
-    found = violations(source, "stalwart.checkpointing.x", RULES["checkpointing"][1])
+    found = violations(source, "stalwart.checkpointing.x", (*DRIVER, "stalwart.workers"))
     assert found == [
         "stalwart.checkpointing.x:5 imports stalwart.workers.reports (forbidden: stalwart.workers)",
         "stalwart.checkpointing.x:7 imports stalwart.trainer (forbidden: stalwart.trainer)",
@@ -110,7 +148,7 @@ def test_checker_flags_a_lazy_and_a_type_checking_import():
 
 def test_checker_resolves_relative_imports():
     found = violations(
-        "from ..orchestrator import controller\n", "stalwart.parallel.recipe", RULES["parallel"][1]
+        "from ..orchestrator import controller\n", "stalwart.parallel.recipe", DRIVER
     )
     assert found == [
         "stalwart.parallel.recipe:1 imports stalwart.orchestrator "
@@ -120,21 +158,40 @@ def test_checker_resolves_relative_imports():
 
 def test_checker_lets_allowed_imports_through():
     source = (
-        "import stalwart.config\nfrom stalwart.events import Failure\nimport stalwart.parallel\n"
+        "import stalwart.core.config\nfrom stalwart.events import Failure\nimport stalwart.parallel\n"
     )
-    assert violations(source, "stalwart.workers.actor", RULES["workers"][1]) == []
+    assert violations(source, "stalwart.workers.actor", DRIVER) == []
+
+
+def test_basement_checker_flags_the_top_floor_and_the_bare_package():
+    source = (
+        "from stalwart.core import events\n"
+        "from stalwart import Trainer\n"
+        "import stalwart.run_dir\n"
+        "from stalwart.checkpointing import snapshot\n"
+        "import torch\n"
+    )
+    found = outside(source, "stalwart.workers.x", ALLOWED["workers"][1])
+    assert [f.split(" (")[0] for f in found] == [
+        "stalwart.workers.x:2 imports stalwart",
+        "stalwart.workers.x:3 imports stalwart.run_dir",
+    ]
+    assert outside(source, "stalwart.core.x", (BASEMENT,))[-1].startswith(
+        "stalwart.core.x:4 imports stalwart.checkpointing")
+
+
+@pytest.mark.parametrize("folder", sorted(ALLOWED))
+def test_rooms_import_only_the_basement_and_lower_rooms(folder):
+    package, allowed = ALLOWED[folder]
+    bad = _room_violations(folder, package, lambda src, mod, **kw: outside(src, mod, allowed, **kw))
+    assert not bad, "layering violations:\n" + "\n".join(bad)
 
 
 @pytest.mark.parametrize("folder", sorted(RULES))
-def test_lower_floors_do_not_import_the_driver(folder):
+def test_top_floor_rooms_keep_their_rules(folder):
     package, forbidden = RULES[folder]
-    base = ROOT / folder
-    bad = []
-    for path in sorted(base.rglob("*.py")):
-        module = _module_name(package, base, path)
-        bad += violations(
-            path.read_text(), module, forbidden, is_package=path.name == "__init__.py"
-        )
+    bad = _room_violations(folder, package,
+                           lambda src, mod, **kw: violations(src, mod, forbidden, **kw))
     assert not bad, "layering violations:\n" + "\n".join(bad)
 
 
@@ -168,3 +225,23 @@ def test_parallel_does_not_load_ray():
     ]
     loaded = _loaded_after(modules, ("ray",))
     assert {m: v for m, v in loaded.items() if v} == {}
+
+
+PRIVATE_RAY = ("ray._private", "ray._raylet", "ray.train._internal", "._actor_id")
+RAY_PRIVATE_OWNER = ROOT / "stalwart" / "core" / "ray_private.py"
+
+
+def test_private_ray_apis_are_used_in_one_module_only():
+    """Ray's private names move between releases; one module owns them, so an upgrade is
+    checked in one place (stalwart/core/ray_private.py, which names the Ray it was read from)."""
+    bad = []
+    for folder in ("stalwart", "orchestrator", "workers", "parallel", "checkpointing", "examples"):
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            if path == RAY_PRIVATE_OWNER:
+                continue
+            for number, line in enumerate(path.read_text().splitlines(), 1):
+                code = line.split("#", 1)[0]
+                if any(name in code for name in PRIVATE_RAY) and not code.lstrip().startswith(
+                        ("`", '"', "'")):
+                    bad.append(f"{path.relative_to(ROOT)}:{number}: {line.strip()}")
+    assert not bad, "private Ray APIs outside stalwart/core/ray_private.py:\n" + "\n".join(bad)

@@ -140,11 +140,11 @@ def test_outside_ray_there_is_no_ray_bound(monkeypatch: pytest.MonkeyPatch) -> N
 def test_the_memory_tier_event_names_the_tightest_workers_bound(tmp_path: Path) -> None:
     """The controller's TierReporter, fed the ranks' statuses: `memory_tier` carries the
     smallest limit any worker has, and the bound that set it."""
-    from stalwart.config import load_config
-    from stalwart.events import MemoryTier, read_events
+    from stalwart.core.config import load_config
+    from stalwart.core.events import MemoryTier, read_events
+    from stalwart.core.run_logs import EventLog
     from stalwart.orchestrator.reporting import TIER_STEADY_AFTER, TierReporter
     from stalwart.orchestrator.states import Running
-    from stalwart.run_dir import EventLog
     from stalwart.workers.reports import WorkerStatus
 
     events = EventLog(tmp_path / "events.jsonl")

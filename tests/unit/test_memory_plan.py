@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from stalwart.cli.plan import parse_count
+from stalwart.core.task import TrainTask
 from stalwart.examples.gpt.model import GPT, GPTConfig
 from stalwart.examples.gpt.task import GPTTask
 from stalwart.plan.estimate import ModelShape, PlanError, PlanLayout, estimate
@@ -21,7 +22,6 @@ from stalwart.plan.search import (
     runnable_check,
     valid_layouts,
 )
-from stalwart.task import TrainTask
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -301,7 +301,7 @@ def test_a_model_that_cannot_be_counted_names_the_hook() -> None:
 
 
 def test_plan_leaves_out_every_layout_a_run_of_the_config_refuses() -> None:
-    from stalwart.config import load_config
+    from stalwart.core.config import load_config
 
     tiny = ["task.args.n_layers=2", "task.args.n_heads=2", "task.args.d_model=16",
             "train.global_batch_size=8", "train.micro_batch_size=2"]

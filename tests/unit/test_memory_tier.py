@@ -25,8 +25,8 @@ from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
 from stalwart.checkpointing.memory.tier import MemoryTier
 from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager, build_layout
 from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
-from stalwart.config import JobConfig, load_config
-from stalwart.task import TrainTask, build_task
+from stalwart.core.config import JobConfig, load_config
+from stalwart.core.task import TrainTask, build_task
 from stalwart.workers.engine import TrainEngine
 from stalwart.workers.reports import StepReport
 

@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-from stalwart.config import JobConfig
-from stalwart.events import WorkerPlace
+from stalwart.core.config import JobConfig
+from stalwart.core.events import WorkerPlace
 from stalwart.orchestrator.detection import FailureDetector
 from stalwart.orchestrator.failures import FailureKind
 from stalwart.orchestrator.node_polls import _failures
@@ -29,7 +29,8 @@ def _sleeper() -> subprocess.Popen:
 def test_process_state_tells_running_stopped_and_gone_apart():
     proc = _sleeper()
     try:
-        assert process_state(proc.pid) in ("R", "S")
+        # A python starting up on a loaded machine may be in disk sleep (D): running all the same.
+        assert process_state(proc.pid) in ("R", "S", "D")
         os.kill(proc.pid, signal.SIGSTOP)
         deadline = time.monotonic() + 10
         while process_state(proc.pid) != "T" and time.monotonic() < deadline:

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from stalwart.checkpointing.errors import StorageURLError
-from stalwart.config import load_config
-from stalwart.errors import RunDirError
+from stalwart.core.config import load_config
+from stalwart.core.errors import RunDirError
 from stalwart.places import absolute_storage, probe_run_dir, probe_storage
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

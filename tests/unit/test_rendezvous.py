@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from stalwart.config import load_config
+from stalwart.core.config import load_config
 from stalwart.parallel.distributed import RendezvousHost
 from stalwart.workers.actor import TrainWorker
 from tests.cli_helpers import REFERENCE_CONFIG

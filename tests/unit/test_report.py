@@ -14,12 +14,12 @@ from typing import Any
 
 import pytest
 
-from stalwart import events as E
 from stalwart.cli.main import main as cli_main
-from stalwart.errors import RecordError
+from stalwart.core import events as E
+from stalwart.core.errors import RecordError
+from stalwart.core.events import read_jsonl
 from stalwart.report import load
 from stalwart.report.summary import kept_rows, summarize
-from stalwart.run_dir import read_jsonl
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

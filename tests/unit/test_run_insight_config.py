@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.config import dump_config, load_config, parse_profile_steps
-from stalwart.errors import ConfigError
+from stalwart.core.config import dump_config, load_config, parse_profile_steps
+from stalwart.core.errors import ConfigError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

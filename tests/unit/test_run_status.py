@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from stalwart import events as E
 from stalwart.checkpointing.storage.layout import MANIFEST, step_dir_name
 from stalwart.checkpointing.storage.writer import write_manifest
 from stalwart.cli.main import main
-from stalwart.config import dump_config, load_config
+from stalwart.core import events as E
+from stalwart.core.config import dump_config, load_config
 from tests.keys import signing_key
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from stalwart.config import load_config
-from stalwart.events import WorkerPlace
+from stalwart.core.config import load_config
+from stalwart.core.events import WorkerPlace
 from stalwart.orchestrator.scaling import (
     FormDecision,
     GiveUpDecision,

@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.config import load_config
-from stalwart.errors import ConfigError
+from stalwart.core.config import load_config
+from stalwart.core.errors import ConfigError
 from stalwart.orchestrator.interrupt import StopAbandoned, StopRequest
 from stalwart.orchestrator.states import Stopped
 from tests.unit.controller_world import FakeWorld, statuses

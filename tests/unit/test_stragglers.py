@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.config import load_config
-from stalwart.events import Straggler, WorkerPlace, read_events
+from stalwart.core.config import load_config
+from stalwart.core.events import Straggler, WorkerPlace, read_events
+from stalwart.core.run_logs import EventLog
 from stalwart.orchestrator.failures import FailureKind
 from stalwart.orchestrator.reporting import StragglerReporter
 from stalwart.orchestrator.stragglers import StragglerDetector, median_without
-from stalwart.run_dir import EventLog
 from stalwart.workers.reports import StepReport, WorkerStatus
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(30)]

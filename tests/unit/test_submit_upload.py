@@ -22,7 +22,7 @@ from ray._private import ray_constants
 from ray._private.runtime_env import packaging
 
 from stalwart.cli import jobs, upload
-from stalwart.errors import ConfigError
+from stalwart.core.errors import ConfigError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

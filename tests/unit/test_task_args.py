@@ -10,8 +10,8 @@ import math
 
 import pytest
 
-from stalwart.errors import TaskError
-from stalwart.task import TrainTask, build_task, check_arg_names
+from stalwart.core.errors import TaskError
+from stalwart.core.task import TrainTask, build_task, check_arg_names
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

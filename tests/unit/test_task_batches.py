@@ -12,20 +12,20 @@ import pytest
 import torch
 from torch import nn
 
-from stalwart.batch import (
+from stalwart.core.batch import (
     compute_loss,
     default_token_count,
     loss_takes_batch,
     split_loss_output,
     to_device,
 )
-from stalwart.config import load_config
-from stalwart.errors import TaskError
-from stalwart.events import MetricsRow
+from stalwart.core.config import load_config
+from stalwart.core.errors import TaskError
+from stalwart.core.events import MetricsRow
+from stalwart.core.metric_names import RESERVED, check_metric_name, is_task_metric
+from stalwart.core.task import TrainTask
 from stalwart.examples.digits.task import DigitsDataset, DigitsTask
-from stalwart.metric_names import RESERVED, check_metric_name, is_task_metric
 from stalwart.parallel.dims import ParallelDims
-from stalwart.task import TrainTask
 from stalwart.workers.engine import TrainEngine
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
@@ -248,7 +248,7 @@ def test_reserved_names_are_the_columns_every_row_has() -> None:
 
 
 def test_a_row_carries_the_task_metrics_as_columns(tmp_path: Path) -> None:
-    from stalwart.events import dumps, read_metrics
+    from stalwart.core.events import dumps, read_metrics
 
     row = MetricsRow(step=5, loss=1.0, lr=1.0, tokens_per_s=1.0, world_size=1, samples_seen=1,
                      time=1.0, val_loss=0.5, task_metrics={"accuracy": 0.9,

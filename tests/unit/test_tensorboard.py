@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from stalwart.config import load_config
-from stalwart.errors import ConfigError
-from stalwart.events import MetricsRow, parse_event
+from stalwart.core.config import load_config
+from stalwart.core.errors import ConfigError
+from stalwart.core.events import MetricsRow, parse_event
 from stalwart.integrations.tensorboard import TensorBoardLogger
 from stalwart.trainer import Trainer
 

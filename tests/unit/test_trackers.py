@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from stalwart.config import load_config
-from stalwart.errors import ConfigError
-from stalwart.events import MetricsRow, parse_event
+from stalwart.core.config import load_config
+from stalwart.core.errors import ConfigError
+from stalwart.core.events import MetricsRow, parse_event
 from stalwart.integrations.loggers import logger_callbacks
 from stalwart.integrations.run_log import flat_config
 from stalwart.integrations.tensorboard import TensorBoardLogger

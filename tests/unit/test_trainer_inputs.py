@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from stalwart.config import JobConfig, load_config
-from stalwart.errors import ConfigError, TaskError
-from stalwart.events import MetricsRow
+from stalwart.core.config import JobConfig, load_config
+from stalwart.core.errors import ConfigError, TaskError
+from stalwart.core.events import MetricsRow
+from stalwart.core.task import TrainTask, resolve_task, task_path_of
 from stalwart.examples.digits.task import DigitsTask
-from stalwart.task import TrainTask, resolve_task, task_path_of
 from stalwart.trainer import LastMetrics, Trainer, as_job_config
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

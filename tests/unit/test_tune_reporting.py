@@ -16,7 +16,7 @@ from stalwart.checkpointing.storage.catalog import (
 )
 from stalwart.checkpointing.storage.transfer import copy_checkpoint
 from stalwart.checkpointing.storage.writer import write_manifest
-from stalwart.events import CheckpointCommitted, MetricsRow
+from stalwart.core.events import CheckpointCommitted, MetricsRow
 from stalwart.integrations.tune.reporter import TuneReporter
 from tests.keys import signing_key, trust
 
@@ -99,7 +99,7 @@ def test_a_task_metric_is_reported_and_its_validation_mean_carried(reports: list
 def test_a_metric_the_run_never_reports_fails_the_trial_at_once(reports: list) -> None:
     from types import SimpleNamespace
 
-    from stalwart.errors import TaskError
+    from stalwart.core.errors import TaskError
 
     typo = TuneReporter(STAGING, metric="acuracy")  # a typo of the task's accuracy
     with pytest.raises(TaskError, match=r"metric 'acuracy' is not reported: the run's "

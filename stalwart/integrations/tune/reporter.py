@@ -25,8 +25,8 @@ from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.storage.catalog import read_step_dir
 from stalwart.checkpointing.storage.layout import filesystem
 from stalwart.checkpointing.storage.transfer import copy_checkpoint
-from stalwart.errors import TaskError
-from stalwart.events import CheckpointCommitted, Event, MetricsRow
+from stalwart.core.errors import TaskError
+from stalwart.core.events import CheckpointCommitted, Event, MetricsRow
 
 
 def stage(path: str, staging: Path) -> Path | None:

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from stalwart.errors import RunDirError
+from stalwart.core.errors import RunDirError
 from stalwart.integrations.tune.sweep_file import Sweep
 from stalwart.integrations.tune.trainable import TRIAL_DRIVER_RESOURCES, trainable
 

@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from stalwart.config import JobConfig, apply_overrides, config_from_dict, read_toml
-from stalwart.errors import ConfigError, StalwartError
+from stalwart.core.config import JobConfig, apply_overrides, config_from_dict, read_toml
+from stalwart.core.errors import ConfigError, StalwartError
+from stalwart.core.metric_names import is_task_metric
 from stalwart.integrations.tune.trainable import as_overrides
-from stalwart.metric_names import is_task_metric
 
 # Columns of metrics.jsonl that are numbers a sweep can rank trials by.
 METRICS = ("loss", "val_loss", "lr", "tokens_per_s", "world_size", "samples_seen", "step")
@@ -185,8 +185,8 @@ JobWith = Callable[[list[str]], JobConfig]
 def check_trial(job: JobConfig) -> None:
     """What a trial's run checks on its driver before it starts anything (as `stalwart run`
     does): the task builds from its task.args, and takes the layout."""
+    from stalwart.core.task import build_task
     from stalwart.parallel.dims import ParallelDims
-    from stalwart.task import build_task
 
     task = build_task(job.task.path, job.task.args)
     task.check_layout(ParallelDims.from_config(job.parallel, job.scaling.num_workers))

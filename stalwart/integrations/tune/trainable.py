@@ -27,7 +27,8 @@ from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
-from stalwart.config import apply_overrides, config_from_dict, read_toml
+from stalwart.core.config import apply_overrides, config_from_dict, read_toml
+from stalwart.core.ray_private import tune_trial_storage
 
 # A trial's own actor only drives the run (its workers ask for their CPUs themselves): it
 # holds no CPU, so that a trial's workers can use every CPU the trial accounts for. Tune needs
@@ -53,17 +54,12 @@ def _trial_dir() -> Path:
     a filesystem of this machine (so they are where the user looks, as they are written, and
     are not copied again by Tune's artifact sync); else Tune's local trial directory, which
     Tune syncs to its storage."""
+    import pyarrow.fs
     from ray import tune
 
-    try:  # a private attribute of Tune's session: if it moves, the fallback still works
-        import pyarrow.fs
-        from ray.train._internal.session import get_session
-
-        storage = get_session().storage
-        if isinstance(storage.storage_filesystem, pyarrow.fs.LocalFileSystem):
-            return Path(storage.trial_fs_path)
-    except Exception:
-        pass
+    storage = tune_trial_storage()
+    if storage is not None and isinstance(storage[0], pyarrow.fs.LocalFileSystem):
+        return Path(storage[1])
     return Path(tune.get_context().get_trial_dir())
 
 

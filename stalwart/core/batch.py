@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stalwart.errors import TaskError
-from stalwart.metric_names import check_metric_name
+from stalwart.core.errors import TaskError
+from stalwart.core.metric_names import check_metric_name
 
 if TYPE_CHECKING:
-    from stalwart.task import TrainTask
+    from stalwart.core.task import TrainTask
 
 Batch = Any
 """A tensor, a tuple or list of tensors, or a dict of tensors (nested ones too)."""
@@ -114,7 +114,7 @@ def compute_loss(task: TrainTask, model: torch.nn.Module, batch: Batch, *,
 
 
 def _default_loss(task: TrainTask) -> bool:
-    from stalwart.task import TrainTask
+    from stalwart.core.task import TrainTask
 
     return type(task).loss is TrainTask.loss
 

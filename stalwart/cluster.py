@@ -7,7 +7,8 @@ import logging
 import os
 import socket
 
-from stalwart.errors import ClusterError
+from stalwart.core.errors import ClusterError
+from stalwart.core.ray_private import AUTH_NOTICE_LOGGER
 
 # Ray settings for the Ray that stalwart starts on this machine (a cluster keeps its own):
 # Ray runs workers at nice 15 by default, so its daemons preempt them; a rank delayed that
@@ -37,8 +38,7 @@ def connect(address: str | None, *, num_cpus: int, dashboard: bool = False) -> b
                                f"{type(exc).__name__}: {exc}{hint}") from exc
         return True
     # Token authentication stays on; only Ray's notice that it is on is silenced.
-    logging.getLogger("ray._private.authentication.authentication_token_setup"
-                      ).setLevel(logging.ERROR)
+    logging.getLogger(AUTH_NOTICE_LOGGER).setLevel(logging.ERROR)
     # address="local": always a fresh instance of our own, never a `ray start` cluster that
     # happens to run (or to have left its address file) on this machine.
     system_config = {**EMBEDDED_RAY_SYSTEM_CONFIG, "enable_metrics_collection": dashboard}

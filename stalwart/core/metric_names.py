@@ -6,7 +6,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from stalwart.errors import TaskError
+from stalwart.core.errors import TaskError
 
 METRIC_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
 RESERVED = frozenset({"step", "loss", "lr", "tokens_per_s", "world_size", "samples_seen",

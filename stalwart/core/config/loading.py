@@ -14,8 +14,8 @@ import typing
 from pathlib import Path
 from typing import Any
 
-from stalwart.config.job import JobConfig
-from stalwart.errors import ConfigError
+from stalwart.core.config.job import JobConfig
+from stalwart.core.errors import ConfigError
 
 
 def _coerce(value: Any, hint: Any, name: str) -> Any:

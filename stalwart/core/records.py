@@ -22,7 +22,7 @@ import typing
 from pathlib import Path
 from typing import Any, TypeVar
 
-from stalwart.errors import RecordError
+from stalwart.core.errors import RecordError
 
 T = TypeVar("T")
 

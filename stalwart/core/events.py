@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
-from stalwart.errors import RecordError
-from stalwart.records import read_rows, record
+from stalwart.core.errors import RecordError
+from stalwart.core.records import read_rows, record
 
 
 @dataclass(frozen=True, kw_only=True)

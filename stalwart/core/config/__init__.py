@@ -7,8 +7,8 @@ Every public name is re-exported here: import from ``stalwart.config``.
 
 from __future__ import annotations
 
-from stalwart.config.job import JobConfig
-from stalwart.config.loading import (
+from stalwart.core.config.job import JobConfig
+from stalwart.core.config.loading import (
     apply_overrides,
     config_from_dict,
     dump_config,
@@ -16,7 +16,7 @@ from stalwart.config.loading import (
     load_config,
     read_toml,
 )
-from stalwart.config.sections import (
+from stalwart.core.config.sections import (
     AC_MODES,
     FAULT_KINDS,
     PP_SCHEDULES,

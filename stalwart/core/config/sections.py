@@ -13,8 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from stalwart.errors import ConfigError
-from stalwart.metric_names import is_task_metric
+from stalwart.core.errors import ConfigError
+from stalwart.core.metric_names import is_task_metric
 
 AC_MODES = ("none", "selective", "full")
 PRECISIONS = ("fp32", "bf16")

@@ -11,7 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from stalwart.config.sections import (
+from stalwart.core.config.sections import (
     CheckpointConfig,
     DataConfig,
     FailureConfig,

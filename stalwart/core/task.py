@@ -24,14 +24,23 @@ from typing import TYPE_CHECKING, Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from stalwart.batch import Batch, default_token_count, loss_takes_batch
-from stalwart.errors import TaskError
+from stalwart.core.batch import Batch, default_token_count, loss_takes_batch
+from stalwart.core.errors import TaskError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
-    from stalwart.config import JobConfig
-    from stalwart.parallel.dims import ParallelDims
+    from stalwart.core.config import JobConfig
+
+
+class Layout(Protocol):
+    """The layout a task is asked to accept: stalwart.parallel.dims.ParallelDims, named here
+    by its shape so that the basement imports no room."""
+
+    tp: int
+    pp: int
+
+    def check_composition(self) -> None: ...
 
 
 class Dataset(Protocol):
@@ -83,7 +92,7 @@ class TrainTask:
         parameters only and its totals are lower bounds."""
         return None
 
-    def check_layout(self, dims: ParallelDims) -> None:
+    def check_layout(self, dims: Layout) -> None:
         """Refuse a layout this task's model cannot take (runs on the driver, before workers).
 
         An override calls super() first: that refuses compositions no model can train."""
