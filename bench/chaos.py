@@ -10,7 +10,7 @@ events.jsonl, and counts the steps lost. Every random choice comes from one
 random.Random(--seed), printed first; `--first-run K --runs N` runs runs K..K+N-1 of the same
 soak, so a long soak can be split into chunks.
 
-    python bench/chaos.py [--runs 10] [--seed S] [--first-run 0] [--layouts ddp2 fsdp2]
+    python -m bench.chaos [--runs 10] [--seed S] [--first-run 0] [--layouts ddp2 fsdp2]
 
 prints a table (one row per run) and writes bench/results/chaos[-K]-seedS.json. Exit code 0
 when every run passed every check, 1 otherwise. Not a timed test.
@@ -29,13 +29,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import chaos_checks as checks
-import chaos_faults as cf
-import chaos_run
-import common
-
-from stalwart import events as ev
-from stalwart.events import read_events, read_metrics
+from bench import chaos_checks as checks
+from bench import chaos_faults as cf
+from bench import chaos_run, common
+from stalwart.core import events as ev
+from stalwart.core.events import read_events, read_metrics
 
 TINY = ["task.args.seq_len=64", "task.args.d_model=64", "task.args.n_layers=2",
         "task.args.n_heads=2", "train.global_batch_size=8", "train.micro_batch_size=2",

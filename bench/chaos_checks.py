@@ -18,10 +18,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import common
-
-from stalwart import events as ev
-from stalwart.events import read_events, read_jsonl
+from bench import common
+from stalwart.core import events as ev
+from stalwart.core.events import read_events, read_jsonl
 
 STALWART = str(Path(sys.executable).with_name("stalwart"))
 

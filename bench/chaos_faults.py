@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from stalwart import events as ev
-from stalwart.events import read_events
+from stalwart.core import events as ev
+from stalwart.core.events import read_events
 
 WORKER_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 KINDS = (*WORKER_SIGNALS, "driver")

@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-import chaos_checks as checks
-import chaos_faults as cf
-import common
-
-from stalwart import events as ev
-from stalwart.run_dir import read_jsonl
+from bench import chaos_checks as checks
+from bench import chaos_faults as cf
+from bench import common
+from stalwart.core import events as ev
+from stalwart.core.events import read_jsonl
 
 POLL_S = 0.1
 DRIVER_DEFER_S = 90.0

@@ -17,7 +17,7 @@ Two shapes of state, both of float32 tensors with distinct names per rank:
 It also reports each save's write time (the slowest rank's `dcp.save`) with and without
 hashing, since the new path moves the hashing onto the writers.
 
-    python bench/commit.py [--worlds 1 2 4] [--total-mb 128] [--shard-mb 32] [--rounds 3]
+    python -m bench.commit [--worlds 1 2 4] [--total-mb 128] [--shard-mb 32] [--rounds 3]
                            [--dir /tmp] [--out bench/results/commit.json]
 
 The files were just written, so the old path reads them from the page cache: on object
@@ -40,7 +40,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import machine
+
+from bench.common import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "commit.json"

@@ -6,8 +6,8 @@ after another, and measure the steady-state rate from the run's metrics.jsonl: t
 command line, child environment, logging, rate window, options, checks and report layout.
 Each script keeps only what is its own (its runners or layouts, its overrides, its table).
 
-The scripts import this as `from common import ...`: run as `python bench/NAME.py`, their
-folder is the first entry of sys.path.
+The scripts import it as `from bench import common`, run from the repository root as
+`python -m bench.NAME`.
 """
 
 from __future__ import annotations
@@ -99,7 +99,7 @@ def stalwart_rate(run_dir: Path, exclude: int, tokens_per_step: int, *,
     cross_check adds tokens_counted_by_stalwart (the tokens stalwart itself counted over the
     window); final adds last_step and final_loss.
     """
-    from stalwart.events import read_metrics
+    from stalwart.core.events import read_metrics
 
     rows = read_metrics(run_dir / "metrics.jsonl")
     by_step = {r.step: r for r in rows}
@@ -133,8 +133,8 @@ def stalwart_rate(run_dir: Path, exclude: int, tokens_per_step: int, *,
 
 def tokens_per_step(config_path: str, overrides: list[str]) -> tuple[int, Any]:
     """(tokens per optimizer step, the loaded config); tokenizes the data once up front."""
-    from stalwart.config import load_config
-    from stalwart.task import build_task
+    from stalwart.core.config import load_config
+    from stalwart.core.task import build_task
 
     config = load_config(config_path, overrides)
     task = build_task(config.task.path, config.task.args)

@@ -18,13 +18,13 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from stalwart.core.task import build_task
 from stalwart.examples.gpt.data import TokenDataset, build_token_files
-from stalwart.task import build_task
 from stalwart.workers.sampler import GlobalSampler
 
 if TYPE_CHECKING:
-    from stalwart.config import JobConfig, TrainConfig
-    from stalwart.task import TrainTask
+    from stalwart.core.config import JobConfig, TrainConfig
+    from stalwart.core.task import TrainTask
 
 
 @dataclass

@@ -14,7 +14,7 @@ workers (detached) must commit the step in flight when their driver dies. Per ki
 Then the final weights are compared bit for bit with a failure-free run on the same
 cluster. Prints a table; writes bench/results/driver_loss.json.
 
-    python bench/driver_loss.py [--kills 5] [--steps 600]
+    python -m bench.driver_loss [--kills 5] [--steps 600]
 """
 
 from __future__ import annotations
@@ -31,11 +31,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import chaos_checks
-import common
-
+from bench import chaos_checks, common
 from stalwart.checkpointing.storage.catalog import list_step_dirs
-from stalwart.events import read_jsonl
+from stalwart.core.events import read_jsonl
 from stalwart.parallel.distributed import free_port
 
 TINY = ["task.args.seq_len=64", "task.args.d_model=64", "task.args.n_layers=2",

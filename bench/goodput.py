@@ -20,7 +20,7 @@ completed step's end time:
 
 Restarting, restoring and steps trained twice are what lower it. Target: stalwart >= 0.95.
 
-    python bench/goodput.py [--duration 600 --kill-every 60] [--only stalwart|raytrain]
+    python -m bench.goodput [--duration 600 --kill-every 60] [--only stalwart|raytrain]
 
 prints a table and writes bench/results/goodput.json.
 """
@@ -39,16 +39,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import common
-import raytrain_recovery as rt
-import raytrain_worker as rw
-from outside_kill import stalwart_rank_pid
-
-from stalwart import events as ev
-from stalwart.config import load_config
-from stalwart.events import read_events, read_jsonl, read_metrics
+import bench
+from bench import common
+from bench import raytrain_recovery as rt
+from bench import raytrain_worker as rw
+from bench.outside_kill import stalwart_rank_pid
+from stalwart.core import events as ev
+from stalwart.core.config import load_config
+from stalwart.core.events import read_events, read_jsonl, read_metrics
+from stalwart.core.task import build_task
 from stalwart.report.summary import median
-from stalwart.task import build_task
 
 STALWART_OVERRIDES = ["train.steps=1000000", "failure.max_failures=-1", "run.log_every=1",
                       "data.val_every=0", "run.progress=false"]
@@ -158,7 +158,7 @@ def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     workdir.mkdir()
     job = load_config(common.DEFAULT_CONFIG, [])
     build_task(job.task.path, job.task.args).prepare_data(job)  # tokenize outside the clock
-    ray.cloudpickle.register_pickle_by_value(rt)
+    ray.cloudpickle.register_pickle_by_value(bench)  # the train loop travels by value
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": rw.NUM_WORKERS,
                                                             "include_dashboard": False})
     fit_out: dict[str, Any] = {}

@@ -11,7 +11,7 @@ With `--nodes N` the run is spread over a local cluster of N one-CPU worker node
 head for the driver), so that the frozen-node rule (failure.node_silent_timeout_s: a node
 agent late while the others answer) is on trial too.
 
-    python bench/hang_soak.py [--minutes 30] [--nodes 0] [--set KEY=VALUE ...]
+    python -m bench.hang_soak [--minutes 30] [--nodes 0] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
@@ -25,9 +25,8 @@ import tempfile
 import time
 from pathlib import Path
 
-import common
-
-from stalwart.events import read_jsonl
+from bench import common
+from stalwart.core.events import read_jsonl
 
 
 def soak(minutes: float, overrides: list[str], run_dir: Path, address: str | None = None

@@ -19,7 +19,7 @@ losses agree up to the rounding of differently ordered reductions.
 The rate is steady-state tokens/s: tokens of steps exclude+1..steps over the wall time
 between those metrics.jsonl rows; Ray and worker start-up are outside the window.
 
-    python bench/layouts.py [--rounds 1] [--steps 30] [--layouts ddp4 fsdp4 ...]
+    python -m bench.layouts [--rounds 1] [--steps 30] [--layouts ddp4 fsdp4 ...]
                             [--out bench/results/layouts.json]
 
 A run that fails is recorded (exit code, the tail of its log) and the others go on. The exit
@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
+from bench import common
 
 DEFAULT_OUT = common.ROOT / "bench" / "results" / "layouts.json"
 WORKERS = 4

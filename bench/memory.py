@@ -8,7 +8,7 @@ Then each rank counts the bytes of the LOCAL shards it holds: every parameter
 (`DTensor.to_local()`), every gradient, and every optimizer state tensor (exp_avg, exp_avg_sq,
 step). N = 1 is stalwart's single-rank layout, the model unwrapped.
 
-    python bench/memory.py [--worlds 1 2 4] [--out bench/results/memory.json]
+    python -m bench.memory [--worlds 1 2 4] [--out bench/results/memory.json]
 
 Target: the busiest rank's parameters + gradients + optimizer state are within 10% of the
 ZeRO formula for fp32 AdamW, 16 x params / N (4 params + 4 grads + 8 for m and v). The table
@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from common import machine
+
+from bench.common import machine
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "bench" / "results" / "memory.json"
@@ -56,7 +57,7 @@ def measure_rank(rank: int, world: int) -> dict[str, int]:
     """One training step on this rank, then the bytes of what it keeps, by kind."""
     import torch.nn.functional as F
 
-    from stalwart.config import ParallelConfig
+    from stalwart.core.config import ParallelConfig
     from stalwart.examples.gpt.model import GPT, GPTConfig
     from stalwart.parallel.data_parallel import apply_data_parallel
     from stalwart.parallel.dims import ParallelDims

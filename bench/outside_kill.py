@@ -128,7 +128,7 @@ def rank_pid(attempts: list[dict[str, Any]], rank: int) -> int | None:
 
 def stalwart_rank_pid(run_dir: Path, rank: int) -> int | None:
     """The pid of `rank` in a stalwart run's newest world (its last `workers_started`)."""
-    from stalwart import events as ev
+    from stalwart.core import events as ev
 
     started = [e for e in ev.read_events(run_dir / "events.jsonl")
                if isinstance(e, ev.WorkersStarted)]

@@ -24,7 +24,7 @@ of steps exclude+1..steps over the wall time between those metrics.jsonl rows. T
 tier comes from each snapshot run's `memory_tier` event in events.jsonl. Snapshots must not
 change training: the losses of every run must agree exactly at every logged step.
 
-    python bench/overhead.py [--rounds 3] [--steps 60] [--out bench/results/overhead.json]
+    python -m bench.overhead [--rounds 3] [--steps 60] [--out bench/results/overhead.json]
 
 Target: median(snapshots+replication) >= 0.95 x median(no-snapshots), in each layout. The exit code is 0
 whether or not the target is met (this is a measurement); it is 1 only if a runner produced
@@ -44,10 +44,10 @@ from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import common
+from bench import common
 
 if TYPE_CHECKING:
-    from stalwart.events import MemoryTier
+    from stalwart.core.events import MemoryTier
 
 DEFAULT_OUT = common.ROOT / "bench" / "results" / "overhead.json"
 TARGET = 0.95
@@ -94,7 +94,7 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
 
 def memory_tier(run_dir: Path) -> MemoryTier | None:
     """The run's first `memory_tier` event (None if the tier is off or never reported)."""
-    from stalwart.events import MemoryTier, read_events
+    from stalwart.core.events import MemoryTier, read_events
 
     events = [e for e in read_events(run_dir / "events.jsonl") if isinstance(e, MemoryTier)]
     return events[0] if events else None

@@ -9,9 +9,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from raytrain_worker import CHECKPOINTS_FILE, FAULT_FILE, STEPS_FILE
-
-from stalwart.events import read_jsonl
+from bench.raytrain_worker import CHECKPOINTS_FILE, FAULT_FILE, STEPS_FILE
+from stalwart.core.events import read_jsonl
 
 
 def read_fault(workdir: Path) -> dict[str, Any] | None:

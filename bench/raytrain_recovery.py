@@ -57,7 +57,7 @@ from the worker's queue; a worker that dies before that poll loses it, and the r
 older one. With this tiny model (~50 ms a step) the checkpoint of step 20 is routinely lost at
 a fault at step 25. `commit_checkpoints=True` makes rank 0 wait for the registration.
 
-    python bench/raytrain_recovery.py --fault kill [--steps 40 --fault-step 25] [--keep]
+    python -m bench.raytrain_recovery --fault kill [--steps 40 --fault-step 25] [--keep]
 
 prints the result as JSON.
 """
@@ -68,18 +68,18 @@ import argparse
 import json
 import os
 import signal
-import sys
 import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from outside_kill import OUTSIDE_KILL, OutsideKill, last_logged, rank_pid
-from outside_kill import POLL_S as KILL_POLL_S
-from raytrain_measure import analyse, controller_events, read_fault
-from raytrain_measure import session_dir as ray_session_dir
-from raytrain_worker import (
+import bench
+from bench.outside_kill import OUTSIDE_KILL, OutsideKill, last_logged, rank_pid
+from bench.outside_kill import POLL_S as KILL_POLL_S
+from bench.raytrain_measure import analyse, controller_events, read_fault
+from bench.raytrain_measure import session_dir as ray_session_dir
+from bench.raytrain_worker import (
     ATTEMPTS_FILE,
     DEFAULT_CONFIG,
     FAULT_FILE,
@@ -91,10 +91,9 @@ from raytrain_worker import (
     _write_json_atomic,
     train_loop_per_worker,
 )
-
-from stalwart.config import load_config
-from stalwart.events import read_jsonl
-from stalwart.task import build_task
+from stalwart.core.config import load_config
+from stalwart.core.events import read_jsonl
+from stalwart.core.task import build_task
 
 __all__ = ["NUM_WORKERS", "TINY", "run_raytrain", "sigkill", "start_fit"]
 
@@ -220,10 +219,9 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
         **_health_settings(),
     }
 
-    # The train loop must reach the workers by value: they cannot import this script's folder.
-    this = sys.modules[__name__]
-    if __name__ != "__main__":
-        ray.cloudpickle.register_pickle_by_value(this)
+    # The train loop and the bench modules it uses travel by value: a worker need not have
+    # the repository on its path.
+    ray.cloudpickle.register_pickle_by_value(bench)
 
     cluster = None
     session_dir: str | None = None

@@ -2,8 +2,7 @@
 runs (`train_loop_per_worker`), the fault it injects, and the files it leaves in workdir.
 
 bench/raytrain_recovery.py is the harness that starts it and measures it; its docstring says
-what is trained, the faults and the files. Imported as `raytrain_worker` (run as
-`python bench/NAME.py`, bench/ is the first entry of sys.path).
+what is trained, the faults and the files.
 """
 
 from __future__ import annotations
@@ -18,10 +17,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import append_jsonl
-from ddp_step import build_ddp
 
-from stalwart.config import load_config
+from bench.common import append_jsonl
+from bench.ddp_step import build_ddp
+from stalwart.core.config import load_config
 from stalwart.workers.sampler import rank_slice
 
 ROOT = Path(__file__).resolve().parent.parent

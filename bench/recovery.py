@@ -49,7 +49,7 @@ outside-kill (the issue's side-by-side table; bench/outside_kill.py, recovery_ou
   ray-train         run_raytrain("outside-kill", commit_checkpoints=True): step log
                     steps.jsonl, rank 1's pid from attempts.jsonl
   torchrun          `python -m torch.distributed.run --standalone --nproc_per_node 2
-                    --max-restarts 3 bench/torchrun_recovery.py` (rank 0 saves a checkpoint
+                    --max-restarts 3 -m bench.torchrun_recovery` (rank 0 saves a checkpoint
                     atomically every 10 steps; every restart resumes from the newest): its
                     steps.jsonl, rank 1's pid from its attempts.jsonl
 
@@ -77,7 +77,7 @@ Measured per run (seconds, one machine's time.time()):
                 `recovered` event's recovery_s, cross-checked against metrics.jsonl)
   lost_steps    steps completed before the fault - the step restored from
 
-    python bench/recovery.py [--rounds 1] [--faults kill hang node freeze outside-kill] [--keep]
+    python -m bench.recovery [--rounds 1] [--faults kill hang node freeze outside-kill] [--keep]
                              [--out bench/results/recovery.json] [--png bench/results/recovery.png]
 
 Targets (printed with MET / NOT MET): a kill recovered at least 10x faster than Ray Train
@@ -104,14 +104,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-import common
-from outside_kill import POLL_S as KILL_POLL_S
-from raytrain_recovery import TINY
-from recovery_measure import summarise, verdicts
-from recovery_outside import run_stalwart_outside, run_torchrun_outside
-from recovery_report import one_line, plot, print_outside, print_table
-from recovery_runs import run_ray_train, run_stalwart
-from recovery_setup import (
+from bench import common
+from bench.outside_kill import POLL_S as KILL_POLL_S
+from bench.raytrain_recovery import TINY
+from bench.recovery_measure import summarise, verdicts
+from bench.recovery_outside import run_stalwart_outside, run_torchrun_outside
+from bench.recovery_report import one_line, plot, print_outside, print_table
+from bench.recovery_runs import run_ray_train, run_stalwart
+from bench.recovery_setup import (
     ELASTIC,
     FAULT_STEP,
     FAULTS,
@@ -130,7 +130,7 @@ from recovery_setup import (
     WORKERS,
     stalwart_overrides,
 )
-from torchrun_recovery import MAX_RESTARTS
+from bench.torchrun_recovery import MAX_RESTARTS
 
 DEFAULT_OUT = common.ROOT / "bench" / "results" / "recovery.json"
 DEFAULT_PNG = common.ROOT / "bench" / "results" / "recovery.png"

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, TypeVar
 
-import common
-from recovery_setup import (
+from bench import common
+from bench.recovery_setup import (
     HANG_WAIT_S,
     NODE_FAULTS,
     OUTSIDE_KILL,
@@ -19,9 +19,8 @@ from recovery_setup import (
     TARGET_NEXT_STEP_SLACK_S,
     TARGET_OUTSIDE_RATIOS,
 )
-
-from stalwart import events as ev
-from stalwart.events import read_events, read_metrics
+from stalwart.core import events as ev
+from stalwart.core.events import read_events, read_metrics
 from stalwart.report.summary import median
 
 E = TypeVar("E", bound=ev.Event)

@@ -8,7 +8,7 @@ side trains the reference config's own model and batch (OUTSIDE_MODEL: no overri
             DIR/metrics.jsonl (a row every step), split into worlds at each `workers_started`
             event; rank 1's pid is in the newest `workers_started` event
   torchrun  `python -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 3
-            bench/torchrun_recovery.py ...`; its steps.jsonl and attempts.jsonl
+            -m bench.torchrun_recovery ...`; its steps.jsonl and attempts.jsonl
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-import common
-from outside_kill import (
+from bench import common
+from bench.outside_kill import (
     OUTSIDE_KILL,
     POLL_S,
     OutsideKill,
@@ -31,8 +31,8 @@ from outside_kill import (
     split_worlds,
     stalwart_rank_pid,
 )
-from recovery_runs import run_cli
-from recovery_setup import (
+from bench.recovery_runs import run_cli
+from bench.recovery_setup import (
     FAULT_STEP,
     OUTSIDE_MODEL,
     OUTSIDE_STALWART,
@@ -40,10 +40,9 @@ from recovery_setup import (
     STEPS,
     WORKERS,
 )
-from torchrun_recovery import ATTEMPTS_FILE, STEPS_FILE, torchrun_command
-
-from stalwart import events as ev
-from stalwart.events import read_events, read_jsonl, read_metrics
+from bench.torchrun_recovery import ATTEMPTS_FILE, STEPS_FILE, torchrun_command
+from stalwart.core import events as ev
+from stalwart.core.events import read_events, read_jsonl, read_metrics
 
 
 def _failed(result: dict[str, Any], exc: Exception) -> dict[str, Any]:

@@ -6,8 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-import common
-from recovery_setup import (
+from bench import common
+from bench.recovery_setup import (
     FAULT_STEP,
     HANG_WAIT_S,
     OUTSIDE_KILL,

@@ -15,12 +15,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import common
-from outside_kill import OUTSIDE_KILL, StepRow, measure_kill
-from raytrain_recovery import TINY, run_raytrain
-from raytrain_worker import STEPS_FILE
-from recovery_measure import analyse_stalwart
-from recovery_setup import (
+from bench import common
+from bench.outside_kill import OUTSIDE_KILL, StepRow, measure_kill
+from bench.raytrain_recovery import TINY, run_raytrain
+from bench.raytrain_worker import STEPS_FILE
+from bench.recovery_measure import analyse_stalwart
+from bench.recovery_setup import (
     FAULT_STEP,
     HANG_WAIT_S,
     INJECT,
@@ -33,9 +33,8 @@ from recovery_setup import (
     WORKERS,
     stalwart_overrides,
 )
-
-from stalwart import events as ev
-from stalwart.events import read_events, read_jsonl
+from stalwart.core import events as ev
+from stalwart.core.events import read_events, read_jsonl
 
 
 def run_cli(cmd: list[str], log: Path, timeout: float,

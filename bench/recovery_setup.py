@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from outside_kill import OUTSIDE_KILL
-from raytrain_recovery import TINY
+from bench.outside_kill import OUTSIDE_KILL
+from bench.raytrain_recovery import TINY
 
 FAULTS = ("kill", "hang", "node", "freeze", OUTSIDE_KILL)
 # Faults that need a multi-node cluster: a node is lost or frozen.

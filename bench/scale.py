@@ -29,15 +29,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sim_group import SimClock, SimGroup, SimGroupError
-
+from bench.sim_group import SimClock, SimGroup, SimGroupError
 from stalwart.checkpointing.storage.signing import CheckpointTrust, SigningKey
-from stalwart.config import load_config
+from stalwart.core.config import load_config
+from stalwart.core.run_logs import EventLog, MetricsLog
 from stalwart.orchestrator.controller import Controller
 from stalwart.orchestrator.observers import ControllerObserver
 from stalwart.orchestrator.policies import default_policies
 from stalwart.orchestrator.states import Finished
-from stalwart.run_dir import EventLog, MetricsLog
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZES = ((64, 8), (1024, 128), (4096, 512))  # (ranks, nodes): 8 ranks a node
@@ -197,7 +196,7 @@ def main() -> None:
         print(f"goal: decision under 100 ms at 4,096 ranks: "
               f"{at_goal[0]['decision_wall_ms']:.1f} ms: {'MET' if met else 'NOT MET'}")
     if args.ray_actors:
-        from scale_ray import ray_polling
+        from bench.scale_ray import ray_polling
         result["ray"] = ray_polling(args.ray_actors, intervals=args.ray_intervals)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2) + "\n")

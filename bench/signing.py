@@ -14,7 +14,7 @@ committed:
   verify_s        the driver's whole verification before a restore (signature and every
                   file's sha256): for information; the hashing was there before signing
 
-    python bench/signing.py [--steps 60] [--persist-every 10] [--repeat 2000]
+    python -m bench.signing [--steps 60] [--persist-every 10] [--repeat 2000]
 
 Target: sign_s < 1% of commit_s (the median over the run's commits). The exit code is 0
 whether or not the target is met; 1 only if the run failed or committed nothing.
@@ -30,7 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import common
+from bench import common
 
 TARGET = 0.01
 DEFAULT_OUT = common.ROOT / "bench" / "results" / "signing.json"
@@ -46,7 +46,6 @@ def _median_time(fn, repeat: int) -> float:
 
 
 def measure(run_dir: Path, repeat: int) -> list[dict]:
-    from stalwart import events as ev
     from stalwart.checkpointing.safe_load import VerifiedReader
     from stalwart.checkpointing.storage.catalog import read_checkpoint, verify
     from stalwart.checkpointing.storage.layout import METADATA
@@ -56,6 +55,7 @@ def measure(run_dir: Path, repeat: int) -> list[dict]:
         load_key,
         sign,
     )
+    from stalwart.core import events as ev
 
     trust = CheckpointTrust(key=load_key(None))  # the key the run signed with
     commits = {e.step: e for e in ev.read_events(run_dir / "events.jsonl")

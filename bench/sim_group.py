@@ -13,9 +13,6 @@ collective).
 The group counts its own time (`own_cpu_s`, `own_wall_s`) so that a bench can tell the
 controller's work from the simulated workers'; the fault plan's `arm`, which `form` calls
 back into the controller, is the controller's and is not counted.
-
-bench/scale.py imports it as `from sim_group import ...` (its folder is first on sys.path);
-tests/unit/test_bench_scale.py likewise.
 """
 
 from __future__ import annotations
@@ -32,9 +29,9 @@ from stalwart.checkpointing.memory.catalog import MemoryChoice
 from stalwart.checkpointing.memory.store import Holding, Inventory
 from stalwart.checkpointing.snapshot import ShardLayout
 from stalwart.checkpointing.storage.writer import CommitReport
-from stalwart.config import JobConfig
-from stalwart.errors import ConfigError
-from stalwart.events import WorkerPlace
+from stalwart.core.config import JobConfig
+from stalwart.core.errors import ConfigError
+from stalwart.core.events import WorkerPlace
 from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.group import Arm, Disbanded, WorkerGroup

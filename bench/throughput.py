@@ -6,7 +6,7 @@ that a drift in machine load does not favour one side):
   stalwart-ddp    `stalwart run examples/gpt/config.toml --set parallel.dp_replicate=2
                   --set parallel.dp_shard=1 ...`, exactly as a user types it (own embedded Ray)
   torchrun-ddp    `python -m torch.distributed.run --standalone --nproc_per_node 2
-                  bench/torchrun_ddp.py ...`: the same model, data, batch, optimizer by hand
+                  -m bench.torchrun_ddp ...`: the same model, data, batch, optimizer by hand
   stalwart-fsdp   stalwart with FSDP2 over both workers (parallel.dp_shard=-1);
                   informational, not part of the target
 
@@ -17,7 +17,7 @@ the wall time from the end of step `exclude` to the end of the last step (stalwa
 metrics.jsonl rows; torchrun: the same clock in the script). Process and Ray start-up are
 outside the window on both sides.
 
-    python bench/throughput.py [--rounds 3] [--steps 60] [--out bench/results/throughput.json]
+    python -m bench.throughput [--rounds 3] [--steps 60] [--out bench/results/throughput.json]
 
 Target: median(stalwart-ddp) >= 0.98 x median(torchrun-ddp). The exit code is 0 whether or
 not the target is met (this is a measurement); it is 1 only if no comparison could be made.
@@ -36,10 +36,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-import common
+from bench import common
 
 DEFAULT_OUT = common.ROOT / "bench" / "results" / "throughput.json"
-TORCHRUN_SCRIPT = Path(__file__).resolve().parent / "torchrun_ddp.py"
 TARGET = 0.98
 WORKERS = 2
 RUNNERS = ("stalwart-ddp", "torchrun-ddp", "stalwart-fsdp")
@@ -69,7 +68,7 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
 def torchrun_command(args: argparse.Namespace, out: Path) -> list[str]:
     sets = [x for o in common_overrides(args) for x in ("--set", o)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc_per_node", str(WORKERS), str(TORCHRUN_SCRIPT), "--config", args.config,
+            "--nproc_per_node", str(WORKERS), "-m", "bench.torchrun_ddp", "--config", args.config,
             *sets, "--steps", str(args.steps), "--exclude", str(args.exclude), "--out", str(out)]
 
 

@@ -7,7 +7,7 @@ step for logging. Everything that decides the numbers is taken from stalwart its
 two runs train the same thing: the JobConfig (same TOML + `--set` overrides), the GPTTask's
 model, init, loss, optimizer and schedule, the same token files and the same sample order.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 bench/torchrun_ddp.py \
+    python -m torch.distributed.run --standalone --nproc_per_node 2 -m bench.torchrun_ddp \
         --steps 60 --exclude 10 --out /tmp/torchrun.json
 
 Rank 0 appends one JSON line to --out: steady-state tokens/s measured like stalwart's
@@ -25,9 +25,9 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from ddp_step import build_ddp
 
-from stalwart.config import load_config
+from bench.ddp_step import build_ddp
+from stalwart.core.config import load_config
 from stalwart.workers.sampler import rank_slice
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -4,7 +4,7 @@
 bench/recovery.py's outside-kill rows start it as
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 3 \
-        bench/torchrun_recovery.py --workdir DIR [--steps 40] [--checkpoint-every 10] \
+        -m bench.torchrun_recovery --workdir DIR [--steps 40] [--checkpoint-every 10] \
         [--config TOML] [--set KEY=VALUE ...]
 
 and SIGKILL rank 1's process once step 25 is logged. torchrun's elastic agent sees the dead
@@ -47,10 +47,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from common import append_jsonl
-from ddp_step import build_ddp
 
-from stalwart.config import load_config
+from bench.common import append_jsonl
+from bench.ddp_step import build_ddp
+from stalwart.core.config import load_config
 from stalwart.workers.sampler import rank_slice
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -67,7 +67,7 @@ def torchrun_command(workdir: Path, *, nproc: int, steps: int, checkpoint_every:
     sets = [x for o in overrides for x in ("--set", o)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc_per_node", str(nproc), "--max-restarts", str(MAX_RESTARTS),
-            str(Path(__file__).resolve()), "--workdir", str(workdir), "--steps", str(steps),
+            "-m", "bench.torchrun_recovery", "--workdir", str(workdir), "--steps", str(steps),
             "--checkpoint-every", str(checkpoint_every), "--config", str(config), *sets]
 
 

@@ -7,15 +7,12 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
-from stalwart import events as ev
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import chaos_checks  # noqa: E402
-import chaos_faults as cf  # noqa: E402
+from bench import chaos_checks
+from bench import chaos_faults as cf
+from stalwart.core import events as ev
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

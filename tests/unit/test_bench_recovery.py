@@ -12,13 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from stalwart import events as ev
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import outside_kill as ok  # noqa: E402
-import recovery_measure  # noqa: E402
-import recovery_outside  # noqa: E402
-import torchrun_recovery  # noqa: E402
+from bench import outside_kill as ok
+from bench import recovery_measure, recovery_outside, torchrun_recovery
+from stalwart.core import events as ev
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

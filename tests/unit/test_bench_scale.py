@@ -5,16 +5,13 @@ out. No timing is asserted."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
+from bench import scale
+from stalwart.core.events import read_jsonl
 from stalwart.orchestrator.states import Finished
-from stalwart.run_dir import read_jsonl
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-import scale  # noqa: E402
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
