@@ -1,4 +1,4 @@
-"""The import rules of the house (DESIGN.md), checked on the source text.
+"""The import rules of the house (docs/architecture.md), checked on the source text.
 
 The rooms below the top floor (orchestrator/, workers/, parallel/, checkpointing/) import from
 `stalwart` only the basement, stalwart.core, and the rooms below them; the basement imports no

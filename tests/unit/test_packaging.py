@@ -1,8 +1,8 @@
 """Packaging: every folder with an __init__.py installs under `stalwart`, and bare imports are banned.
 
 The subsystem folders sit at the repository root and map into the `stalwart` package through
-`[tool.setuptools.package-dir]` (DESIGN.md); a folder missing from `packages` would be left
-out of a wheel while still importing from a source checkout, so it is checked here.
+`[tool.setuptools.package-dir]` (docs/architecture.md); a folder missing from `packages` would
+be left out of a wheel while still importing from a source checkout, so it is checked here.
 """
 
 from __future__ import annotations
