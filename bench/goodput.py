@@ -5,7 +5,7 @@ stalwart also keeps its warm spare and in-memory snapshots) trains for --duratio
 a harness SIGKILLs the process of rank 1 every --kill-every seconds (a real SIGKILL of a real
 worker process, found by its PID), then asks the run to stop. Ray Train runs the same model,
 batch, sample order and checkpoint interval with `TorchTrainer` (DDP over gloo) and
-`FailureConfig(max_failures=-1)`, killed on the same schedule (bench/raytrain_recovery.py's
+`FailureConfig(max_failures=-1)`, killed on the same schedule (bench/peers/raytrain_recovery.py's
 train loop; rank 0 waits for each checkpoint to be registered, or Ray Train loses the newest).
 
 Goodput = productive step time / wall time, computed the same way for both from each
@@ -41,9 +41,9 @@ from typing import Any
 
 import bench
 from bench import common
-from bench import raytrain_recovery as rt
-from bench import raytrain_worker as rw
 from bench.outside_kill import stalwart_rank_pid
+from bench.peers import raytrain_recovery as rt
+from bench.peers import raytrain_worker as rw
 from stalwart.core import events as ev
 from stalwart.core.config import load_config
 from stalwart.core.events import read_events, read_jsonl, read_metrics

@@ -4,7 +4,7 @@ the kill to the next completed step, the steps lost and a normal step's time.
 
 Each system brings its step rows (step, end time, world) and its way to find the PID:
 stalwart's metrics.jsonl and `workers_started` events, Ray Train's and torchrun's step and
-attempt logs (bench/raytrain_worker.py, bench/torchrun_recovery.py). A world is whatever tells
+attempt logs (bench/peers/raytrain_worker.py, bench/peers/torchrun_recovery.py). A world is whatever tells
 the processes of one start of the training apart (stalwart's generation, Ray Train's rank-0
 pid, torchrun's restart count).
 """

@@ -34,7 +34,7 @@ Rows, each measured on its own Ray:
                     surviving worker at once; a replacement 1-CPU node is added as soon as the
                     GCS reports the lost node dead (the same policy as the Ray Train side), so
                     that it can grow back; and the same with the memory tier off
-  ray-train         bench/raytrain_recovery.py `run_raytrain(fault, commit_checkpoints=True,
+  ray-train         bench/peers/raytrain_recovery.py `run_raytrain(fault, commit_checkpoints=True,
                     hang_wait_s=60)`: TorchTrainer, FailureConfig(max_failures=3), a checkpoint
                     every 10 steps which rank 0 waits to see registered (else Ray Train loses
                     the newest one to a registration race and restores an older one)
@@ -49,7 +49,7 @@ outside-kill (the issue's side-by-side table; bench/outside_kill.py, recovery_ou
   ray-train         run_raytrain("outside-kill", commit_checkpoints=True): step log
                     steps.jsonl, rank 1's pid from attempts.jsonl
   torchrun          `python -m torch.distributed.run --standalone --nproc_per_node 2
-                    --max-restarts 3 -m bench.torchrun_recovery` (rank 0 saves a checkpoint
+                    --max-restarts 3 -m bench.peers.torchrun_recovery` (rank 0 saves a checkpoint
                     atomically every 10 steps; every restart resumes from the newest): its
                     steps.jsonl, rank 1's pid from its attempts.jsonl
 
@@ -106,7 +106,8 @@ from typing import Any
 
 from bench import common
 from bench.outside_kill import POLL_S as KILL_POLL_S
-from bench.raytrain_recovery import TINY
+from bench.peers.raytrain_recovery import TINY
+from bench.peers.torchrun_recovery import MAX_RESTARTS
 from bench.recovery_measure import summarise, verdicts
 from bench.recovery_outside import run_stalwart_outside, run_torchrun_outside
 from bench.recovery_report import one_line, plot, print_outside, print_table
@@ -130,7 +131,6 @@ from bench.recovery_setup import (
     WORKERS,
     stalwart_overrides,
 )
-from bench.torchrun_recovery import MAX_RESTARTS
 
 DEFAULT_OUT = common.ROOT / "bench" / "results" / "recovery.json"
 DEFAULT_PNG = common.ROOT / "bench" / "results" / "recovery.png"

@@ -8,7 +8,7 @@ side trains the reference config's own model and batch (OUTSIDE_MODEL: no overri
             DIR/metrics.jsonl (a row every step), split into worlds at each `workers_started`
             event; rank 1's pid is in the newest `workers_started` event
   torchrun  `python -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 3
-            -m bench.torchrun_recovery ...`; its steps.jsonl and attempts.jsonl
+            -m bench.peers.torchrun_recovery ...`; its steps.jsonl and attempts.jsonl
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from bench.outside_kill import (
     split_worlds,
     stalwart_rank_pid,
 )
+from bench.peers.torchrun_recovery import ATTEMPTS_FILE, STEPS_FILE, torchrun_command
 from bench.recovery_runs import run_cli
 from bench.recovery_setup import (
     FAULT_STEP,
@@ -40,7 +41,6 @@ from bench.recovery_setup import (
     STEPS,
     WORKERS,
 )
-from bench.torchrun_recovery import ATTEMPTS_FILE, STEPS_FILE, torchrun_command
 from stalwart.core import events as ev
 from stalwart.core.events import read_events, read_jsonl, read_metrics
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from bench import common
 from bench.outside_kill import OUTSIDE_KILL, StepRow, measure_kill
-from bench.raytrain_recovery import TINY, run_raytrain
-from bench.raytrain_worker import STEPS_FILE
+from bench.peers.raytrain_recovery import TINY, run_raytrain
+from bench.peers.raytrain_worker import STEPS_FILE
 from bench.recovery_measure import analyse_stalwart
 from bench.recovery_setup import (
     FAULT_STEP,

@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from bench.outside_kill import OUTSIDE_KILL
-from bench.raytrain_recovery import TINY
+from bench.peers.raytrain_recovery import TINY
 
 FAULTS = ("kill", "hang", "node", "freeze", OUTSIDE_KILL)
 # Faults that need a multi-node cluster: a node is lost or frozen.

@@ -6,7 +6,7 @@ that a drift in machine load does not favour one side):
   stalwart-ddp    `stalwart run examples/gpt/config.toml --set parallel.dp_replicate=2
                   --set parallel.dp_shard=1 ...`, exactly as a user types it (own embedded Ray)
   torchrun-ddp    `python -m torch.distributed.run --standalone --nproc_per_node 2
-                  -m bench.torchrun_ddp ...`: the same model, data, batch, optimizer by hand
+                  -m bench.peers.torchrun_ddp ...`: the same model, data, batch, optimizer by hand
   stalwart-fsdp   stalwart with FSDP2 over both workers (parallel.dp_shard=-1);
                   informational, not part of the target
 
@@ -68,7 +68,7 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
 def torchrun_command(args: argparse.Namespace, out: Path) -> list[str]:
     sets = [x for o in common_overrides(args) for x in ("--set", o)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc_per_node", str(WORKERS), "-m", "bench.torchrun_ddp", "--config", args.config,
+            "--nproc_per_node", str(WORKERS), "-m", "bench.peers.torchrun_ddp", "--config", args.config,
             *sets, "--steps", str(args.steps), "--exclude", str(args.exclude), "--out", str(out)]
 
 

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from bench import outside_kill as ok
-from bench import recovery_measure, recovery_outside, torchrun_recovery
+from bench import recovery_measure, recovery_outside
+from bench.peers import torchrun_recovery
 from stalwart.core import events as ev
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]

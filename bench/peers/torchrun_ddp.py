@@ -7,7 +7,7 @@ step for logging. Everything that decides the numbers is taken from stalwart its
 two runs train the same thing: the JobConfig (same TOML + `--set` overrides), the GPTTask's
 model, init, loss, optimizer and schedule, the same token files and the same sample order.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 -m bench.torchrun_ddp \
+    python -m torch.distributed.run --standalone --nproc_per_node 2 -m bench.peers.torchrun_ddp \
         --steps 60 --exclude 10 --out /tmp/torchrun.json
 
 Rank 0 appends one JSON line to --out: steady-state tokens/s measured like stalwart's
@@ -26,12 +26,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.ddp_step import build_ddp
+from bench.common import DEFAULT_CONFIG
+from bench.peers.ddp_step import build_ddp
 from stalwart.core.config import load_config
 from stalwart.workers.sampler import rank_slice
-
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "examples" / "gpt" / "config.toml"
 
 
 def parse_args() -> argparse.Namespace:

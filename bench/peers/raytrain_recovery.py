@@ -1,12 +1,12 @@
 """Ray Train's side of the recovery benchmark: the reference task under Ray Train's TorchTrainer.
 
 bench/recovery.py compares how stalwart and Ray Train recover from a fault; this module is the
-Ray Train half. This file is the harness: bench/raytrain_worker.py is what each worker runs,
-bench/raytrain_measure.py reads the result. One call of `run_raytrain(fault, ...)` starts its
+Ray Train half. This file is the harness: bench/peers/raytrain_worker.py is what each worker runs,
+bench/peers/raytrain_measure.py reads the result. One call of `run_raytrain(fault, ...)` starts its
 own Ray (or, for "node", its own local multi-node cluster), trains the reference task with `TorchTrainer` on 2 workers
 (DDP over gloo on CPU), injects one fault on rank 1 at the start of step `fault_step`, lets Ray
 Train recover (or not), and returns when and how it recovered. Everything that decides what is
-trained comes from stalwart itself, as in bench/torchrun_ddp.py: the JobConfig (the same TOML +
+trained comes from stalwart itself, as in bench/peers/torchrun_ddp.py: the JobConfig (the same TOML +
 `--set` overrides, by default the tiny model of tests/cli_helpers.py), the GPTTask's model,
 init, loss, optimizer and schedule, the same token files and the same global sample order
 (GlobalSampler, restored from `samples_seen`).
@@ -57,7 +57,7 @@ from the worker's queue; a worker that dies before that poll loses it, and the r
 older one. With this tiny model (~50 ms a step) the checkpoint of step 20 is routinely lost at
 a fault at step 25. `commit_checkpoints=True` makes rank 0 wait for the registration.
 
-    python -m bench.raytrain_recovery --fault kill [--steps 40 --fault-step 25] [--keep]
+    python -m bench.peers.raytrain_recovery --fault kill [--steps 40 --fault-step 25] [--keep]
 
 prints the result as JSON.
 """
@@ -75,13 +75,13 @@ from pathlib import Path
 from typing import Any
 
 import bench
+from bench.common import DEFAULT_CONFIG
 from bench.outside_kill import OUTSIDE_KILL, OutsideKill, last_logged, rank_pid
 from bench.outside_kill import POLL_S as KILL_POLL_S
-from bench.raytrain_measure import analyse, controller_events, read_fault
-from bench.raytrain_measure import session_dir as ray_session_dir
-from bench.raytrain_worker import (
+from bench.peers.raytrain_measure import analyse, controller_events, read_fault
+from bench.peers.raytrain_measure import session_dir as ray_session_dir
+from bench.peers.raytrain_worker import (
     ATTEMPTS_FILE,
-    DEFAULT_CONFIG,
     FAULT_FILE,
     FAULTS,
     NUM_WORKERS,

@@ -4,14 +4,14 @@
 bench/recovery.py's outside-kill rows start it as
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 3 \
-        -m bench.torchrun_recovery --workdir DIR [--steps 40] [--checkpoint-every 10] \
+        -m bench.peers.torchrun_recovery --workdir DIR [--steps 40] [--checkpoint-every 10] \
         [--config TOML] [--set KEY=VALUE ...]
 
 and SIGKILL rank 1's process once step 25 is logged. torchrun's elastic agent sees the dead
 worker (it checks every 0.1 s by default), stops the others, and starts the whole group again
 (up to --max-restarts times); every new process resumes from the newest checkpoint.
 
-What is trained is bench/torchrun_ddp.py's loop (the DDP baseline of bench/throughput.py): the
+What is trained is bench/peers/torchrun_ddp.py's loop (the DDP baseline of bench/throughput.py): the
 JobConfig of the TOML + `--set` overrides (default: the tiny model of tests/cli_helpers.py), the
 GPTTask's model, init, loss, optimizer and schedule, the same token files, the same global
 sample order (GlobalSampler, from samples_seen) and one DDPSetup.step per step.
@@ -48,13 +48,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.common import append_jsonl
-from bench.ddp_step import build_ddp
+from bench.common import DEFAULT_CONFIG, append_jsonl
+from bench.peers.ddp_step import build_ddp
 from stalwart.core.config import load_config
 from stalwart.workers.sampler import rank_slice
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "examples" / "gpt" / "config.toml"
 STEPS_FILE = "steps.jsonl"
 ATTEMPTS_FILE = "attempts.jsonl"
 CHECKPOINT_DIR = "checkpoints"
@@ -67,7 +65,7 @@ def torchrun_command(workdir: Path, *, nproc: int, steps: int, checkpoint_every:
     sets = [x for o in overrides for x in ("--set", o)]
     return [sys.executable, "-m", "torch.distributed.run", "--standalone",
             "--nproc_per_node", str(nproc), "--max-restarts", str(MAX_RESTARTS),
-            "-m", "bench.torchrun_recovery", "--workdir", str(workdir), "--steps", str(steps),
+            "-m", "bench.peers.torchrun_recovery", "--workdir", str(workdir), "--steps", str(steps),
             "--checkpoint-every", str(checkpoint_every), "--config", str(config), *sets]
 
 

@@ -1,7 +1,7 @@
 """Ray Train's side of the recovery benchmark, the worker half: what each TorchTrainer worker
 runs (`train_loop_per_worker`), the fault it injects, and the files it leaves in workdir.
 
-bench/raytrain_recovery.py is the harness that starts it and measures it; its docstring says
+bench/peers/raytrain_recovery.py is the harness that starts it and measures it; its docstring says
 what is trained, the faults and the files.
 """
 
@@ -19,12 +19,10 @@ import torch
 import torch.distributed as dist
 
 from bench.common import append_jsonl
-from bench.ddp_step import build_ddp
+from bench.peers.ddp_step import build_ddp
 from stalwart.core.config import load_config
 from stalwart.workers.sampler import rank_slice
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_CONFIG = ROOT / "examples" / "gpt" / "config.toml"
 FAULTS = ("kill", "hang", "node")
 NUM_WORKERS = 2
 
@@ -113,7 +111,7 @@ def _inject(fault: str, workdir: Path) -> None:
 
 
 def train_loop_per_worker(cfg: dict[str, Any]) -> None:
-    """Ray Train's train_loop_per_worker: the reference task, as bench/torchrun_ddp.py."""
+    """Ray Train's train_loop_per_worker: the reference task, as bench/peers/torchrun_ddp.py."""
     import ray.train
     from ray.train import Checkpoint
 

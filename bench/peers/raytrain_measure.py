@@ -1,6 +1,6 @@
 """Ray Train's side of the recovery benchmark, the measuring half: when the fault came, when
 Ray Train noticed it (its controller's log), restarted, restored and trained again, from the
-files the workers left in workdir (bench/raytrain_worker.py).
+files the workers left in workdir (bench/peers/raytrain_worker.py).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from bench.raytrain_worker import CHECKPOINTS_FILE, FAULT_FILE, STEPS_FILE
+from bench.peers.raytrain_worker import CHECKPOINTS_FILE, FAULT_FILE, STEPS_FILE
 from stalwart.core.events import read_jsonl
 
 
