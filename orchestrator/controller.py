@@ -1,7 +1,8 @@
 """The controller: a synchronous state machine on the driver that carries out decisions.
 
-Each `_on_<state>` handler does that state's work and returns the next state; `run` checks
-every change against the transition table (orchestrator/states.py). Policies, passed in,
+Each live state has one handler, found by the state's type, that does the state's work and
+returns the next state; `run` checks every change against the transition table
+(orchestrator/states.py). Policies, passed in,
 decide (orchestrator/policies.py); observers keep the accounts and write the reports
 (orchestrator/observers.py); the worker group is an abstract base (orchestrator/group.py).
 
@@ -12,7 +13,7 @@ shrinks to what the cluster can hold) and restores from the newest complete chec
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
@@ -95,6 +96,11 @@ class Controller:
         self._started_emitted = False
         self._done: dict[int, WorkerStatus] = {}
         self._trained = False
+        # Each live state's handler, found by the state's type; a terminal state has none.
+        self._handlers: dict[type[State], Callable[[Any], State]] = {
+            Scheduling: self._on_scheduling, Rendezvous: self._on_rendezvous,
+            Restoring: self._on_restoring, Running: self._on_running,
+            Recovering: self._on_recovering, Resizing: self._on_resizing}
 
     # ------------------------------------------------------------------ driver loop
 
@@ -103,8 +109,7 @@ class Controller:
         try:
             while not self.state.terminal:
                 try:
-                    # _on_running for Running...
-                    new = getattr(self, f"_on_{self.state.name.lower()}")(self.state)
+                    new = self._handlers[type(self.state)](self.state)
                 except self.group_error as exc:
                     new = self._on_failure(exc.failure)  # type: ignore[attr-defined]
                 if new is not self.state:  # a handler returning its own state stays (polls)

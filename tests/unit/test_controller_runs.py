@@ -11,7 +11,7 @@ import pytest
 
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.checkpointing.storage.layout import join
-from stalwart.orchestrator.states import Finished, Stopped
+from stalwart.orchestrator.states import TRANSITIONS, Finished, Stopped
 from stalwart.workers.reports import WorkerStatus
 from tests.unit.controller_world import (
     HAPPY,
@@ -31,6 +31,15 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
 # ---------------------------------------------------------------------------- normal runs
+
+
+def test_every_live_state_has_one_handler_found_by_its_type(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    w = FakeWorld(tmp_path, monkeypatch, [Plan()])
+    live = {state for state, after in TRANSITIONS.items() if after}
+    assert set(w.controller._handlers) == live  # a terminal state has none
+    for state, handler in w.controller._handlers.items():
+        assert handler.__name__ == f"_on_{state.__name__.lower()}"
 
 
 def test_normal_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
