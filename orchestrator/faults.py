@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from stalwart.core.config import FAULT_KINDS, FaultSpec
+from stalwart.core.config import FaultKind, FaultSpec
 from stalwart.core.events import WorkerPlace
 
 
@@ -43,7 +43,7 @@ class FaultPlan:
         armed: dict[int, list[FaultSpec]] = {}
         unresolved = []
         for f in self.pending:
-            if FAULT_KINDS[f.kind] == "rank":
+            if FaultKind(f.kind).target == "rank":
                 rank = f.rank if f.rank < len(workers) else None
                 where = f"the world has {len(workers)} ranks"
             else:

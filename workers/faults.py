@@ -25,7 +25,7 @@ from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from stalwart.core.config import FaultSpec
+from stalwart.core.config import FaultKind, FaultSpec
 from stalwart.core.ray_private import drain_node
 
 
@@ -49,8 +49,8 @@ class FaultFired:
 
 # The moment each kind strikes at; every other kind strikes at the start of its step.
 STRIKES_AT = {
-    "kill-staging": "mid_copy",            # half of the snapshot's tensors are staged
-    "kill-replicating": "before_payload",  # the snapshot's headers are on its holders
+    FaultKind.KILL_STAGING: "mid_copy",            # half of the snapshot's tensors are staged
+    FaultKind.KILL_REPLICATING: "before_payload",  # the snapshot's headers are on its holders
 }
 # How long a fault waits for the controller to hear of it before it is carried out.
 FAULT_NOTICE_TIMEOUT_S = 5.0
@@ -124,7 +124,7 @@ class FaultInjector:
         self._heard.clear()
         self._fired.append(FaultFired(fault=fault, rank=self.rank, time=time.time()))
         self._heard.wait(self.notice_timeout_s)
-        if fault.kind == "slow":  # after_local_work carries it out, from now on
+        if fault.kind is FaultKind.SLOW:  # after_local_work carries it out, from now on
             self.slowdown = SLOWDOWN
             return
         carry_out(fault)
@@ -197,19 +197,19 @@ def drain_this_node(deadline_s: float = 60.0) -> None:
 def carry_out(fault: FaultSpec) -> None:
     """Do the fault to this process or this node (every kind but `slow`, a lasting state)."""
     kind = fault.kind
-    if kind in ("kill", "kill-staging", "kill-replicating"):
+    if kind in (FaultKind.KILL, FaultKind.KILL_STAGING, FaultKind.KILL_REPLICATING):
         os.kill(os.getpid(), signal.SIGKILL)
-    elif kind == "hang":
+    elif kind is FaultKind.HANG:
         os.kill(os.getpid(), signal.SIGSTOP)
-    elif kind == "term":
+    elif kind is FaultKind.TERM:
         os.kill(os.getpid(), signal.SIGTERM)
-    elif kind == "raise":
+    elif kind is FaultKind.RAISE:
         raise InjectedFault(f"injected fault {fault}")
-    elif kind == "kill-node":
+    elif kind is FaultKind.KILL_NODE:
         kill_this_node()
-    elif kind == "freeze-node":
+    elif kind is FaultKind.FREEZE_NODE:
         freeze_this_node()
-    elif kind == "drain":
+    elif kind is FaultKind.DRAIN:
         drain_this_node()
     else:
         raise ValueError(f"unknown fault kind {kind!r}")

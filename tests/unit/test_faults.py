@@ -4,6 +4,8 @@ each fault strikes)."""
 
 from __future__ import annotations
 
+import json
+import pickle
 import threading
 import time
 from pathlib import Path
@@ -12,7 +14,7 @@ import pytest
 import torch
 
 from stalwart.core.config import (
-    FAULT_KINDS,
+    FaultKind,
     FaultSpec,
     JobConfig,
     dump_config,
@@ -55,8 +57,20 @@ def test_parse_fault(text: str, expected: FaultSpec) -> None:
 def test_a_fault_prints_as_the_user_writes_it() -> None:
     assert str(FaultSpec(kind="kill", rank=1, step=20)) == "kill:rank=1,step=20"
     assert str(FaultSpec(kind="kill-node", node=2, step=8)) == "kill-node:node=2,step=8"
-    assert set(FAULT_KINDS) == {"kill", "kill-staging", "kill-replicating", "hang", "raise",
-                                "term", "slow", "kill-node", "freeze-node", "drain"}
+    assert {k.value for k in FaultKind} == {
+        "kill", "kill-staging", "kill-replicating", "hang", "raise", "term", "slow",
+        "kill-node", "freeze-node", "drain"}
+
+
+def test_a_fault_kind_is_the_enum_and_keeps_its_spelling_everywhere() -> None:
+    spec = parse_fault("freeze-node:node=1,step=3")
+    assert spec.kind is FaultKind.FREEZE_NODE and spec.kind.target == "node"
+    assert FaultSpec(kind="kill", rank=0, step=1).kind is FaultKind.KILL  # TOML gives a str
+    assert [k for k in FaultKind if k.target == "node"] == [
+        FaultKind.KILL_NODE, FaultKind.FREEZE_NODE, FaultKind.DRAIN]
+    assert json.dumps({"kind": spec.kind}) == '{"kind": "freeze-node"}'
+    assert f"{spec.kind}" == str(spec.kind) == "freeze-node"
+    assert pickle.loads(pickle.dumps(spec)) == spec  # as it travels to the workers
 
 
 @pytest.mark.parametrize("text", [
@@ -290,6 +304,8 @@ def test_snapshot_faults_strike_only_inside_the_snapshot() -> None:
     assert injector.drain() == []
     # STRIKES_AT decides where each kind strikes
     assert STRIKES_AT == {"kill-staging": "mid_copy", "kill-replicating": "before_payload"}
+    assert STRIKES_AT == {FaultKind.KILL_STAGING: "mid_copy",
+                          FaultKind.KILL_REPLICATING: "before_payload"}
 
 
 def test_a_fault_waits_for_the_controller_to_hear_of_it() -> None:

@@ -18,12 +18,12 @@ from stalwart.core.config.loading import (
 )
 from stalwart.core.config.sections import (
     AC_MODES,
-    FAULT_KINDS,
     PP_SCHEDULES,
     PRECISIONS,
     CheckpointConfig,
     DataConfig,
     FailureConfig,
+    FaultKind,
     FaultSpec,
     ParallelConfig,
     RunConfig,
@@ -36,12 +36,12 @@ from stalwart.core.config.sections import (
 
 __all__ = [
     "AC_MODES",
-    "FAULT_KINDS",
     "PP_SCHEDULES",
     "PRECISIONS",
     "CheckpointConfig",
     "DataConfig",
     "FailureConfig",
+    "FaultKind",
     "FaultSpec",
     "JobConfig",
     "ParallelConfig",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass, field
+from enum import StrEnum
 from typing import Any
 
 from stalwart.core.errors import ConfigError
@@ -408,18 +409,36 @@ class RunConfig:
 
 LOGGERS = ("tensorboard", "mlflow", "wandb")
 
-FAULT_KINDS = {
-    "kill": "rank",       # SIGKILL the rank's process
-    "kill-staging": "rank",      # SIGKILL it half-way through staging step's snapshot
-    "kill-replicating": "rank",  # SIGKILL it while step's snapshot is sent to its holders
-    "hang": "rank",       # SIGSTOP the rank's process: alive, silent, holding its peers
-    "raise": "rank",      # raise an exception in the rank's training loop (like a user bug)
-    "term": "rank",       # SIGTERM the rank's process: a preemption notice
-    "slow": "rank",       # the rank turns straggler: its local work per step takes 3x as long
-    "kill-node": "node",  # SIGKILL the raylet of a node: the node and its workers are gone
-    "freeze-node": "node",  # SIGSTOP the raylet of a node and its workers: a frozen machine
-    "drain": "node",      # ask Ray to drain a node for preemption (it stays up, unschedulable)
-}
+class FaultKind(StrEnum):
+    """The faults `--inject` and `[[faults]]` can ask for, named here and nowhere else. The
+    values are the spellings of the CLI, the TOML and the events."""
+
+    KILL = "kill"
+    """SIGKILL the rank's process."""
+    KILL_STAGING = "kill-staging"
+    """SIGKILL it half-way through staging the step's snapshot."""
+    KILL_REPLICATING = "kill-replicating"
+    """SIGKILL it while the step's snapshot is sent to its holders."""
+    HANG = "hang"
+    """SIGSTOP the rank's process: alive, silent, holding its peers."""
+    RAISE = "raise"
+    """Raise an exception in the rank's training loop (like a user bug)."""
+    TERM = "term"
+    """SIGTERM the rank's process: a preemption notice."""
+    SLOW = "slow"
+    """The rank turns straggler: its local work per step takes 3x as long."""
+    KILL_NODE = "kill-node"
+    """SIGKILL the raylet of a node: the node and its workers are gone."""
+    FREEZE_NODE = "freeze-node"
+    """SIGSTOP the raylet of a node and its workers: a frozen machine."""
+    DRAIN = "drain"
+    """Ask Ray to drain a node for preemption (it stays up, unschedulable)."""
+
+    @property
+    def target(self) -> str:
+        """What the fault is done to: `rank` or `node`."""
+        return "node" if self in (FaultKind.KILL_NODE, FaultKind.FREEZE_NODE,
+                                  FaultKind.DRAIN) else "rank"
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -442,10 +461,11 @@ class FaultSpec:
 
     def __post_init__(self) -> None:
         _check_kinds(self, "faults")
-        _require(self.kind in FAULT_KINDS, "faults.kind", self.kind,
-                 f"one of {', '.join(FAULT_KINDS)}")
+        _require(self.kind in set(FaultKind), "faults.kind", self.kind,
+                 f"one of {', '.join(FaultKind)}")
+        object.__setattr__(self, "kind", FaultKind(self.kind))  # its spelling stays the same
         _require(self.step >= 1, "faults.step", self.step, "must be >= 1")
-        target = FAULT_KINDS[self.kind]
+        target = self.kind.target
         other = "node" if target == "rank" else "rank"
         _require(getattr(self, other) == -1, f"faults.{other}", getattr(self, other),
                  f"a {self.kind} fault targets a {target}, not a {other}")
@@ -456,14 +476,14 @@ class FaultSpec:
                      " with N >= 0"))
 
     def __str__(self) -> str:
-        target = FAULT_KINDS[self.kind]
+        target = FaultKind(self.kind).target
         return f"{self.kind}:{target}={getattr(self, target)},step={self.step}"
 
 
 def parse_fault(text: str) -> FaultSpec:
     """`kill:rank=1,step=20` -> FaultSpec (the --inject syntax)."""
     syntax = ("expected KIND:TARGET=N,step=S, e.g. kill:rank=1,step=20 or "
-              f"kill-node:node=1,step=80; KIND is one of {', '.join(FAULT_KINDS)}")
+              f"kill-node:node=1,step=80; KIND is one of {', '.join(FaultKind)}")
     kind, sep, rest = text.strip().partition(":")
     fields: dict[str, Any] = {"kind": kind}
     for item in rest.split(",") if sep else []:
