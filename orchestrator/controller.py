@@ -28,6 +28,7 @@ from stalwart.orchestrator.failures import FailDecision, WorkerFailure
 from stalwart.orchestrator.fault_watch import FaultWatch
 from stalwart.orchestrator.interrupt import StopRequest
 from stalwart.orchestrator.observers import ControllerObserver, Display, Restored
+from stalwart.orchestrator.outcome import Outcome
 from stalwart.orchestrator.resize_plan import ResizePlan
 from stalwart.orchestrator.scaling import FormDecision, GiveUpDecision, WaitDecision
 from stalwart.orchestrator.states import (
@@ -126,6 +127,14 @@ class Controller:
         if isinstance(self.state, Failed):
             self.storage.log_unreported_commit()
         return self.state
+
+    def outcome(self) -> Outcome:
+        """What the run came to so far: read once `run` has returned, or raised."""
+        tp = self.throughput
+        return Outcome(step=self.last_step, loss=self.last_loss, val_loss=self.last_val_loss,
+                       stop_signal=self.stop.signum if isinstance(self.state, Stopped) else None,
+                       tokens_per_s=(tp.tokens_total / tp.train_time_s
+                                     if tp.train_time_s > 0 else None))
 
     # ------------------------------------------------------------------ forming a world
 

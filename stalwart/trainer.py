@@ -39,6 +39,7 @@ from stalwart.core.task import TaskLike, resolve_task, task_path_of
 from stalwart.integrations.loggers import logger_callbacks
 from stalwart.integrations.ray_metrics import RayMetrics
 from stalwart.orchestrator.controller import Controller
+from stalwart.orchestrator.outcome import Outcome
 from stalwart.orchestrator.policies import default_policies
 from stalwart.orchestrator.states import Failed, Finished, State, Stopped
 from stalwart.parallel.dims import ParallelDims
@@ -371,7 +372,7 @@ class Trainer:
             try:
                 final = controller.run()
             except BaseException as exc:  # a second Ctrl-C; Tune stopping a trial; a callback
-                self.run_dir.events.emit(ev.Interrupted(step=controller.last_step,
+                self.run_dir.events.emit(ev.Interrupted(step=controller.outcome().step,
                                          reason=f"{type(exc).__name__}: {exc}".rstrip(": ")))
                 raise
         finally:
@@ -381,7 +382,7 @@ class Trainer:
                 import ray
 
                 ray.shutdown()
-        result = self._result(final, controller, time.time() - t0, storage_url)
+        result = self._result(final, controller.outcome(), time.time() - t0, storage_url)
         for cb in self.callbacks:
             cb.on_end(result)
         return result
@@ -391,21 +392,18 @@ class Trainer:
             self.run_dir.events.emit(ev.UnsignedCheckpointAccepted(
                 step=checkpoint.step, path=checkpoint.path, why=checkpoint.unsigned))
 
-    def _result(self, final: State, controller: Controller, wall_s: float,
+    def _result(self, final: State, outcome: Outcome, wall_s: float,
                 storage_url: str) -> RunResult:
         reason = None
         if isinstance(final, Failed):
             reason = final.reason
-            self.run_dir.events.emit(ev.Failed(reason=final.reason, step=controller.last_step))
+            self.run_dir.events.emit(ev.Failed(reason=final.reason, step=outcome.step))
         elif not isinstance(final, Finished | Stopped):
             raise ValueError(f"unexpected final state {final!r}")
-        return RunResult(run_dir=self.run_dir.path, state=final.name, step=controller.last_step,
-                         loss=controller.last_loss, val_loss=controller.last_val_loss,
-                         wall_s=wall_s, reason=reason,
-                         stop_signal=controller.stop.signum if isinstance(final, Stopped) else None,
-                         tokens_per_s=(controller.throughput.tokens_total
-                                       / controller.throughput.train_time_s
-                                       if controller.throughput.train_time_s > 0 else None),
+        return RunResult(run_dir=self.run_dir.path, state=final.name, step=outcome.step,
+                         loss=outcome.loss, val_loss=outcome.val_loss, wall_s=wall_s,
+                         reason=reason, stop_signal=outcome.stop_signal,
+                         tokens_per_s=outcome.tokens_per_s,
                          checkpoint=_newest_committed(storage_url),
                          metrics=self._last_metrics.row)
 

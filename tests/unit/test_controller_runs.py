@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 import threading
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.checkpointing.storage.layout import join
+from stalwart.orchestrator.outcome import Outcome
 from stalwart.orchestrator.states import TRANSITIONS, Finished, Stopped
 from stalwart.workers.reports import WorkerStatus
 from tests.unit.controller_world import (
@@ -99,6 +101,11 @@ def test_normal_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert c.last_step == 6 and c.last_loss == pytest.approx(10.0 / 6)
     assert c.throughput.tokens_total == 6 * TOKENS
     assert c.throughput.train_time_s == pytest.approx(5.1)
+    # what the trainer reads: a frozen summary, not the controller's accounts
+    assert c.outcome() == Outcome(step=6, loss=pytest.approx(10.0 / 6), val_loss=None,
+                                  stop_signal=None, tokens_per_s=pytest.approx(6 * TOKENS / 5.1))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        c.outcome().step = 7  # type: ignore[misc]
 
 
 def test_last_step_and_val_loss_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -115,6 +122,7 @@ def test_last_step_and_val_loss_rows(tmp_path: Path, monkeypatch: pytest.MonkeyP
     assert [r["step"] for r in rows] == [2, 3, 4, 5]
     assert rows[1]["val_loss"] == 2.5 and "val_loss" not in rows[0]
     assert w.event("finished")["val_loss"] == 2.5
+    assert w.controller.outcome().val_loss == 2.5
 
 
 def test_resume_from_a_checkpoint_restores_before_launch(
@@ -168,6 +176,7 @@ def test_stopped_early_by_the_first_ctrl_c(tmp_path: Path,
     assert w.kinds() == ["started", "checkpoint_committed", "stopped"]
     assert w.event("stopped")["step"] == 3
     assert w.shutdowns() == [True]
+    assert w.controller.outcome().stop_signal is None  # asked in code, by no signal
 
 
 @pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
@@ -181,6 +190,7 @@ def test_sigint_handler(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None
     assert w.run() == Stopped(step=3)
     assert len(w.named("request_stop")) == 1
     assert signal.getsignal(signal.SIGINT) is before  # put back
+    assert w.controller.outcome().stop_signal == signal.SIGINT
 
     # a second Ctrl-C abandons the checkpoint: KeyboardInterrupt, the actors are killed
     again = tmp_path / "again"
