@@ -1,18 +1,18 @@
 """Chaos soak: the reference task with random faults fired from outside, checked after each run.
 
-Each run trains the reference task (examples/gpt/config.toml with the tiny model of
-tests/cli_helpers.py) in a random layout, and gets 2 to 4 faults at random wall-clock moments
-of its training: SIGKILL, SIGSTOP or SIGTERM of a random worker process, or SIGKILL of the
-driver's whole process group followed by `stalwart run ... --resume`. Then it checks that the
-run finished, that its final weights equal a failure-free run's of the same layout bit for
-bit, that every committed checkpoint verifies and exports, that every fault shows in
-events.jsonl, and counts the steps lost. Every random choice comes from one
-random.Random(--seed), printed first; `--first-run K --runs N` runs runs K..K+N-1 of the same
-soak, so a long soak can be split into chunks.
+Each run trains the reference task (examples/gpt/config.toml with the tiny model) in a random
+layout, and gets 2 to 4 faults at random moments of its training: SIGKILL, SIGSTOP or SIGTERM
+of a random worker process, or SIGKILL of the driver's whole session followed by
+`stalwart run ... --resume` (chaos_faults.py). Then it checks (chaos_checks.py) that the run
+finished, that its final weights equal a failure-free run's of the same layout bit for bit,
+that every committed checkpoint verifies and exports, that every fault shows in events.jsonl,
+and counts the steps lost. Every random choice comes from one random.Random(--seed), printed
+first; `--first-run K --runs N` runs runs K..K+N-1 of the same soak, so a long soak can be
+split into chunks.
 
     python -m bench.chaos [--runs 10] [--seed S] [--first-run 0] [--layouts ddp2 fsdp2]
 
-prints a table (one row per run) and writes bench/results/chaos[-K]-seedS.json. Exit code 0
+prints a table (one row per run) and writes bench/results/chaos-seedS[-runK].json. Exit code 0
 when every run passed every check, 1 otherwise. Not a timed test.
 """
 
@@ -31,13 +31,10 @@ from typing import Any
 
 from bench import chaos_checks as checks
 from bench import chaos_faults as cf
-from bench import chaos_run, common
+from bench import common
 from stalwart.core import events as ev
 from stalwart.core.events import read_events, read_metrics
 
-TINY = ["task.args.seq_len=64", "task.args.d_model=64", "task.args.n_layers=2",
-        "task.args.n_heads=2", "train.global_batch_size=8", "train.micro_batch_size=2",
-        "train.warmup_steps=5", "data.val_batches=1"]
 SOAK = ["checkpoint.persist_every=10", "checkpoint.keep_last=3", "run.log_every=1",
         "data.val_every=0", "run.progress=false",
         # Recover from every fault of a run; notice a stopped process within seconds; and
@@ -53,18 +50,14 @@ LAYOUTS = {
 
 
 def overrides(layout: str, steps: int) -> list[str]:
-    return [*TINY, f"train.steps={steps}", *SOAK, *LAYOUTS[layout]]
-
-
-# ---------------------------------------------------------------------------------- references
+    return [*common.TINY, f"train.steps={steps}", *SOAK, *LAYOUTS[layout]]
 
 
 def reference(layout: str, steps: int, cache: Path, timeout: float) -> dict[str, Any]:
     """The layout's failure-free run, once per (layout, overrides): its exported final
     weights and its training window (seconds from launch to the first step; of training)."""
     ov = overrides(layout, steps)
-    key = hashlib.sha256(json.dumps(ov).encode()).hexdigest()[:10]
-    where = cache / f"{layout}-{key}"
+    where = cache / f"{layout}-{hashlib.sha256(json.dumps(ov).encode()).hexdigest()[:10]}"
     meta_file = where / "reference.json"
     if meta_file.exists():
         return json.loads(meta_file.read_text())
@@ -90,21 +83,16 @@ def reference(layout: str, steps: int, cache: Path, timeout: float) -> dict[str,
     return meta
 
 
-# ---------------------------------------------------------------------------------- one run
-
-
 def soak_run(plan: cf.RunPlan, ref: dict[str, Any], steps: int, work: Path,
              timeout: float) -> dict[str, Any]:
-    run_dir = work / f"run{plan.index}"
-    log = work / f"run{plan.index}.log"
+    run_dir, log = work / f"run{plan.index}", work / f"run{plan.index}.log"
     cmd = common.stalwart_command(str(common.DEFAULT_CONFIG), ref["overrides"], run_dir)
     moments = ", ".join(f"{f.kind}@{f.at * ref['train_s']:.1f}s" for f in plan.faults)
     print(f"run {plan.index}: {plan.layout}, faults {moments}", flush=True)
     out: dict[str, Any] = {"run": plan.index, "layout": plan.layout, "run_dir": str(run_dir),
                            "log": str(log)}
-    out.update(chaos_run.run_with_faults(plan, cmd, run_dir, log,
-                                         train_s=ref["train_s"],
-                                         timeout=timeout))
+    out.update(cf.run_with_faults(plan, cmd, run_dir, log, train_s=ref["train_s"],
+                                  timeout=timeout))
     out.update(checks.check_finished(run_dir, steps, out["exit_codes"]))
     out.update(checks.check_faults(run_dir, out["faults"]))
     out.update(checks.check_checkpoints(run_dir, work))
@@ -125,9 +113,6 @@ def soak_run(plan: cf.RunPlan, ref: dict[str, Any], steps: int, work: Path,
     return out
 
 
-# ---------------------------------------------------------------------------------- report
-
-
 def table(results: list[dict[str, Any]]) -> None:
     print(f"\n{'run':>4} {'layout':7} {'faults fired':22} {'not':>4} {'det':>4} {'lost':>5} "
           f"{'recov s':>8} {'bit-identical':>13} {'ckpts ok':>9} {'finished':>9}")
@@ -138,8 +123,7 @@ def table(results: list[dict[str, Any]]) -> None:
               f"{'yes' if r['bit_identical'] else 'NO':>13} "
               f"{len(r['checkpoints']) if r['checkpoints_ok'] else 'NO':>9} "
               f"{'yes' if r['finished'] else 'NO':>9}")
-    fired = sum(r["fired"] for r in results)
-    print(f"\n{len(results)} runs, {fired} faults fired "
+    print(f"\n{len(results)} runs, {sum(r['fired'] for r in results)} faults fired "
           f"({sum(r['not_fired'] for r in results)} not fired: the run was over), "
           f"{sum(r['detected'] for r in results)} recorded, "
           f"{sum(r['lost_steps'] for r in results)} steps lost; "
@@ -151,8 +135,8 @@ def table(results: list[dict[str, Any]]) -> None:
                   f"detected={r['detected']}/{r['fired']} log={r['log']}")
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args() -> argparse.Namespace:
+    p = common.parser(__doc__, __spec__)
     p.add_argument("--runs", type=int, default=10, help="runs in this invocation (default 10)")
     p.add_argument("--seed", type=int, default=None, help="the soak's seed (default: random)")
     p.add_argument("--first-run", type=int, default=0,
@@ -160,7 +144,7 @@ def main() -> int:
     p.add_argument("--layouts", nargs="+", default=["ddp2", "fsdp2"], choices=sorted(LAYOUTS))
     p.add_argument("--steps", type=int, default=600, help="train.steps per run (default 600)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run")
-    p.add_argument("--cache", default=str(common.ROOT / "bench" / "results" / "chaos-refs"),
+    p.add_argument("--cache", default=str(common.RESULTS / "chaos-refs"),
                    help="where the failure-free references are kept between invocations")
     p.add_argument("--keep", action="store_true", help="keep the run directories")
     p.add_argument("--out", default=None,
@@ -168,6 +152,11 @@ def main() -> int:
     args = p.parse_args()
     if args.runs < 1 or args.first_run < 0:
         p.error("--runs must be >= 1 and --first-run >= 0")
+    return args
+
+
+def main() -> int:
+    args = parse_args()
     seed = args.seed if args.seed is not None else random.SystemRandom().randrange(2**31)
     print(f"chaos soak: seed {seed}, runs {args.first_run}..{args.first_run + args.runs - 1}, "
           f"layouts {' '.join(args.layouts)}, {args.steps} steps", flush=True)
@@ -188,7 +177,6 @@ def main() -> int:
     finally:
         table(results)
         suffix = f"-run{args.first_run}" if args.first_run else ""
-        out = args.out or str(common.ROOT / "bench" / "results" / f"chaos-seed{seed}{suffix}.json")
         report = {"seed": seed, "first_run": args.first_run, "runs": args.runs,
                   "layouts": args.layouts, "steps": args.steps, "references": refs,
                   "summary": {"runs": len(results),
@@ -197,7 +185,8 @@ def main() -> int:
                               "recorded": sum(r["detected"] for r in results),
                               "lost_steps": sum(r["lost_steps"] for r in results),
                               "runs_lost": sum(not r["ok"] for r in results)}}
-        common.write_report(out, report, results)
+        common.write_report(args.out or str(common.RESULTS / f"chaos-seed{seed}{suffix}.json"),
+                            report, results)
         if all(r["ok"] for r in results) and not args.keep:
             shutil.rmtree(work, ignore_errors=True)
         else:

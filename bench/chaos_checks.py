@@ -2,7 +2,7 @@
 
 - it finished (a `finished` event at train.steps, the last driver exit code 0);
 - its final weights equal its layout's failure-free reference bit for bit (`stalwart export`
-  of both, torch.equal on every tensor);
+  of both, every tensor's dtype, shape and bytes);
 - every committed checkpoint left in storage verifies (catalog.verify) and exports
   (`stalwart export --step S`);
 - every fault fired shows in events.jsonl: a worker fault as a `failure` event naming the
@@ -132,18 +132,34 @@ def export(run_dir: Path, out: Path, step: int | None = None) -> str | None:
 
 
 def weights_equal(a: Path, b: Path) -> tuple[bool, str]:
-    """(bit for bit equal, what differs) of two exported .pt files."""
+    """(bit for bit equal, what differs) of two exported .pt files: every tensor's dtype, shape
+    and bytes (torch.equal would take -0.0 for 0.0, and a NaN for unequal to itself)."""
     import torch
 
     x, y = torch.load(a), torch.load(b)
     if x.keys() != y.keys():
         return False, f"keys differ: {sorted(set(x) ^ set(y))[:4]}"
-    differ = [k for k in x if not torch.equal(x[k], y[k])]
+    differ = [k for k in x if not _same_bits(x[k], y[k])]
     if differ:
-        worst = max(differ, key=lambda k: float((x[k].float() - y[k].float()).abs().max()))
+        worst = max(differ, key=lambda k: _max_diff(x[k], y[k]))
         return False, (f"{len(differ)}/{len(x)} tensors differ, most in {worst}: "
-                       f"{float((x[worst].float() - y[worst].float()).abs().max()):.3g}")
+                       f"{_max_diff(x[worst], y[worst]):.3g}")
     return True, f"{len(x)} tensors equal"
+
+
+def _same_bits(s: Any, t: Any) -> bool:
+    import torch
+
+    def raw(u: Any) -> Any:
+        return u.detach().contiguous().reshape(-1).view(torch.uint8)
+
+    return s.dtype == t.dtype and s.shape == t.shape and torch.equal(raw(s), raw(t))
+
+
+def _max_diff(s: Any, t: Any) -> float:
+    if s.shape != t.shape:
+        return float("inf")
+    return float((s.double() - t.double()).abs().max()) if s.numel() else 0.0
 
 
 def check_checkpoints(run_dir: Path, scratch: Path) -> dict[str, Any]:

@@ -1,33 +1,41 @@
 """The chaos soak's faults: which ones a run gets (from one seed), and firing them from outside.
 
 A plan is drawn up front from one `random.Random(seed)` for every run of the soak, so run k
-of a soak gets the same layout and faults whether it runs in one invocation or in a chunk
-(`--first-run k`). Wall-clock moments are drawn as fractions of the layout's training window
-(measured on its failure-free reference run), so one plan fits any machine speed.
+gets the same layout and faults whether it runs in one invocation or in a chunk
+(`--first-run k`). Moments are fractions of the layout's training window (measured on its
+failure-free reference run), so one plan fits any machine speed.
 
-Firing is from outside the run, as an operator or the kernel would: signals to a worker's
-process (found by the pid its run recorded in `workers_started`), and SIGKILL of the whole
-driver process group (`stalwart run` is started with start_new_session=True) plus any process
-the driver started that survived it.
+Firing is from outside, as an operator or the kernel would (bench/harness.py): a signal to a
+worker's process (its pid from `workers_started`), or SIGKILL of the driver's whole session
+plus any process it started that survived, then `stalwart run ... --resume`. Deferrals are
+recorded in the fault's row: a worker fault waits for a live worker of the current driver; a
+driver kill waits for a committed checkpoint (`--resume` needs one) and for the faults before
+it to show in events.jsonl (a driver killed first would take their record with it). A fault
+still pending when the run ends is "not fired".
 """
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from bench.chaos_checks import last_logged_step, worker_fault_record
+from bench.harness import Launch, kill_tree, pid_alive, signal_pid
 from stalwart.core import events as ev
-from stalwart.core.events import read_events
+from stalwart.core.events import read_events, read_jsonl
 
 WORKER_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 KINDS = (*WORKER_SIGNALS, "driver")
 MIN_FAULTS, MAX_FAULTS = 2, 4
 MIN_GAP = 0.04
 """Smallest distance between two faults of a run, as a fraction of the training window."""
+POLL_S = 0.1
+DRIVER_DEFER_S = 90.0
+"""How long a driver kill waits for a checkpoint and for earlier faults' records."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -72,13 +80,9 @@ def _moments(rng: random.Random, n: int) -> list[float]:
             return at
 
 
-# ---------------------------------------------------------------------------------- workers
-
-
 def invocation_events(run_dir: Path, skip: int) -> list[ev.Event]:
     """The events of run_dir written after the first `skip` (those of earlier invocations)."""
-    path = run_dir / "events.jsonl"
-    return read_events(path)[skip:] if path.exists() else []
+    return read_events(run_dir / "events.jsonl")[skip:]
 
 
 def live_workers(events: list[ev.Event], exclude: set[int]) -> list[ev.WorkerPlace]:
@@ -90,94 +94,104 @@ def live_workers(events: list[ev.Event], exclude: set[int]) -> list[ev.WorkerPla
     return [w for w in started[-1].workers if w.pid not in exclude and pid_alive(w.pid)]
 
 
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return not _is_zombie(pid)
+class Invocation(Launch):
+    """One `stalwart run` of a run: the events before it are earlier invocations'."""
+
+    def __init__(self, cmd: list[str], log: Path, run_dir: Path) -> None:
+        self.skip = len(read_jsonl(run_dir / "events.jsonl"))
+        super().__init__(cmd, log)
 
 
-def _is_zombie(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
-    except (OSError, IndexError):
-        return False
+def run_with_faults(plan: RunPlan, cmd: list[str], run_dir: Path, log: Path, *,
+                    train_s: float, timeout: float) -> dict[str, Any]:
+    """Run cmd with plan's faults; train_s: the seconds of training of the layout's
+    failure-free reference. Returns the faults as fired and the driver's exit codes."""
+    run = Invocation(cmd, log, run_dir)
+    start, deadline = run.time, run.time + timeout
+    # The plan's moments are on the training clock, from the run's first step: start-up
+    # times vary too much from run to run to aim at a moment of training from the launch.
+    t0 = _first_step_time(run, run_dir, 0)
+    fired: list[dict[str, Any]] = []
+    hit: set[int] = set()
+    codes: list[int] = []
+    timed_out = False
+    for fault in plan.faults:
+        row: dict[str, Any] = {"kind": fault.kind, "planned_s": round(fault.at * train_s, 2)}
+        fired.append(row)
+        while run.running() and time.time() < t0 + fault.at * train_s:
+            time.sleep(POLL_S)
+        if fault.kind == "driver":
+            run, shift = _driver_fault(row, run, cmd, run_dir, log, fired, codes)
+            t0 += shift
+        else:
+            _worker_fault(row, fault, run, run_dir, hit)
+        if time.time() > deadline:
+            timed_out = True
+            break
+    while run.running() and time.time() < deadline:
+        time.sleep(POLL_S)
+    if run.running():
+        timed_out = True
+        fired.append({"kind": "timeout", "left": kill_tree(run.proc.pid)})
+    codes.append(run.proc.wait())
+    for pid in hit:  # never leave a process we stopped behind (its run is over)
+        if pid_alive(pid):
+            signal_pid(pid, signal.SIGKILL)
+    return {"faults": fired, "exit_codes": codes, "timed_out": timed_out,
+            "wall_s": round(time.time() - start, 1)}
 
 
-def signal_worker(pid: int, kind: str) -> bool:
-    """Send the kind's signal; False when the process is gone already."""
-    try:
-        os.kill(pid, WORKER_SIGNALS[kind])
-    except ProcessLookupError:
-        return False
-    return True
+def _worker_fault(row: dict[str, Any], fault: PlannedFault, run: Invocation, run_dir: Path,
+                  hit: set[int]) -> None:
+    while run.running():
+        events = invocation_events(run_dir, run.skip)
+        live = live_workers(events, hit)
+        if live:
+            target = live[int(fault.pick * len(live))]
+            row["time"] = time.time()
+            if signal_pid(target.pid, WORKER_SIGNALS[fault.kind]):
+                hit.add(target.pid)
+                generation = [e for e in events if isinstance(e, ev.WorkersStarted)][-1]
+                row.update(fired=True, pid=target.pid, rank=target.rank,
+                           generation=generation.generation, step=last_logged_step(run_dir))
+                return
+        time.sleep(POLL_S)
+    row.update(fired=False, why="the run had ended")
 
 
-# ---------------------------------------------------------------------------------- driver
+def _driver_fault(row: dict[str, Any], run: Invocation, cmd: list[str], run_dir: Path,
+                  log: Path, fired: list[dict[str, Any]], codes: list[int]
+                  ) -> tuple[Invocation, float]:
+    """Kill the driver's session, then `--resume`; returns the new invocation and how far the
+    plan's clock moves (the time from the kill to the resumed world's start)."""
+    give_up = time.time() + DRIVER_DEFER_S
+    while run.running() and time.time() < give_up:
+        events = invocation_events(run_dir, 0)
+        committed = any(isinstance(e, ev.CheckpointCommitted) for e in events)
+        pending = [r for r in fired if r.get("fired") and r["kind"] != "driver"
+                   and worker_fault_record(r, events) is None]
+        if committed and not pending:
+            break
+        time.sleep(POLL_S)
+    if not run.running():
+        row.update(fired=False, why="the run had ended")
+        return run, 0.0
+    if time.time() >= give_up:
+        row.update(fired=False, why=f"no checkpoint or earlier faults unrecorded after "
+                                    f"{DRIVER_DEFER_S:.0f}s")
+        return run, 0.0
+    row.update(time=time.time(), step=last_logged_step(run_dir))
+    row["left_processes"] = kill_tree(run.proc.pid)
+    codes.append(run.proc.wait())
+    row["fired"] = True
+    rows = len(read_jsonl(run_dir / "metrics.jsonl"))
+    resumed = Invocation([*cmd, "--resume"], log, run_dir)
+    row["events_before_resume"] = resumed.skip
+    return resumed, _first_step_time(resumed, run_dir, rows) - row["time"]
 
 
-def _proc_table() -> dict[int, tuple[int, int, str]]:
-    """pid -> (parent pid, start time in clock ticks, command name) of every process."""
-    out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat.rsplit(")", 1)[1].split()
-        out[int(entry)] = (int(fields[1]), int(fields[19]), name)
-    return out
-
-
-def descendants(root: int) -> dict[int, tuple[int, str]]:
-    """pid -> (start time, name) of every process below root (the root included)."""
-    table = _proc_table()
-    children: dict[int, list[int]] = {}
-    for pid, (ppid, _, _) in table.items():
-        children.setdefault(ppid, []).append(pid)
-    found, todo = {}, [root]
-    while todo:
-        pid = todo.pop()
-        if pid in table and pid not in found:
-            found[pid] = (table[pid][1], table[pid][2])
-            todo.extend(children.get(pid, []))
-    return found
-
-
-def kill_driver(pgid: int, wait_s: float = 10.0) -> list[str]:
-    """SIGKILL the driver's process group; then SIGKILL every process the driver had started
-    (its descendants just before the kill, matched by pid and start time, so a reused pid is
-    never hit) that is still alive `wait_s` later. Returns those survivors, as 'name:pid'."""
-    tree = descendants(pgid)
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        if not _survivors(tree):
-            return []
-        time.sleep(0.2)
-    left = _survivors(tree)
-    for pid in left:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    # A SIGKILL lands asynchronously: gone before the resume starts, not a moment after.
-    deadline = time.monotonic() + 5.0
-    while _survivors(tree) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    return [f"{tree[pid][1]}:{pid}" for pid in left]
-
-
-def _survivors(tree: dict[int, tuple[int, str]]) -> list[int]:
-    table = _proc_table()
-    return [pid for pid, (start, _) in tree.items()
-            if pid in table and table[pid][1] == start and not _is_zombie(pid)]
+def _first_step_time(run: Invocation, run_dir: Path, rows_before: int) -> float:
+    """When the invocation logged its first step (now, if it ended first)."""
+    while run.running() and len(read_jsonl(run_dir / "metrics.jsonl")) <= rows_before:
+        time.sleep(POLL_S)
+    return time.time()

@@ -1,14 +1,6 @@
-"""What the benchmarks share: timing `stalwart run` (throughput.py, layouts.py), the machine
-a report was measured on, and step logs that several processes append to.
-
-throughput.py and layouts.py run `stalwart run CONFIG --set ...` as a user types it, one run
-after another, and measure the steady-state rate from the run's metrics.jsonl: the same
-command line, child environment, logging, rate window, options, checks and report layout.
-Each script keeps only what is its own (its runners or layouts, its overrides, its table).
-
-The scripts import it as `from bench import common`, run from the repository root as
-`python -m bench.NAME`.
-"""
+"""What the benchmarks share: paths, the tiny model, `stalwart run` as a user types it, the
+steady-state rate of a run, rounds in alternating order, gloo worlds of N processes, the
+machine a figure was measured on and the JSON it is written to."""
 
 from __future__ import annotations
 
@@ -17,20 +9,43 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
+import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "examples" / "gpt" / "config.toml"
+RESULTS = ROOT / "bench" / "results"
+# The tiny GPT of tests/cli_helpers.py: a run takes seconds on 2 CPU cores.
+TINY = ["task.args.seq_len=64", "task.args.d_model=64", "task.args.n_layers=2",
+        "task.args.n_heads=2", "train.global_batch_size=8", "train.micro_batch_size=2",
+        "train.warmup_steps=5", "data.val_batches=1"]
+
+
+def parser(doc: str, spec: Any) -> argparse.ArgumentParser:
+    """A script's parser: its docstring's first paragraph, named as it is run."""
+    return argparse.ArgumentParser(prog=f"python -m {spec.name}" if spec else None,
+                                   description=doc.split("\n\n")[0])
+
+
+def add_config_args(p: argparse.ArgumentParser, *, sets: bool = True) -> None:
+    """--config and --set: the job, as `stalwart run` takes it."""
+    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="stalwart TOML config")
+    if sets:
+        p.add_argument("--set", dest="overrides", action="append", default=[],
+                       metavar="KEY=VALUE", help="config override (repeatable)")
 
 
 def add_window_args(p: argparse.ArgumentParser, *, rounds: int, rounds_of: str,
                     steps: int) -> None:
-    """--rounds, --steps, --exclude and --log-every: how many runs, and which steps count."""
+    """--config, --rounds, --steps, --exclude and --log-every: the runs, and which steps count."""
+    add_config_args(p, sets=False)
     p.add_argument("--rounds", type=int, default=rounds,
                    help=f"rounds of all {rounds_of} (default {rounds})")
     p.add_argument("--steps", type=int, default=steps,
@@ -41,8 +56,10 @@ def add_window_args(p: argparse.ArgumentParser, *, rounds: int, rounds_of: str,
     p.add_argument("--log-every", type=int, default=5, help="stalwart run.log_every (default 5)")
 
 
-def parse_bench_args(p: argparse.ArgumentParser) -> argparse.Namespace:
-    """Adds --timeout and --keep (every bench's last options), parses, checks the window."""
+def parse_bench_args(p: argparse.ArgumentParser, out: str) -> argparse.Namespace:
+    """Adds --out, --timeout and --keep (every rate bench's last options), parses, checks the
+    window."""
+    p.add_argument("--out", default=str(RESULTS / out), help="JSON result file")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per run")
     p.add_argument("--keep", action="store_true", help="keep the temporary run directories")
     args = p.parse_args()
@@ -56,6 +73,50 @@ def parse_bench_args(p: argparse.ArgumentParser) -> argparse.Namespace:
     return args
 
 
+def window_overrides(args: argparse.Namespace, workers: int) -> list[str]:
+    """What every run of a rate bench sets: its workers, steps and metrics rows, and nothing
+    else in the window (no validation; only the final checkpoint, after the last row)."""
+    return [f"scaling.num_workers={workers}", f"train.steps={args.steps}",
+            f"run.log_every={args.log_every}", "data.val_every=0",
+            f"checkpoint.persist_every={args.steps + 1}"]
+
+
+def rate_run(tag: str, cmd: list[str], args: argparse.Namespace, work: Path,
+             result: dict[str, Any], measure: Callable[[], dict[str, Any]],
+             note: Callable[[dict[str, Any]], str] = lambda r: "") -> dict[str, Any]:
+    """Run cmd (one runner of a round) with its log in work, then `measure()` its rate into
+    result; a run that failed or left no rate is recorded with its error, and the bench
+    goes on. Prints a line either way."""
+    log, load = work / f"{tag}.log", os.getloadavg()[0]
+    code, wall = run_logged(cmd, log, args.timeout)
+    result.update(exit_code=code, wall_s=wall, load_before=load, log=str(log))
+    try:
+        if code != 0:
+            raise RuntimeError(f"exit code {code}")
+        result.update(measure())
+    except (RuntimeError, OSError, ValueError, KeyError, IndexError) as exc:
+        result.pop("tokens_per_s", None)
+        result["error"] = (str(exc) if isinstance(exc, RuntimeError)
+                           else f"{type(exc).__name__}: {exc}")
+        print(f"  {tag}: FAILED ({result['error']}, {wall:.1f}s); last lines of {log}:\n"
+              f"{tail(log, indent='    ')}", flush=True)
+        return result
+    print(f"  {tag}: {result['tokens_per_s']:9,.0f} tokens/s  (window {result['window_s']:.1f}s"
+          f", whole run {wall:.1f}s, load {load:.2f}{note(result)})"
+          + (f"  WARNING: {result['warning']}" if "warning" in result else ""), flush=True)
+    return result
+
+
+def medians(results: list[dict[str, Any]], key: str, names: list[str]
+            ) -> dict[str, float | None]:
+    """The median tokens/s of each runner over its measured rounds (None if none was)."""
+    out = {}
+    for name in names:
+        vals = [r["tokens_per_s"] for r in results if r[key] == name and "tokens_per_s" in r]
+        out[name] = statistics.median(vals) if vals else None
+    return out
+
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)  # every stalwart run starts its own embedded Ray
@@ -63,12 +124,16 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def set_args(overrides: list[str]) -> list[str]:
+    """One --set per config override, as `stalwart run` and the peers take them."""
+    return [x for o in overrides for x in ("--set", o)]
+
+
 def stalwart_command(config: str, overrides: list[str], run_dir: Path) -> list[str]:
-    """`stalwart run config --set o ... --run-dir run_dir`, one --set per override."""
+    """`stalwart run config --set o ... --run-dir run_dir`, as a user types it."""
     exe = Path(sys.executable).with_name("stalwart")
     cli = [str(exe)] if exe.exists() else [sys.executable, "-m", "stalwart.cli.main"]
-    sets = [x for o in overrides for x in ("--set", o)]
-    return [*cli, "run", config, *sets, "--run-dir", str(run_dir)]
+    return [*cli, "run", str(config), *set_args(overrides), "--run-dir", str(run_dir)]
 
 
 def run_logged(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
@@ -110,11 +175,8 @@ def stalwart_rate(run_dir: Path, exclude: int, tokens_per_step: int, *,
     steps = last.step - first.step
     if steps < 1 or window <= 0:
         raise ValueError(f"empty window: steps {first.step}..{last.step}")
-    rate: dict[str, Any] = {
-        "tokens_per_s": steps * tokens_per_step / window,
-        "window_s": window,
-        "measured_steps": steps,
-    }
+    rate: dict[str, Any] = {"tokens_per_s": steps * tokens_per_step / window,
+                            "window_s": window, "measured_steps": steps}
     if cross_check:
         # tokens_per_s is rounded to 0.1, so this agrees to a fraction of a token per second.
         counted, prev = 0.0, first
@@ -132,21 +194,21 @@ def stalwart_rate(run_dir: Path, exclude: int, tokens_per_step: int, *,
 
 
 def tokens_per_step(config_path: str, overrides: list[str]) -> tuple[int, Any]:
-    """(tokens per optimizer step, the loaded config); tokenizes the data once up front."""
+    """(tokens per optimizer step, the loaded config); tokenizes the data once up front, so
+    that no timed run pays for it."""
     from stalwart.core.config import load_config
     from stalwart.core.task import build_task
 
     config = load_config(config_path, overrides)
     task = build_task(config.task.path, config.task.args)
-    seq_len = task.model_config.seq_len  # the reference task (GPTTask)
-    # Tokenize once up front, so no run pays for it (it is outside the window anyway).
     task.prepare_data(config)
-    return config.train.global_batch_size * seq_len, config
+    return config.train.global_batch_size * task.model_config.seq_len, config
 
 
 def run_rounds(names: list[str], rounds: int, run: Callable[[str, int], dict[str, Any]], *,
                work: Path, keep: bool, prune_measured: bool) -> list[dict[str, Any]]:
-    """run(name, round) for every name, every round, the order flipping every round.
+    """run(name, round) for every name, every round, the order flipping every round so that a
+    drift in machine load favours no runner.
 
     Unless keep: the work folder goes if every run was measured, and the results no longer
     point into it; with prune_measured, the run folder and log of each measured run go even
@@ -155,14 +217,11 @@ def run_rounds(names: list[str], rounds: int, run: Callable[[str, int], dict[str
     results: list[dict[str, Any]] = []
     try:
         for rnd in range(rounds):
-            # The order flips every round, so a drift in machine load favours no runner.
             order = names if rnd % 2 == 0 else names[::-1]
             print(f"round {rnd + 1}/{rounds}: {' -> '.join(order)}", flush=True)
-            for name in order:
-                results.append(run(name, rnd))
+            results += [run(name, rnd) for name in order]
     finally:
         if not keep:
-            # Keep the logs of failed runs, which the output points to; drop the rest.
             if prune_measured:
                 for r in results:
                     if "tokens_per_s" in r:
@@ -170,7 +229,7 @@ def run_rounds(names: list[str], rounds: int, run: Callable[[str, int], dict[str
                         Path(r.pop("log")).unlink(missing_ok=True)
             if all("tokens_per_s" in r for r in results):
                 shutil.rmtree(work, ignore_errors=True)
-                for r in results:  # the paths are gone: do not point the JSON at them
+                for r in results:
                     r.pop("log", None)
                     r.pop("run_dir", None)
     return results
@@ -179,6 +238,10 @@ def run_rounds(names: list[str], rounds: int, run: Callable[[str, int], dict[str
 def max_loss_diff(a: dict[str, float], b: dict[str, float]) -> float | None:
     common = sorted(set(a) & set(b), key=int)
     return max((abs(a[s] - b[s]) for s in common), default=None)
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
 
 
 def fmt(x: float | None, spec: str = "9,.0f", missing: str | None = None) -> str:
@@ -193,12 +256,10 @@ def fmt(x: float | None, spec: str = "9,.0f", missing: str | None = None) -> str
 
 def window_settings(args: argparse.Namespace, workers: int, tps: int,
                     overrides: list[str]) -> dict[str, Any]:
-    """The settings every report starts with."""
-    return {
-        "rounds": args.rounds, "steps": args.steps, "excluded_steps": args.exclude,
-        "log_every": args.log_every, "workers": workers, "tokens_per_step": tps,
-        "config": args.config, "overrides": overrides,
-    }
+    """The settings every rate report starts with."""
+    return {"rounds": args.rounds, "steps": args.steps, "excluded_steps": args.exclude,
+            "log_every": args.log_every, "workers": workers, "tokens_per_step": tps,
+            "config": args.config, "overrides": overrides}
 
 
 def machine(*, with_ray: bool = True) -> dict[str, Any]:
@@ -224,11 +285,55 @@ def append_jsonl(path: Path, row: dict[str, Any]) -> None:
         os.close(fd)
 
 
+def write_json(path: str | Path, data: dict[str, Any]) -> None:
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
 def write_report(path: str, report: dict[str, Any], results: list[dict[str, Any]]) -> None:
     """Adds the machine and the runs (without their loss curves) to report; writes it."""
     report["machine"] = machine()
     report["runs"] = [{k: v for k, v in r.items() if k != "loss_by_step"} for r in results]
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"wrote {out}")
+    write_json(path, report)
+
+
+def failed(result: dict[str, Any], exc: BaseException) -> dict[str, Any]:
+    """A run that raised: recorded with its traceback, so that the other runs go on."""
+    result.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+    return result
+
+
+def gloo_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
+    """fn(rank, world, *args) in `world` spawned gloo processes; their results by rank.
+    RuntimeError names a rank that failed, with its traceback."""
+    import torch.multiprocessing as mp
+
+    from stalwart.parallel.distributed import free_port
+
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(_gloo_rank, args=(world, free_port(), out_dir, fn, args),
+                           nprocs=world, join=True, start_method="spawn")
+        results = [json.loads(Path(out_dir, f"{r}.json").read_text()) for r in range(world)]
+    for rank, result in enumerate(results):
+        if "error" in result:
+            raise RuntimeError(f"world {world}, rank {rank} failed:\n{result['error']}")
+    return [r["ok"] for r in results]
+
+
+def _gloo_rank(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., Any],
+               args: tuple[Any, ...]) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)  # N processes share the machine's cores
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world)
+    try:
+        result: Any = {"ok": fn(rank, world, *args)}
+    except BaseException:
+        result = {"error": traceback.format_exc()}
+    finally:
+        dist.destroy_process_group()
+    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))

@@ -1,17 +1,13 @@
 """Steps lost when the driver is SIGKILLed on a cluster, over several kills of one run.
 
-On a `ray start` cluster of this machine, one run is driven by `stalwart run --address`
-as a user types it; its driver is SIGKILLed `--kills` times at random steps, each time
-followed by `stalwart run ... --auto-resume`, and the last driver runs to the end. Its
-workers (detached) must commit the step in flight when their driver dies. Per kill:
-
-- last logged: the newest step in metrics.jsonl (run.log_every=1) or a commit event;
-- resumed: the step the next driver resumed from (its `resumed` event);
-- lost: steps logged before the kill that the next driver trains again (the issue's
-  figure; 0 when the workers' commit is at or past the last logged step);
-- commit_s: seconds from the kill to that commit on storage.
-
-Then the final weights are compared bit for bit with a failure-free run on the same
+On a `ray start` cluster of this machine, one run is driven by `stalwart run --address` as a
+user types it; the harness SIGKILLs its driver `--kills` times, each once a random step is in
+its metrics.jsonl, each followed by `stalwart run ... --auto-resume`; the last driver runs to
+the end. Its workers (detached) must commit the step in flight when their driver dies. Per
+kill: the last step logged (a metrics row or a commit), the step the next driver resumed from
+(its `resumed` event), the steps lost (logged before the kill and trained again: 0 when the
+workers' commit is at or past the last logged step) and the seconds from the kill to that
+commit. Then the final weights are compared bit for bit with a failure-free run on the same
 cluster. Prints a table; writes bench/results/driver_loss.json.
 
     python -m bench.driver_loss [--kills 5] [--steps 600]
@@ -19,8 +15,6 @@ cluster. Prints a table; writes bench/results/driver_loss.json.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import random
 import signal
@@ -32,13 +26,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import chaos_checks, common
+from bench.harness import Launch, last_logged
 from stalwart.checkpointing.storage.catalog import list_step_dirs
 from stalwart.core.events import read_jsonl
 from stalwart.parallel.distributed import free_port
 
-TINY = ["task.args.seq_len=64", "task.args.d_model=64", "task.args.n_layers=2",
-        "task.args.n_heads=2", "train.global_batch_size=8", "train.micro_batch_size=2",
-        "train.warmup_steps=5", "data.val_batches=1", "run.log_every=1"]
 RAY = str(Path(sys.executable).with_name("ray"))
 
 
@@ -59,102 +51,105 @@ def start_cluster(scratch: Path, cpus: int) -> tuple[subprocess.Popen, str, dict
 
 
 def newest_commit(run_dir: Path) -> int:
-    done = [s for s, ok in list_step_dirs(str(run_dir / "checkpoints")) if ok]
-    return max(done, default=0)
+    return max((s for s, ok in list_step_dirs(str(run_dir / "checkpoints")) if ok), default=0)
 
 
-def last_step(run_dir: Path) -> int:
-    metrics = run_dir / "metrics.jsonl"
-    rows = read_jsonl(metrics) if metrics.exists() else []
-    return rows[-1]["step"] if rows else 0
+def resumed_events(run_dir: Path) -> list[dict[str, Any]]:
+    return [e for e in read_jsonl(run_dir / "events.jsonl") if e["kind"] == "resumed"]
+
+
+def kill_and_resume(drive: Any, run: Path, launch: Launch, k: int,
+                    target: int) -> tuple[Launch, dict[str, Any]]:
+    """Once `target` is logged, SIGKILL the driver (its process only: the workers are
+    detached), wait for the workers' commit, resume; the kill's row and the new driver."""
+    while (last_logged(run / "metrics.jsonl") or 0) < target:
+        if not launch.running():
+            raise SystemExit(f"the driver ended before step {target}: see {run.parent}")
+        time.sleep(0.02)
+    before = newest_commit(run)
+    launch.proc.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
+    launch.proc.wait()
+    logged = chaos_checks.last_logged_step(run)
+    while newest_commit(run) <= before and time.monotonic() - killed_at < 300:
+        time.sleep(0.05)
+    commit_s = time.monotonic() - killed_at
+    launch = drive(run, "--auto-resume")
+    while len(resumed_events(run)) <= k:
+        if not launch.running():
+            raise SystemExit(f"the resumed driver ended early: see {run.parent}")
+        time.sleep(0.1)
+    resumed = resumed_events(run)[k]["from_step"]
+    row = {"kill": k + 1, "last_logged": logged,
+           "committed": newest_commit(run) if newest_commit(run) > before else None,
+           "resumed": resumed, "lost": max(0, logged - resumed),
+           "kept_unlogged": max(0, resumed - logged), "commit_s": round(commit_s, 2)}
+    print(f"kill {k + 1}: last logged {logged}, resumed from {resumed}, lost {row['lost']}, "
+          f"commit {commit_s:.2f}s after the kill", flush=True)
+    return launch, row
+
+
+def soak(args: Any, scratch: Path, address: str, env: dict[str, str]
+         ) -> tuple[list[dict[str, Any]], bool, str]:
+    """The failure-free run, then the killed one; (kills, bit-identical, what differs)."""
+    rng = random.Random(args.seed)
+    sets = [*common.TINY, "run.log_every=1", f"train.steps={args.steps}",
+            f"checkpoint.persist_every={args.persist_every}"]
+    kills: list[dict[str, Any]] = []
+
+    def drive(run_dir: Path, *extra: str) -> Launch:
+        cmd = [*common.stalwart_command(str(common.DEFAULT_CONFIG), sets, run_dir),
+               "--address", address, *extra]
+        return Launch(cmd, scratch / f"{run_dir.name}-{len(kills)}.log", env=env)
+
+    straight, run = scratch / "straight", scratch / "killed"
+    if drive(straight).proc.wait(timeout=1800) != 0:
+        raise SystemExit(f"the failure-free run failed: see {scratch}")
+    span = (args.steps - 100) // args.kills
+    launch = drive(run)
+    for k in range(args.kills):
+        launch, row = kill_and_resume(drive, run, launch, k,
+                                      30 + k * span + rng.randrange(span // 2))
+        kills.append(row)
+    code = launch.proc.wait(timeout=1800)
+    if code != 0:
+        return kills, False, f"the last driver exited {code}"
+    a, b = scratch / "straight.pt", scratch / "killed.pt"
+    if problem := chaos_checks.export(straight, a) or chaos_checks.export(run, b):
+        return kills, False, problem
+    return (kills, *chaos_checks.weights_equal(a, b))
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.parser(__doc__, __spec__)
     p.add_argument("--kills", type=int, default=5, help="driver SIGKILLs (default 5)")
     p.add_argument("--steps", type=int, default=600, help="train.steps (default 600)")
     p.add_argument("--persist-every", type=int, default=50,
                    help="checkpoint.persist_every (default 50)")
     p.add_argument("--cpus", type=int, default=3, help="the cluster's CPUs (default 3)")
     p.add_argument("--seed", type=int, default=0, help="picks the kill steps (default 0)")
-    p.add_argument("--out", type=Path, default=common.ROOT / "bench" / "results" /
-                   "driver_loss.json")
+    p.add_argument("--out", type=Path, default=common.RESULTS / "driver_loss.json")
     args = p.parse_args()
-    rng = random.Random(args.seed)
-    sets = [*TINY, f"train.steps={args.steps}", f"checkpoint.persist_every={args.persist_every}"]
-    config = str(common.DEFAULT_CONFIG)
     scratch = Path(tempfile.mkdtemp(prefix="stalwart-driver-loss-"))
     ray_proc, address, env = start_cluster(scratch, args.cpus)
-    kills: list[dict[str, Any]] = []
     try:
-        def driver(run_dir: Path, *extra: str) -> subprocess.Popen:
-            cmd = [*common.stalwart_command(config, sets, run_dir), "--address", address, *extra]
-            log = (scratch / f"{run_dir.name}-{len(kills)}.log").open("w")
-            return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env,
-                                    cwd=common.ROOT)
-
-        straight = scratch / "straight"
-        if driver(straight).wait(timeout=1800) != 0:
-            raise SystemExit(f"the failure-free run failed: see {scratch}")
-        run = scratch / "killed"
-        span = (args.steps - 100) // args.kills
-        proc = driver(run)
-        for k in range(args.kills):
-            target = 30 + k * span + rng.randrange(span // 2)
-            while last_step(run) < target:
-                if proc.poll() is not None:
-                    raise SystemExit(f"the driver ended before step {target}: see {scratch}")
-                time.sleep(0.02)
-            before = newest_commit(run)
-            proc.send_signal(signal.SIGKILL)
-            killed_at = time.monotonic()
-            proc.wait()
-            logged = chaos_checks.last_logged_step(run)
-            while newest_commit(run) <= before and time.monotonic() - killed_at < 300:
-                time.sleep(0.05)
-            commit_s = time.monotonic() - killed_at
-            proc = driver(run, "--auto-resume")
-            while not [e for e in read_jsonl(run / "events.jsonl")
-                       if e["kind"] == "resumed"][k:]:
-                if proc.poll() is not None:
-                    raise SystemExit(f"the resumed driver ended early: see {scratch}")
-                time.sleep(0.1)
-            resumed = [e for e in read_jsonl(run / "events.jsonl") if e["kind"] == "resumed"][k]
-            kills.append({"kill": k + 1, "last_logged": logged,
-                          "committed": newest_commit(run) if newest_commit(run) > before
-                          else None,
-                          "resumed": resumed["from_step"],
-                          "lost": max(0, logged - resumed["from_step"]),
-                          "kept_unlogged": max(0, resumed["from_step"] - logged),
-                          "commit_s": round(commit_s, 2)})
-            print(f"kill {k + 1}: last logged {logged}, resumed from {resumed['from_step']}, "
-                  f"lost {kills[-1]['lost']}, commit {commit_s:.2f}s after the kill",
-                  flush=True)
-        code = proc.wait(timeout=1800)
-        same, detail = False, f"the last driver exited {code}"
-        if code == 0:
-            a, b = scratch / "straight.pt", scratch / "killed.pt"
-            problem = chaos_checks.export(straight, a) or chaos_checks.export(run, b)
-            same, detail = (False, problem) if problem else chaos_checks.weights_equal(a, b)
+        kills, same, detail = soak(args, scratch, address, env)
     finally:
         ray_proc.send_signal(signal.SIGTERM)  # `ray start --block` stops its daemons
         ray_proc.wait(timeout=120)
-
     lost = [k["lost"] for k in kills]
-    result = {"kills": kills, "lost_total": sum(lost), "lost_max": max(lost, default=0),
-              "commit_s_median": sorted(k["commit_s"] for k in kills)[len(kills) // 2],
-              "bit_identical": same, "weights": detail, "steps": args.steps,
-              "persist_every": args.persist_every, "host": os.uname().nodename,
-              "scratch": str(scratch)}
     print(f"\n{'kill':>4} {'logged':>7} {'resumed':>8} {'lost':>5} {'commit_s':>9}")
     for k in kills:
         print(f"{k['kill']:>4} {k['last_logged']:>7} {k['resumed']:>8} {k['lost']:>5} "
               f"{k['commit_s']:>9.2f}")
     print(f"steps lost over {len(kills)} kills: {sum(lost)} (max {max(lost, default=0)}); "
           f"final weights bit-identical to a failure-free run: {same} ({detail})")
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    common.write_json(args.out, {
+        "kills": kills, "lost_total": sum(lost), "lost_max": max(lost, default=0),
+        "commit_s_median": sorted(k["commit_s"] for k in kills)[len(kills) // 2],
+        "bit_identical": same, "weights": detail, "steps": args.steps,
+        "persist_every": args.persist_every, "host": os.uname().nodename,
+        "scratch": str(scratch)})
 
 
 if __name__ == "__main__":

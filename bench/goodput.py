@@ -2,23 +2,17 @@
 
 The reference task (examples/gpt/config.toml: 2 workers, a storage checkpoint every 50 steps;
 stalwart also keeps its warm spare and in-memory snapshots) trains for --duration seconds while
-a harness SIGKILLs the process of rank 1 every --kill-every seconds (a real SIGKILL of a real
-worker process, found by its PID), then asks the run to stop. Ray Train runs the same model,
-batch, sample order and checkpoint interval with `TorchTrainer` (DDP over gloo) and
-`FailureConfig(max_failures=-1)`, killed on the same schedule (bench/peers/raytrain_recovery.py's
-train loop; rank 0 waits for each checkpoint to be registered, or Ray Train loses the newest).
+the harness SIGKILLs the process of rank 1 (found by the PID its run recorded) every
+--kill-every seconds, then asks the run to stop. Ray Train runs the same model, batch, sample
+order and checkpoint interval under TorchTrainer with FailureConfig(max_failures=-1)
+(bench/peers/raytrain_worker.py; rank 0 waits for each checkpoint to be registered, or Ray
+Train loses the newest), killed on the same schedule.
 
-Goodput = productive step time / wall time, computed the same way for both from each
-completed step's end time:
-
-- a step's time runs from the end of the step before it in the same world (or attempt), or
-  for the first step of a world from when that world was ready to train;
-- productive: the steps of the final trajectory, i.e. for every step index up to the last step
-  trained, its last completion (a step trained again after a restore counts once; the lost
-  attempt's time is not productive);
-- wall: from launching the run to asking it to stop.
-
-Restarting, restoring and steps trained twice are what lower it. Target: stalwart >= 0.95.
+Goodput = productive step time / wall time, the same way for both from each completed step's
+end: a step's time runs from the end of the step before it in the same world (for a world's
+first step, from when the world was ready); productive: the steps of the final trajectory,
+each counted once however often it was trained; wall: from launching the run to asking it to
+stop. Target: stalwart >= 0.95.
 
     python -m bench.goodput [--duration 600 --kill-every 60] [--only stalwart|raytrain]
 
@@ -29,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -39,9 +32,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import bench
 from bench import common
-from bench.outside_kill import stalwart_rank_pid
+from bench.harness import Launch, attempts_pid, signal_pid, split_worlds, stalwart_rank_pid
 from bench.peers import raytrain_recovery as rt
 from bench.peers import raytrain_worker as rw
 from stalwart.core import events as ev
@@ -55,13 +47,10 @@ STALWART_OVERRIDES = ["train.steps=1000000", "failure.max_failures=-1", "run.log
 POLL_S = 0.5
 
 
-# ---------------------------------------------------------------------------------- goodput
-
-
 def goodput(steps: list[tuple[int, float, Any]], starts: dict[Any, float], t0: float,
             t_stop: float) -> dict[str, Any]:
-    """steps: (step, end time, world/attempt id) in completion order; starts: when each world
-    was ready to train. Productive time of the final trajectory over t_stop - t0.
+    """steps: (step, end time, world) in completion order; starts: when each world was ready
+    to train. Productive time of the final trajectory over t_stop - t0.
 
     A world's steps without a row (done, but their report was dropped when the world ended;
     a `workers_started` event counts them as kept_unlogged) share the time from the world's
@@ -87,127 +76,6 @@ def goodput(steps: list[tuple[int, float, Any]], starts: dict[Any, float], t0: f
             "steps_redone": trained - final}
 
 
-# ---------------------------------------------------------------------------------- stalwart
-
-
-def _stalwart_steps(run_dir: Path) -> tuple[list[tuple[int, float, Any]], dict[Any, float]]:
-    """Per-step ends from metrics.jsonl (a row every step), worlds split at each restore."""
-    rows = read_metrics(run_dir / "metrics.jsonl")
-    events = read_events(run_dir / "events.jsonl")
-    # A world starts training after its restore; each row before the next world's start
-    # belongs to the current one. window_s of a world's first row is its own step time.
-    world_starts = sorted(e.time for e in events if isinstance(e, ev.WorkersStarted))
-    steps, starts = [], {}
-    for row in rows:
-        world = sum(1 for t in world_starts if t <= row.time)
-        if world not in starts:
-            starts[world] = row.time - (row.window_s or 0.0)
-        steps.append((row.step, row.time, world))
-    return steps, starts
-
-
-def run_stalwart(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    run_dir = work / "stalwart"
-    cmd = common.stalwart_command(str(common.DEFAULT_CONFIG), STALWART_OVERRIDES, run_dir)
-    log = work / "stalwart.log"
-    with log.open("w") as f:
-        t0 = time.time()
-        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=common.ROOT,
-                                env=common.child_env(), start_new_session=True)
-
-        def running() -> bool:
-            time.sleep(POLL_S)
-            return proc.poll() is None
-
-        kills, t_stop = kill_on_schedule(running, lambda: stalwart_rank_pid(run_dir, 1), t0,
-                                         args)
-        proc.send_signal(signal.SIGINT)  # stop after the step in flight, checkpoint it
-        try:
-            code = proc.wait(timeout=120)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            code = proc.wait()
-    steps, starts = _stalwart_steps(run_dir)
-    events = read_events(run_dir / "events.jsonl")
-    recovered = [e for e in events if isinstance(e, ev.Recovered)]
-    out = {"system": "stalwart", "exit_code": code, "kills": len(kills),
-           "failures": sum(isinstance(e, ev.Failure) for e in events),
-           "recoveries": len(recovered),
-           "lost_steps": sum(e.lost_steps for e in recovered),
-           "median_recovery_s": median(e.recovery_s for e in recovered),
-           **goodput(steps, starts, t0, t_stop), "run_dir": str(run_dir)}
-    report = subprocess.run([str(Path(sys.executable).with_name("stalwart")), "report",
-                             str(run_dir), "--json"], capture_output=True, text=True)
-    if report.returncode == 0:  # stalwart's own report of the same run, for comparison
-        out["stalwart_report"] = json.loads(report.stdout)
-    return out
-
-
-# ---------------------------------------------------------------------------------- Ray Train
-
-
-def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
-    """Ray Train on the same schedule: a local Ray of 2 CPUs, the bench train loop."""
-    import ray
-    import ray.cloudpickle
-    from ray.cluster_utils import Cluster
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    workdir = work / "raytrain"
-    workdir.mkdir()
-    job = load_config(common.DEFAULT_CONFIG, [])
-    build_task(job.task.path, job.task.args).prepare_data(job)  # tokenize outside the clock
-    ray.cloudpickle.register_pickle_by_value(bench)  # the train loop travels by value
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": rw.NUM_WORKERS,
-                                                            "include_dashboard": False})
-    fit_out: dict[str, Any] = {}
-    try:
-        ray.init(address=cluster.address, runtime_env={"env_vars": {"RAY_ADDRESS":
-                                                                    cluster.address}})
-        trainer = TorchTrainer(
-            rw.train_loop_per_worker,
-            train_loop_config={"workdir": str(workdir), "config": str(common.DEFAULT_CONFIG),
-                               "overrides": ["train.steps=1000000"], "fault": "kill",
-                               "fault_step": 0, "checkpoint_every": job.checkpoint.persist_every,
-                               "commit_checkpoints": True},
-            scaling_config=ScalingConfig(num_workers=rw.NUM_WORKERS, use_gpu=False,
-                                         resources_per_worker={"CPU": 1}),
-            run_config=RunConfig(name="raytrain-goodput", storage_path=str(workdir / "storage"),
-                                 failure_config=FailureConfig(max_failures=-1)))
-
-        t0 = time.time()
-        thread = rt.start_fit(trainer, fit_out)
-
-        def running() -> bool:
-            thread.join(POLL_S)
-            return thread.is_alive()
-
-        kills, t_stop = kill_on_schedule(running, lambda: _raytrain_rank_pid(workdir, 1), t0,
-                                         args)
-        (workdir / rw.STOP_FILE).write_text(json.dumps({"time": t_stop}))
-        thread.join(180)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
-    attempts = read_jsonl(workdir / rw.ATTEMPTS_FILE)
-    starts = {a["pid"]: a["time"] for a in attempts if a["event"] == "ready" and a["rank"] == 0}
-    steps = [(s["step"], s["time"], s["pid"]) for s in read_jsonl(workdir / rw.STEPS_FILE)]
-    restarts = [a for a in attempts if a["event"] == "ready" and a["rank"] == 0][1:]
-    return {"system": "ray_train", "kills": len(kills), "recoveries": len(restarts),
-            "fit_error": fit_out.get("error"), **goodput(steps, starts, t0, t_stop),
-            "workdir": str(workdir)}
-
-
-def _raytrain_rank_pid(workdir: Path, rank: int) -> int | None:
-    ready = [a for a in read_jsonl(workdir / rw.ATTEMPTS_FILE)
-             if a["event"] == "ready" and a["rank"] == rank]
-    return ready[-1]["pid"] if ready else None
-
-
-# ---------------------------------------------------------------------------------- main
-
-
 def kill_on_schedule(running: Callable[[], bool], rank_pid: Callable[[], int | None],
                      t0: float, args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
     """SIGKILL rank 1's process every --kill-every s until --duration s after t0 (or the run
@@ -218,26 +86,96 @@ def kill_on_schedule(running: Callable[[], bool], rank_pid: Callable[[], int | N
         if time.time() >= next_kill:
             next_kill += args.kill_every
             pid = rank_pid()
-            if pid is not None and rt.sigkill(pid):
+            if pid is not None and signal_pid(pid, signal.SIGKILL):
                 kills.append({"time": time.time(), "pid": pid})
     return kills, time.time()
 
 
+def run_stalwart(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    run_dir = work / "stalwart"
+    run = Launch(common.stalwart_command(str(common.DEFAULT_CONFIG), STALWART_OVERRIDES,
+                                         run_dir), work / "stalwart.log")
+
+    def running() -> bool:
+        time.sleep(POLL_S)
+        return run.running()
+
+    kills, t_stop = kill_on_schedule(running, lambda: stalwart_rank_pid(run_dir, 1), run.time,
+                                     args)
+    code = run.stop(signal.SIGINT)  # stop after the step in flight, checkpoint it
+    events = read_events(run_dir / "events.jsonl")
+    metrics = read_metrics(run_dir / "metrics.jsonl")
+    rows = split_worlds([(r.step, r.time) for r in metrics],
+                        [e.time for e in events if isinstance(e, ev.WorkersStarted)])
+    # A world is ready when its first step starts: that row's window_s is the step's own time.
+    starts: dict[Any, float] = {}
+    for row, m in zip(rows, metrics, strict=True):
+        starts.setdefault(row.world, m.time - (m.window_s or 0.0))
+    recovered = [e for e in events if isinstance(e, ev.Recovered)]
+    out = {"system": "stalwart", "exit_code": code, "kills": len(kills),
+           "failures": sum(isinstance(e, ev.Failure) for e in events),
+           "recoveries": len(recovered), "lost_steps": sum(e.lost_steps for e in recovered),
+           "median_recovery_s": median(e.recovery_s for e in recovered),
+           **goodput(rows, starts, run.time, t_stop), "run_dir": str(run_dir)}
+    report = subprocess.run([str(Path(sys.executable).with_name("stalwart")), "report",
+                             str(run_dir), "--json"], capture_output=True, text=True)
+    if report.returncode == 0:  # stalwart's own report of the same run, for comparison
+        out["stalwart_report"] = json.loads(report.stdout)
+    return out
+
+
+def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    """Ray Train on the same schedule: a local Ray of 2 CPUs, the bench train loop."""
+    import ray
+
+    workdir = work / "raytrain"
+    workdir.mkdir()
+    job = load_config(common.DEFAULT_CONFIG, [])
+    build_task(job.task.path, job.task.args).prepare_data(job)  # tokenize outside the clock
+    cluster = rt.start_cluster(rw.NUM_WORKERS)
+    fit_out: dict[str, Any] = {}
+    try:
+        trainer = rt.trainer(workdir, {
+            "config": str(common.DEFAULT_CONFIG), "overrides": ["train.steps=1000000"],
+            "fault": "kill", "fault_step": 0, "checkpoint_every": job.checkpoint.persist_every,
+            "commit_checkpoints": True}, name="raytrain-goodput", max_failures=-1)
+        t0 = time.time()
+        thread = rt.start_fit(trainer, fit_out)
+
+        def running() -> bool:
+            thread.join(POLL_S)
+            return thread.is_alive()
+
+        kills, t_stop = kill_on_schedule(
+            running, lambda: attempts_pid(workdir / rw.ATTEMPTS_FILE, 1, event="ready"), t0,
+            args)
+        (workdir / rw.STOP_FILE).write_text(json.dumps({"time": t_stop}))
+        thread.join(180)
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+    ready = [a for a in read_jsonl(workdir / rw.ATTEMPTS_FILE)
+             if a["event"] == "ready" and a["rank"] == 0]
+    steps = [(s["step"], s["time"], s["pid"]) for s in read_jsonl(workdir / rw.STEPS_FILE)]
+    return {"system": "ray_train", "kills": len(kills), "recoveries": len(ready[1:]),
+            "fit_error": fit_out.get("error"),
+            **goodput(steps, {a["pid"]: a["time"] for a in ready}, t0, t_stop),
+            "workdir": str(workdir)}
+
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.parser(__doc__, __spec__)
     p.add_argument("--duration", type=float, default=600.0, help="seconds of training per run")
     p.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
     p.add_argument("--only", choices=("stalwart", "raytrain"), help="run one side only")
-    p.add_argument("--out", default=str(common.ROOT / "bench" / "results" / "goodput.json"))
+    p.add_argument("--out", default=str(common.RESULTS / "goodput.json"))
     args = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="goodput-") as tmp:
-        work = Path(tmp)
         if args.only in (None, "stalwart"):
-            results.append(run_stalwart(args, work))
+            results.append(run_stalwart(args, Path(tmp)))
         if args.only in (None, "raytrain"):
-            results.append(run_raytrain(args, work))
+            results.append(run_raytrain(args, Path(tmp)))
         print(f"{'system':10} {'goodput':>8} {'kills':>6} {'recov':>6} {'steps':>7} "
               f"{'redone':>7} {'productive s':>13} {'wall s':>8}")
         for r in results:

@@ -1,23 +1,18 @@
 """Hang detection's false positives: the reference run, no fault, for a long time.
 
-`stalwart run examples/gpt/config.toml` with the hang limits issue 17 asks for (2 s floor, 5 x the
-median step; the defaults are 5 s and 10 x) trains for `--minutes` with nothing injected, on whatever else the
-machine is doing, and is then stopped with SIGTERM (a stop: it checkpoints the step in flight).
-Every `failure` event in its log is a false positive: the target is none. Also printed: steps,
-the median and the slowest step time (how close a healthy step came to the limit), and the
-limit itself.
-
-With `--nodes N` the run is spread over a local cluster of N one-CPU worker nodes (a 0-CPU
-head for the driver), so that the frozen-node rule (failure.node_silent_timeout_s: a node
-agent late while the others answer) is on trial too.
+`stalwart run examples/gpt/config.toml` with tight hang limits (a 2 s floor, 5 x the median
+step; the defaults are 5 s and 10 x) trains for `--minutes` with nothing injected, on whatever
+else the machine is doing, and is then stopped with SIGTERM (a stop: it checkpoints the step
+in flight). Every `failure` event is a false positive: the target is none. Also printed: the
+steps, the median and the slowest step time (how close a healthy step came to the limit), and
+the limit. With `--nodes N` the run is spread over a local cluster of N one-CPU nodes, so that
+the frozen-node rule (failure.node_silent_timeout_s) is on trial too.
 
     python -m bench.hang_soak [--minutes 30] [--nodes 0] [--set KEY=VALUE ...]
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import signal
 import statistics
 import subprocess
@@ -26,6 +21,7 @@ import time
 from pathlib import Path
 
 from bench import common
+from bench.harness import Launch
 from stalwart.core.events import read_jsonl
 
 
@@ -34,19 +30,12 @@ def soak(minutes: float, overrides: list[str], run_dir: Path, address: str | Non
     sets = ["train.steps=1000000", "failure.max_failures=-1", "run.log_every=1",
             "failure.hang_timeout_floor_s=2", "failure.hang_factor=5", *overrides]
     cmd = common.stalwart_command(str(common.DEFAULT_CONFIG), sets, run_dir)
-    if address:
-        cmd += ["--address", address]
     log = run_dir.parent / "soak.log"
-    with log.open("w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT,
-                                env=common.child_env(), cwd=run_dir.parent)
-        try:
-            proc.wait(timeout=minutes * 60)
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)
-            proc.wait(timeout=300)
-        finally:
-            proc.kill()
+    run = Launch([*cmd, "--address", address] if address else cmd, log, cwd=run_dir.parent)
+    try:
+        code = run.proc.wait(timeout=minutes * 60)
+    except subprocess.TimeoutExpired:  # time is up: a stop, as a preemption notice asks
+        code = run.stop(signal.SIGTERM, timeout=300)
     events = read_jsonl(run_dir / "events.jsonl")
     rows = read_jsonl(run_dir / "metrics.jsonl")
     times = [r["window_s"] / r["steps_in_window"] for r in rows if r.get("steps_in_window")]
@@ -54,7 +43,7 @@ def soak(minutes: float, overrides: list[str], run_dir: Path, address: str | Non
     failures = [{k: e.get(k) for k in ("failure_kind", "ranks", "step", "message")}
                 for e in events if e["kind"] == "failure"]
     return {
-        "minutes": minutes, "exit_code": proc.returncode, "steps": rows[-1]["step"] if rows else 0,
+        "minutes": minutes, "exit_code": code, "steps": rows[-1]["step"] if rows else 0,
         "median_step_s": median, "max_step_s": max(times) if times else None,
         "limit_s": max(2.0, 5 * median) if median else None,
         "false_positives": len(failures), "failures": failures,
@@ -62,33 +51,36 @@ def soak(minutes: float, overrides: list[str], run_dir: Path, address: str | Non
     }
 
 
+def on_nodes(nodes: int, minutes: float, overrides: list[str], run_dir: Path) -> dict:
+    """The soak over a local cluster of `nodes` one-CPU nodes and a 0-CPU head, spread."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "include_dashboard": False})
+    try:
+        for _ in range(nodes):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        spread = [f"scaling.num_workers={nodes}", "scaling.spare_workers=0",
+                  "scaling.placement_strategy=SPREAD"]
+        return {**soak(minutes, [*spread, *overrides], run_dir, cluster.address),
+                "nodes": nodes}
+    finally:
+        cluster.shutdown()
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.parser(__doc__, __spec__)
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--nodes", type=int, default=0,
                    help="spread the run over a local cluster of this many 1-CPU nodes")
     p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--out", default=str(common.ROOT / "bench" / "results" / "hang_soak.json"))
+    p.add_argument("--out", default=str(common.RESULTS / "hang_soak.json"))
     args = p.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="stalwart-soak-")) / "soak"
     t0 = time.time()
-    if args.nodes:
-        from ray.cluster_utils import Cluster
-
-        cluster = Cluster(initialize_head=True, head_node_args={
-            "num_cpus": 0, "include_dashboard": False})
-        try:
-            for _ in range(args.nodes):
-                cluster.add_node(num_cpus=1)
-            cluster.wait_for_nodes()
-            spread = [f"scaling.num_workers={args.nodes}", "scaling.spare_workers=0",
-                      "scaling.placement_strategy=SPREAD"]
-            result = soak(args.minutes, [*spread, *args.overrides], run_dir, cluster.address)
-        finally:
-            cluster.shutdown()
-        result["nodes"] = args.nodes
-    else:
-        result = soak(args.minutes, args.overrides, run_dir)
+    result = (on_nodes(args.nodes, args.minutes, args.overrides, run_dir) if args.nodes
+              else soak(args.minutes, args.overrides, run_dir))
     result["wall_s"] = round(time.time() - t0, 1)
     print(f"{result['steps']} steps in {result['wall_s']:.0f} s; median step "
           f"{result['median_step_s']:.3f} s, slowest {result['max_step_s']:.3f} s; hang limit "
@@ -98,8 +90,7 @@ def main() -> None:
     met = result["false_positives"] == 0 and result["ended"] == "stopped"
     print(f"false positives: {result['false_positives']}  target 0: "
           f"{'MET' if met else 'NOT MET'}")
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=2))
+    common.write_json(args.out, result)
 
 
 if __name__ == "__main__":

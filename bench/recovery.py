@@ -1,95 +1,27 @@
-"""Recovery: how fast stalwart and Ray Train's TorchTrainer notice and recover from a fault.
+"""Recovery: how fast stalwart, Ray Train's TorchTrainer and torchrun recover from a fault.
 
-The reference task (`examples/gpt/config.toml`) with the tiny model of tests/cli_helpers.py
-(seq_len 64, d_model 64, 2 blocks, 2 heads, global batch 8, micro batch 2) on 2 workers,
-40 steps, a storage checkpoint every 10 steps, one fault on rank 1 at the start of step 25:
+The reference task on 2 workers, 40 steps, a storage checkpoint every 10, one fault on rank 1
+at step 25 (docs/benchmarks.md has the method and the last figures):
 
-  kill   SIGKILL the worker process
-  hang   SIGSTOP the worker process (alive, silent, holding its peer in the all-reduce)
-  node   lose a whole node: on a local multi-node cluster (ray.cluster_utils.Cluster: a
-         0-CPU head for the driver, one 1-CPU node per worker) the node of rank 1 loses its
-         raylet and every process on it at once
-  freeze the same cluster; the node of rank 1 freezes instead: its raylet and every process
-         on it are SIGSTOPped (`--inject freeze-node:node=2,step=25`); stalwart only
-  outside-kill
-         the same SIGKILL, sent by this harness to rank 1's process (its PID) once step 25
-         is logged, for all three systems alike (see below)
+  kill          SIGKILL the worker process (`stalwart run --inject kill:...`)
+  hang          SIGSTOP it: alive, silent, holding its peer in the all-reduce
+  node          a local multi-node cluster loses rank 1's node: its raylet and every process
+  freeze        the same cluster; rank 1's node is SIGSTOPped instead (stalwart only)
+  outside-kill  the harness (bench/harness.py) SIGKILLs rank 1's process by its PID once step
+                25 is in the run's own step log, then times the next completed step, for
+                stalwart (warm spare, memory tier), Ray Train and `torchrun --max-restarts`
+                alike, on the reference config's own model
 
-Rows, each measured on its own Ray:
-
-  stalwart          `stalwart run examples/gpt/config.toml --set ... --inject FAULT --run-dir DIR`
-                    exactly as a user types it, with the in-memory checkpoint tier (the
-                    default: a snapshot every step, replicated to a peer; restored first) and
-                    no spare (`scaling.spare_workers=0`): the
-                    replacement is a cold actor (own embedded Ray with 2 CPUs); everything is
-                    read from DIR/events.jsonl (`fault_injected`, `failure`, `recovered`,
-                    `resized`, `finished`) and DIR/metrics.jsonl
-  stalwart+spare    the same with one warm spare (`scaling.spare_workers=1`; the embedded Ray
-                    adds a logical CPU for it, since it idles); kill, hang
-  stalwart+spare, storage only
-                    the same with the memory tier off (`checkpoint.snapshot_every=0`): it
-                    restores from the storage checkpoint (every 10 steps); kill
-  stalwart elastic  node only: `--address <cluster>` `--inject kill-node:node=2,step=25`
-                    `scaling.min_workers=1 scaling.resize_check_s=2`: it shrinks to the
-                    surviving worker at once; a replacement 1-CPU node is added as soon as the
-                    GCS reports the lost node dead (the same policy as the Ray Train side), so
-                    that it can grow back; and the same with the memory tier off
-  ray-train         bench/peers/raytrain_recovery.py `run_raytrain(fault, commit_checkpoints=True,
-                    hang_wait_s=60)`: TorchTrainer, FailureConfig(max_failures=3), a checkpoint
-                    every 10 steps which rank 0 waits to see registered (else Ray Train loses
-                    the newest one to a registration race and restores an older one)
-
-outside-kill (the issue's side-by-side table; bench/outside_kill.py, recovery_outside.py):
-
-  Every side trains examples/gpt/config.toml's own model and batch (the issue's "reference
-  run"; the rows above use the tiny model), 40 steps, a checkpoint every 10.
-  stalwart+spare    `stalwart run ... --run-dir DIR` with one warm spare and the memory tier,
-                    no --inject: step log DIR/metrics.jsonl (split into worlds at each
-                    `workers_started`), rank 1's pid from the newest `workers_started` event
-  ray-train         run_raytrain("outside-kill", commit_checkpoints=True): step log
-                    steps.jsonl, rank 1's pid from attempts.jsonl
-  torchrun          `python -m torch.distributed.run --standalone --nproc_per_node 2
-                    --max-restarts 3 -m bench.peers.torchrun_recovery` (rank 0 saves a checkpoint
-                    atomically every 10 steps; every restart resumes from the newest): its
-                    steps.jsonl, rank 1's pid from its attempts.jsonl
-
-  The harness reads the step log every 50 ms; once step 25 is there it SIGKILLs the pid and
-  takes the kill time just before. recovery_s: kill -> the end of the first step completed by
-  the restarted world (the killed world's rank 0 may log its step in flight just after the
-  kill: that one counts as done before it); lost_steps: the killed world's last step - the step
-  resumed from; normal_step_s: the median step time of the same run before the kill. Targets:
-  stalwart's recovery_s <= normal_step_s + 0.5 s, Ray Train's >= 20x stalwart's, torchrun's
-  >= 10x (medians). About 3 minutes per round on 2 cores.
-
-Both sides use Ray's default node health checks (no `_system_config` for them on either
-cluster); Ray Train's own worker health check keeps its default (600 s).
-
-Measured per run (seconds, one machine's time.time()):
-
-  detection_s   fault -> the controller decides it is a failure. stalwart: `failure`
-                event's detection_s; Ray Train: its controller's FailurePolicy decision
-                (controller_failure_s of run_raytrain); a hang Ray Train does not notice
-                within 60 s is "not detected"
-  restart_s     fault -> the new world is up (stalwart: the next `workers_started`; Ray
-                Train: the first train-loop start of a new attempt, run_raytrain's own
-                detection_s, an upper bound of its detection)
-  recovery_s    fault -> the first step completed after the fault (stalwart: the
-                `recovered` event's recovery_s, cross-checked against metrics.jsonl)
-  lost_steps    steps completed before the fault - the step restored from
+Every row is one run on its own Ray (bench/recovery_rows.py), the order of the rows flipping
+every round; bench/recovery_report.py takes the medians, judges the targets and draws the
+chart. Targets: a kill recovered >= 10x faster than Ray Train; a hang detected within 10 s; a
+frozen node noticed within 1 s; zero lost steps with the memory tier; outside-kill: stalwart's
+kill -> next step <= one normal step + 0.5 s, Ray Train >= 20x and torchrun >= 10x that.
 
     python -m bench.recovery [--rounds 1] [--faults kill hang node freeze outside-kill] [--keep]
                              [--out bench/results/recovery.json] [--png bench/results/recovery.png]
 
-Targets (printed with MET / NOT MET): a kill recovered at least 10x faster than Ray Train
-(median recovery_s of Ray Train / median of stalwart, for each stalwart row); a hang detected
-within 10 s (every round, each stalwart row); zero lost completed steps with the memory tier,
-and no more than the steps since the last storage checkpoint due without it (every round,
-every stalwart row). The exit code is 0 whether or
-not the targets are met; 1 only if a run produced no measurement.
-
-This file is the command line; beside it, recovery_setup.py holds the scenario (faults,
-runners, targets), recovery_runs.py runs one row, recovery_measure.py measures it and takes
-the medians and targets, recovery_report.py prints the table and draws the chart.
+The exit code is 0 whether or not the targets are met; 1 only if a run produced no measurement.
 """
 
 from __future__ import annotations
@@ -105,20 +37,23 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.outside_kill import POLL_S as KILL_POLL_S
-from bench.peers.raytrain_recovery import TINY
+from bench.harness import OUTSIDE_KILL
+from bench.harness import POLL_S as KILL_POLL_S
 from bench.peers.torchrun_recovery import MAX_RESTARTS
-from bench.recovery_measure import summarise, verdicts
-from bench.recovery_outside import run_stalwart_outside, run_torchrun_outside
-from bench.recovery_report import one_line, plot, print_outside, print_table
-from bench.recovery_runs import run_ray_train, run_stalwart
-from bench.recovery_setup import (
+from bench.recovery_report import (
+    one_line,
+    plot,
+    print_outside,
+    print_table,
+    summarise,
+    verdicts,
+)
+from bench.recovery_rows import (
     ELASTIC,
     FAULT_STEP,
     FAULTS,
     HANG_WAIT_S,
     INJECT,
-    OUTSIDE_KILL,
     OUTSIDE_MODEL,
     OUTSIDE_STALWART,
     PERSIST_EVERY,
@@ -129,22 +64,21 @@ from bench.recovery_setup import (
     TARGET_NEXT_STEP_SLACK_S,
     TARGET_OUTSIDE_RATIOS,
     WORKERS,
+    run_row,
     stalwart_overrides,
 )
 
-DEFAULT_OUT = common.ROOT / "bench" / "results" / "recovery.json"
-DEFAULT_PNG = common.ROOT / "bench" / "results" / "recovery.png"
-
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.parser(__doc__, __spec__)
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat every measurement this many times; medians are reported")
     p.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS),
                    help="faults to measure (default: all)")
-    p.add_argument("--config", default=str(common.DEFAULT_CONFIG), help="stalwart TOML config")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON result file")
-    p.add_argument("--png", default=str(DEFAULT_PNG), help="bar chart")
+    common.add_config_args(p, sets=False)
+    p.add_argument("--out", default=str(common.RESULTS / "recovery.json"),
+                   help="JSON result file")
+    p.add_argument("--png", default=str(common.RESULTS / "recovery.png"), help="bar chart")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds allowed per run")
     p.add_argument("--keep", action="store_true", help="keep the temporary run directories")
     args = p.parse_args()
@@ -165,20 +99,7 @@ def git_revision() -> dict[str, Any]:
                 "status", "--porcelain", "--untracked-files=no").splitlines())}
 
 
-def main() -> int:
-    args = parse_args()
-    t_start = time.time()
-    revision = git_revision()
-    import ray
-    import ray._raylet
-
-    # Tokenize once up front (both sides read the same token files).
-    tps, _ = common.tokens_per_step(args.config, stalwart_overrides("stalwart"))
-    work = Path(tempfile.mkdtemp(prefix="stalwart-recovery-"))
-    print(f"recovery: {args.rounds} round(s) x faults {args.faults}, {STEPS} steps, fault on "
-          f"rank 1 at step {FAULT_STEP}, checkpoint every {PERSIST_EVERY}, {WORKERS} workers, "
-          f"{os.cpu_count()} CPUs; runs in {work}", flush=True)
-
+def run_all(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
         for fault in args.faults:
@@ -187,32 +108,28 @@ def main() -> int:
             order = runners if rnd % 2 == 0 else runners[::-1]
             print(f"round {rnd + 1}/{args.rounds}, {fault}: {' -> '.join(order)}", flush=True)
             for runner in order:
-                if runner == "ray-train":
-                    r = run_ray_train(fault, args, work, rnd)
-                elif runner == "torchrun":
-                    r = run_torchrun_outside(args, work, rnd)
-                elif fault == OUTSIDE_KILL:
-                    r = run_stalwart_outside(runner, args, work, rnd)
-                else:
-                    r = run_stalwart(runner, fault, args, work, rnd)
+                r = run_row(runner, fault, args, work, rnd)
                 results.append(r)
                 print(one_line(r), flush=True)
                 if r.get("log_tail"):
                     print(f"    last lines of {r['log']}:\n" + "\n".join(
                         "      " + line for line in r["log_tail"].splitlines()), flush=True)
+    return results
 
-    med = summarise(results, args.faults)
-    print_table(med)
-    if OUTSIDE_KILL in med:
-        print_outside(med)
-    checks = verdicts(results, med)
-    print()
-    for v in checks:
-        print(f"target {v['target']}: {'MET' if v['met'] else 'NOT MET'} "
-              f"(value {common.fmt(v['value'], '.2f')}; {v['detail']})")
-    health_s = (ray._raylet.Config.health_check_period_ms()
-                * ray._raylet.Config.health_check_failure_threshold() / 1000)
-    notes = [
+
+def ray_health_checks() -> dict[str, Any]:
+    from ray._raylet import Config
+
+    return {"health_check_period_ms": Config.health_check_period_ms(),
+            "health_check_failure_threshold": Config.health_check_failure_threshold(),
+            "health_check_initial_delay_ms": Config.health_check_initial_delay_ms(),
+            "health_check_timeout_ms": Config.health_check_timeout_ms()}
+
+
+def notes(results: list[dict[str, Any]], health: dict[str, Any]) -> list[str]:
+    """What a reader of the figures needs to know about how they were taken."""
+    period, threshold = health["health_check_period_ms"], health["health_check_failure_threshold"]
+    out = [
         "Ray Train runs with commit_checkpoints=True: rank 0 waits until each checkpoint is "
         "registered by the controller, so that Ray Train restores from its newest checkpoint "
         "(the plain loop of its docs loses the step-20 checkpoint to a registration race "
@@ -223,11 +140,10 @@ def main() -> int:
         f"600 s by default and the torch process group after 1800 s; the harness waited "
         f"{HANG_WAIT_S:g} s, then stopped the run.",
         "Node loss: both sides on a local ray.cluster_utils.Cluster (a 0-CPU head, one 1-CPU "
-        "node per worker) with Ray's default node health checks (health_check_period_ms="
-        f"{ray._raylet.Config.health_check_period_ms()}, failure_threshold="
-        f"{ray._raylet.Config.health_check_failure_threshold()}); the stalwart cluster also "
-        "sets worker_niceness=0. A replacement 1-CPU node is added as soon as the GCS reports "
-        "the lost node dead, on both sides.",
+        f"node per worker) with Ray's default node health checks (health_check_period_ms="
+        f"{period}, failure_threshold={threshold}); the stalwart cluster also sets "
+        "worker_niceness=0. A replacement 1-CPU node is added as soon as the GCS reports the "
+        "lost node dead, on both sides.",
         f"{OUTSIDE_KILL}: the harness SIGKILLs rank 1's process by its PID once step "
         f"{FAULT_STEP} is in the system's own step log (read every 50 ms), so the kill lands "
         "a step or two later on every side; the kill time is read just before the signal. "
@@ -235,36 +151,79 @@ def main() -> int:
         "stalwart's fault time is the controller's acknowledgement of the fault (the worker "
         "carries it out right after); Ray Train's is written by the worker just before it.",
         "freeze: stalwart only, on the node-loss cluster. A frozen raylet still accepts "
-        f"connections and Ray's node health check gives up on it after about {health_s:g} s; "
-        "stalwart's rule is its node agent, failure.node_silent_timeout_s late while the other "
-        "nodes' agents answer.",
+        f"connections and Ray's node health check gives up on it after about "
+        f"{period * threshold / 1000:g} s; stalwart's rule is its node agent, "
+        "failure.node_silent_timeout_s late while the other nodes' agents answer.",
     ]
     for r in results:
         if (r["runner"] == "stalwart-elastic" and r["fault"] == "node" and r.get("completed")
                 and not any(e["reason"] == "grow" for e in r.get("resized", []))):
-            if r.get("replacement_added_s") is None:
-                why = ("before the GCS reported the lost node dead (Ray's default node health "
-                       "checks), so no replacement node was added")
-            else:
-                why = (f"though a replacement node was added {r['replacement_added_s']:.1f} s "
-                       "after the fault")
-            notes.append(
+            why = ("before the GCS reported the lost node dead (Ray's default node health "
+                   "checks), so no replacement node was added"
+                   if r.get("replacement_added_s") is None else
+                   f"though a replacement node was added {r['replacement_added_s']:.1f} s "
+                   "after the fault")
+            out.append(
                 f"round {r['round'] + 1}, node: stalwart detected the loss by probing the "
                 f"raylet, shrank to 1 worker and finished the run "
                 f"{common.fmt(r.get('finished_s'), '.1f')} s after the fault on the surviving "
                 f"worker, {why}: it did not grow back (the grow path is what "
                 "tests/ray/test_cli_node_loss.py covers, on a longer run).")
-    end_revision = git_revision()
-    if end_revision != revision:  # someone committed or edited files while it ran
-        changed = sorted(set(revision["modified"]) ^ set(end_revision["modified"]))
-        notes.append(
-            "the checkout changed during the benchmark: " + "; ".join(filter(None, [
-                f"commit {revision['commit']} -> {end_revision['commit']}"
-                if revision["commit"] != end_revision["commit"] else "",
-                f"files modified or reverted: {', '.join(changed)}" if changed else ""]))
-            + " (runs after the change may have used different code)")
-    print("\nnotes:\n" + "\n".join(f"- {n}" for n in notes))
+    return out
 
+
+def changed_note(start: dict[str, Any], end: dict[str, Any]) -> str | None:
+    """Someone committed or edited files while the benchmark ran."""
+    if end == start:
+        return None
+    changed = sorted(set(start["modified"]) ^ set(end["modified"]))
+    return ("the checkout changed during the benchmark: " + "; ".join(filter(None, [
+        f"commit {start['commit']} -> {end['commit']}" if start["commit"] != end["commit"]
+        else "", f"files modified or reverted: {', '.join(changed)}" if changed else ""]))
+        + " (runs after the change may have used different code)")
+
+
+def settings(args: argparse.Namespace, tps: int, health: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "rounds": args.rounds, "faults": args.faults, "steps": STEPS, "fault_step": FAULT_STEP,
+        "persist_every": PERSIST_EVERY, "workers": WORKERS, "tokens_per_step": tps,
+        "config": args.config, "stalwart_overrides": STALWART_OVERRIDES, "stalwart_spare": SPARE,
+        "stalwart_elastic": ELASTIC, "inject": INJECT, "hang_wait_s": HANG_WAIT_S,
+        OUTSIDE_KILL: {"kill_after_step_logged": FAULT_STEP, "poll_s": KILL_POLL_S,
+                       "stalwart_overrides": OUTSIDE_STALWART, "model_overrides": OUTSIDE_MODEL,
+                       "torchrun": {"max_restarts": MAX_RESTARTS,
+                                    "checkpoint_every": PERSIST_EVERY},
+                       "targets": {"next_step_slack_s": TARGET_NEXT_STEP_SLACK_S,
+                                   "ratios": TARGET_OUTSIDE_RATIOS}},
+        "raytrain": {"commit_checkpoints": True, "hang_wait_s": HANG_WAIT_S,
+                     "replace_node_after": "dead", "overrides": common.TINY,
+                     "checkpoint_every": PERSIST_EVERY},
+        "ray_node_health_checks": health}
+
+
+def main() -> int:
+    args = parse_args()
+    t_start, revision = time.time(), git_revision()
+    tps, _ = common.tokens_per_step(args.config, stalwart_overrides("stalwart"))
+    work = Path(tempfile.mkdtemp(prefix="stalwart-recovery-"))
+    print(f"recovery: {args.rounds} round(s) x faults {args.faults}, {STEPS} steps, fault on "
+          f"rank 1 at step {FAULT_STEP}, checkpoint every {PERSIST_EVERY}, {WORKERS} workers, "
+          f"{os.cpu_count()} CPUs; runs in {work}", flush=True)
+    results = run_all(args, work)
+    med = summarise(results, args.faults)
+    print_table(med)
+    if OUTSIDE_KILL in med:
+        print_outside(med)
+    checks = verdicts(results, med)
+    print()
+    for v in checks:
+        print(f"target {v['target']}: {'MET' if v['met'] else 'NOT MET'} "
+              f"(value {common.fmt(v['value'], '.2f')}; {v['detail']})")
+    health, end_revision = ray_health_checks(), git_revision()
+    report_notes = notes(results, health)
+    if note := changed_note(revision, end_revision):
+        report_notes.append(note)
+    print("\nnotes:\n" + "\n".join(f"- {n}" for n in report_notes))
     png = plot(args.png, med)
     if png:
         print(f"wrote {png}")
@@ -272,50 +231,22 @@ def main() -> int:
     failed = [r for r in results if r.get("error") or r.get("missing_events") or (
         not r.get("completed") and not (r["system"] == "ray-train" and r["fault"] == "hang"
                                         and not r.get("detected")))]
-    wall = time.time() - t_start
     import importlib.metadata
 
     import matplotlib
+    import ray
     import torch
 
+    wall = time.time() - t_start
     report = {
-        "bench": "recovery",
-        "time": t_start,
-        "wall_s": wall,
-        "targets": checks,
-        "all_targets_met": all(v["met"] for v in checks),
-        "medians": med,
-        "notes": notes,
-        "settings": {
-            "rounds": args.rounds, "faults": args.faults, "steps": STEPS,
-            "fault_step": FAULT_STEP, "persist_every": PERSIST_EVERY, "workers": WORKERS,
-            "tokens_per_step": tps, "config": args.config,
-            "stalwart_overrides": STALWART_OVERRIDES, "stalwart_spare": SPARE,
-            "stalwart_elastic": ELASTIC, "inject": INJECT, "hang_wait_s": HANG_WAIT_S,
-            OUTSIDE_KILL: {"kill_after_step_logged": FAULT_STEP, "poll_s": KILL_POLL_S,
-                           "stalwart_overrides": OUTSIDE_STALWART,
-                           "model_overrides": OUTSIDE_MODEL,
-                           "torchrun": {"max_restarts": MAX_RESTARTS,
-                                        "checkpoint_every": PERSIST_EVERY},
-                           "targets": {"next_step_slack_s": TARGET_NEXT_STEP_SLACK_S,
-                                       "ratios": TARGET_OUTSIDE_RATIOS}},
-            "raytrain": {"commit_checkpoints": True, "hang_wait_s": HANG_WAIT_S,
-                         "replace_node_after": "dead", "overrides": TINY,
-                         "checkpoint_every": PERSIST_EVERY},
-            "ray_node_health_checks": {
-                "health_check_period_ms": ray._raylet.Config.health_check_period_ms(),
-                "health_check_failure_threshold":
-                    ray._raylet.Config.health_check_failure_threshold(),
-                "health_check_initial_delay_ms":
-                    ray._raylet.Config.health_check_initial_delay_ms(),
-                "health_check_timeout_ms": ray._raylet.Config.health_check_timeout_ms()},
-        },
+        "bench": "recovery", "time": t_start, "wall_s": wall, "targets": checks,
+        "all_targets_met": all(v["met"] for v in checks), "medians": med,
+        "notes": report_notes, "settings": settings(args, tps, health),
         "git": {"at_start": revision, "at_end": end_revision},
         "versions": {"stalwart": importlib.metadata.version("stalwart"),
                      "torch": torch.__version__, "ray": ray.__version__,
                      "matplotlib": matplotlib.__version__},
-        "png": png,
-    }
+        "png": png}
     if not args.keep and not failed:
         shutil.rmtree(work, ignore_errors=True)
         for r in results:

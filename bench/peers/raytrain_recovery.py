@@ -1,61 +1,26 @@
-"""Ray Train's side of the recovery benchmark: the reference task under Ray Train's TorchTrainer.
+"""Ray Train's side of the recovery benchmark: the reference task under TorchTrainer, one fault.
 
-bench/recovery.py compares how stalwart and Ray Train recover from a fault; this module is the
-Ray Train half. This file is the harness: bench/peers/raytrain_worker.py is what each worker runs,
-bench/peers/raytrain_measure.py reads the result. One call of `run_raytrain(fault, ...)` starts its
-own Ray (or, for "node", its own local multi-node cluster), trains the reference task with `TorchTrainer` on 2 workers
-(DDP over gloo on CPU), injects one fault on rank 1 at the start of step `fault_step`, lets Ray
-Train recover (or not), and returns when and how it recovered. Everything that decides what is
-trained comes from stalwart itself, as in bench/peers/torchrun_ddp.py: the JobConfig (the same TOML +
-`--set` overrides, by default the tiny model of tests/cli_helpers.py), the GPTTask's model,
-init, loss, optimizer and schedule, the same token files and the same global sample order
-(GlobalSampler, restored from `samples_seen`).
+`run_raytrain(fault, ...)` starts its own Ray (a local ray.cluster_utils.Cluster), trains the
+reference task with TorchTrainer on 2 workers (DDP over gloo, raytrain_worker.py: the same
+model, batch and sample order as stalwart), faults rank 1 at the start of `fault_step`, lets
+Ray Train recover (FailureConfig(max_failures=3)) and returns when and how it did. Faults:
 
-The train loop is a plain user loop: torch DistributedDataParallel, gradient accumulation with
-no_sync(), clip_grad_norm_, AdamW + LR schedule. Every `checkpoint_every` steps (and at the last
-step) all ranks call `ray.train.report(...)`, rank 0 with a `Checkpoint` holding model,
-optimizer and scheduler state, the step and samples_seen; a (re)started attempt restores from
-`ray.train.get_checkpoint()`. Ray Train retries the run up to FailureConfig(max_failures=3).
+  kill          the worker SIGKILLs itself.
+  hang          the worker SIGSTOPs itself. Ray Train notices only by its worker health check
+                (600 s by default) or the process group's timeout (1800 s): if no new attempt
+                starts within `hang_wait_s`, the harness stops the run (a stop file) and
+                records detected=False.
+  outside-kill  the harness SIGKILLs rank 1's process once rank 0 has logged `fault_step`
+                (bench/harness.py, as for stalwart and torchrun).
+  node          a 0-CPU head and one 1-CPU node per worker; rank 1 SIGKILLs its raylet, the
+                raylet's other children and itself, as when a machine dies. A replacement node
+                is added once the GCS reports the node dead (`replace_node_after="dead"`, what
+                an autoscaler could do at the earliest) or a number of seconds after the fault.
 
-Faults, injected on rank 1 in the first attempt only (an O_EXCL marker file in workdir):
-
-  kill   the worker process SIGKILLs itself.
-  hang   the worker process SIGSTOPs itself. Ray Train's only ways to notice: its controller's
-         worker health check (RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S, default 600 s) and the
-         torch process-group timeout (TorchConfig.timeout_s, default 1800 s; rank 0 waits that
-         long in the all-reduce). If no new attempt starts within `hang_wait_s`, the harness
-         records detected=False, writes a stop file (every later attempt returns at once),
-         SIGKILLs the stopped pid and lets the run end.
-  outside-kill  nothing from inside: the harness SIGKILLs rank 1's process (its pid from
-         attempts.jsonl) once rank 0 has logged step `fault_step`, and writes fault.json itself
-         with the time read just before the signal (bench/recovery.py's outside-kill rows).
-  node   a local cluster (ray.cluster_utils.Cluster): a head node with 0 CPUs (driver and Ray
-         Train controller) and one 1-CPU node per worker, so rank 0 and rank 1 are on different
-         nodes (checked from the node ids the workers record). Rank 1 checks that its parent is
-         its node's raylet, then SIGKILLs the raylet, every other child of that raylet (agents,
-         idle workers) and itself: the whole node goes at once, as when a machine dies. Ray
-         Train then needs a 1-CPU node again: by default the driver adds a replacement node as
-         soon as the GCS reports the killed node dead (`replace_node_after="dead"`: what an
-         autoscaler could do at the earliest), or a fixed number of seconds after the fault.
-
-Timestamps (time.time(), one machine, so comparable across processes) go to jsonl files in
-workdir: rank 0 appends one line per completed step (steps.jsonl), every rank one line when an
-attempt's train loop starts and one when it has restored (attempts.jsonl), rank 1 the fault
-(fault.json). From them:
-
-  detection_s     fault -> the first train-loop start of a new attempt on any worker. An upper
-                  bound of detection: it includes tearing down the old worker group and starting
-                  the new one (actors, process group). None (detected=False) if none started.
-  controller_failure_s  fault -> the FailurePolicy decision in Ray Train's controller log: its
-                  own detection (it polls the workers every 2 s).
-  recovery_s      fault -> the first step completed after the fault.
-  lost_steps      steps completed before the fault - the step the new attempt restored from.
-
-Pitfall (Ray Train V2): `ray.train.report(..., checkpoint=...)` writes the checkpoint to storage
-at once, but it only counts once the controller's next poll (every 2 s) has taken the report
-from the worker's queue; a worker that dies before that poll loses it, and the run restores an
-older one. With this tiny model (~50 ms a step) the checkpoint of step 20 is routinely lost at
-a fault at step 25. `commit_checkpoints=True` makes rank 0 wait for the registration.
+Pitfall: `ray.train.report(..., checkpoint=...)` writes the checkpoint at once, but it counts
+only once the controller's next poll (every 2 s) takes it from the worker's queue: a worker
+that dies before loses it, and the run restores an older one. `commit_checkpoints=True`
+makes rank 0 wait for the registration.
 
     python -m bench.peers.raytrain_recovery --fault kill [--steps 40 --fault-step 25] [--keep]
 
@@ -64,9 +29,9 @@ prints the result as JSON.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import shutil
 import signal
 import tempfile
 import threading
@@ -75,67 +40,69 @@ from pathlib import Path
 from typing import Any
 
 import bench
-from bench.common import DEFAULT_CONFIG
-from bench.outside_kill import OUTSIDE_KILL, OutsideKill, last_logged, rank_pid
-from bench.outside_kill import POLL_S as KILL_POLL_S
-from bench.peers.raytrain_measure import analyse, controller_events, read_fault
-from bench.peers.raytrain_measure import session_dir as ray_session_dir
+from bench.common import DEFAULT_CONFIG, TINY, add_config_args, parser
+from bench.harness import (
+    OUTSIDE_KILL,
+    POLL_S,
+    SignalAtStep,
+    attempts_pid,
+    last_logged,
+    pid_alive,
+    signal_pid,
+)
 from bench.peers.raytrain_worker import (
     ATTEMPTS_FILE,
+    CHECKPOINTS_FILE,
     FAULT_FILE,
     FAULTS,
     NUM_WORKERS,
     STEPS_FILE,
     STOP_FILE,
-    TINY,
-    _write_json_atomic,
     train_loop_per_worker,
+    write_json_atomic,
 )
 from stalwart.core.config import load_config
 from stalwart.core.events import read_jsonl
 from stalwart.core.task import build_task
 
-__all__ = ["NUM_WORKERS", "TINY", "run_raytrain", "sigkill", "start_fit"]
+HEALTH_CHECK_ENV = "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"
 
 
-def _proc_state(pid: int) -> str | None:
-    """The state letter of a live process (R, S, T, Z, ...), None if there is no such pid."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    return stat[stat.rindex(")") + 2]
-
-
-def sigkill(pid: int) -> bool:
-    """SIGKILL `pid`; False if it is already gone."""
-    try:
-        os.kill(pid, signal.SIGKILL)
-        return True
-    except ProcessLookupError:
-        return False
-
-
-def _node_alive(node_id: str) -> bool | None:
+def start_cluster(head_cpus: int, worker_nodes: int = 0) -> Any:
+    """A local Cluster (and ray.init on it), for every fault: Ray Train's PlacementGroupCleaner
+    queries the State API with no address, which otherwise picks "the latest" Ray instance on
+    the machine (another test's, say) and removes this run's placement group if its controller
+    is not found there. RAY_ADDRESS in the job's runtime env pins it to this cluster."""
     import ray
+    from ray.cluster_utils import Cluster
 
-    for n in ray.nodes():
-        if n["NodeID"] == node_id:
-            return bool(n["Alive"])
-    return None
+    cluster = Cluster(initialize_head=True,
+                      head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
+    for _ in range(worker_nodes):
+        cluster.add_node(num_cpus=1)
+    if worker_nodes:
+        cluster.wait_for_nodes()
+    ray.init(address=cluster.address, runtime_env={"env_vars": {"RAY_ADDRESS": cluster.address}})
+    # The train loop and the bench modules it uses travel by value: a worker need not have
+    # the repository on its path.
+    ray.cloudpickle.register_pickle_by_value(bench)
+    return cluster
 
 
-def _health_settings() -> dict[str, Any]:
-    from ray.train.v2._internal import constants as c
+def trainer(workdir: Path, loop: dict[str, Any], *, name: str, max_failures: int,
+            torch_config: Any = None) -> Any:
+    """TorchTrainer over raytrain_worker.py's loop: NUM_WORKERS CPU workers, storage in
+    workdir/storage."""
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
 
-    return {
-        "health_check_interval_s": float(os.environ.get(
-            c.HEALTH_CHECK_INTERVAL_S_ENV_VAR, c.DEFAULT_HEALTH_CHECK_INTERVAL_S)),
-        "worker_health_check_timeout_s": float(os.environ.get(
-            c.WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR, c.DEFAULT_WORKER_HEALTH_CHECK_TIMEOUT_S)),
-        "worker_group_start_timeout_s": float(os.environ.get(
-            c.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR, c.DEFAULT_WORKER_GROUP_START_TIMEOUT_S)),
-    }
+    return TorchTrainer(
+        train_loop_per_worker, train_loop_config={"workdir": str(workdir), **loop},
+        torch_config=torch_config,
+        scaling_config=ScalingConfig(num_workers=NUM_WORKERS, use_gpu=False,
+                                     resources_per_worker={"CPU": 1}),
+        run_config=RunConfig(name=name, storage_path=str(workdir / "storage"),
+                             failure_config=FailureConfig(max_failures=max_failures)))
 
 
 def start_fit(trainer: Any, fit_out: dict[str, Any]) -> threading.Thread:
@@ -153,6 +120,96 @@ def start_fit(trainer: Any, fit_out: dict[str, Any]) -> threading.Thread:
     return thread
 
 
+def _health_settings() -> dict[str, Any]:
+    from ray.train.v2._internal import constants as c
+
+    def env(name: str, default: float) -> float:
+        return float(os.environ.get(name, default))
+
+    return {"health_check_interval_s": env(c.HEALTH_CHECK_INTERVAL_S_ENV_VAR,
+                                           c.DEFAULT_HEALTH_CHECK_INTERVAL_S),
+            "worker_health_check_timeout_s": env(c.WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR,
+                                                 c.DEFAULT_WORKER_HEALTH_CHECK_TIMEOUT_S),
+            "worker_group_start_timeout_s": env(c.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
+                                                c.DEFAULT_WORKER_GROUP_START_TIMEOUT_S)}
+
+
+def read_fault(workdir: Path) -> dict[str, Any] | None:
+    """What rank 1 (or the harness) wrote just before the fault; None before it."""
+    try:
+        return json.loads((workdir / FAULT_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class _Watch:
+    """The harness's side of one run while it trains: the outside kill, the replacement node,
+    giving up on a hang Ray Train does not notice, and the timeout."""
+
+    def __init__(self, workdir: Path, fault: str, fault_step: int, cluster: Any, *,
+                 timeout_s: float, deadline: float, hang_wait_s: float,
+                 replace_node_after: str | float) -> None:
+        self.workdir, self.fault, self.cluster, self.deadline = workdir, fault, cluster, deadline
+        self.timeout_s = timeout_s
+        self.session_dir: str | None = None
+        self.hang_wait_s, self.replace = hang_wait_s, replace_node_after
+        self.node_info: dict[str, Any] = (
+            {"replace_node_after": replace_node_after} if fault == "node" else {})
+        self.aborted: str | None = None
+        self.abort_time: float | None = None
+        self.killed_pids: list[int] = []
+        self.killer = None if fault != OUTSIDE_KILL else SignalAtStep(
+            after_step=fault_step, logged_step=lambda: last_logged(workdir / STEPS_FILE),
+            pid=lambda: attempts_pid(workdir / ATTEMPTS_FILE, 1))
+
+    def poll(self) -> bool:
+        """One look; False once the teardown after an abort is stuck (ray.shutdown ends it)."""
+        if self.killer is not None and not self.killer.done:
+            self.killer.tick()
+            if self.killer.time is not None:  # what the rank writes before an inside fault
+                write_json_atomic(self.workdir / FAULT_FILE, {
+                    "fault": self.fault, "time": self.killer.time, "pid": self.killer.sent_to,
+                    "step_logged": self.killer.step_logged})
+        now, info = time.time(), read_fault(self.workdir)
+        if info is not None and self.fault == "node":
+            self._replace_node(info, now)
+        if (info is not None and self.fault == "hang" and self.aborted is None
+                and now > info["time"] + self.hang_wait_s
+                and not any(a["event"] == "start" and a["time"] > info["time"]
+                            for a in read_jsonl(self.workdir / ATTEMPTS_FILE))):
+            self.aborted = f"hang not detected within hang_wait_s={self.hang_wait_s:g}"
+        if self.aborted is None and now > self.deadline:
+            self.aborted = f"timeout_s={self.timeout_s:g} reached"
+        if self.aborted is not None and not (self.workdir / STOP_FILE).exists():
+            # Every train loop that sees the stop file returns; the stopped (or stuck) rank
+            # gets SIGKILLed so that Ray Train tears the group down.
+            self.abort_time = time.time()
+            (self.workdir / STOP_FILE).write_text(json.dumps({"time": self.abort_time,
+                                                              "reason": self.aborted}))
+            from stalwart.workers.node_agent import process_state
+
+            if info is not None and process_state(info["pid"]) == "T":
+                if signal_pid(info["pid"], signal.SIGKILL):
+                    self.killed_pids.append(info["pid"])
+            self.deadline = time.time() + 120  # for the teardown itself
+        elif self.aborted is not None and now > self.deadline:
+            return False
+        return True
+
+    def _replace_node(self, info: dict[str, Any], now: float) -> None:
+        import ray
+
+        node = self.node_info
+        if "dead_time" not in node and any(n["NodeID"] == info["node_id"] and not n["Alive"]
+                                           for n in ray.nodes()):
+            node["dead_time"] = time.time()  # the GCS has noticed
+        due = ("dead_time" in node if self.replace == "dead"
+               else now >= info["time"] + float(self.replace))
+        if due and "replacement_added" not in node:
+            self.cluster.add_node(num_cpus=1)
+            node["replacement_added"] = time.time()
+
+
 def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: int = 10,
                  workdir: Path, timeout_s: float, hang_wait_s: float = 120,
                  num_cpus: int = NUM_WORKERS, config: str | Path = DEFAULT_CONFIG,
@@ -162,33 +219,21 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
                  commit_checkpoints: bool = False) -> dict[str, Any]:
     """One Ray Train run of `steps` steps with one fault on rank 1 at the start of `fault_step`.
 
-    workdir must not exist or be empty; it holds Ray Train's storage (workdir/storage) and the
-    timestamp files. num_cpus: the CPUs of the local Ray started for "kill" and "hang" (the
-    controller takes 0, each worker 1); "node" ignores it (head 0 CPUs, 1 per worker node).
-    overrides: `--set` overrides of config (default TINY); train.steps and
-    scaling.num_workers are added. replace_node_after ("node" only): "dead" adds the
-    replacement node once the GCS reports the killed node dead, a number that many seconds
-    after the fault. health_check_timeout_s: sets RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S for
-    this run (default: Ray Train's own, 600 s). commit_checkpoints: after each checkpoint
-    report rank 0 also waits in `ray.train.get_all_reported_checkpoints(COMMITTED)` until the
-    controller has registered it. Without it (the default, the plain loop of Ray Train's
-    docs) a checkpoint counts only once the controller's next poll of the workers (every
-    health_check_interval_s = 2 s) has taken it from the worker's queue: a worker that dies
-    before that poll loses it, though its files are already in storage.
+    workdir (new or empty) holds Ray Train's storage and the workers' files. num_cpus: the
+    head's CPUs except for "node" (a 0-CPU head, 1 CPU per worker node). overrides: `--set`
+    overrides of config (default TINY). health_check_timeout_s: RAY_TRAIN_WORKER_HEALTH_CHECK_
+    TIMEOUT_S for this run. commit_checkpoints: rank 0 waits until the controller has
+    registered each checkpoint (see the module's pitfall).
     """
     if fault not in (*FAULTS, OUTSIDE_KILL):
         raise ValueError(f"fault must be one of {(*FAULTS, OUTSIDE_KILL)}, got {fault!r}")
-    if not 1 <= fault_step <= steps:
-        raise ValueError(f"fault_step={fault_step} must be in [1, steps={steps}]")
-    if checkpoint_every < 1:
-        raise ValueError("checkpoint_every must be >= 1")
+    if not 1 <= fault_step <= steps or checkpoint_every < 1:
+        raise ValueError(f"need 1 <= fault_step={fault_step} <= steps={steps} and "
+                         f"checkpoint_every={checkpoint_every} >= 1")
     if replace_node_after != "dead" and not isinstance(replace_node_after, int | float):
         raise ValueError('replace_node_after must be "dead" or a number of seconds')
-
     import ray
-    import ray.cloudpickle
-    from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
     from ray.train.v2._internal.constants import is_v2_enabled
 
     if ray.is_initialized():
@@ -197,153 +242,102 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
     if workdir.exists() and any(workdir.iterdir()):
         raise ValueError(f"workdir {workdir} is not empty")
     workdir.mkdir(parents=True, exist_ok=True)
-
-    overrides = list(TINY if overrides is None else overrides)
-    overrides += [f"train.steps={steps}", f"scaling.num_workers={NUM_WORKERS}"]
+    overrides = [*(TINY if overrides is None else overrides), f"train.steps={steps}",
+                 f"scaling.num_workers={NUM_WORKERS}"]
     job = load_config(config, overrides)
-    task = build_task(job.task.path, job.task.args)
-    task.prepare_data(job)  # tokenize once here, not in the timed run
+    build_task(job.task.path, job.task.args).prepare_data(job)  # tokenize outside the clock
     torch_config = TorchConfig()  # Ray Train's defaults: gloo on CPU, timeout_s=1800
-
-    saved_env = os.environ.get("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S")
+    saved_env = os.environ.get(HEALTH_CHECK_ENV)
     if health_check_timeout_s is not None:
-        os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = str(health_check_timeout_s)
-    v2 = is_v2_enabled()
+        os.environ[HEALTH_CHECK_ENV] = str(health_check_timeout_s)
     result: dict[str, Any] = {
-        "fault": fault, "ray_train_version": ray.__version__, "v2": v2,
+        "fault": fault, "ray_train_version": ray.__version__, "v2": is_v2_enabled(),
         "ray_train_v2_enabled_env": os.environ.get("RAY_TRAIN_V2_ENABLED"),  # None: default
         "steps": steps, "fault_step": fault_step, "checkpoint_every": checkpoint_every,
         "num_workers": NUM_WORKERS, "overrides": overrides,
         "commit_checkpoints": commit_checkpoints,
         "torch_config_timeout_s": torch_config.timeout_s, "torch_backend": "gloo",
-        **_health_settings(),
-    }
-
-    # The train loop and the bench modules it uses travel by value: a worker need not have
-    # the repository on its path.
-    ray.cloudpickle.register_pickle_by_value(bench)
-
-    cluster = None
-    session_dir: str | None = None
-    abort_time: float | None = None
-    node_info: dict[str, Any] = {}
-    fit_out: dict[str, Any] = {}
+        **_health_settings()}
+    loop = {"config": str(config), "overrides": overrides, "fault": fault,
+            # outside-kill: the workers inject nothing (no step is step 0)
+            "fault_step": 0 if fault == OUTSIDE_KILL else fault_step,
+            "checkpoint_every": checkpoint_every, "commit_checkpoints": commit_checkpoints}
     t_start = time.time()
     try:
-        # A Cluster for every fault, so that the address is known before ray.init: Ray Train's
-        # PlacementGroupCleaner queries the State API with no address, which otherwise picks
-        # "the latest" of all Ray instances on the machine (another test's, say) and removes
-        # this run's placement group if the controller is not found there. RAY_ADDRESS in the
-        # job's runtime env pins it to this cluster (no dashboard: the query fails, harmlessly).
-        from ray.cluster_utils import Cluster
+        watch = _fit_watched(workdir, loop, fault, fault_step, num_cpus, result,
+                             timeout_s=timeout_s, deadline=t_start + timeout_s,
+                             hang_wait_s=hang_wait_s,
+                             replace_node_after=replace_node_after, torch_config=torch_config)
+    finally:
+        if health_check_timeout_s is not None:
+            os.environ.pop(HEALTH_CHECK_ENV, None)
+            if saved_env is not None:
+                os.environ[HEALTH_CHECK_ENV] = saved_env
+    result["wall_s"] = time.time() - t_start
+    return _measure(result, workdir, fault, steps, watch,
+                    hang_wait_s=hang_wait_s, replace_node_after=replace_node_after)
 
-        head_cpus = 0 if fault == "node" else num_cpus
-        cluster = Cluster(initialize_head=True,
-                          head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
-        if fault == "node":
-            for _ in range(NUM_WORKERS):
-                cluster.add_node(num_cpus=1)
-            cluster.wait_for_nodes()
-            node_info["replace_node_after"] = replace_node_after
-        ray.init(address=cluster.address,
-                 runtime_env={"env_vars": {"RAY_ADDRESS": cluster.address}})
 
-        trainer = TorchTrainer(
-            train_loop_per_worker,
-            train_loop_config={
-                "workdir": str(workdir), "config": str(config), "overrides": overrides,
-                # outside-kill: the workers inject nothing (no step is step 0)
-                "fault": fault, "fault_step": 0 if fault == OUTSIDE_KILL else fault_step,
-                "checkpoint_every": checkpoint_every,
-                "commit_checkpoints": commit_checkpoints,
-            },
-            torch_config=torch_config,
-            scaling_config=ScalingConfig(num_workers=NUM_WORKERS, use_gpu=False,
-                                         resources_per_worker={"CPU": 1}),
-            run_config=RunConfig(name=f"raytrain-{fault}", storage_path=str(workdir / "storage"),
-                                 failure_config=FailureConfig(max_failures=3)),
-        )
+def _fit_watched(workdir: Path, loop: dict[str, Any], fault: str, fault_step: int,
+                 num_cpus: int, result: dict[str, Any], *, timeout_s: float, deadline: float,
+                 hang_wait_s: float, replace_node_after: str | float,
+                 torch_config: Any) -> _Watch:
+    """Start the cluster and the fit, watch it until it returns; records into result."""
+    import ray
 
-        thread = start_fit(trainer, fit_out)
-        deadline = t_start + timeout_s
-        aborted: str | None = None
-        killed_pids: list[int] = []
-        killer = None
-        if fault == OUTSIDE_KILL:
-            killer = OutsideKill(
-                after_step=fault_step,
-                logged_step=lambda: last_logged(read_jsonl(workdir / STEPS_FILE)),
-                rank_pid=lambda: rank_pid(read_jsonl(workdir / ATTEMPTS_FILE), 1))
+    cluster = None
+    try:
+        cluster = start_cluster(0 if fault == "node" else num_cpus,
+                                NUM_WORKERS if fault == "node" else 0)
+        fit_out: dict[str, Any] = {}
+        thread = start_fit(trainer(workdir, loop, name=f"raytrain-{fault}", max_failures=3,
+                                   torch_config=torch_config), fit_out)
+        watch = _Watch(workdir, fault, fault_step, cluster, timeout_s=timeout_s, deadline=deadline,
+                       hang_wait_s=hang_wait_s, replace_node_after=replace_node_after)
         while thread.is_alive():
-            thread.join(0.2 if killer is None else KILL_POLL_S)
-            if killer is not None and not killer.done:
-                killer.tick()
-                if killer.time is not None:  # what the rank writes before an inside fault
-                    _write_json_atomic(workdir / FAULT_FILE, {
-                        "fault": fault, "time": killer.time, "pid": killer.pid,
-                        "step_logged": killer.step_logged})
-            now = time.time()
-            info = read_fault(workdir)
-            if info is not None and fault == "node":
-                if "dead_time" not in node_info and _node_alive(info["node_id"]) is False:
-                    node_info["dead_time"] = time.time()  # the GCS has noticed
-                due = ("dead_time" in node_info if replace_node_after == "dead"
-                       else now >= info["time"] + float(replace_node_after))
-                if due and "replacement_added" not in node_info:
-                    cluster.add_node(num_cpus=1)
-                    node_info["replacement_added"] = time.time()
-            if info is not None and fault == "hang" and now > info["time"] + hang_wait_s:
-                restarted = any(a["event"] == "start" and a["time"] > info["time"]
-                                for a in read_jsonl(workdir / ATTEMPTS_FILE))
-                if not restarted and aborted is None:
-                    aborted = f"hang not detected within hang_wait_s={hang_wait_s:g}"
-            if aborted is None and now > deadline:
-                aborted = f"timeout_s={timeout_s:g} reached"
-            if aborted is not None and not (workdir / STOP_FILE).exists():
-                # Stop the run: every train loop that sees the stop file returns; the stopped
-                # (or stuck) rank gets SIGKILLed so that Ray Train tears the group down.
-                abort_time = time.time()
-                (workdir / STOP_FILE).write_text(json.dumps({"time": abort_time,
-                                                             "reason": aborted}))
-                if info is not None and _proc_state(info["pid"]) == "T":
-                    if sigkill(info["pid"]):
-                        killed_pids.append(info["pid"])
-                deadline = time.time() + 120  # for the teardown itself
-            elif aborted is not None and now > deadline:
-                break  # teardown stuck: ray.shutdown() below ends it
-        session_dir = ray_session_dir()
-        result["fit_error"] = fit_out.get("error", "fit did not return")
-        result["aborted"] = aborted
-        result["harness_killed_pids"] = killed_pids
-        if killer is not None:
-            result["outside_kill"] = killer.record()
+            thread.join(0.2 if watch.killer is None else POLL_S)
+            if not watch.poll():
+                break
+        watch.session_dir = _session_dir()
+        result.update(fit_error=fit_out.get("error", "fit did not return"),
+                      aborted=watch.aborted, harness_killed_pids=watch.killed_pids)
+        if watch.killer is not None:
+            result["outside_kill"] = watch.killer.record()
+        return watch
     finally:
         try:
             ray.shutdown()
         finally:
             if cluster is not None:
                 cluster.shutdown()
-            if health_check_timeout_s is not None:
-                if saved_env is None:
-                    os.environ.pop("RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S", None)
-                else:
-                    os.environ["RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"] = saved_env
-    result["wall_s"] = time.time() - t_start
 
-    # Any process the run started that outlived the shutdown (a stopped one would): kill it.
+
+def _session_dir() -> str | None:
+    try:
+        import ray
+
+        return ray._private.worker._global_node.get_session_dir_path()
+    except Exception:
+        return None
+
+
+def _measure(result: dict[str, Any], workdir: Path, fault: str, steps: int, watch: _Watch, *,
+             hang_wait_s: float, replace_node_after: str | float) -> dict[str, Any]:
+    """Kill what outlived the run, then its measurements and notes from the workers' files
+    and the controller's log."""
     attempts = read_jsonl(workdir / ATTEMPTS_FILE)
     info = read_fault(workdir)
     pids = {a["pid"] for a in attempts} | set((info or {}).get("other_node_pids", []))
     time.sleep(1.0)
-    leftover = sorted(p for p in pids if _proc_state(p) not in (None, "Z"))
+    leftover = sorted(p for p in pids if pid_alive(p))  # a stopped process outlives shutdown
     for p in leftover:
-        sigkill(p)
+        signal_pid(p, signal.SIGKILL)
     result["leftover_pids_killed"] = leftover
-
-    result.update(analyse(workdir, attempts, info, fault, steps, node_info))
-    result.update(controller_events(session_dir, info["time"] if info else None,
-                                     abort_time))
-    result["abort_s"] = None if abort_time is None or info is None else abort_time - info["time"]
+    result.update(analyse(workdir, attempts, info, fault, watch.node_info))
+    result.update(controller_events(watch.session_dir, info["time"] if info else None,
+                                    watch.abort_time))
+    result["abort_s"] = (None if watch.abort_time is None or info is None
+                         else watch.abort_time - info["time"])
     if fault == "hang":
         result["notes"].append(
             f"hang: Ray Train has no hang detection besides its controller's worker health "
@@ -371,8 +365,94 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
     return result
 
 
+def controller_events(session_dir: str | None, fault_time: float | None,
+                      abort_time: float | None) -> dict[str, Any]:
+    """From Ray Train's controller log: when it decided on the failure, and what came after.
+
+    controller_failure_s: fault -> the controller's FailurePolicy decision (Ray Train's own
+    detection, including the up to health_check_interval_s until its next poll); only a
+    decision before the harness aborted the run (abort_time) counts.
+    """
+    out: dict[str, Any] = {"controller_failure_s": None, "controller_events": []}
+    if session_dir is None or fault_time is None:
+        return out
+    for log in sorted(Path(session_dir, "logs", "train").glob("ray-train-sys-controller-*.log")):
+        for line in log.read_text(errors="replace").splitlines():
+            try:
+                row = json.loads(line)
+                t = row["timestamp_ns"] / 1e9
+            except (ValueError, KeyError, TypeError):
+                continue
+            if t < fault_time:
+                continue
+            msg = row.get("message", "").splitlines()
+            first = " ".join(m.strip() for m in msg[:2]) if msg else ""
+            out["controller_events"].append([round(t - fault_time, 3), first[:140]])
+            if (out["controller_failure_s"] is None and first.startswith("[FailurePolicy]")
+                    and (abort_time is None or t < abort_time)):
+                out["controller_failure_s"] = t - fault_time
+    out["controller_events"].sort()
+    return out
+
+
+def analyse(workdir: Path, attempts: list[dict[str, Any]], info: dict[str, Any] | None,
+            fault: str, node_info: dict[str, Any]) -> dict[str, Any]:
+    """detection_s: fault -> the first train-loop start of a new attempt (an upper bound: it
+    includes tearing down the old worker group and starting the new one); recovery_s: fault
+    -> the first step completed after it; lost_steps: the steps completed before the fault -
+    the step the new attempt restored from."""
+    rows = read_jsonl(workdir / STEPS_FILE)
+    starts = [a for a in attempts if a["event"] == "start" and not a["stopping"]]
+    readies = [a for a in attempts if a["event"] == "ready"]
+    out: dict[str, Any] = {
+        "fault_time": None, "detection_s": None, "recovery_s": None, "lost_steps": None,
+        "restored_from_step": None, "completed": False,
+        "final_step": max((r["step"] for r in rows), default=0), "steps_before_fault": None,
+        "attempt_starts": sorted({round(a["time"], 3) for a in starts}),
+        "torch_pg_timeout_s": next((a["pg_timeout_s"] for a in readies), None),
+        "step_times": [[r["step"], r["time"]] for r in rows],
+        "notes": ["detection_s is an upper bound of detection: fault -> the first train-loop "
+                  "start of a new attempt, so it includes tearing down the old worker group "
+                  "and starting the new one (actors and process group).",
+                  "recovery_s: fault -> the first step completed after the fault (rank 0)."]}
+    ft = info["time"] if info is not None else float("inf")
+    # Before/after the fault by process, not by clock: rank 0 of the faulty attempt may log
+    # its last step a few ms after rank 1 has already started the next one and faulted.
+    old = {a["pid"] for a in starts if a["time"] < ft}
+    out["first_attempt_nodes"] = first_nodes = {a["rank"]: a["node_id"] for a in starts
+                                                if a["pid"] in old}
+    if info is None:
+        out["notes"].append("the fault was never injected")
+        return out
+    out["fault_time"] = ft
+    out["steps_before_fault"] = max((r["step"] for r in rows if r["pid"] in old), default=0)
+    out["last_checkpoint_before_fault"] = max(
+        (c["step"] for c in read_jsonl(workdir / CHECKPOINTS_FILE) if c["pid"] in old),
+        default=None)
+    later = [a for a in starts if a["pid"] not in old]
+    if later:
+        out["detection_s"] = min(a["time"] for a in later) - ft
+    restored = [a for a in readies if a["pid"] not in old and a["rank"] == 0]
+    if restored:
+        out["restored_from_step"] = min(restored, key=lambda a: a["time"])["restored_from"] or 0
+        out["lost_steps"] = out["steps_before_fault"] - out["restored_from_step"]
+    after = [r for r in rows if r["pid"] not in old]
+    if after:
+        first_row = min(after, key=lambda r: r["time"])
+        out.update(recovery_s=first_row["time"] - ft, first_step_after_fault=first_row["step"])
+    if fault == "node":
+        out.update(
+            ranks_on_distinct_nodes=len(set(first_nodes.values())) == len(first_nodes) > 1,
+            killed_node_id=info.get("node_id"), replace_node_after=node_info.get(
+                "replace_node_after"),
+            node_dead_s=node_info["dead_time"] - ft if "dead_time" in node_info else None,
+            replacement_added_s=(node_info["replacement_added"] - ft
+                                 if "replacement_added" in node_info else None))
+    return out
+
+
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, __spec__)
     p.add_argument("--fault", choices=(*FAULTS, OUTSIDE_KILL), required=True)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--fault-step", type=int, default=25)
@@ -387,9 +467,7 @@ def main() -> None:
                    help="RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S for this run (default 600)")
     p.add_argument("--commit-checkpoints", action="store_true",
                    help="rank 0 waits until each checkpoint is registered (see run_raytrain)")
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="stalwart TOML config")
-    p.add_argument("--set", dest="overrides", action="append", default=None,
-                   metavar="KEY=VALUE", help="config override (repeatable; default: TINY)")
+    add_config_args(p)
     p.add_argument("--workdir", default=None, help="default: a fresh temporary folder")
     p.add_argument("--keep", action="store_true", help="keep the temporary workdir")
     p.add_argument("--step-times", action="store_true", help="keep step_times in the output")
@@ -397,23 +475,19 @@ def main() -> None:
                    help="also write the JSON here (stdout carries Ray's worker logs too)")
     args = p.parse_args()
     replace = args.replace_node_after
-    replace = replace if replace == "dead" else float(replace)
-    tmp = None
-    if args.workdir is None:
-        tmp = tempfile.mkdtemp(prefix=f"raytrain-{args.fault}-")
+    tmp = None if args.workdir else tempfile.mkdtemp(prefix=f"raytrain-{args.fault}-")
     workdir = Path(args.workdir or tmp)
     try:
         out = run_raytrain(args.fault, steps=args.steps, fault_step=args.fault_step,
                            checkpoint_every=args.checkpoint_every, workdir=workdir,
                            timeout_s=args.timeout, hang_wait_s=args.hang_wait,
                            num_cpus=args.num_cpus, config=args.config,
-                           overrides=args.overrides, replace_node_after=replace,
+                           overrides=args.overrides or None,
+                           replace_node_after=replace if replace == "dead" else float(replace),
                            health_check_timeout_s=args.health_check_timeout,
                            commit_checkpoints=args.commit_checkpoints)
     finally:
         if tmp is not None and not args.keep:
-            import shutil
-
             shutil.rmtree(tmp, ignore_errors=True)
     if not args.step_times:
         out.pop("step_times", None)

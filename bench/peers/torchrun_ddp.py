@@ -26,17 +26,15 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.common import DEFAULT_CONFIG
+from bench.common import add_config_args, parser
 from bench.peers.ddp_step import build_ddp
 from stalwart.core.config import load_config
 from stalwart.workers.sampler import rank_slice
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="stalwart TOML config")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override, as for `stalwart run` (repeatable)")
+    p = parser(__doc__, __spec__)
+    add_config_args(p)
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
     p.add_argument("--exclude", type=int, default=10,
                    help="warm-up steps left out of the measured window")

@@ -1,34 +1,19 @@
 """torchrun's side of the recovery benchmark: the reference task as a careful user runs it under
-`torchrun --max-restarts`, checkpointing and resuming by hand.
-
-bench/recovery.py's outside-kill rows start it as
+`torchrun --max-restarts`, checkpointing and resuming by hand. bench/recovery.py starts it as
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 3 \
         -m bench.peers.torchrun_recovery --workdir DIR [--steps 40] [--checkpoint-every 10] \
         [--config TOML] [--set KEY=VALUE ...]
 
-and SIGKILL rank 1's process once step 25 is logged. torchrun's elastic agent sees the dead
-worker (it checks every 0.1 s by default), stops the others, and starts the whole group again
-(up to --max-restarts times); every new process resumes from the newest checkpoint.
+and SIGKILLs rank 1's process once step 25 is logged; torchrun's agent then restarts the
+whole group and every new process resumes from the newest checkpoint. It trains
+torchrun_ddp.py's loop (ddp_step.py). Every --checkpoint-every steps rank 0 torch.saves the
+state to a temporary file, fsyncs it and renames it to DIR/checkpoints/step-NNNNNN.pt, so
+that a reader never sees half a file.
 
-What is trained is bench/peers/torchrun_ddp.py's loop (the DDP baseline of bench/throughput.py): the
-JobConfig of the TOML + `--set` overrides (default: the tiny model of tests/cli_helpers.py), the
-GPTTask's model, init, loss, optimizer and schedule, the same token files, the same global
-sample order (GlobalSampler, from samples_seen) and one DDPSetup.step per step.
-
-Checkpoints, as a careful user writes them: every --checkpoint-every steps (and at the last)
-rank 0 torch.saves model, optimizer, scheduler, step and samples_seen to a temporary file,
-fsyncs it and renames it to DIR/checkpoints/step-NNNNNN.pt, so a reader never sees half a file
-(DDP ranks hold the same state: one copy is enough). Every (re)started rank loads the newest.
-
-Files in DIR (time.time() of one machine, so comparable across processes):
-
-  steps.jsonl     rank 0, per completed step: {"step", "time" (its end), "loss", "attempt", "pid"}
-  attempts.jsonl  every rank: {"event": "start", "time", "rank", "attempt", "pid"} (the time is
-                  taken before torch is imported, i.e. as the process starts) and, once restored,
-                  {"event": "ready", "time", "rank", "attempt", "pid", "restored_from"}
-
-The attempt is torchrun's TORCHELASTIC_RESTART_COUNT (0, then 1 per restart).
+Files in DIR: steps.jsonl (rank 0, per completed step: step, time of its end, loss, attempt,
+pid) and attempts.jsonl (every rank: its start, timed before torch is imported, and once
+restored its "ready" with restored_from). The attempt is TORCHELASTIC_RESTART_COUNT.
 """
 
 # The start time is taken before the imports, which take seconds.
@@ -41,14 +26,14 @@ START = time.time()
 
 import argparse
 import os
-import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from bench.common import DEFAULT_CONFIG, append_jsonl
+from bench.common import add_config_args, append_jsonl, parser, set_args
+from bench.peers import torchrun
 from bench.peers.ddp_step import build_ddp
 from stalwart.core.config import load_config
 from stalwart.workers.sampler import rank_slice
@@ -61,12 +46,11 @@ MAX_RESTARTS = 3
 
 def torchrun_command(workdir: Path, *, nproc: int, steps: int, checkpoint_every: int,
                      config: str | Path, overrides: list[str]) -> list[str]:
-    """The command line a user types: torchrun with --max-restarts over this script."""
-    sets = [x for o in overrides for x in ("--set", o)]
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone",
-            "--nproc_per_node", str(nproc), "--max-restarts", str(MAX_RESTARTS),
-            "-m", "bench.peers.torchrun_recovery", "--workdir", str(workdir), "--steps", str(steps),
-            "--checkpoint-every", str(checkpoint_every), "--config", str(config), *sets]
+    """The command line a user types: torchrun with --max-restarts over this module."""
+    return torchrun("bench.peers.torchrun_recovery", nproc, [
+        "--workdir", str(workdir), "--steps", str(steps), "--checkpoint-every",
+        str(checkpoint_every), "--config", str(config), *set_args(overrides)],
+        max_restarts=MAX_RESTARTS)
 
 
 def newest_checkpoint(folder: Path) -> Path | None:
@@ -89,13 +73,11 @@ def save_checkpoint(folder: Path, step: int, state: dict[str, Any]) -> Path:
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = parser(__doc__, __spec__)
     p.add_argument("--workdir", required=True, help="step log, attempts and checkpoints")
     p.add_argument("--steps", type=int, default=40, help="optimizer steps (train.steps)")
     p.add_argument("--checkpoint-every", type=int, default=10)
-    p.add_argument("--config", default=str(DEFAULT_CONFIG), help="stalwart TOML config")
-    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                   help="config override, as for `stalwart run` (repeatable)")
+    add_config_args(p)
     return p.parse_args()
 
 

@@ -1,16 +1,18 @@
-"""The chaos soak's own logic (bench/chaos_faults.py, bench/chaos_checks.py): its plan from a
-seed, how it tells a fault was recorded, and killing a driver's process tree. The soak itself
-is a bench, not a test."""
+"""The chaos soak's own logic (bench/chaos_faults.py, bench/chaos_checks.py, bench/harness.py):
+its plan from a seed, how it tells a fault was recorded, killing a driver's process tree, and
+its bit-equality check on real saved weights. The soak itself is a bench, not a test."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
-from bench import chaos_checks
+from bench import chaos_checks, harness
 from bench import chaos_faults as cf
 from stalwart.core import events as ev
 
@@ -72,11 +74,45 @@ def test_killing_a_driver_kills_its_whole_tree_even_a_process_in_a_session_of_it
          "subprocess.Popen(['sleep', '61'], start_new_session=True)\n"
          "time.sleep(60)"], start_new_session=True)
     deadline = time.monotonic() + 20
-    while len(cf.descendants(driver.pid)) < 3 and time.monotonic() < deadline:
+    while len(harness.descendants(driver.pid)) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
-    tree = cf.descendants(driver.pid)
+    tree = harness.descendants(driver.pid)
     assert len(tree) == 3
-    left = cf.kill_driver(driver.pid, wait_s=5.0)  # the group has died by then
+    left = harness.kill_tree(driver.pid, wait_s=5.0)  # the group has died by then
     driver.wait(timeout=10)
     assert [name.split(":")[0] for name in left] == ["sleep"]  # the one outside the group
-    assert cf._survivors(tree) == []
+    assert harness.survivors(tree) == []
+
+
+def test_the_bit_equality_check_reads_real_saved_weights_and_catches_one_bit(
+        tmp_path: Path) -> None:
+    import torch
+
+    from stalwart.checkpointing.storage.export import write_weights
+
+    torch.manual_seed(0)
+    weights = {"embed.weight": torch.randn(8, 4), "blocks.0.ln.bias": torch.zeros(4),
+               "blocks.0.steps": torch.tensor(3)}
+
+    def saved(name: str, change: Callable[[dict[str, torch.Tensor]], None]) -> Path:
+        copy = {k: v.clone() for k, v in weights.items()}
+        change(copy)
+        return write_weights(copy, 10, tmp_path / name)  # what `stalwart export` writes
+
+    reference = saved("reference.pt", lambda w: None)
+    assert chaos_checks.weights_equal(reference, saved("same.pt", lambda w: None)) == (
+        True, "3 tensors equal")
+
+    def low_bit(w: dict[str, torch.Tensor]) -> None:
+        w["embed.weight"].view(torch.int32)[2, 1] ^= 1  # the last bit of one float
+
+    same, detail = chaos_checks.weights_equal(reference, saved("low-bit.pt", low_bit))
+    assert not same and detail.startswith("1/3 tensors differ, most in embed.weight")
+
+    def sign_of_zero(w: dict[str, torch.Tensor]) -> None:
+        w["blocks.0.ln.bias"][1] = -0.0  # torch.equal takes -0.0 for 0.0; its bits differ
+
+    assert not chaos_checks.weights_equal(reference, saved("sign.pt", sign_of_zero))[0]
+    other = tmp_path / "torch-save.pt"
+    torch.save({k: v.clone() for k, v in weights.items()}, other)  # a plain torch.save too
+    assert chaos_checks.weights_equal(other, reference)[0]

@@ -1,5 +1,5 @@
-"""The outside-kill measure of bench/recovery.py (bench/outside_kill.py, recovery_outside.py,
-recovery_measure.outside_verdicts): which step counts as the next completed one, the steps lost,
+"""The outside-kill measure of bench/recovery.py (bench/harness.py, recovery_rows.py,
+recovery_report.outside_verdicts): which step counts as the next completed one, the steps lost,
 a normal step, the kill itself, and each system's step log. The benchmark itself is not a test."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from bench import outside_kill as ok
-from bench import recovery_measure, recovery_outside
+from bench import harness as ok
+from bench import recovery_report, recovery_rows
 from bench.peers import torchrun_recovery
 from stalwart.core import events as ev
 
@@ -69,32 +69,36 @@ def test_rows_without_a_world_id_are_split_at_each_world_start() -> None:
     assert [r.world for r in rows] == [1, 1, 2, 2]
 
 
-def test_the_step_logs_name_the_last_step_and_the_newest_pid_of_a_rank() -> None:
-    assert ok.last_logged([]) is None
-    assert ok.last_logged([{"step": 3}, {"step": 5}, {"step": 4}]) == 5
-    attempts = [{"event": "start", "rank": 1, "pid": 11}, {"event": "ready", "rank": 1, "pid": 11},
-                {"event": "start", "rank": 0, "pid": 10},
-                {"event": "start", "rank": 1, "pid": 21},
-                {"event": "start", "rank": 1, "pid": 31, "stopping": True}]
-    assert ok.rank_pid(attempts, 1) == 21
-    assert ok.rank_pid(attempts, 2) is None
+def test_the_step_logs_name_the_last_step_and_the_newest_pid_of_a_rank(tmp_path: Path) -> None:
+    steps, attempts = tmp_path / "steps.jsonl", tmp_path / "attempts.jsonl"
+    assert ok.last_logged(steps) is None
+    _jsonl(steps, [{"step": 3}, {"step": 5}, {"step": 4}])
+    assert ok.last_logged(steps) == 5
+    _jsonl(attempts, [{"event": "start", "rank": 1, "pid": 11},
+                      {"event": "ready", "rank": 1, "pid": 11},
+                      {"event": "start", "rank": 0, "pid": 10},
+                      {"event": "start", "rank": 1, "pid": 21},
+                      {"event": "start", "rank": 1, "pid": 31, "stopping": True}])
+    assert ok.attempts_pid(attempts, 1) == 21
+    assert ok.attempts_pid(attempts, 1, event="ready") == 11
+    assert ok.attempts_pid(attempts, 2) is None
 
 
 def test_the_kill_comes_once_the_step_is_logged_and_only_once() -> None:
     victim = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     try:
         logged = {"step": 24}
-        killer = ok.OutsideKill(after_step=25, logged_step=lambda: logged["step"],
-                                rank_pid=lambda: victim.pid)
+        killer = ok.SignalAtStep(after_step=25, logged_step=lambda: logged["step"],
+                                pid=lambda: victim.pid)
         killer.tick()
         assert not killer.done and victim.poll() is None
         logged["step"] = 26
         before = time.time()
         killer.tick()
-        assert killer.done and killer.pid == victim.pid and killer.step_logged == 26
+        assert killer.done and killer.sent_to == victim.pid and killer.step_logged == 26
         assert killer.time is not None and killer.time >= before
         assert victim.wait(timeout=10) == -9
-        killer.rank_pid = lambda: pytest.fail("asked for a pid after the kill")
+        killer.pid = lambda: pytest.fail("asked for a pid after the kill")
         killer.tick()
         assert killer.record()["kill_error"] is None
     finally:
@@ -105,7 +109,7 @@ def test_the_kill_comes_once_the_step_is_logged_and_only_once() -> None:
 def test_a_pid_already_gone_is_an_error_not_a_kill() -> None:
     # a pid above the kernel's pid_max: no process has it (a reaped child's pid could be reused)
     gone = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1
-    killer = ok.OutsideKill(after_step=1, logged_step=lambda: 1, rank_pid=lambda: gone)
+    killer = ok.SignalAtStep(after_step=1, logged_step=lambda: 1, pid=lambda: gone)
     killer.tick()
     assert killer.done and killer.time is None
     assert "was gone" in (killer.error or "")
@@ -126,7 +130,7 @@ def test_torchrun_is_measured_from_its_step_and_attempt_logs(tmp_path: Path) -> 
         {"event": "start", "time": KILL + 2.0, "rank": 0, "attempt": 2, "pid": 5},
         {"event": "ready", "time": KILL + 5.0, "rank": 0, "attempt": 2, "pid": 5,
          "restored_from": 20}])
-    m = recovery_outside.analyse_torchrun(tmp_path, KILL)
+    m = recovery_rows.analyse_torchrun(tmp_path, KILL)
     assert m["recovery_s"] == pytest.approx(6.0)
     assert (m["lost_steps"], m["restored_from_step"]) == (5, 20)
     assert m["restart_s"] == pytest.approx(0.5)
@@ -160,7 +164,7 @@ def test_stalwart_is_measured_from_metrics_and_its_own_events(tmp_path: Path) ->
              for s in range(28, 41)]
     (tmp_path / "metrics.jsonl").write_text("".join(ev.dumps(r) + "\n" for r in rows))
     assert ok.stalwart_rank_pid(tmp_path, 1) == 12  # the newest world's
-    m = recovery_outside.analyse_stalwart_outside(tmp_path, KILL)
+    m = recovery_rows.analyse_stalwart_outside(tmp_path, KILL)
     assert m["recovery_s"] == pytest.approx(1.3)
     assert (m["lost_steps"], m["restored_from_step"], m["stalwart_from_step"]) == (0, 27, 27)
     assert m["normal_step_s"] == pytest.approx(0.3)
@@ -168,7 +172,7 @@ def test_stalwart_is_measured_from_metrics_and_its_own_events(tmp_path: Path) ->
     assert m["restart_s"] == pytest.approx(0.8)
     assert m["source"] == "memory" and m["restore_s"] == 0.4
     assert m["finished"] and m["missing_events"] == []
-    assert recovery_outside.analyse_stalwart_outside(tmp_path, None)["missing_events"] == [
+    assert recovery_rows.analyse_stalwart_outside(tmp_path, None)["missing_events"] == [
         "no kill"]
 
 
@@ -179,12 +183,12 @@ def _med(recovery_s: float | None, normal: float | None, label: str) -> dict:
 def test_the_outside_targets_compare_medians_with_one_step_and_the_peers() -> None:
     rows = {"stalwart+spare": _med(0.8, 0.35, "stalwart"), "ray-train": _med(16.0, 0.4, "RT"),
             "torchrun": _med(7.9, 0.3, "TR")}
-    met = [v["met"] for v in recovery_measure.outside_verdicts(rows)]
+    met = [v["met"] for v in recovery_report.outside_verdicts(rows)]
     assert met == [True, True, False]  # 0.8 <= 0.85; 16/0.8 = 20; 7.9/0.8 < 10
     rows["stalwart+spare"] = _med(1.41, 0.38, "stalwart")
-    checks = recovery_measure.outside_verdicts(rows)
+    checks = recovery_report.outside_verdicts(rows)
     assert [v["met"] for v in checks] == [False, False, False]
     assert checks[1]["value"] == pytest.approx(16.0 / 1.41)
     rows["torchrun"] = _med(None, None, "TR")  # a row that measured nothing is not met
-    torchrun = recovery_measure.outside_verdicts(rows)[2]
+    torchrun = recovery_report.outside_verdicts(rows)[2]
     assert torchrun["value"] is None and not torchrun["met"]

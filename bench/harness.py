@@ -1,0 +1,279 @@
+"""The fault harness of the recovery, goodput, chaos and driver-loss benchmarks: launch a run
+in a session of its own, watch its step log, send a signal to a process by its PID once a step
+is logged, and time the next completed step from the same log.
+
+A step log is what a system writes as each step completes: stalwart's metrics.jsonl (with
+run.log_every=1) or a peer's steps.jsonl (bench/peers). A world tells apart the processes of
+one start of the training (stalwart's generation, Ray Train's rank-0 pid, torchrun's restart
+count), so that a step the killed world logs just after the kill is not taken for a recovery.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Hashable
+from pathlib import Path
+from typing import Any, NamedTuple
+
+from bench.common import ROOT, child_env
+from stalwart.core import events as ev
+from stalwart.core.events import read_jsonl
+
+OUTSIDE_KILL = "outside-kill"  # the fault the harness sends from outside, as a user or kernel
+POLL_S = 0.05  # how often a step log is read: the kill lands within a step or two
+
+
+class StepRow(NamedTuple):
+    step: int
+    time: float
+    """The step's end (time.time(): one machine's clock, comparable across processes)."""
+    world: Hashable
+
+
+class Launch:
+    """A command started in a session of its own (a kill of its group reaches everything it
+    started there), its output appended to log."""
+
+    def __init__(self, cmd: list[str], log: Path, *, env: dict[str, str] | None = None,
+                 cwd: Path = ROOT) -> None:
+        with log.open("a") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            self.time = time.time()  # the launch: a run's wall clock starts here
+            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd,
+                                         env=env or child_env(), start_new_session=True)
+
+    def running(self) -> bool:
+        return self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL the whole session: a stuck run must not outlive its bench."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+    def stop(self, sig: int = signal.SIGINT, timeout: float = 120.0) -> int:
+        """Ask the run to stop with sig (SIGINT: Ctrl-C, SIGTERM: a preemption notice), SIGKILL
+        it past timeout; its exit code."""
+        self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            return self.proc.returncode
+
+
+def run_watched(cmd: list[str], log: Path, timeout: float,
+                tick: Callable[[], None] | None = None, poll_s: float = 0.2
+                ) -> tuple[int, float]:
+    """Run cmd with output to log, calling tick() every poll_s; (exit code, wall s).
+
+    Past the timeout the run gets Ctrl-C twice (stop, then abandon the checkpoint), 30 s
+    apart, then SIGKILL; the exit code is then -1.
+    """
+    t0 = time.perf_counter()
+    run = Launch(cmd, log)
+    deadline, stage = t0 + timeout, 0
+    while run.running():
+        if tick is not None:
+            tick()
+        if time.perf_counter() > deadline:
+            with log.open("a") as f:
+                f.write(f"\n[bench] timed out after {timeout:.0f}s (stage {stage})\n")
+            if stage == 2:
+                run.kill()
+                break
+            run.proc.send_signal(signal.SIGINT)
+            deadline, stage = time.perf_counter() + 30, stage + 1
+        time.sleep(poll_s)
+    return (run.proc.returncode if stage == 0 else -1), time.perf_counter() - t0
+
+
+class SignalAtStep:
+    """Signals once: call tick() every poll. Once `logged_step()` reaches `after_step` and
+    `pid()` names a process, it sends `sig` to it and records when (the clock read just
+    before the signal), the pid and the step that was logged."""
+
+    def __init__(self, *, after_step: int, logged_step: Callable[[], int | None],
+                 pid: Callable[[], int | None], sig: int = signal.SIGKILL) -> None:
+        self.after_step, self.logged_step, self.pid, self.sig = after_step, logged_step, pid, sig
+        self.time: float | None = None
+        self.sent_to: int | None = None
+        self.step_logged: int | None = None
+        self.error: str | None = None
+
+    @property
+    def done(self) -> bool:
+        return self.time is not None or self.error is not None
+
+    def tick(self) -> None:
+        if self.done:
+            return
+        step = self.logged_step()
+        if step is None or step < self.after_step:
+            return
+        pid = self.pid()
+        if pid is None:
+            return
+        now = time.time()
+        if not signal_pid(pid, self.sig):
+            self.error = f"process {pid} was gone when step {step} was logged"
+            return
+        self.time, self.sent_to, self.step_logged = now, pid, step
+
+    def record(self) -> dict[str, Any]:
+        return {"kill_time": self.time, "killed_pid": self.sent_to,
+                "kill_after_step_logged": self.step_logged, "kill_error": self.error}
+
+
+def measure_kill(rows: list[StepRow], kill_time: float | None) -> dict[str, Any]:
+    """kill -> the next completed step, from a run's step rows.
+
+    The killed world is the one that completed the last step before the kill. The next
+    completed step is the first one of another world that ends after the kill: the killed
+    world's rank 0 may still log the step in flight a few ms after the kill (its all-reduce
+    had finished), which is not a recovery; that step counts as completed before the kill.
+    lost_steps = the killed world's last step - the step resumed from (the next completed
+    step - 1). normal_step_s: the median time between consecutive steps of the killed world
+    that ended before the kill (checkpoint steps included, as they come).
+    """
+    out: dict[str, Any] = {"steps_before_kill": None, "last_step_of_killed_world": None,
+                           "first_step_after": None, "recovery_s": None,
+                           "resumed_from": None, "lost_steps": None, "normal_step_s": None,
+                           "final_step": max((r.step for r in rows), default=0)}
+    before = sorted((r for r in rows if kill_time is not None and r.time <= kill_time),
+                    key=lambda r: r.time)
+    if not before:
+        return out
+    killed = before[-1].world
+    out["steps_before_kill"] = max(r.step for r in before)
+    out["last_step_of_killed_world"] = max(r.step for r in rows if r.world == killed)
+    own = [r for r in before if r.world == killed]
+    gaps = [b.time - a.time for a, b in zip(own, own[1:], strict=False) if b.step == a.step + 1]
+    out["normal_step_s"] = statistics.median(gaps) if gaps else None
+    after = [r for r in rows if r.world != killed and r.time > kill_time]
+    if after:
+        first = min(after, key=lambda r: r.time)
+        out.update(first_step_after=first.step, recovery_s=first.time - kill_time,
+                   resumed_from=first.step - 1,
+                   lost_steps=out["last_step_of_killed_world"] - (first.step - 1))
+    return out
+
+
+def split_worlds(rows: list[tuple[int, float]], world_starts: list[float]) -> list[StepRow]:
+    """Rows of a log without a world id (stalwart's metrics.jsonl), each given the number of
+    worlds started at or before its end: world_starts are the launch times of the worlds."""
+    starts = sorted(world_starts)
+    return [StepRow(step, t, sum(1 for s in starts if s <= t)) for step, t in rows]
+
+
+def stalwart_steps(run_dir: Path) -> list[StepRow]:
+    """A stalwart run's step log: metrics.jsonl, split into worlds at each `workers_started`."""
+    events = ev.read_events(run_dir / "events.jsonl")
+    return split_worlds([(r.step, r.time) for r in ev.read_metrics(run_dir / "metrics.jsonl")],
+                        [e.time for e in events if isinstance(e, ev.WorkersStarted)])
+
+
+def last_logged(path: Path) -> int | None:
+    """The highest step of a step log so far (None before the first)."""
+    return max((r["step"] for r in read_jsonl(path)), default=None)
+
+
+def attempts_pid(path: Path, rank: int, event: str = "start") -> int | None:
+    """The pid of `rank` in the newest attempt that has logged `event` in a peer's attempt
+    log (a start in a run being stopped is left out)."""
+    rows = [a for a in read_jsonl(path) if a["event"] == event and a["rank"] == rank
+            and not a.get("stopping")]
+    return rows[-1]["pid"] if rows else None
+
+
+def stalwart_rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of `rank` in a stalwart run's newest world (its last `workers_started`)."""
+    started = [e for e in ev.read_events(run_dir / "events.jsonl")
+               if isinstance(e, ev.WorkersStarted)]
+    return next((w.pid for w in started[-1].workers if w.rank == rank), None) if started else None
+
+
+# ------------------------------------------------------------------------------- processes
+
+
+def signal_pid(pid: int, sig: int) -> bool:
+    """Send sig; False when the process is gone already."""
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def pid_alive(pid: int) -> bool:
+    from stalwart.workers.node_agent import process_state
+
+    return process_state(pid) not in ("gone", "Z")
+
+
+def _proc_table() -> dict[int, tuple[int, int, str, str]]:
+    """pid -> (parent pid, start time in clock ticks, command name, state) of every process."""
+    out = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()  # the name may hold spaces or ")"
+        out[int(entry)] = (int(fields[1]), int(fields[19]), stat[stat.index("(") + 1:
+                                                                 stat.rindex(")")], fields[0])
+    return out
+
+
+def descendants(root: int) -> dict[int, tuple[int, str]]:
+    """pid -> (start time, name) of every process below root (the root included)."""
+    table = _proc_table()
+    children: dict[int, list[int]] = {}
+    for pid, (ppid, *_) in table.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, [root]
+    while todo:
+        pid = todo.pop()
+        if pid in table and pid not in found:
+            found[pid] = (table[pid][1], table[pid][2])
+            todo.extend(children.get(pid, []))
+    return found
+
+
+def survivors(tree: dict[int, tuple[int, str]]) -> list[int]:
+    """The processes of a `descendants` tree still alive: the same pid and start time (a
+    reused pid is another process), not a zombie."""
+    table = _proc_table()
+    return [pid for pid, (start, _) in tree.items()
+            if pid in table and table[pid][1] == start and table[pid][3] != "Z"]
+
+
+def kill_tree(pgid: int, wait_s: float = 10.0) -> list[str]:
+    """SIGKILL a process group; then SIGKILL every process its leader had started (its
+    descendants just before the kill) that is still alive `wait_s` later: a daemon that left
+    the group. Returns those, as 'name:pid'."""
+    tree = descendants(pgid)
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    deadline = time.monotonic() + wait_s
+    while survivors(tree) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = survivors(tree)
+    for pid in left:
+        signal_pid(pid, signal.SIGKILL)
+    # A SIGKILL lands asynchronously: gone before the caller goes on, not a moment after.
+    deadline = time.monotonic() + 5.0
+    while survivors(tree) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return [f"{tree[pid][1]}:{pid}" for pid in left]

@@ -1,0 +1,432 @@
+"""The recovery benchmark's scenario and its rows (bench/recovery.py): each row is one run on
+its own Ray, stalwart as a user types it, Ray Train through bench/peers/raytrain_recovery.py,
+torchrun through bench/peers/torchrun_recovery.py, measured from the run's own records."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import shutil
+import signal
+import sys
+import time
+from pathlib import Path
+from typing import Any, TypeVar
+
+from bench import common
+from bench.harness import (
+    OUTSIDE_KILL,
+    POLL_S,
+    SignalAtStep,
+    StepRow,
+    attempts_pid,
+    last_logged,
+    measure_kill,
+    run_watched,
+    signal_pid,
+    stalwart_rank_pid,
+    stalwart_steps,
+)
+from bench.peers import raytrain_worker, torchrun_recovery
+from bench.peers.raytrain_recovery import run_raytrain
+from stalwart.core import events as ev
+from stalwart.core.events import read_events, read_jsonl, read_metrics
+
+FAULTS = ("kill", "hang", "node", "freeze", OUTSIDE_KILL)
+NODE_FAULTS = ("node", "freeze")  # on a multi-node cluster: a node is lost or frozen
+WORKERS, STEPS, FAULT_STEP, PERSIST_EVERY = 2, 40, 25, 10
+HANG_WAIT_S = 60.0
+TARGET_KILL_RATIO = 10.0
+TARGET_HANG_DETECTION_S = 10.0
+TARGET_FREEZE_DETECTION_S = 1.0
+# outside-kill: stalwart's kill -> next completed step <= a normal step + this; and the peers'
+# times over stalwart's at least these ratios.
+TARGET_NEXT_STEP_SLACK_S = 0.5
+TARGET_OUTSIDE_RATIOS = {"ray-train": 20.0, "torchrun": 10.0}
+
+# Every run: a storage checkpoint every 10 steps, a metrics row every step (the step log), no
+# validation, plain log lines, up to 3 recoveries. The tiny model, but outside-kill runs the
+# reference config's own model and batch on every side (OUTSIDE_MODEL: no overrides).
+RUN = [f"train.steps={STEPS}", f"checkpoint.persist_every={PERSIST_EVERY}", "run.log_every=1",
+       "data.val_every=0", "run.progress=false", "failure.max_failures=3",
+       f"scaling.num_workers={WORKERS}"]
+STALWART_OVERRIDES = [*common.TINY, *RUN]
+SPARE = ["scaling.spare_workers=1"]
+NO_SPARE = ["scaling.spare_workers=0"]  # whatever the config says
+ELASTIC = ["scaling.min_workers=1", "scaling.resize_check_s=2", "scaling.spare_workers=0"]
+STORAGE_ONLY = ["checkpoint.snapshot_every=0"]  # the in-memory tier off
+OUTSIDE_MODEL: list[str] = []
+OUTSIDE_STALWART = [*OUTSIDE_MODEL, *RUN, *SPARE]
+INJECT = {"kill": f"kill:rank=1,step={FAULT_STEP}", "hang": f"hang:rank=1,step={FAULT_STEP}",
+          "node": f"kill-node:node=2,step={FAULT_STEP}",
+          "freeze": f"freeze-node:node=2,step={FAULT_STEP}"}
+# (runner, label) per fault, in the order of a round.
+RUNNERS = {
+    "kill": [("stalwart", "stalwart"), ("stalwart+spare", "stalwart + warm spare"),
+             ("stalwart+spare/storage", "stalwart + spare, storage"), ("ray-train", "Ray Train")],
+    "hang": [("stalwart", "stalwart"), ("stalwart+spare", "stalwart + warm spare"),
+             ("ray-train", "Ray Train")],
+    "node": [("stalwart-elastic", "stalwart (shrink)"),
+             ("stalwart-elastic/storage", "stalwart (shrink), storage"),
+             ("ray-train", "Ray Train")],
+    # stalwart only: Ray Train has no freeze of its own; it waits for Ray's node health check
+    # (tens of seconds) as it does for a lost node.
+    "freeze": [("stalwart-elastic", "stalwart (shrink)")],
+    OUTSIDE_KILL: [("stalwart+spare", "stalwart (memory tier, spare)"),
+                   ("ray-train", "Ray Train"), ("torchrun", "torchrun --max-restarts")],
+}
+NODE_HEAD_ARGS: dict[str, Any] = {"num_cpus": 0, "include_dashboard": False,
+                                  "_system_config": {"worker_niceness": 0}}
+E = TypeVar("E", bound=ev.Event)
+
+
+def stalwart_overrides(runner: str) -> list[str]:
+    base, _, tier = runner.partition("/")
+    extra = {"stalwart": NO_SPARE, "stalwart+spare": SPARE, "stalwart-elastic": ELASTIC}[base]
+    return [*STALWART_OVERRIDES, *extra, *(STORAGE_ONLY if tier == "storage" else [])]
+
+
+def run_row(runner: str, fault: str, args: argparse.Namespace, work: Path,
+            rnd: int) -> dict[str, Any]:
+    tag = f"r{rnd}-{fault}-{runner}"
+    system = "ray-train" if runner == "ray-train" else "torchrun" if runner == "torchrun" \
+        else "stalwart"
+    result: dict[str, Any] = {"system": system, "runner": runner, "fault": fault, "round": rnd,
+                              "load_before": os.getloadavg()[0], "log": str(work / f"{tag}.log")}
+    try:
+        if system == "ray-train":
+            return run_ray_train(result, args, work / tag)
+        if system == "torchrun":
+            return run_torchrun_outside(result, args, work / tag)
+        return run_stalwart(result, args, work / tag)
+    except Exception as exc:  # recorded, the other runs go on
+        if system == "ray-train":
+            result["log_tail"] = common.tail(Path(result["log"]), 25)
+        return common.failed(result, exc) | {
+            "completed": False, "detected": False, "detection_s": None, "restart_s": None,
+            "recovery_s": None, "lost_steps": None, "fault_time": None}
+
+
+def run_stalwart(result: dict[str, Any], args: argparse.Namespace,
+                 run_dir: Path) -> dict[str, Any]:
+    """`stalwart run` as a user types it: with --inject FAULT, or for outside-kill killed by
+    the harness once step FAULT_STEP is in metrics.jsonl."""
+    fault, log = result["fault"], Path(result["log"])
+    result["run_dir"] = str(run_dir)
+    if fault == OUTSIDE_KILL:
+        cmd = common.stalwart_command(args.config, OUTSIDE_STALWART, run_dir)
+        killer = SignalAtStep(after_step=FAULT_STEP,
+                              logged_step=lambda: last_logged(run_dir / "metrics.jsonl"),
+                              pid=lambda: stalwart_rank_pid(run_dir, 1))
+        result["command"] = cmd
+        code, wall = run_watched(cmd, log, args.timeout, killer.tick, poll_s=POLL_S)
+        result.update(exit_code=code, wall_s=wall, **killer.record())
+        result.update(analyse_stalwart_outside(run_dir, killer.time))
+    else:
+        cmd = [*common.stalwart_command(args.config, stalwart_overrides(result["runner"]),
+                                        run_dir), "--inject", INJECT[fault]]
+        if fault in NODE_FAULTS:
+            code, wall = run_stalwart_node(cmd, run_dir, log, args.timeout, result)
+        else:
+            result["command"] = cmd
+            code, wall = run_watched(cmd, log, args.timeout)
+        result.update(exit_code=code, wall_s=wall)
+        result.update(analyse_stalwart(run_dir, fault,
+                                       memory_tier=not result["runner"].endswith("/storage")))
+    result["completed"] = code == 0 and result["finished"]
+    if code != 0 or result["missing_events"]:
+        result["log_tail"] = common.tail(log, 25)
+    return result
+
+
+def run_stalwart_node(cmd: list[str], run_dir: Path, log: Path, timeout: float,
+                      result: dict[str, Any]) -> tuple[int, float]:
+    """The node faults: the CLI against a local cluster of a 0-CPU head and a 1-CPU node per
+    worker; a replacement node is added as soon as the GCS reports the lost node dead (as
+    run_raytrain's replace_node_after="dead"). A frozen node is SIGKILLed at the end."""
+    import ray
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args=NODE_HEAD_ARGS)
+    node: dict[str, Any] = {}
+    try:
+        for _ in range(WORKERS):
+            cluster.add_node(num_cpus=1)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, logging_level="WARNING")  # to watch the GCS
+        result["command"] = cmd = [*cmd, "--address", cluster.address]
+
+        def tick() -> None:
+            if "replacement_added" in node:
+                return
+            if "killed_node_id" not in node:
+                events = read_events(run_dir / "events.jsonl")
+                fired = next((e for e in events if isinstance(e, ev.FaultInjected)), None)
+                started = next((e for e in events if isinstance(e, ev.WorkersStarted)), None)
+                if fired is None or started is None:
+                    return
+                node["fault_time"] = fired.time
+                node["killed_node_id"] = started.workers[fired.rank].node_id
+            if any(n["NodeID"] == node["killed_node_id"] and not n["Alive"]
+                   for n in ray.nodes()):
+                node["dead_time"] = time.time()  # the GCS has noticed
+                cluster.add_node(num_cpus=1)
+                node["replacement_added"] = time.time()
+
+        code, wall = run_watched(cmd, log, timeout, tick)
+    finally:
+        try:
+            ray.shutdown()
+            if result["fault"] == "freeze":
+                kill_frozen_nodes(cluster)
+        finally:
+            cluster.shutdown()
+    ft = node.get("fault_time")
+    result.update(node_dead_s=node["dead_time"] - ft if "dead_time" in node else None,
+                  replacement_added_s=(node["replacement_added"] - ft
+                                       if "replacement_added" in node else None),
+                  replace_node_after="dead",
+                  cluster={"head": NODE_HEAD_ARGS, "worker_nodes": WORKERS, "cpus_per_node": 1})
+    return code, wall
+
+
+def kill_frozen_nodes(cluster: Any) -> None:
+    """SIGKILL the raylet of each node a freeze-node fault stopped, and every process it
+    started: a stopped process takes SIGKILL at once, where the cluster's shutdown would wait."""
+    from ray._private import ray_constants
+
+    from stalwart.workers.faults import children_of
+    from stalwart.workers.node_agent import process_state
+
+    for node in list(cluster.worker_nodes):
+        raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
+        if raylet.poll() is None and process_state(raylet.pid) == "T":
+            for pid in [raylet.pid, *children_of(raylet.pid)]:
+                signal_pid(pid, signal.SIGKILL)
+            cluster.remove_node(node, allow_graceful=False)
+
+
+def _first(events: list[ev.Event], cls: type[E], after: float = float("-inf")) -> E | None:
+    return next((e for e in events if isinstance(e, cls) and e.time > after), None)
+
+
+def _finished(kinds: list[str]) -> tuple[bool, list[str]]:
+    """Whether the run's last event is `finished`; else the missing event, named."""
+    if kinds and kinds[-1] == "finished":
+        return True, []
+    return False, [f"finished (last event: {kinds[-1] if kinds else 'none'})"]
+
+
+def analyse_stalwart(run_dir: Path, fault: str, memory_tier: bool) -> dict[str, Any]:
+    """The measurements of one --inject run, from its events.jsonl and metrics.jsonl."""
+    events = read_events(run_dir / "events.jsonl")
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    kinds = [e.kind for e in events]
+    injected, failure = _first(events, ev.FaultInjected), _first(events, ev.Failure)
+    recovered = _first(events, ev.Recovered)
+    finished, not_finished = _finished(kinds)
+    out: dict[str, Any] = {
+        "events": [e.to_row() for e in events], "event_kinds": kinds,
+        "fault_time": None, "detected": failure is not None, "failure_kind": None,
+        "detection_s": None, "restart_s": None, "recovery_s": None,
+        "recovery_s_from_metrics": None, "lost_steps": None, "restored_from_step": None,
+        "source": None, "phases": None, "steps_before_fault": None,
+        "last_checkpoint_before_fault": None, "lost_steps_bound": None,
+        "resized": [{"old_world_size": e.old_world_size, "new_world_size": e.new_world_size,
+                     "reason": e.reason, "step": e.step, "time": e.time}
+                    for e in events if isinstance(e, ev.Resized)],
+        "world_sizes": sorted({r.world_size for r in rows}),
+        "final_step": max((r.step for r in rows), default=0), "finished": finished,
+        "missing_events": [k for k, e in (("fault_injected", injected), ("failure", failure),
+                                          ("recovered", recovered)) if e is None]}
+    if fault in NODE_FAULTS and not out["resized"]:
+        out["missing_events"].append("resized")
+    out["missing_events"] += not_finished
+    if injected is None:
+        return out
+    ft = out["fault_time"] = injected.time
+    out["fault_rank"] = injected.rank
+    started = [e for e in events if isinstance(e, ev.WorkersStarted)]
+    if fault in NODE_FAULTS and started:
+        workers = started[0].workers
+        if injected.rank < len(workers):
+            out["killed_node_id"] = workers[injected.rank].node_id
+        out["first_world_nodes"] = {w.rank: w.node_id for w in workers}
+    out["last_checkpoint_before_fault"] = max(
+        (e.step for e in events[:events.index(injected)]
+         if isinstance(e, ev.CheckpointCommitted)), default=None)
+    if failure is not None:
+        # With the memory tier no completed step is lost; without it, the steps since the
+        # last storage checkpoint due.
+        out.update(failure_kind=failure.failure_kind, detection_s=failure.detection_s,
+                   steps_before_fault=failure.step,
+                   lost_steps_bound=0 if memory_tier else failure.step % PERSIST_EVERY,
+                   failure={k: v for k, v in failure.to_row().items() if k != "message"})
+    if finished:
+        out["finished_s"] = events[-1].time - ft
+    later_starts = [e.time for e in started if e.time > ft]
+    if later_starts:
+        out["restart_s"] = min(later_starts) - ft
+    if recovered is not None:
+        out.update(recovery_s=recovered.recovery_s, lost_steps=recovered.lost_steps,
+                   restored_from_step=recovered.from_step, source=recovered.source,
+                   phases=recovered.phases, restore_s=recovered.phases.get("restore"),
+                   world_size_after=recovered.world_size)
+        # The same from metrics.jsonl: fault -> the first row of the restored step + 1.
+        again = [r.time for r in rows if r.time > ft and r.step == recovered.from_step + 1]
+        if again:
+            out["recovery_s_from_metrics"] = min(again) - ft
+    return out
+
+
+def analyse_stalwart_outside(run_dir: Path, kill_time: float | None) -> dict[str, Any]:
+    """The outside-kill measure from metrics.jsonl, and stalwart's own account of the same
+    recovery from events.jsonl (the `failure` and `recovered` events after the kill)."""
+    events = read_events(run_dir / "events.jsonl")
+    out = measure_kill(stalwart_steps(run_dir), kill_time)
+    kinds = [e.kind for e in events]
+    finished, not_finished = _finished(kinds)
+    out.update(fault_time=kill_time, event_kinds=kinds, detected=False, detection_s=None,
+               restart_s=None, restored_from_step=out["resumed_from"], lost_steps_bound=0,
+               finished=finished, missing_events=[])
+    if kill_time is None:
+        out["missing_events"].append("no kill")
+        return out
+    failure, recovered = _first(events, ev.Failure, kill_time), _first(events, ev.Recovered,
+                                                                        kill_time)
+    start = _first(events, ev.WorkersStarted, kill_time)
+    if failure is not None:  # kill -> the controller decides it is a failure, from outside
+        out.update(detected=True, detection_s=failure.time - kill_time,
+                   failure={k: v for k, v in failure.to_row().items() if k != "message"})
+    if start is not None:
+        out["restart_s"] = start.time - kill_time
+    if recovered is not None:
+        out.update(source=recovered.source, phases=recovered.phases,
+                   restore_s=recovered.phases.get("restore"),
+                   stalwart_recovery_s=recovered.recovery_s,
+                   stalwart_from_step=recovered.from_step,
+                   stalwart_lost_steps=recovered.lost_steps)
+    out["missing_events"] = [k for k, e in (("failure", failure), ("recovered", recovered))
+                             if e is None] + not_finished
+    return out
+
+
+def run_torchrun_outside(result: dict[str, Any], args: argparse.Namespace,
+                         workdir: Path) -> dict[str, Any]:
+    """`torchrun --max-restarts 3` over bench/peers/torchrun_recovery.py, killed by the
+    harness once step FAULT_STEP is in its steps.jsonl."""
+    log = Path(result["log"])
+    workdir.mkdir(parents=True)
+    result["command"] = cmd = torchrun_recovery.torchrun_command(
+        workdir, nproc=WORKERS, steps=STEPS, checkpoint_every=PERSIST_EVERY,
+        config=args.config, overrides=list(OUTSIDE_MODEL))
+    killer = SignalAtStep(
+        after_step=FAULT_STEP,
+        logged_step=lambda: last_logged(workdir / torchrun_recovery.STEPS_FILE),
+        pid=lambda: attempts_pid(workdir / torchrun_recovery.ATTEMPTS_FILE, 1))
+    code, wall = run_watched(cmd, log, args.timeout, killer.tick, poll_s=POLL_S)
+    result.update(exit_code=code, wall_s=wall, **killer.record())
+    result.update(analyse_torchrun(workdir, killer.time))
+    result["completed"] = code == 0 and result["final_step"] == STEPS
+    if not result["completed"] or result["recovery_s"] is None:
+        result["log_tail"] = common.tail(log, 25)
+    _drop_or_keep(result, workdir, args.keep)
+    return result
+
+
+def _drop_or_keep(result: dict[str, Any], workdir: Path, keep: bool) -> None:
+    if keep:
+        result["workdir"] = str(workdir)
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def analyse_torchrun(workdir: Path, kill_time: float | None) -> dict[str, Any]:
+    """The outside-kill measure from steps.jsonl (worlds: torchrun's restart count), and when
+    the restarted processes started and were ready (attempts.jsonl)."""
+    steps = read_jsonl(workdir / torchrun_recovery.STEPS_FILE)
+    attempts = read_jsonl(workdir / torchrun_recovery.ATTEMPTS_FILE)
+    out = measure_kill([StepRow(r["step"], r["time"], r["attempt"]) for r in steps], kill_time)
+    out.update(fault_time=kill_time, restored_from_step=out["resumed_from"],
+               attempts=sorted({a["attempt"] for a in attempts}),
+               restarts=max((a["attempt"] for a in attempts), default=0), detected=False,
+               detection_s=None, restart_s=None, ready_s=None)
+    if kill_time is None:
+        return out
+    killed = max((a["attempt"] for a in attempts if a["time"] <= kill_time), default=None)
+    later = [a for a in attempts if killed is not None and a["attempt"] > killed]
+    starts = [a["time"] for a in later if a["event"] == "start"]
+    readies = [a for a in later if a["event"] == "ready"]
+    if starts:
+        # kill -> the restarted processes exist: the agent noticed, stopped the group, ran
+        # the rendezvous and spawned them. An upper bound of its detection.
+        out.update(detected=True, restart_s=min(starts) - kill_time)
+    if readies:
+        out["ready_s"] = min(a["time"] for a in readies) - kill_time  # imported, restored
+        out["restored_from_checkpoint"] = readies[0]["restored_from"]
+    return out
+
+
+@contextlib.contextmanager
+def output_to(log: Path):
+    """This process's stdout and stderr (file descriptors 1 and 2) go to log: Ray's driver
+    prints every worker's and the controller's log lines there."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    saved = os.dup(1), os.dup(2)
+    try:
+        with log.open("a") as f:
+            os.dup2(f.fileno(), 1)
+            os.dup2(f.fileno(), 2)
+            try:
+                yield
+            finally:
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os.dup2(saved[0], 1)
+                os.dup2(saved[1], 2)
+    finally:
+        os.close(saved[0])
+        os.close(saved[1])
+
+
+def run_ray_train(result: dict[str, Any], args: argparse.Namespace,
+                  workdir: Path) -> dict[str, Any]:
+    fault = result["fault"]
+    with output_to(Path(result["log"])):
+        raw = run_raytrain(fault, steps=STEPS, fault_step=FAULT_STEP,
+                           checkpoint_every=PERSIST_EVERY, workdir=workdir,
+                           timeout_s=args.timeout, hang_wait_s=HANG_WAIT_S, num_cpus=WORKERS,
+                           config=args.config,
+                           overrides=list(OUTSIDE_MODEL if fault == OUTSIDE_KILL
+                                          else common.TINY),
+                           replace_node_after="dead", commit_checkpoints=True)
+    raw.pop("step_times", None)
+    # Ray Train's own detection: its controller's FailurePolicy decision; restart_s: the
+    # first train-loop start of the next attempt (run_raytrain's detection_s, an upper bound).
+    detection, restart = raw.get("controller_failure_s"), raw.get("detection_s")
+    result.update(
+        raw=raw, fault_time=raw.get("fault_time"),
+        detected=raw.get("detected", False) and (detection is not None or restart is not None),
+        detection_s=detection if detection is not None else restart,
+        detection_from=("controller_failure_s" if detection is not None else
+                        "detection_s (restart)" if restart is not None else None),
+        restart_s=restart, recovery_s=raw.get("recovery_s"), lost_steps=raw.get("lost_steps"),
+        restored_from_step=raw.get("restored_from_step"),
+        steps_before_fault=raw.get("steps_before_fault"),
+        last_checkpoint_before_fault=raw.get("last_checkpoint_before_fault"),
+        completed=raw.get("completed", False), node_dead_s=raw.get("node_dead_s"),
+        replacement_added_s=raw.get("replacement_added_s"))
+    if result["steps_before_fault"] is not None:
+        result["lost_steps_bound"] = result["steps_before_fault"] % PERSIST_EVERY
+    if fault == OUTSIDE_KILL:  # the same measure as the other outside-kill rows
+        rows = read_jsonl(workdir / raytrain_worker.STEPS_FILE)
+        outside = measure_kill([StepRow(r["step"], r["time"], r["pid"]) for r in rows],
+                               raw.get("fault_time"))
+        result.update(outside, restored_from_step=outside["resumed_from"],
+                      **raw.get("outside_kill", {}))
+    if not result["detected"] and fault == "hang":
+        result["not_detected_within_s"] = HANG_WAIT_S
+    _drop_or_keep(result, workdir, args.keep)
+    return result
