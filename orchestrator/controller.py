@@ -19,12 +19,12 @@ from typing import TYPE_CHECKING, Any
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.core import events as ev
-from stalwart.orchestrator import reporting
+from stalwart.orchestrator import classify, reporting
 from stalwart.orchestrator.accounting import RecoveryTimer, Throughput
 from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.detection import FailureDetector
-from stalwart.orchestrator.failure_log import FailureLog, silent_failure
-from stalwart.orchestrator.failures import FailDecision, WorkerFailure
+from stalwart.orchestrator.failure_log import FailureLog
+from stalwart.orchestrator.failures import FailDecision, RetryDecision, WorkerFailure
 from stalwart.orchestrator.fault_watch import FaultWatch
 from stalwart.orchestrator.interrupt import StopRequest
 from stalwart.orchestrator.observers import ControllerObserver, Display, Restored
@@ -71,8 +71,7 @@ class Controller:
         # Heartbeats are drained in batches; a poll costs an RPC per worker, so not faster.
         self.poll_interval_s = poll_interval_s
         self.faults = FaultWatch(config, events, group)
-        self.detector = FailureDetector(config, collective_grace_s=collective_grace_s,
-                                        nodes_alive=group.nodes_alive)
+        self.detector = FailureDetector(config, collective_grace_s=collective_grace_s)
         self.stragglers = reporting.StragglerReporter(config, events, display)
         self.throughput = Throughput(config, metrics, display)
         self.commits = reporting.CommitLog(events, resume_from)
@@ -246,12 +245,12 @@ class Controller:
         # The group paces the polls: it answers when the interval ends, or at once when a
         # process exits or stops. Every answer costs the workers' actor threads the GIL,
         # taken from the training thread: polled back to back they lose 40% of tokens/s.
-        answered, dead = self.group.poll(wait_s=self.poll_interval_s)
+        poll = self.group.poll(wait_s=self.poll_interval_s)
         now = self.clock.time()
-        for rank, st in answered.items():
+        for rank, st in poll.answered.items():
             self._absorb(rank, st, now)
         self._notify("after_poll", state, self.last_step, now)
-        failure = (self.detector.find(answered, dead, now, self._last_seen)
+        failure = (self.detector.find(poll, now, self._last_seen)
                    or self.stragglers.check(now, self._last_seen))
         if failure is not None:
             return self._on_failure(failure)
@@ -289,13 +288,16 @@ class Controller:
             self.last_val_loss = r.val_loss
         self._notify("on_step", r)
 
-    def _ended(self, ended: Disbanded) -> list[int]:
+    def _ended(self, ended: Disbanded) -> WorkerFailure | None:
         """Take in rank 0's steps and commits no poll reported as its world ended (the steps
-        came before the failure the policy counted: no progress); the silent members' pids."""
+        came before the failure the policy counted: no progress). A member that did not
+        answer at all is a failure of its own (None: every member answered)."""
         for r in (r for r in ended.steps if r.step > self.last_step):
             self._on_step(r, progress=False)
         self._committed(ended.commits)
-        return ended.silent
+        if not ended.silent:
+            return None
+        return classify.silent_members(ended.silent, self.workers, self.clock.time())
 
     def _committed(self, commits: list[CommitReport]) -> None:
         self.commits.reported(commits)
@@ -333,23 +335,31 @@ class Controller:
     def _on_resizing(self, state: Resizing) -> State:
         self.group.remove(state.leaving)
         silent = self._ended(self.group.disband(after_step=self.last_step))
-        if silent:  # a rank that did not answer while the world stopped: a failure of its own
-            return self._on_failure(silent_failure(silent, self.workers, self.clock.time()))
+        if silent is not None:  # a rank that did not answer while the world stopped
+            return self._on_failure(silent)
         return Scheduling(generation=state.generation + 1, since=self.clock.time())
 
     # ------------------------------------------------------------------ failures
 
-    def _on_failure(self, failure: WorkerFailure) -> State:
+    def _decide(self, failure: WorkerFailure) -> RetryDecision | Failed:
+        """The failure policy's decision on `failure`, logged; the one path every failure
+        takes, whether it starts a recovery or happens within one."""
         decision = self.failures.decide(failure, workers=self.workers, step=self.last_step)
         if isinstance(decision, FailDecision):
             return Failed(reason=f"{decision.reason}: {failure.message}")
+        return decision
+
+    def _on_failure(self, failure: WorkerFailure) -> State:
+        decided = self._decide(failure)
+        if isinstance(decided, Failed):
+            return decided
         if isinstance(self.state, Running):
             # The recovery replaces a planned resize still waiting for the ranks to stop (a
             # preempted survivor says so again); one whose ranks left stays, for `resized`.
             self.resize.cancel()
-        if decision.delay_s:
-            self.display.log(f"backing off {decision.delay_s:.1f}s before recovering")
-            self.clock.sleep(decision.delay_s)
+        if decided.delay_s:
+            self.display.log(f"backing off {decided.delay_s:.1f}s before recovering")
+            self.clock.sleep(decided.delay_s)
         return Recovering(generation=getattr(self.state, "generation", 0), failure=failure)
 
     def _on_recovering(self, state: Recovering) -> State:
@@ -360,14 +370,13 @@ class Controller:
         ended = self.group.disband(after_step=self.last_step)
         silent = self._ended(ended)
         self._notify("after_recovery_teardown", ended.survivor_steps, self.clock.time())
-        if silent:
+        if silent is not None:
             # A survivor that did not answer at all (stopped, or dead meanwhile) was killed
-            # and is replaced: a failure of its own, recorded and counted like any other,
-            # within the recovery under way.
-            failure = silent_failure(silent, self.workers, self.clock.time())
-            decision = self.failures.decide(failure, workers=self.workers, step=self.last_step)
-            if isinstance(decision, FailDecision):
-                return Failed(reason=f"{decision.reason}: {failure.message}")
+            # and is replaced by the recovery under way: a failure of its own, decided and
+            # counted like any other, but neither a second teardown nor a second backoff.
+            decided = self._decide(silent)
+            if isinstance(decided, Failed):
+                return decided
         return Scheduling(generation=state.generation + 1, since=self.clock.time())
 
     def _notify(self, hook: str, *args: Any) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from stalwart.orchestrator import classify
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.health import HangDetector
 from stalwart.orchestrator.observers import ControllerObserver
@@ -18,21 +19,20 @@ from stalwart.orchestrator.observers import ControllerObserver
 if TYPE_CHECKING:
     from stalwart.core.config import JobConfig
     from stalwart.core.events import WorkerPlace
+    from stalwart.orchestrator.group import PollView
     from stalwart.workers.reports import StepReport, WorkerStatus
 
 LastSeen = Callable[..., "float | None"]
 
 
 class FailureDetector(ControllerObserver):
-    def __init__(self, config: JobConfig, *, collective_grace_s: float,
-                 nodes_alive: Callable[[set[str]], bool]) -> None:
+    def __init__(self, config: JobConfig, *, collective_grace_s: float) -> None:
         fc = config.failure
         self.hangs = HangDetector(floor_s=fc.hang_timeout_floor_s, factor=fc.hang_factor,
                                   start_timeout_s=config.scaling.start_timeout_s)
         # A failed collective means some peer failed: give its death this long to show up,
         # so the rank that died is blamed (and replaced) rather than the ranks that noticed.
         self.collective_grace_s = collective_grace_s
-        self.nodes_alive = nodes_alive
         self.workers: list[WorkerPlace] = []
         self._collective_error_since: float | None = None
 
@@ -52,55 +52,31 @@ class FailureDetector(ControllerObserver):
         if status.done:
             self.hangs.finished(rank)  # done ranks wait for their peers: not a stall
 
-    def find(self, answered: dict[int, WorkerStatus], dead: list[WorkerFailure], now: float,
-             last_seen: LastSeen) -> WorkerFailure | None:
+    def find(self, poll: PollView, now: float, last_seen: LastSeen) -> WorkerFailure | None:
         """The failure to act on, if any (last_seen(ranks, heartbeat=None): when it began)."""
+        dead = list(poll.dead)
         died = [f for f in dead if f.kind != FailureKind.HANG]
         if died:
             ranks = tuple(sorted({r for f in died for r in f.failed_ranks}))
-            first = died[0]
             node_ids = {self.workers[r].node_id for r in ranks if r < len(self.workers)}
-            lost_node = not self.nodes_alive(node_ids)
-            return WorkerFailure(
-                kind=FailureKind.NODE_DIED if lost_node else FailureKind.WORKER_DIED,
-                rank=ranks[0], ranks=ranks, message=first.message if len(died) == 1 else
-                f"worker ranks {list(ranks)} died (node(s) {sorted(node_ids)}): {first.message}",
-                detected_at=now, last_seen=last_seen(ranks, _newest_seen(died)))
+            return classify.deaths(died, node_ids, poll.lost_nodes, now,
+                                   last_seen(ranks, _newest_seen(died)))
         if dead:  # stopped processes, seen by their node's agent
             ranks = tuple(sorted({r for f in dead for r in f.failed_ranks}))
-            return WorkerFailure(
-                kind=FailureKind.HANG, rank=ranks[0], ranks=ranks,
-                message=dead[0].message if len(dead) == 1 else
-                f"worker ranks {list(ranks)} are stopped: {dead[0].message}",
-                detected_at=now, last_seen=last_seen(ranks, _newest_seen(dead)))
+            return classify.stopped(dead, now, last_seen(ranks, _newest_seen(dead)))
         hang = self.hangs.check(now)
         if hang is not None:
-            blame = () if hang.answering else hang.ranks
-            what = ("no rank completed a step" if hang.answering else
-                    f"worker rank(s) {list(hang.ranks)} stopped answering")
-            return WorkerFailure(
-                kind=FailureKind.HANG, rank=blame[0] if blame else None, ranks=blame,
-                message=f"hang: {what} for {hang.silent_s:.1f}s (limit {hang.limit_s:.1f}s = "
-                        f"max(failure.hang_timeout_floor_s, failure.hang_factor x median "
-                        f"step time))",
-                detected_at=now, last_seen=last_seen(hang.ranks, hang.last_heartbeat))
-        errors = {r: st for r, st in answered.items() if st.error is not None}
+            return classify.hang(hang, now, last_seen(hang.ranks, hang.last_heartbeat))
+        errors = {r: st for r, st in poll.answered.items() if st.error is not None}
         user = {r: st for r, st in errors.items() if st.error_kind != "collective"}
         if user:
             rank, st = min(user.items())
-            # The rank that raised is replaced: its peers are stuck in the next collective
-            # waiting for it, and only its exit releases them.
-            return WorkerFailure(kind=FailureKind.USER_ERROR, rank=rank, ranks=(rank,),
-                                 message=st.error or "", detected_at=now,
-                                 last_seen=last_seen((rank,)))
+            return classify.exception(rank, st.error or "", now, last_seen((rank,)))
         if errors:
             self._collective_error_since = self._collective_error_since or now
             if now - self._collective_error_since >= self.collective_grace_s:
                 rank, st = min(errors.items())
-                return WorkerFailure(kind=FailureKind.COLLECTIVE_ERROR, rank=None,
-                                     message=f"worker rank {rank}: a collective failed with "
-                                             f"no rank to blame:\n{st.error}",
-                                     detected_at=now, last_seen=last_seen(()))
+                return classify.collective_failed(rank, st.error or "", now, last_seen(()))
         return None
 
 

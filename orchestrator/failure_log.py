@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 from stalwart.core import events as ev
 from stalwart.orchestrator.failures import (
     FailDecision,
-    FailureKind,
     FailurePolicy,
     RetryDecision,
     WorkerFailure,
@@ -43,13 +42,3 @@ class FailureLog:
                          retry=not isinstance(decision, FailDecision),
                          detection_s=detection, attempt=self.policy.failures))
         return decision
-
-
-def silent_failure(pids: list[int], workers: list[ev.WorkerPlace], now: float) -> WorkerFailure:
-    """The failure of members that did not answer while their world was torn down."""
-    ranks = tuple(w.rank for w in workers if w.pid in pids)
-    return WorkerFailure(
-        kind=FailureKind.HANG, rank=ranks[0] if ranks else None, ranks=ranks,
-        pids=tuple(pids), detected_at=now, last_seen=None,
-        message=f"worker rank(s) {list(ranks)} (pid {', '.join(map(str, pids))}) did not "
-                f"answer while the world was torn down (stopped or dead); replaced")

@@ -9,8 +9,8 @@ every generation of the world; a method that finds a worker failed raises the gr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from stalwart.core.config import FaultSpec
@@ -41,6 +41,19 @@ class Disbanded:
     """The pids of members that did not answer at all (stopped or dead), killed."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class PollView:
+    """What one poll said (WorkerGroup.poll)."""
+
+    answered: Mapping[int, WorkerStatus]
+    """Each answering rank's status."""
+    dead: tuple[WorkerFailure, ...] = ()
+    """The ranks found dead, stopped or on a silent node (kind HANG), a failure each."""
+    lost_nodes: frozenset[str] = field(default_factory=frozenset)
+    """Of the nodes under those ranks, the ones that are gone: the group's node health
+    says so, and nothing else asks."""
+
+
 class WorkerGroup(ABC):
     """The run's workers across generations (orchestrator/worker_group.py: ElasticGroup)."""
 
@@ -68,10 +81,6 @@ class WorkerGroup(ABC):
     @abstractmethod
     def best_world(self, up_to: int | None = None) -> int:
         """The largest valid world the warm actors can form (0: none)."""
-
-    @abstractmethod
-    def nodes_alive(self, node_ids: set[str]) -> bool:
-        """Whether every one of these nodes is alive."""
 
     # -- one generation of the world
     @abstractmethod
@@ -107,9 +116,9 @@ class WorkerGroup(ABC):
         workers and the driver drop older worlds' snapshots."""
 
     @abstractmethod
-    def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
-        """Each answering rank's status, and the ranks found dead or stopped (kind HANG).
-        Blocks up to `wait_s`: it paces the controller's loop."""
+    def poll(self, wait_s: float) -> PollView:
+        """What the ranks answered, and the ranks found dead or stopped with the nodes of
+        theirs that are gone. Blocks up to `wait_s`: it paces the controller's loop."""
 
     @abstractmethod
     def ack_faults(self, rank: int) -> None:

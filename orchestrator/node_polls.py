@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
@@ -29,11 +28,13 @@ import ray
 from ray.exceptions import RayActorError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from stalwart.orchestrator.failures import FailureKind, WorkerFailure
+from stalwart.orchestrator import classify
 from stalwart.workers.node_agent import NodeAgent, NodeReport, collect_polls
 
 if TYPE_CHECKING:
     from stalwart.core.events import WorkerPlace
+    from stalwart.orchestrator.failures import WorkerFailure
+    from stalwart.orchestrator.node_health import NodeHealth
     from stalwart.workers.reports import WorkerStatus
 
 
@@ -70,16 +71,15 @@ class NodePolls:
     # for this long, so one interval is one pass of the controller.
     GATHER_S = 0.05
 
-    def __init__(self, runtime_env: dict[str, Any] | None,
-                 nodes_alive: Callable[[set[str]], bool], *, stopped_for_s: float,
-                 silent_for_s: float = 0.4) -> None:
+    def __init__(self, runtime_env: dict[str, Any] | None, nodes: NodeHealth, *,
+                 stopped_for_s: float, silent_for_s: float = 0.4) -> None:
         self.runtime_env = runtime_env
         self.stopped_for_s = stopped_for_s  # failure.stopped_timeout_s
         self.silent_for_s = silent_for_s  # failure.node_silent_timeout_s
-        self.nodes_alive = nodes_alive
+        # The group's node health: it says whether a node is up; the silent nodes found
+        # here are kept in it (`nodes.silent`: node -> when its agent last answered).
+        self.nodes = nodes
         self._agents: dict[str, _Agent] = {}
-        self.silent: dict[str, float] = {}
-        """Nodes found silent, and when their agent last answered (time.time())."""
         self._actor_class = ray.remote(NodeAgent)
         # Ranks polled directly (their agent is not up yet): each one's poll in flight.
         self._direct: dict[int, Any] = {}
@@ -115,7 +115,7 @@ class NodePolls:
                     if rank not in self._direct:
                         self._direct[rank] = actor.poll.remote(generation)
         asked = {self._agents[n].ref: n for n in by_node
-                 if self._agents[n].ref is not None and n not in self.silent}
+                 if self._agents[n].ref is not None and n not in self.nodes.silent}
         refs = list(asked)
         if any(self._agents[n].ready for n in by_node):
             # Wake when an agent's answer becomes late enough to make its node silent.
@@ -164,36 +164,31 @@ class NodePolls:
     def _silent_ranks(self, by_node: dict[str, dict[int, tuple[Any, int]]]
                       ) -> list[WorkerFailure]:
         """Hangs for the ranks of nodes that have just gone silent."""
-        agents = {n: self._agents[n] for n in by_node if n not in self.silent}
+        agents = {n: self._agents[n] for n in by_node if n not in self.nodes.silent}
         found = []
         now = time.time()
         for node_id, late_s in silent_nodes(agents, time.monotonic(),
                                             self.silent_for_s).items():
-            if not self.nodes_alive({node_id}):  # its raylet is gone too: a lost node
+            if not self.nodes.alive({node_id}):  # its raylet is gone too: a lost node
                 found += self._agent_lost(node_id, by_node[node_id])
                 continue
             agent = self._agents[node_id]
-            self.silent[node_id] = agent.seen_at
-            found += [WorkerFailure(
-                kind=FailureKind.HANG, rank=rank, ranks=(rank,), detected_at=now,
-                last_seen=agent.seen_at, pids=(pid,),
-                message=f"worker rank {rank} (pid {pid}) is on node {node_id}, which stopped "
-                        f"answering: its agent is {late_s:.2f}s late while the other nodes' "
-                        f"agents answer (a frozen, powered-off or cut-off node)")
-                for rank, (_, pid) in by_node[node_id].items()]
+            self.nodes.silent[node_id] = agent.seen_at
+            found += [classify.node_silent(rank, pid, node_id, late_s, agent.seen_at, now)
+                      for rank, (_, pid) in by_node[node_id].items()]
         return found
 
     def _look_at_silent(self) -> None:
         """A silent node whose agent has answered at last is well again; one whose agent
         died is gone (Ray says so, in time)."""
-        for node_id in list(self.silent):
+        for node_id in list(self.nodes.silent):
             agent = self._agents.get(node_id)
             if agent is None or agent.ref is None:
-                del self.silent[node_id]
+                del self.nodes.silent[node_id]
                 continue
             if not ray.wait([agent.ref], timeout=0)[0]:
                 continue
-            del self.silent[node_id]
+            del self.nodes.silent[node_id]
             try:
                 ray.get(agent.ref)
                 agent.ref, agent.answered_at, agent.seen_at = None, time.monotonic(), time.time()
@@ -213,18 +208,16 @@ class NodePolls:
         """An agent died: with its node (every rank there is lost), or alone (it is started
         again at the next poll and its ranks are none the worse)."""
         del self._agents[node_id]
-        if self.nodes_alive({node_id}):
+        if self.nodes.alive({node_id}):
             return []
         now = time.time()
-        return [WorkerFailure(kind=FailureKind.WORKER_DIED, rank=rank, ranks=(rank,),
-                              message=f"worker rank {rank} died: its node {node_id} is gone",
-                              detected_at=now) for rank in ranks]
+        return [classify.node_gone(rank, node_id, now) for rank in ranks]
 
     def forget(self) -> None:
         """A world ended: answers still in flight are about it, and are dropped (a silent
         node's is kept: when it comes, the node is well again)."""
         for node_id, agent in self._agents.items():
-            if node_id not in self.silent:
+            if node_id not in self.nodes.silent:
                 agent.ref = None
         self._direct = {}
 
@@ -253,22 +246,15 @@ def silent_nodes(agents: dict[str, _Agent], now: float, silent_for_s: float
 
 def _died(errors: dict[int, str], now: float) -> list[WorkerFailure]:
     """Ranks whose poll failed with Ray's error."""
-    return [WorkerFailure(kind=FailureKind.WORKER_DIED, rank=rank, ranks=(rank,),
-                          message=message, detected_at=now) for rank, message in errors.items()]
+    return [classify.poll_failed(rank, message, now) for rank, message in errors.items()]
 
 
 def _failures(report: NodeReport, ranks: dict[int, tuple[Any, int]]) -> list[WorkerFailure]:
     now = time.time()
     out = _died({r: m for r, m in report.errors.items() if r not in report.exited}, now)
-    out += [WorkerFailure(kind=FailureKind.WORKER_DIED, rank=rank, ranks=(rank,),
-                          message=f"worker rank {rank} (pid {ranks[rank][1]}) exited",
-                          detected_at=now, last_seen=alive_at, pids=(ranks[rank][1],))
+    out += [classify.process_exited(rank, ranks[rank][1], alive_at, now)
             for rank, alive_at in report.exited.items()]
-    out += [WorkerFailure(kind=FailureKind.HANG, rank=rank, ranks=(rank,),
-                          message=f"worker rank {rank} (pid {ranks[rank][1]}) is stopped "
-                                  f"(SIGSTOP or a frozen process) since "
-                                  f"{now - since:.2f}s: it cannot take part in its world",
-                          detected_at=now, last_seen=since, pids=(ranks[rank][1],))
+    out += [classify.process_stopped(rank, ranks[rank][1], since, now)
             for rank, since in report.stopped.items()]
     return out
 

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from stalwart.core import events as ev
-from stalwart.orchestrator.failures import FailureKind, WorkerFailure
+from stalwart.orchestrator import classify
 from stalwart.orchestrator.observers import ControllerObserver
 from stalwart.orchestrator.profiles import save_trace
 from stalwart.orchestrator.stragglers import StragglerDetector
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from stalwart.core.config import JobConfig
     from stalwart.core.events import WorkerPlace
     from stalwart.core.run_logs import EventLog
+    from stalwart.orchestrator.failures import WorkerFailure
     from stalwart.orchestrator.observers import Display
     from stalwart.orchestrator.states import Running
     from stalwart.workers.reports import CommitReport, WorkerStatus
@@ -145,10 +146,5 @@ class StragglerReporter(ControllerObserver):
             self.display.log(f"rank {s.rank} is a straggler: {s.ratio:.1f}x its peers' local "
                              f"time per step for {s.steps} steps")
             if self.replace:
-                return WorkerFailure(
-                    kind=FailureKind.STRAGGLER, rank=s.rank, ranks=(s.rank,), detected_at=now,
-                    message=f"rank {s.rank} took {s.ratio:.1f}x its peers' median local time "
-                            f"per step for {s.steps} steps (failure.straggler_factor="
-                            f"{self.detector.factor:g}, failure.replace_stragglers=true)",
-                    last_seen=last_seen((s.rank,)))
+                return classify.straggler(s, self.detector.factor, now, last_seen((s.rank,)))
         return None

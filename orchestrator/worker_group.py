@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import time
 from dataclasses import dataclass, replace
 from typing import Any
@@ -37,16 +36,17 @@ from stalwart.core.errors import ConfigError
 from stalwart.core.events import WorkerPlace
 from stalwart.core.ray_private import actor_row
 from stalwart.core.task import TaskLike
+from stalwart.orchestrator import classify
 from stalwart.orchestrator.driver_loss import run_namespace, start_beacon
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
-from stalwart.orchestrator.group import Arm, Disbanded, WorkerGroup
+from stalwart.orchestrator.group import Arm, Disbanded, PollView, WorkerGroup
+from stalwart.orchestrator.node_health import NodeHealth
 from stalwart.orchestrator.node_polls import NodePolls
 from stalwart.workers.actor import TrainWorker
 from stalwart.workers.reports import (
     LeaveReport,
     MemoryRestoreReport,
     StepReport,
-    WorkerStatus,
 )
 
 
@@ -76,14 +76,14 @@ def _sigkill(pid: int) -> None:
 
 
 def _failure_from(exc: BaseException, rank: int | None, default: FailureKind) -> WorkerFailure:
+    """A call to `rank` raised `exc`: a death when Ray says the actor died, else `default`."""
+    now = time.time()
     if isinstance(exc, RayActorError):
-        kind, msg = FailureKind.WORKER_DIED, f"worker rank {rank} died: {exc}"
-    elif isinstance(exc, RayTaskError):
-        kind, msg = default, f"worker rank {rank}: {exc.cause if exc.cause else exc}"
-    else:
-        kind, msg = default, f"worker rank {rank}: {type(exc).__name__}: {exc}"
-    return WorkerFailure(kind=kind, rank=rank, message=msg.strip(), detected_at=time.time(),
-                         ranks=() if rank is None else (rank,))
+        return classify.actor_died(rank, str(exc), now)
+    if isinstance(exc, RayTaskError):
+        return classify.call_failed(rank, str(exc.cause if exc.cause else exc), now,
+                                    kind=default)
+    return classify.call_failed(rank, f"{type(exc).__name__}: {exc}", now, kind=default)
 
 
 def _error_of(ref: Any) -> BaseException | None:
@@ -153,13 +153,13 @@ class ElasticGroup(WorkerGroup):
         self._actor_class = ray.remote(TrainWorker)
         # The beacon of a driver whose workers outlive it (orchestrator/driver_loss.py).
         self._beacon = start_beacon(trust.run_id, self.driver_node_id) if outlive_driver else None
-        self.polls = NodePolls(runtime_env, self.nodes_alive,
+        self.nodes = NodeHealth()  # the one place that asks whether a node is up
+        self.polls = NodePolls(runtime_env, self.nodes,
                                stopped_for_s=config.failure.stopped_timeout_s,
                                silent_for_s=config.failure.node_silent_timeout_s)
         # Agents first, on every node that can hold a worker: each starts (half a second of
         # imports) while the workers import torch, and answers from a world's first steps.
-        self.polls.start({n["NodeID"] for n in ray.nodes()
-                          if n.get("Alive") and n.get("Resources", {}).get("CPU", 0) > 0})
+        self.polls.start(self.nodes.up_with_cpus())
 
     # ------------------------------------------------------------------ the pool
 
@@ -210,10 +210,9 @@ class ElasticGroup(WorkerGroup):
             except RayTaskError as exc:  # the task cannot load on this worker: not transient
                 self._kill(w)
                 self.starting = [s for s in self.starting if s is not w]
-                raise GroupFailed(WorkerFailure(
-                    kind=FailureKind.START_ERROR, rank=None, detected_at=time.time(),
-                    message=f"a worker could not load the task: "
-                            f"{exc.cause if exc.cause else exc}")) from exc
+                raise GroupFailed(classify.start_error(
+                    f"a worker could not load the task: {exc.cause if exc.cause else exc}",
+                    time.time())) from exc
         self.starting = still
 
     def placed_starting(self) -> int:
@@ -232,29 +231,8 @@ class ElasticGroup(WorkerGroup):
                 # Placed just before its node died (Ray notices seconds after us): it is
                 # not coming; Ray reports it dead soon and top_up asks for another.
                 node = (row.get("Address") or {}).get("NodeID")
-                placed += not node or self.nodes_alive({node})
+                placed += not node or self.nodes.alive({node})
         return placed
-
-    def nodes_alive(self, node_ids: set[str]) -> bool:
-        """Whether every one of these nodes is up: its raylet accepts a connection, and its
-        agent has not gone silent (a frozen raylet's socket still accepts one).
-
-        Asked when workers die: Ray's GCS takes seconds to declare a node dead, while a
-        raylet that is gone refuses connections at once.
-        """
-        if node_ids & self.polls.silent.keys():
-            return False
-        nodes = {n["NodeID"]: n for n in ray.nodes()}
-        for node_id in node_ids:
-            node = nodes.get(node_id)
-            if node is None or not node.get("Alive"):
-                return False
-            try:
-                socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]),
-                                         timeout=1.0).close()
-            except OSError:
-                return False
-        return True
 
     def available(self) -> int:
         return len(self.members) + len(self.idle)
@@ -349,9 +327,8 @@ class ElasticGroup(WorkerGroup):
             elif rescued:
                 sources[src] = rescued[0]
             else:
-                raise GroupFailed(WorkerFailure(
-                    kind=FailureKind.START_ERROR, rank=None, detected_at=time.time(),
-                    message=f"no live holder of rank {src}'s snapshot"))
+                raise GroupFailed(classify.start_error(
+                    f"no live holder of rank {src}'s snapshot", time.time()))
         out: list[MemoryRestoreReport] = self._get(
             [w.actor.restore_memory.remote(choice.generation, choice.step, choice.layouts,
                                            sources)
@@ -369,12 +346,17 @@ class ElasticGroup(WorkerGroup):
         for w in self.idle:
             w.actor.forget_snapshots.remote(self.generation)
 
-    def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
+    def poll(self, wait_s: float) -> PollView:
         """Statuses of the ranks that answered, and the ranks found dead or stopped: one
         call per node, answered within `wait_s` or as soon as a node sees a process exit or
-        stop (orchestrator/node_polls.py)."""
-        return self.polls.poll([(w.actor, self._place(w)) for w in self.members],
-                               self.generation, wait_s)
+        stop (orchestrator/node_polls.py). The nodes under the ranks found are looked at
+        here, once: which of them are gone."""
+        places = [self._place(w) for w in self.members]
+        answered, dead = self.polls.poll(
+            [(w.actor, p) for w, p in zip(self.members, places, strict=True)],
+            self.generation, wait_s)
+        nodes = {places[r].node_id for f in dead for r in f.failed_ranks if r < len(places)}
+        return PollView(answered=answered, dead=tuple(dead), lost_nodes=self.nodes.lost(nodes))
 
     def ack_faults(self, rank: int) -> None:
         self.members[rank].actor.ack_faults.remote()
@@ -390,7 +372,7 @@ class ElasticGroup(WorkerGroup):
             if 0 <= rank < len(self.members):
                 self._kill(self.members[rank])
         self.members = [w for r, w in enumerate(self.members) if r not in set(ranks)]
-        silent = self.polls.silent.keys()
+        silent = self.nodes.silent.keys()
         for w in [w for w in self.idle if w.place is not None and w.place.node_id in silent]:
             self._kill(w)
             self.idle.remove(w)
@@ -461,7 +443,7 @@ class ElasticGroup(WorkerGroup):
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
-        elif pid is not None and node_id and self.nodes_alive({node_id}):
+        elif pid is not None and node_id and self.nodes.alive({node_id}):
             _sigkill.options(scheduling_strategy=NodeAffinitySchedulingStrategy(
                 node_id, soft=False)).remote(pid)
         ray.kill(w.actor, no_restart=True)
@@ -491,9 +473,7 @@ class ElasticGroup(WorkerGroup):
             try:
                 out.append(ray.get(ref, timeout=left))
             except GetTimeoutError:
-                raise GroupFailed(WorkerFailure(
-                    kind=FailureKind.HANG, rank=rank, detected_at=time.time(), ranks=(rank,),
-                    message=f"worker rank {rank} did not answer within {timeout:.0f}s")) from None
+                raise GroupFailed(classify.no_answer(rank, timeout, time.time())) from None
             except Exception as exc:
                 raise GroupFailed(_failure_from(exc, rank, kind)) from exc
         return out

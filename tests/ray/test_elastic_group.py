@@ -106,15 +106,15 @@ def poll_until(group: ElasticGroup, enough: Callable[[Seen], bool],
     deadline = time.monotonic() + DEADLINE_S
     while not enough(seen):
         assert time.monotonic() < deadline, f"not reached within {DEADLINE_S:.0f}s: {seen}"
-        answered, dead = group.poll(wait_s=0.5)
-        for rank, status in answered.items():
+        view = group.poll(wait_s=0.5)
+        for rank, status in view.answered.items():
             assert isinstance(status, WorkerStatus) and status.rank == rank
             assert status.generation == group.generation
             assert all(isinstance(s, StepReport) and s.rank == rank for s in status.steps)
             seen.steps[rank] += status.steps
             seen.commits += status.commits
             seen.last[rank] = status
-        seen.dead += dead
+        seen.dead += view.dead
     return seen
 
 

@@ -28,9 +28,10 @@ from stalwart.checkpointing.snapshot import ShardLayout
 from stalwart.core.config import FaultSpec
 from stalwart.core.errors import ConfigError
 from stalwart.core.events import WorkerPlace
+from stalwart.orchestrator import classify
 from stalwart.orchestrator.clock import Clock
-from stalwart.orchestrator.failures import FailureKind, WorkerFailure
-from stalwart.orchestrator.group import Disbanded, WorkerGroup
+from stalwart.orchestrator.failures import WorkerFailure
+from stalwart.orchestrator.group import Disbanded, PollView, WorkerGroup
 from stalwart.workers.reports import StepReport, WorkerStatus
 
 if TYPE_CHECKING:
@@ -42,9 +43,8 @@ DRIVER_NODE = "node-driver"
 
 def died(rank: int, message: str | None = None) -> WorkerFailure:
     """A rank found dead by a poll, as ElasticGroup reports it."""
-    return WorkerFailure(kind=FailureKind.WORKER_DIED, rank=rank, ranks=(rank,),
-                         message=message or f"worker rank {rank} died: the actor died "
-                                            f"unexpectedly", detected_at=0.0)
+    return classify.poll_failed(rank, message or f"worker rank {rank} died: the actor died "
+                                                 f"unexpectedly", now=0.0)
 
 
 class FakeGroupError(Exception):
@@ -199,9 +199,6 @@ class FakeGroup(WorkerGroup):
             self.starting.append(self.cluster.pop(0))
             self.unplaced -= 1
 
-    def nodes_alive(self, node_ids: set[str]) -> bool:
-        return not (node_ids & self.dead_nodes)
-
     def refresh(self, timeout: float = 0.0) -> None:
         self._call("refresh", timeout)
         plan = self._plan()
@@ -271,7 +268,7 @@ class FakeGroup(WorkerGroup):
     def settle(self) -> None:
         self._call("settle")
 
-    def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
+    def poll(self, wait_s: float) -> PollView:
         self._call("poll")
         plan = self._plan()
         if plan is None or not plan.polls:
@@ -293,8 +290,12 @@ class FakeGroup(WorkerGroup):
         for r, st in answered.items():
             pid = self.members[r].pid
             self._steps[pid] = max([self._steps.get(pid, 0), *(s.step for s in st.steps)])
-        dead = [died(d) if isinstance(d, int) else d for d in item.dead]
-        return answered, dead
+        dead = tuple(died(d) if isinstance(d, int) else d for d in item.dead)
+        # The group's node view: of the nodes under the ranks found, those that are gone.
+        nodes = {self.members[r].node_id for f in dead for r in f.failed_ranks
+                 if r < len(self.members)}
+        return PollView(answered=answered, dead=dead,
+                        lost_nodes=frozenset(nodes & self.dead_nodes))
 
     def request_stop(self) -> None:
         self._call("request_stop")

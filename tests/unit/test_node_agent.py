@@ -15,6 +15,7 @@ from stalwart.core.config import JobConfig
 from stalwart.core.events import WorkerPlace
 from stalwart.orchestrator.detection import FailureDetector
 from stalwart.orchestrator.failures import FailureKind
+from stalwart.orchestrator.group import PollView
 from stalwart.orchestrator.node_polls import _failures
 from stalwart.workers.node_agent import NodeAgent, NodeReport, process_state
 
@@ -110,7 +111,7 @@ def test_reports_become_failures_naming_rank_pid_and_when_last_seen_well():
 
 
 def _detector() -> FailureDetector:
-    detector = FailureDetector(JobConfig(), collective_grace_s=3.0, nodes_alive=lambda n: True)
+    detector = FailureDetector(JobConfig(), collective_grace_s=3.0)
     detector.after_form(0, [WorkerPlace(rank=r, pid=100 + r, node_ip="10.0.0.1",
                                         node_id="n1") for r in range(2)], 0.0)
     detector.after_launch(0, 2, 0.0)
@@ -121,12 +122,13 @@ def test_a_stopped_rank_is_a_hang_at_once_and_a_dead_one_outranks_it():
     ranks = {0: (None, 100), 1: (None, 101)}
     stopped = _failures(NodeReport(stopped={1: 9.5}), ranks)
     seen = []
-    failure = _detector().find({}, stopped, 10.0,
+    failure = _detector().find(PollView(answered={}, dead=tuple(stopped)), 10.0,
                                lambda r, heartbeat=None: seen.append(heartbeat) or heartbeat)
     assert failure.kind == FailureKind.HANG and failure.ranks == (1,)
     assert failure.last_seen == 9.5 and seen == [9.5]
     both = stopped + _failures(NodeReport(exited={0: 9.0}), ranks)
-    failure = _detector().find({}, both, 10.0, lambda r, heartbeat=None: heartbeat)
+    failure = _detector().find(PollView(answered={}, dead=tuple(both)), 10.0,
+                               lambda r, heartbeat=None: heartbeat)
     assert failure.kind == FailureKind.WORKER_DIED and failure.ranks == (0,)
 
 
