@@ -2,9 +2,14 @@
 
 Each live state has one handler, found by the state's type, that does the state's work and
 returns the next state; `run` checks every change against the transition table
-(orchestrator/states.py). Policies, passed in,
-decide (orchestrator/policies.py); observers keep the accounts and write the reports
-(orchestrator/observers.py); the worker group is an abstract base (orchestrator/group.py).
+(orchestrator/states.py).
+
+The controller is the only caller of the worker group (orchestrator/group.py). It fetches
+the group's frozen views (the pool, a poll, the memory inventory), hands them to the
+policies (orchestrator/policies.py) and the failure detector, which are pure and return
+decisions as data, and carries the decisions out with the group's commands. Every failure
+is built by the classifier (orchestrator/classify.py). Observers keep the accounts and
+write the reports (orchestrator/observers.py); no helper calls back into the controller.
 
 Recovery is in place: failed ranks are killed, survivors leave their process group and
 keep their processes, the next world forms from survivors, warm spares and new actors (or
@@ -16,13 +21,14 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
+from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.core import events as ev
 from stalwart.orchestrator import classify, reporting
 from stalwart.orchestrator.accounting import RecoveryTimer, Throughput
 from stalwart.orchestrator.clock import Clock
-from stalwart.orchestrator.detection import FailureDetector
+from stalwart.orchestrator.detection import FailureDetector, LastSeen
 from stalwart.orchestrator.failure_log import FailureLog
 from stalwart.orchestrator.failures import FailDecision, RetryDecision, WorkerFailure
 from stalwart.orchestrator.fault_watch import FaultWatch
@@ -30,7 +36,13 @@ from stalwart.orchestrator.interrupt import StopRequest
 from stalwart.orchestrator.observers import ControllerObserver, Display, Restored
 from stalwart.orchestrator.outcome import Outcome
 from stalwart.orchestrator.resize_plan import ResizePlan
-from stalwart.orchestrator.scaling import FormDecision, GiveUpDecision, WaitDecision
+from stalwart.orchestrator.scaling import (
+    FormDecision,
+    GiveUpDecision,
+    NeedRoomDecision,
+    ResizeDecision,
+    WaitDecision,
+)
 from stalwart.orchestrator.states import (
     Failed,
     Finished,
@@ -70,14 +82,14 @@ class Controller:
         self.clock = clock or Clock()
         # Heartbeats are drained in batches; a poll costs an RPC per worker, so not faster.
         self.poll_interval_s = poll_interval_s
-        self.faults = FaultWatch(config, events, group)
+        self.faults = FaultWatch(config, events)
         self.detector = FailureDetector(config, collective_grace_s=collective_grace_s)
         self.stragglers = reporting.StragglerReporter(config, events, display)
         self.throughput = Throughput(config, metrics, display)
         self.commits = reporting.CommitLog(events, resume_from)
         self.storage = StorageRestore(storage_url, trust, events=events, display=display,
                                       commits=self.commits)
-        self.failures = FailureLog(self.policy, events, group.places)
+        self.failures = FailureLog(self.policy, events)
         # In the order their events are written: faults and traces before the commits and
         # steps of the same answer, a recovery's `recovered` before the step's metrics row.
         self.observers: list[ControllerObserver] = [
@@ -92,7 +104,7 @@ class Controller:
         self.workers: list[ev.WorkerPlace] = []
         self.stop = StopRequest(config.failure.stop_timeout_s)  # the first Ctrl-C or SIGTERM
         self._stop_sent = False
-        self.resize = ResizePlan(self.scaling, group, events, display)
+        self.resize = ResizePlan(self.scaling, events, display)
         self._started_emitted = False
         self._done: dict[int, WorkerStatus] = {}
         self._trained = False
@@ -144,9 +156,11 @@ class Controller:
         # world needs, and replaces its spares once the new world trains (_on_running).
         self.group.top_up(spares=state.generation == 0)
         self.group.refresh()
-        if self.group.best_world() < self.scaling.target(self.world_size):
+        pool = self.group.pool_view()
+        if pool.best_world < self.scaling.target(self.world_size):
             self.group.refresh(timeout=self.poll_interval_s)  # actors still warming up
-        decision = self.scaling.schedule(self.group, generation=state.generation,
+            pool = self.group.pool_view()
+        decision = self.scaling.schedule(pool, generation=state.generation,
                                          world_size=self.world_size,
                                          waited=self.clock.time() - state.since)
         if self.stop.requested:  # between worlds: the newest checkpoint is where a resume starts
@@ -165,7 +179,10 @@ class Controller:
     def _on_rendezvous(self, state: Rendezvous) -> State:
         old_world, old_layout = self.world_size, self.layout
         self._notify("before_form", state.generation, self.clock.time())
-        self.workers = self.group.form(state.world_size, state.generation, self.faults.arm)
+        # The faults each rank carries out are known from the picked places, before the
+        # world forms: nothing is asked back while it forms.
+        self.workers = self.group.pick(state.world_size, state.generation)
+        self.group.form(self.faults.arm(self.workers, self.group.driver_node_id))
         self._notify("after_form", state.generation, self.workers, self.clock.time())
         self.world_size = state.world_size
         self.layout = self.config.parallel.layout(self.world_size)
@@ -177,11 +194,12 @@ class Controller:
             return Restoring(generation=0, checkpoint=self.resume_from)
         checkpoint = self.storage.newest_valid()
         self.commits.found(checkpoint)
-        decision = self.restore.choose(self.group.memory_inventory, checkpoint)
+        inventory = self.group.memory_inventory() if self.restore.memory_tier else {}
+        decision = self.restore.choose(inventory, checkpoint)
         if checkpoint is None and (decision is None or decision.source == "none"):
-            lost = self.storage.nothing_restorable(decision.reason if decision else None)
+            lost = self.storage.lost(decision.reason if decision else None)
             if lost is not None:
-                return lost
+                return Failed(reason=lost)
         if decision is not None:  # where the world restores from, both candidates and why
             self.events.emit(decision.event(state.generation))
             self.display.log(decision.message)
@@ -200,14 +218,16 @@ class Controller:
                 if fallback is None:
                     raise
                 if fallback.source == "none" and (
-                        lost := self.storage.nothing_restorable(fallback.reason)) is not None:
-                    return lost
+                        lost := self.storage.lost(fallback.reason)) is not None:
+                    return Failed(reason=lost)
                 self.events.emit(fallback.event(state.generation))
                 self.display.log(fallback.message)
         if source == "none" and state.checkpoint is not None:
-            restored = self.storage.load(self.group, state.checkpoint)
-            if isinstance(restored, Failed):
-                return restored
+            restored = self._load_storage(state.checkpoint)
+            if restored is None:
+                lost = self.storage.lost(None)
+                assert lost is not None  # a checkpoint was committed: the one that failed
+                return Failed(reason=lost)
             start_step, source = restored, "storage"
         kept = self.throughput.kept_unlogged(start_step)
         self._notify("after_restore", Restored(
@@ -234,6 +254,16 @@ class Controller:
                          kept_unlogged=kept))
         return Running(generation=state.generation, start_step=start_step)
 
+    def _load_storage(self, checkpoint: CheckpointInfo) -> int | None:
+        """Load `checkpoint` on every rank; one that fails to load is skipped and the next
+        older valid one is tried. The step restored, or None when none loads."""
+        for candidate in self.storage.candidates(checkpoint):
+            try:
+                return self.group.restore(candidate.path)
+            except CheckpointError as exc:
+                self.storage.skip(candidate, str(exc))
+        return None
+
     # ------------------------------------------------------------------ running
 
     def _on_running(self, state: Running) -> State:
@@ -250,8 +280,9 @@ class Controller:
         for rank, st in poll.answered.items():
             self._absorb(rank, st, now)
         self._notify("after_poll", state, self.last_step, now)
-        failure = (self.detector.find(poll, now, self._last_seen)
-                   or self.stragglers.check(now, self._last_seen))
+        seen = LastSeen(fault_times=self.faults.fault_times(),
+                        last_step_end=self.throughput.last_step_end)
+        failure = (self.detector.find(poll, now, seen) or self.stragglers.check(now, seen))
         if failure is not None:
             return self._on_failure(failure)
         if len(self._done) == self.world_size:
@@ -265,12 +296,14 @@ class Controller:
                 # slow the join, restore and first steps on the node it shares.
                 self.group.settle()
                 self.group.top_up()
-        if not self.stop.requested:
-            self.resize.consider(now, world_size=self.world_size, workers=self.workers)
+        if not self.stop.requested and self.resize.due(now):
+            self._consider_resize(now)
         return state
 
     def _absorb(self, rank: int, st: WorkerStatus, now: float) -> None:
         self._notify("on_status", rank, st, now)
+        if st.faults:  # heard: the rank carries them out now
+            self.group.ack_faults(rank)
         if rank == 0:  # rank 0 commits for everyone; the loss is the global mean on every rank
             self._committed(st.commits)
             for report in st.steps:
@@ -278,7 +311,7 @@ class Controller:
         if st.done:
             self._done[rank] = st
         if st.preempted and not self.stop.requested:
-            self.resize.preempted(rank)
+            self._preempted(rank)
 
     def _on_step(self, r: StepReport, *, progress: bool = True) -> None:
         self.last_step, self.last_loss = r.step, r.loss
@@ -304,14 +337,6 @@ class Controller:
         if commits:
             self.scaling.checkpoint_committed()
 
-    def _last_seen(self, ranks: tuple[int, ...], heartbeat: float | None = None) -> float | None:
-        """The moment the failure happened, as well as we know it: an injected fault's own
-        time, else the last heartbeat, else the end of the newest step."""
-        fired = self.faults.fired_at(ranks)
-        if fired is not None:
-            return fired
-        return heartbeat if heartbeat is not None else self.throughput.last_step_end
-
     def _on_all_done(self, state: Running) -> State:
         if not any(st.stopped_early for st in self._done.values()):
             self.events.emit(ev.Finished(step=self.last_step, loss=self.last_loss,
@@ -323,7 +348,7 @@ class Controller:
             return Stopped(step=self.last_step)
         for rank, st in self._done.items():  # a preempted rank may stop the world on its own
             if st.preempted:
-                self.resize.preempted(rank)
+                self._preempted(rank)
         planned = self.resize.decision
         if planned is None:
             raise ValueError("every rank stopped early with no resize planned")
@@ -331,6 +356,23 @@ class Controller:
                         leaving=planned.leaving)
 
     # ------------------------------------------------------------------ planned resizes
+
+    def _consider_resize(self, now: float) -> None:
+        """A resize check is due: drain, grow or nothing, as the scaling policy decides from
+        the nodes Ray drains and, below the ceiling, the room the cluster has."""
+        decision = self.resize.consider(now, world_size=self.world_size, workers=self.workers,
+                                        draining=self.group.draining_nodes())
+        if isinstance(decision, NeedRoomDecision):
+            self.group.top_up()  # actors up to the ceiling: the room is what comes warm
+            self.group.refresh()
+            decision = self.resize.room(self.group.pool_view(), world_size=self.world_size)
+        if isinstance(decision, ResizeDecision):
+            self.group.request_stop()
+
+    def _preempted(self, rank: int) -> None:
+        """A rank got SIGTERM: it leaves at a planned resize (asked of every rank once)."""
+        if self.resize.preempted(rank) is not None:
+            self.group.request_stop()
 
     def _on_resizing(self, state: Resizing) -> State:
         self.group.remove(state.leaving)
@@ -344,7 +386,8 @@ class Controller:
     def _decide(self, failure: WorkerFailure) -> RetryDecision | Failed:
         """The failure policy's decision on `failure`, logged; the one path every failure
         takes, whether it starts a recovery or happens within one."""
-        decision = self.failures.decide(failure, workers=self.workers, step=self.last_step)
+        decision = self.failures.decide(failure, workers=self.workers,
+                                        members=self.group.places(), step=self.last_step)
         if isinstance(decision, FailDecision):
             return Failed(reason=f"{decision.reason}: {failure.message}")
         return decision

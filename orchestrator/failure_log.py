@@ -4,7 +4,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from stalwart.core import events as ev
@@ -20,21 +20,20 @@ if TYPE_CHECKING:
 
 
 class FailureLog:
-    def __init__(self, policy: FailurePolicy, events: EventLog,
-                 members: Callable[[], list[ev.WorkerPlace]]) -> None:
+    def __init__(self, policy: FailurePolicy, events: EventLog) -> None:
         self.policy, self.events = policy, events
-        self.members = members  # every actor of the group now, the forming world's included
 
-    def decide(self, failure: WorkerFailure, *, workers: list[ev.WorkerPlace],
-               step: int) -> RetryDecision | FailDecision:
-        """The policy's decision on a failure at `step` of the world `workers`, logged."""
+    def decide(self, failure: WorkerFailure, *, workers: Sequence[ev.WorkerPlace],
+               members: Sequence[ev.WorkerPlace], step: int) -> RetryDecision | FailDecision:
+        """The policy's decision on a failure at `step` of the world `workers`, logged.
+        `members`: where the group's members run now, the forming world's included."""
         decision = self.policy.make_decision(failure)
         detection = (None if failure.last_seen is None else
                      round(max(0.0, failure.detected_at - failure.last_seen), 3))
         # Ranks are looked up among the group's members, not `workers`: a world that failed
         # while forming never became the running world, and its ranks are not the last's.
         failed = ([p for p in workers if p.pid in failure.pids] if failure.pids else
-                  [p for p in self.members() if p.rank in failure.failed_ranks])
+                  [p for p in members if p.rank in failure.failed_ranks])
         self.events.emit(ev.Failure(failure_kind=failure.kind.value, rank=failure.rank,
                          ranks=list(failure.failed_ranks),
                          nodes=sorted({p.node_ip for p in failed}), pids=[p.pid for p in failed],

@@ -1,5 +1,10 @@
 """The worker group's interface: what the controller asks of the run's workers.
 
+The group answers questions with frozen views (what the pool holds, what a poll said, what
+the memory tier holds) and carries out commands (start actors, pick and form a world,
+restore, launch, stop, remove, disband). The controller hands the views to its policies,
+which are pure, and carries out what they decide; nothing but the controller calls the group.
+
 An abstract base class rather than a Protocol, so that every implementation (ElasticGroup on
 Ray, the tests' fake group) breaks at once when a method changes. One group lives across
 every generation of the world; a method that finds a worker failed raises the group's error
@@ -9,21 +14,17 @@ every generation of the world; a method that finds a worker failed raises the gr
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
-
-from stalwart.core.config import FaultSpec
-from stalwart.core.events import WorkerPlace
 
 if TYPE_CHECKING:
     from stalwart.checkpointing.memory.catalog import MemoryChoice
     from stalwart.checkpointing.memory.store import Inventory
+    from stalwart.core.config import FaultSpec
+    from stalwart.core.events import WorkerPlace
     from stalwart.orchestrator.failures import WorkerFailure
     from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
-
-# Given the new world's workers (rank order), the faults each rank must carry out.
-Arm = Callable[[list[WorkerPlace]], dict[int, list[FaultSpec]]]
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -39,6 +40,18 @@ class Disbanded:
     after the last poll, or in a poll's answer dropped as the world ended."""
     silent: list[int]
     """The pids of members that did not answer at all (stopped or dead), killed."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class PoolView:
+    """What the pool of actors holds now (WorkerGroup.pool_view)."""
+
+    available: int
+    """Warm actors: members and idle."""
+    placed_starting: int
+    """Actors Ray has placed that are still warming up (the rest wait for room)."""
+    best_world: int
+    """The largest valid world the warm actors can form (0: none)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -71,26 +84,28 @@ class WorkerGroup(ABC):
         """Collect actors that finished warming up, waiting up to `timeout` seconds."""
 
     @abstractmethod
-    def placed_starting(self) -> int:
-        """Actors Ray has placed that are still warming up."""
+    def pool_view(self) -> PoolView:
+        """What the pool holds now: warm actors, placed ones coming, the best world."""
 
     @abstractmethod
-    def available(self) -> int:
-        """Warm actors: members and idle."""
-
-    @abstractmethod
-    def best_world(self, up_to: int | None = None) -> int:
-        """The largest valid world the warm actors can form (0: none)."""
+    def draining_nodes(self) -> frozenset[str]:
+        """Ids of the nodes Ray is draining (preemption, autoscaler scale-down)."""
 
     # -- one generation of the world
     @abstractmethod
-    def form(self, world_size: int, generation: int, arm: Arm) -> list[WorkerPlace]:
-        """Form a world (survivors first); returns its workers (pid, node_ip, node_id, rank)."""
+    def pick(self, world_size: int, generation: int) -> list[WorkerPlace]:
+        """Choose a world's members (survivors first, then idle actors); returns where each
+        runs (pid, node_ip, node_id, rank), in rank order. Nothing is asked of them yet."""
+
+    @abstractmethod
+    def form(self, armed: Mapping[int, Sequence[FaultSpec]]) -> None:
+        """Set the picked members up as a world: a process group at rank 0's store, each
+        rank armed with its faults (`armed`: rank -> faults)."""
 
     @abstractmethod
     def places(self) -> list[WorkerPlace]:
         """Where the current members run, in rank order: the world being formed as soon as
-        `form` picked it, so a failure while it forms names its processes."""
+        `pick` chose it, so a failure while it forms names its processes."""
 
     @abstractmethod
     def restore(self, path: str) -> int:

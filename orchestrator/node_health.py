@@ -1,4 +1,5 @@
-"""Whether the run's nodes are up: the one place that asks. The worker group owns it.
+"""Whether the run's nodes are up (and which Ray drains): the one place that asks. The worker
+group owns it.
 
 A node is up when its raylet accepts a connection and its agent has not gone silent (a
 frozen raylet's socket still accepts one: orchestrator/node_polls.py decides silence). It
@@ -15,6 +16,8 @@ from collections.abc import Iterable
 
 import ray
 
+from stalwart.core import ray_private
+
 
 class NodeHealth:
     # How long a raylet may take to accept a connection before its node counts as gone.
@@ -24,6 +27,10 @@ class NodeHealth:
         self.silent: dict[str, float] = {}
         """Nodes whose agent went silent, and when it last answered (time.time()); kept
         by the node polls until the agent answers again."""
+
+    def draining(self) -> frozenset[str]:
+        """The nodes Ray is draining (preemption, autoscaler scale-down): up, but leaving."""
+        return frozenset(ray_private.draining_nodes())
 
     def up_with_cpus(self) -> set[str]:
         """The nodes Ray has alive with CPUs: those that can hold a worker."""

@@ -1,12 +1,12 @@
 """The controller's policies, built from the job's config: failure, scaling and restore.
 
-Each returns its decisions as plain data; the controller carries them out. Tests build their
-own (or these, from a test config) and pass them in.
+Each is pure: it is given views (orchestrator/group.py) and times, and returns its decisions
+as plain data; the controller fetches the views and carries the decisions out. Tests build
+their own (or these, from a test config) and pass them in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -25,13 +25,11 @@ class Policies:
     restore: RestorePolicy
 
 
-def default_policies(config: JobConfig, *, storage_url: str,
-                     draining_nodes: Callable[[], set[str]] | None = None) -> Policies:
-    """The policies config asks for (draining_nodes: ids of the nodes Ray is draining)."""
+def default_policies(config: JobConfig, *, storage_url: str) -> Policies:
+    """The policies config asks for."""
     fc = config.failure
     return Policies(
         failure=FailurePolicy(fc.max_failures, retry_user_errors=fc.retry_user_errors,
                               backoff_s=fc.backoff_s),
-        scaling=ScalingPolicy(config.scaling, storage_url=storage_url,
-                              draining_nodes=draining_nodes),
+        scaling=ScalingPolicy(config.scaling, storage_url=storage_url),
         restore=RestorePolicy(memory_tier=config.checkpoint.snapshot_every > 0))

@@ -7,7 +7,6 @@ with failure.replace_stragglers, a straggler is a failure for the controller to 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from stalwart.core import events as ev
@@ -22,6 +21,7 @@ if TYPE_CHECKING:
     from stalwart.core.config import JobConfig
     from stalwart.core.events import WorkerPlace
     from stalwart.core.run_logs import EventLog
+    from stalwart.orchestrator.detection import LastSeen
     from stalwart.orchestrator.failures import WorkerFailure
     from stalwart.orchestrator.observers import Display
     from stalwart.orchestrator.states import Running
@@ -135,8 +135,9 @@ class StragglerReporter(ControllerObserver):
         for report in status.steps:
             self.detector.observe(rank, report.step, report.local_s)
 
-    def check(self, now: float, last_seen: Callable[[tuple[int, ...]], float | None]
-              ) -> WorkerFailure | None:
+    def check(self, now: float, seen: LastSeen) -> WorkerFailure | None:
+        """Each new straggler is reported; with failure.replace_stragglers, the first is
+        returned as the failure to act on."""
         for s in self.detector.check():
             node_ip = self.workers[s.rank].node_ip if s.rank < len(self.workers) else None
             self.events.emit(ev.Straggler(rank=s.rank, node_ip=node_ip,
@@ -146,5 +147,5 @@ class StragglerReporter(ControllerObserver):
             self.display.log(f"rank {s.rank} is a straggler: {s.ratio:.1f}x its peers' local "
                              f"time per step for {s.steps} steps")
             if self.replace:
-                return classify.straggler(s, self.detector.factor, now, last_seen((s.rank,)))
+                return classify.straggler(s, self.detector.factor, now, seen.at((s.rank,)))
         return None

@@ -5,11 +5,14 @@ checkpoint; else storage; else the world starts fresh. When loading from memory 
 holder vanished, a shard would not load), storage is the fallback, unless the failure is a
 dead or silent worker, which is a failure of the world itself. Each decision carries its
 reason, which the controller logs as `checkpoint_chosen`.
+
+The policy is pure: it is given what the memory tier holds (the group's inventory, fetched
+by the controller) and storage's newest valid checkpoint, and asks nothing itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -59,13 +62,14 @@ class RestorePolicy:
         self.memory_tier = memory_tier
         """checkpoint.snapshot_every > 0: there is a memory tier to ask."""
 
-    def choose(self, inventory: Callable[[], dict[str, Inventory]],
-               checkpoint: CheckpointInfo | None) -> RestoreDecision | None:
-        """Memory or storage for a world after the first (None: no memory tier to weigh, so
-        storage's checkpoint is loaded if there is one, without a logged choice)."""
+    def choose(self, inventory: Mapping[str, Inventory], checkpoint: CheckpointInfo | None
+               ) -> RestoreDecision | None:
+        """Memory or storage for a world after the first, given what each warm worker's
+        memory tier holds (None: no memory tier to weigh, so storage's checkpoint is loaded
+        if there is one, without a logged choice; no inventory is needed then)."""
         if not self.memory_tier:
             return None
-        choice, why_not = newest_complete(inventory())
+        choice, why_not = newest_complete(dict(inventory))
         storage_step = checkpoint.step if checkpoint else None
         memory_step = choice.step if choice else None
         if choice is not None and (storage_step is None or choice.step >= storage_step):

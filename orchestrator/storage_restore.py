@@ -1,5 +1,10 @@
-"""Restoring from storage for the controller: the newest checkpoint that verifies, loading it
-with a fall back to older ones, and refusing a fresh start that would throw committed work away.
+"""Restoring from storage for the controller: the newest checkpoint that verifies, the older
+ones to fall back on when it fails to load, and why a fresh start would throw committed work
+away.
+
+It reads storage and writes the log; it never acts on the group and never decides the
+controller's state. The controller loads each candidate on the group (`candidates`, `skip`)
+and turns the reason `lost` gives into a failed run.
 
 Every damaged checkpoint passed over is written as `checkpoint_skipped`, and one accepted
 unsigned (--trust-unsigned) as `unsigned_checkpoint_accepted`, so the log says why a run
@@ -8,18 +13,17 @@ restored the step it did.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.storage.catalog import CheckpointInfo, list_step_dirs, newest_valid
 from stalwart.core import events as ev
 from stalwart.orchestrator.restore import nothing_restorable
-from stalwart.orchestrator.states import Failed
 
 if TYPE_CHECKING:
     from stalwart.checkpointing.storage.signing import CheckpointTrust
     from stalwart.core.run_logs import EventLog
-    from stalwart.orchestrator.group import WorkerGroup
     from stalwart.orchestrator.observers import Display
     from stalwart.orchestrator.reporting import CommitLog
 
@@ -50,32 +54,31 @@ class StorageRestore:
                                                            why=found.unsigned))
         return found
 
-    def load(self, group: WorkerGroup, checkpoint: CheckpointInfo) -> int | Failed:
-        """Load `checkpoint` on every rank; one that fails to load is skipped and the next
-        older valid one is tried. Returns the step restored, or Failed when none loads."""
+    def candidates(self, checkpoint: CheckpointInfo) -> Iterator[CheckpointInfo]:
+        """`checkpoint`, then, each time the one before failed to load (`skip`), the next
+        older one that verifies, until there is none."""
         while True:
-            try:
-                return group.restore(checkpoint.path)
-            except CheckpointError as exc:
-                self._on_damaged(checkpoint.step, str(exc))
+            yield checkpoint
             older = self.newest_valid(below=checkpoint.step)
             if older is None:
-                lost = self.nothing_restorable(None)
-                assert lost is not None  # a checkpoint was committed: the one that failed
-                return lost
+                return
             checkpoint = older
             self.display.log(f"restoring from storage's step {older.step} instead")
 
-    def nothing_restorable(self, memory_why: str | None) -> Failed | None:
-        """Failed, when checkpoints were committed but none can be restored (a fresh start
-        would silently throw their work away); None when nothing was ever committed."""
+    def skip(self, checkpoint: CheckpointInfo, why: str) -> None:
+        """`checkpoint` failed to load on the ranks: it is passed over, and logged."""
+        self._on_damaged(checkpoint.step, why)
+
+    def lost(self, memory_why: str | None) -> str | None:
+        """Why the world must not start from step 0 when checkpoints were committed but none
+        can be restored (a fresh start would silently throw their work away); None when
+        nothing was ever committed."""
         committed = [s for s, done in list_step_dirs(self.storage_url) if done]
         reason = nothing_restorable(committed=committed, newest_reported=self.commits.newest,
                                     skipped=self.skipped, memory_why=memory_why)
-        if reason is None:
-            return None
-        self.display.log(reason)
-        return Failed(reason=reason)
+        if reason is not None:
+            self.display.log(reason)
+        return reason
 
     def log_unreported_commit(self) -> None:
         """A failed run's last commit that rank 0 wrote but did not live to report (it died

@@ -1,8 +1,8 @@
 """ElasticGroup: the run's worker actors, across every generation of the world.
 
-The controller sees a small interface (top_up, refresh, form, restore, launch, poll,
-request_stop, remove, disband, shutdown), so it can be tested step by step with a fake
-group. Actors are placed one at a time, not as one placement group: a world that loses a
+The controller sees a small interface (orchestrator/group.py: views of the pool and of a
+poll; top_up, refresh, pick, form, restore, launch, request_stop, remove, disband, shutdown),
+so it can be tested step by step with a fake group. Actors are placed one at a time, not as one placement group: a world that loses a
 node must keep the rest and shrink, and an actor that cannot be placed yet (its node is
 gone) simply waits in Ray's queue until the cluster has room again: that is how a run grows
 back. Actors are in one of three pools:
@@ -20,6 +20,7 @@ from __future__ import annotations
 import os
 import signal
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -31,7 +32,7 @@ from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.memory.catalog import MemoryChoice
 from stalwart.checkpointing.memory.store import Inventory
 from stalwart.checkpointing.storage.signing import CheckpointTrust
-from stalwart.core.config import JobConfig
+from stalwart.core.config import FaultSpec, JobConfig
 from stalwart.core.errors import ConfigError
 from stalwart.core.events import WorkerPlace
 from stalwart.core.ray_private import actor_row
@@ -39,7 +40,7 @@ from stalwart.core.task import TaskLike
 from stalwart.orchestrator import classify
 from stalwart.orchestrator.driver_loss import run_namespace, start_beacon
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
-from stalwart.orchestrator.group import Arm, Disbanded, PollView, WorkerGroup
+from stalwart.orchestrator.group import Disbanded, PollView, PoolView, WorkerGroup
 from stalwart.orchestrator.node_health import NodeHealth
 from stalwart.orchestrator.node_polls import NodePolls
 from stalwart.workers.actor import TrainWorker
@@ -215,6 +216,13 @@ class ElasticGroup(WorkerGroup):
                     time.time())) from exc
         self.starting = still
 
+    def pool_view(self) -> PoolView:
+        return PoolView(available=self.available(), placed_starting=self.placed_starting(),
+                        best_world=self.best_world())
+
+    def draining_nodes(self) -> frozenset[str]:
+        return self.nodes.draining()
+
     def placed_starting(self) -> int:
         """Starting actors that Ray has placed on a live node (the rest wait for room)."""
         # The GCS actor table is the only way to tell an actor that is starting from one that
@@ -237,35 +245,35 @@ class ElasticGroup(WorkerGroup):
     def available(self) -> int:
         return len(self.members) + len(self.idle)
 
-    def best_world(self, up_to: int | None = None) -> int:
+    def best_world(self) -> int:
         """The largest valid world size the warm actors can make (0 if none)."""
-        n = min(self.config.scaling.ceiling, self.available() if up_to is None else up_to)
+        n = min(self.config.scaling.ceiling, self.available())
         sizes = valid_world_sizes(self.config, n)
         return sizes[-1] if sizes else 0
 
     # ------------------------------------------------------------------ one generation
 
-    def form(self, world_size: int, generation: int, arm: Arm) -> list[WorkerPlace]:
-        """Make a world of `world_size` ranks: survivors keep their order, then idle actors.
-
-        Returns where each member runs, in rank order; `arm` maps them to the faults each
-        rank must inject in this generation.
-        """
+    def pick(self, world_size: int, generation: int) -> list[WorkerPlace]:
+        """Choose a world of `world_size` ranks: survivors keep their order, then idle actors.
+        Returns where each member runs, in rank order."""
         pool = self.members + self.idle
         self.members, self.idle = pool[:world_size], pool[world_size:]
         self.generation = generation
-        workers = self.places()
-        armed = arm(workers)
+        return self.places()
+
+    def form(self, armed: Mapping[int, Sequence[FaultSpec]]) -> None:
+        """Set the picked members up as a world at rank 0's store; `armed` holds the faults
+        each rank must inject in this generation."""
         timeout = self.config.scaling.start_timeout_s
         (rdzv,) = self._get([self.members[0].actor.rendezvous_address.remote()],
                             timeout=timeout)
-        nodes = [p.node_id for p in workers]
+        nodes = [self._place(w).node_id for w in self.members]
+        world_size, generation = len(self.members), self.generation
         # Named by rank and generation: the Ray Dashboard's task list tells which actor is
         # which rank of which world (an actor's own name and repr are fixed at its creation).
         self._get([w.actor.setup.options(name=f"{task_name(rank, generation)}.setup").remote(
                        rank, world_size, rdzv, generation, tuple(armed.get(rank, ())), nodes)
                    for rank, w in enumerate(self.members)], timeout=timeout)
-        return workers
 
     def places(self) -> list[WorkerPlace]:
         return [replace(self._place(w), rank=r) for r, w in enumerate(self.members)]

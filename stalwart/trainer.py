@@ -32,7 +32,6 @@ from stalwart.checkpointing.storage.signing import CheckpointTrust, load_key
 from stalwart.checkpointing.storage.transfer import copy_checkpoint
 from stalwart.cluster import connect
 from stalwart.core import events as ev
-from stalwart.core import ray_private
 from stalwart.core.config import JobConfig, config_from_dict, flatten, load_config
 from stalwart.core.errors import ClusterError, ConfigError, RunDirError
 from stalwart.core.task import TaskLike, resolve_task, task_path_of
@@ -367,8 +366,7 @@ class Trainer:
                                    task=self.task),
                 group_error=GroupFailed, trust=trust, events=self.run_dir.events,
                 metrics=self.run_dir.metrics, display=display, resume_from=resume_from,
-                policies=default_policies(self.config, storage_url=storage_url,
-                                          draining_nodes=draining_nodes))
+                policies=default_policies(self.config, storage_url=storage_url))
             try:
                 final = controller.run()
             except BaseException as exc:  # a second Ctrl-C; Tune stopping a trial; a callback
@@ -468,9 +466,3 @@ def _refuse_other_owner(storage_url: str, me: Owner, owner: Owner | None) -> Non
         f"checkpoint.storage {storage_url} belongs to another run (run dir {owner.run_dir}, "
         f"task {owner.task}); one storage holds one run's checkpoints: --resume that run, "
         f"or choose another checkpoint.storage")
-
-
-def draining_nodes() -> set[str]:
-    """Ids of the nodes Ray is draining (preemption, autoscaler scale-down): leave them."""
-    return ray_private.draining_nodes()
-

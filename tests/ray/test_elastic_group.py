@@ -44,9 +44,11 @@ RUN = [*TINY, "scaling.num_workers=2", "scaling.spare_workers=1", "train.steps=1
 # descriptions, typed replies) is here, so that a change is adapted in one place.
 
 def form(group: ElasticGroup, world_size: int, generation: int) -> list[int]:
-    """Form a world with no faults armed; returns its pids in rank order."""
-    workers = group.form(world_size, generation, arm=lambda workers: {})
+    """Pick and form a world with no faults armed; returns its pids in rank order."""
+    workers = group.pick(world_size, generation)
     assert [w.rank for w in workers] == list(range(world_size))
+    group.form({})
+    assert group.places() == workers
     return [w.pid for w in workers]
 
 
@@ -158,7 +160,7 @@ def assert_all_gone(names: set[str], pids: set[int]) -> None:
 def test_a_world_forms_trains_stops_and_shuts_down(group: ElasticGroup) -> None:
     warm(group, 3)  # the largest world (2) and the spare
     assert group.starting == [] and group.members == []
-    assert group.best_world() == 2
+    assert group.pool_view().best_world == 2
     idle = [pid_of(w) for w in group.idle]
     assert len(set(idle)) == 3 and os.getpid() not in idle
     names = {w.key for w in group.idle}

@@ -115,7 +115,7 @@ class FakeWorld:
         self.plans = plans
         self.calls: list[Call] = []
         self.transitions: list[tuple[str, str]] = []
-        self.draining: set[str] = set()
+        self.draining: set[str] = set()  # the nodes Ray drains, as the group reports them
         self.clock = FakeClock(T0)
         real = controller_module.check_transition
 
@@ -141,8 +141,7 @@ class FakeWorld:
             metrics=MetricsLog(self.metrics_path), display=self.display,
             resume_from=resume_from, clock=self.clock, poll_interval_s=0, trust=trust(),
             collective_grace_s=collective_grace_s, observers=observers,
-            policies=default_policies(config, storage_url=str(self.storage),
-                                      draining_nodes=lambda: set(self.draining)))
+            policies=default_policies(config, storage_url=str(self.storage)))
 
     def run(self) -> State:
         return self.controller.run()

@@ -5,6 +5,8 @@ cluster hands out fake actors (pid, node_ip, node_id) as `top_up` asks for them;
 warms them; `form` makes a world of survivors first, then idle actors. Each generation has a
 Plan: `poll` returns its next scripted (answered, dead) pair or raises a scripted
 FakeGroupError (the controller's `group_error`), and any method can be told to raise.
+Like the real group it answers with views (pool_view, poll's PollView, memory_inventory) and
+carries out commands; it never calls back into the controller.
 
 It subclasses the real group's abstract base (orchestrator/group.py), so a method that
 changes there breaks it here. Time is a FakeClock that moves only when the fake group waits
@@ -15,7 +17,7 @@ the controller sleeps, so every duration in the tests is exact.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +33,7 @@ from stalwart.core.events import WorkerPlace
 from stalwart.orchestrator import classify
 from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.failures import WorkerFailure
-from stalwart.orchestrator.group import Disbanded, PollView, WorkerGroup
+from stalwart.orchestrator.group import Disbanded, PollView, PoolView, WorkerGroup
 from stalwart.workers.reports import StepReport, WorkerStatus
 
 if TYPE_CHECKING:
@@ -209,14 +211,15 @@ class FakeGroup(WorkerGroup):
         self.idle += self.starting  # placed actors warm up within one refresh here
         self.starting = []
 
-    def placed_starting(self) -> int:
-        return len(self.starting)
+    def pool_view(self) -> PoolView:
+        return PoolView(available=len(self.members) + len(self.idle),
+                        placed_starting=len(self.starting), best_world=self._best_world())
 
-    def available(self) -> int:
-        return len(self.members) + len(self.idle)
+    def draining_nodes(self) -> frozenset[str]:
+        return frozenset(self.w.draining)
 
-    def best_world(self, up_to: int | None = None) -> int:
-        n = min(self.w.config.scaling.ceiling, self.available() if up_to is None else up_to)
+    def _best_world(self) -> int:
+        n = min(self.w.config.scaling.ceiling, len(self.members) + len(self.idle))
         valid = []
         for size in range(1, n + 1):
             try:
@@ -228,19 +231,19 @@ class FakeGroup(WorkerGroup):
 
     # -- one generation
 
-    def form(self, world_size: int, generation: int,
-             arm: Callable[[list[WorkerPlace]], dict[int, list[FaultSpec]]]
-             ) -> list[WorkerPlace]:
-        self._record("form", world_size, generation)
+    def pick(self, world_size: int, generation: int) -> list[WorkerPlace]:
+        self._record("pick", world_size, generation)
         pool = self.members + self.idle
-        assert len(pool) >= world_size, f"form({world_size}) with {len(pool)} warm actors"
+        assert len(pool) >= world_size, f"pick({world_size}) with {len(pool)} warm actors"
         self.members, self.idle = pool[:world_size], pool[world_size:]
         self.generation = generation
         self._steps = {a.pid: 0 for a in self.members}
-        workers = self.places()
-        self.armed[generation] = arm(workers)
+        return self.places()
+
+    def form(self, armed: Mapping[int, Sequence[FaultSpec]]) -> None:
+        self._record("form")
+        self.armed[self.generation] = {r: list(f) for r, f in armed.items()}
         self._maybe_raise("form")
-        return workers
 
     def places(self) -> list[WorkerPlace]:
         return [WorkerPlace(rank=r, **a.info) for r, a in enumerate(self.members)]

@@ -57,10 +57,10 @@ def test_normal_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     assert w.transitions == w.path(*HAPPY)
     # each method ran in the state that owns it; no restore without a checkpoint
     assert [(c.name, c.state) for c in w.calls] == [
-        ("top_up", "SCHEDULING"), ("refresh", "SCHEDULING"), ("form", "RENDEZVOUS"),
-        ("launch", "RESTORING"), ("poll", "RUNNING"), ("poll", "RUNNING"), ("poll", "RUNNING"),
+        ("top_up", "SCHEDULING"), ("refresh", "SCHEDULING"), ("pick", "RENDEZVOUS"),
+        ("form", "RENDEZVOUS"), ("launch", "RESTORING"), ("poll", "RUNNING"), ("poll", "RUNNING"), ("poll", "RUNNING"),
         ("poll", "RUNNING"), ("shutdown", "FINISHED")]
-    assert w.named("form")[0].args == (2, 0)
+    assert w.named("pick")[0].args == (2, 0)
     assert w.shutdowns() == [True]
     assert w.group.unused_polls() == {}
 
@@ -131,9 +131,10 @@ def test_resume_from_a_checkpoint_restores_before_launch(
     w = FakeWorld(tmp_path, monkeypatch, [Plan(polls=[statuses([5, 6], done=True)])],
                   resume_from=resume)
     assert w.run() == Finished(step=6)
-    assert [(c.name, c.state, c.args) for c in w.calls[:6]] == [
+    assert [(c.name, c.state, c.args) for c in w.calls[:7]] == [
         ("top_up", "SCHEDULING", ()), ("refresh", "SCHEDULING", (0.0,)),
-        ("form", "RENDEZVOUS", (2, 0)), ("restore", "RESTORING", ("/somewhere/step_000000004",)),
+        ("pick", "RENDEZVOUS", (2, 0)), ("form", "RENDEZVOUS", ()),
+        ("restore", "RESTORING", ("/somewhere/step_000000004",)),
         ("launch", "RESTORING", (True,)), ("poll", "RUNNING", ())]
     assert w.event("started")["start_step"] == 4
 
@@ -211,7 +212,7 @@ def test_stop_while_waiting_for_workers(tmp_path: Path,
     assert w.run() == Stopped(step=0)
     assert w.transitions == [("SCHEDULING", "STOPPED")]
     assert w.kinds() == ["stopped"]
-    assert w.named("form") == []
+    assert w.named("pick", "form") == []
     assert w.shutdowns() == [True]
 
 

@@ -52,7 +52,7 @@ def test_shrink_when_only_a_smaller_world_can_form(tmp_path: Path,
     assert w.group.armed == {0: {2: [parse_fault("kill-node:node=1,step=3")],
                                  3: [parse_fault("kill:rank=3,step=5")]},
                              1: {}}
-    assert [c.args for c in w.named("form")] == [(4, 0), (2, 1)]
+    assert [c.args for c in w.named("pick")] == [(4, 0), (2, 1)]
     assert w.killed() == [2000, 2001] and w.members(1) == [1000, 1001]
     assert w.kinds() == ["started", "checkpoint_committed", "fault_injected", "failure",
                          "fault_skipped", "resized", "recovered", "finished"]
@@ -121,7 +121,7 @@ def test_grow_when_the_cluster_has_room(tmp_path: Path, monkeypatch: pytest.Monk
     assert w.named("remove")[0].args == ((),)
     assert any(m == "planned resize (grow, room for more workers): checkpointing the next step"
                for m in w.display.logs)
-    assert [c.args for c in w.named("form")] == [(2, 0), (4, 1)]
+    assert [c.args for c in w.named("pick")] == [(2, 0), (4, 1)]
     assert w.members(1) == [1000, 1001, 2000, 2001]  # the old ranks keep their places
     assert [(c.state, c.args) for c in w.named("restore")] == [
         ("RESTORING", (join(str(w.storage), "step_000000004"),))]

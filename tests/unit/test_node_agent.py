@@ -13,7 +13,7 @@ import pytest
 
 from stalwart.core.config import JobConfig
 from stalwart.core.events import WorkerPlace
-from stalwart.orchestrator.detection import FailureDetector
+from stalwart.orchestrator.detection import FailureDetector, LastSeen
 from stalwart.orchestrator.failures import FailureKind
 from stalwart.orchestrator.group import PollView
 from stalwart.orchestrator.node_polls import _failures
@@ -121,14 +121,13 @@ def _detector() -> FailureDetector:
 def test_a_stopped_rank_is_a_hang_at_once_and_a_dead_one_outranks_it():
     ranks = {0: (None, 100), 1: (None, 101)}
     stopped = _failures(NodeReport(stopped={1: 9.5}), ranks)
-    seen = []
+    # the heartbeat the agent reports (9.5) dates it, not the newest step's end (9.0)
     failure = _detector().find(PollView(answered={}, dead=tuple(stopped)), 10.0,
-                               lambda r, heartbeat=None: seen.append(heartbeat) or heartbeat)
+                               LastSeen(last_step_end=9.0))
     assert failure.kind == FailureKind.HANG and failure.ranks == (1,)
-    assert failure.last_seen == 9.5 and seen == [9.5]
+    assert failure.last_seen == 9.5
     both = stopped + _failures(NodeReport(exited={0: 9.0}), ranks)
-    failure = _detector().find(PollView(answered={}, dead=tuple(both)), 10.0,
-                               lambda r, heartbeat=None: heartbeat)
+    failure = _detector().find(PollView(answered={}, dead=tuple(both)), 10.0, LastSeen())
     assert failure.kind == FailureKind.WORKER_DIED and failure.ranks == (0,)
 
 

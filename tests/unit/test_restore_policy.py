@@ -1,5 +1,6 @@
 """RestorePolicy on its own: memory or storage (or nothing), the reason logged for it, and
-the fallback to storage when loading from memory fails."""
+the fallback to storage when loading from memory fails. No group, fake or real: the policy
+is given the memory inventory as plain data."""
 
 from __future__ import annotations
 
@@ -25,9 +26,10 @@ def memory(*steps: int) -> dict[str, Inventory]:
     return {"pid-1": held_in_memory(list(steps))}
 
 
-def test_no_memory_tier_asks_nothing_and_logs_no_choice() -> None:
-    assert RestorePolicy(memory_tier=False).choose(
-        lambda: pytest.fail("asked for an inventory"), storage(4)) is None
+def test_no_memory_tier_weighs_nothing_and_logs_no_choice() -> None:
+    # (the controller asks for no inventory then: test_controller_restore.py)
+    assert RestorePolicy(memory_tier=False).choose(memory(5), storage(4)) is None
+    assert RestorePolicy(memory_tier=False).choose({}, None) is None
 
 
 @pytest.mark.parametrize(("held", "checkpoint", "reason"), [
@@ -38,7 +40,7 @@ def test_no_memory_tier_asks_nothing_and_logs_no_choice() -> None:
 def test_memory_when_it_is_at_least_as_new(held: tuple[int, ...],
                                            checkpoint: CheckpointInfo | None,
                                            reason: str) -> None:
-    decision = POLICY.choose(lambda: memory(*held), checkpoint)
+    decision = POLICY.choose(memory(*held), checkpoint)
     assert decision is not None and decision.source == "memory"
     assert decision.memory is not None and decision.memory.step == max(held)
     assert decision.step == decision.memory_step == max(held)
@@ -47,7 +49,7 @@ def test_memory_when_it_is_at_least_as_new(held: tuple[int, ...],
 
 
 def test_storage_when_it_is_newer() -> None:
-    decision = POLICY.choose(lambda: memory(2, 3), storage(4))
+    decision = POLICY.choose(memory(2, 3), storage(4))
     assert decision == RestoreDecision(source="storage", memory=None, memory_step=3,
                                        storage_step=4,
                                        reason="storage's step 4 is newer than memory's step 3")
@@ -55,16 +57,16 @@ def test_storage_when_it_is_newer() -> None:
 
 
 def test_storage_or_nothing_when_memory_holds_nothing() -> None:
-    decision = POLICY.choose(lambda: memory(), storage(4))
+    decision = POLICY.choose(memory(), storage(4))
     assert (decision.source, decision.step, decision.reason) == (
         "storage", 4, "nothing complete in memory: no snapshot is held in memory")
-    fresh = POLICY.choose(lambda: memory(), None)
+    fresh = POLICY.choose(memory(), None)
     assert (fresh.source, fresh.step, fresh.reason) == (
         "none", None, "nothing complete in memory (no snapshot is held in memory) or in storage")
 
 
 def test_the_event_names_both_candidates() -> None:
-    event = POLICY.choose(lambda: memory(5), storage(4)).event(generation=2)
+    event = POLICY.choose(memory(5), storage(4)).event(generation=2)
     assert (event.source, event.step, event.memory_step, event.storage_step,
             event.generation) == ("memory", 5, 5, 4, 2)
 

@@ -1,5 +1,6 @@
 """ScalingPolicy on its own: the size to wait for, form / wait / give up, and the planned
-resizes of a running world (drain, grow, preemption), as plain decisions."""
+resizes of a running world (drain, grow, preemption), as plain decisions. No group, fake or
+real: the policy is given views built here as plain dataclasses."""
 
 from __future__ import annotations
 
@@ -7,9 +8,11 @@ import pytest
 
 from stalwart.core.config import load_config
 from stalwart.core.events import WorkerPlace
+from stalwart.orchestrator.group import PoolView
 from stalwart.orchestrator.scaling import (
     FormDecision,
     GiveUpDecision,
+    NeedRoomDecision,
     NoopDecision,
     ResizeDecision,
     ScalingPolicy,
@@ -19,27 +22,16 @@ from stalwart.orchestrator.scaling import (
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 
-class Pool:
-    """What the policy reads of a worker group between worlds (a pure unit test's stub)."""
-
-    def __init__(self, best: int, placed: int = 0, available: int | None = None) -> None:
-        self.best, self.placed = best, placed
-        self.warm = best if available is None else available
-
-    def best_world(self, up_to: int | None = None) -> int:
-        return self.best
-
-    def placed_starting(self) -> int:
-        return self.placed
-
-    def available(self) -> int:
-        return self.warm
+def pool(best: int, placed: int = 0, available: int | None = None) -> PoolView:
+    """What the pool holds between worlds, as the group's view says it."""
+    return PoolView(best_world=best, placed_starting=placed,
+                    available=best if available is None else available)
 
 
-def policy(*overrides: str, draining: set[str] = frozenset()) -> ScalingPolicy:
+def policy(*overrides: str) -> ScalingPolicy:
     config = load_config(None, ["scaling.num_workers=4", "train.micro_batch_size=1",
                                 "train.global_batch_size=840", *overrides])
-    return ScalingPolicy(config.scaling, storage_url="/ckpt", draining_nodes=lambda: draining)
+    return ScalingPolicy(config.scaling, storage_url="/ckpt")
 
 
 def test_waits_for_the_size_it_had_never_below_the_floor() -> None:
@@ -50,20 +42,20 @@ def test_waits_for_the_size_it_had_never_below_the_floor() -> None:
 
 
 def test_forms_at_once_when_the_target_is_warm() -> None:
-    assert policy().schedule(Pool(best=4), generation=0, world_size=0, waited=0.0) == \
+    assert policy().schedule(pool(best=4), generation=0, world_size=0, waited=0.0) == \
         FormDecision(world_size=4)
 
 
 def test_forms_smaller_only_when_nothing_placed_is_still_coming() -> None:
     p = policy("scaling.min_workers=2", "scaling.start_timeout_s=10")
     # two more are placed and warming up: wait for them
-    assert p.schedule(Pool(best=2, placed=2), generation=1, world_size=4,
+    assert p.schedule(pool(best=2, placed=2), generation=1, world_size=4,
                       waited=5.0) == WaitDecision()
     # nothing placed is coming: form what there is
-    assert p.schedule(Pool(best=2, placed=0), generation=1, world_size=4,
+    assert p.schedule(pool(best=2, placed=0), generation=1, world_size=4,
                       waited=0.0) == FormDecision(world_size=2)
     # placed ones that take longer than start_timeout_s are not waited for
-    assert p.schedule(Pool(best=2, placed=2), generation=1, world_size=4,
+    assert p.schedule(pool(best=2, placed=2), generation=1, world_size=4,
                       waited=10.5) == FormDecision(world_size=2)
 
 
@@ -73,17 +65,17 @@ def test_gives_up_below_the_floor_after_its_limit(generation: int, key: str,
                                                   limit: float) -> None:
     p = policy("scaling.min_workers=3", "scaling.start_timeout_s=2",
                "scaling.wait_for_workers_s=5")
-    pool = Pool(best=2, available=2)
-    assert p.schedule(pool, generation=generation, world_size=4, waited=limit) == \
+    two = pool(best=2, available=2)
+    assert p.schedule(two, generation=generation, world_size=4, waited=limit) == \
         WaitDecision()
-    assert p.schedule(pool, generation=generation, world_size=4, waited=limit + 0.5) == \
+    assert p.schedule(two, generation=generation, world_size=4, waited=limit + 0.5) == \
         GiveUpDecision(reason=f"only 2 workers could be started, scaling.min_workers=3 are "
                               f"needed; waited {limit + 0.5:.1f}s (scaling.{key}={limit:g}); "
                               f"checkpoints are intact under /ckpt")
 
 
 def test_give_up_names_num_workers_when_there_is_no_min_workers() -> None:
-    decision = policy().schedule(Pool(best=0, available=1), generation=0, world_size=0,
+    decision = policy().schedule(pool(best=0, available=1), generation=0, world_size=0,
                                  waited=1000.0)
     assert isinstance(decision, GiveUpDecision)
     assert "scaling.num_workers=4 (no scaling.min_workers set) are needed" in decision.reason
@@ -106,33 +98,35 @@ WORKERS = [WorkerPlace(rank=r, pid=100 + r, node_ip=f"10.0.0.{r}", node_id=node)
 
 def test_checks_only_every_resize_check_s_or_after_a_commit() -> None:
     p = policy("scaling.max_workers=8", "scaling.resize_check_s=10")
-    asked: list[int] = []
-
-    def room() -> int:
-        asked.append(1)
-        return 4
-
+    none: frozenset[str] = frozenset()
     p.world_started(100.0)
-    assert p.make_decision(105.0, world_size=4, workers=WORKERS, room=room) == NoopDecision()
-    assert asked == []  # too early: the cluster is not asked
-    assert p.make_decision(110.0, world_size=4, workers=WORKERS, room=room) == NoopDecision()
-    assert asked == [1]
-    assert p.make_decision(111.0, world_size=4, workers=WORKERS, room=room) == NoopDecision()
-    assert asked == [1]
+    assert not p.resize_due(105.0)  # too early: neither the cluster nor its drains are asked
+    assert p.make_decision(105.0, world_size=4, workers=WORKERS, draining=none) == \
+        NoopDecision()
+    assert p.resize_due(110.0)
+    # below the ceiling: ask the cluster for room; the pool it makes decides
+    assert p.make_decision(110.0, world_size=4, workers=WORKERS, draining=none) == \
+        NeedRoomDecision(world_size=4)
+    assert p.grow(pool(best=4), world_size=4) == NoopDecision()
+    assert not p.resize_due(111.0)
+    assert p.make_decision(111.0, world_size=4, workers=WORKERS, draining=none) == \
+        NoopDecision()
     p.checkpoint_committed()  # a checkpoint boundary: look now
-    assert p.make_decision(112.0, world_size=4, workers=WORKERS, room=lambda: 6) == \
-        ResizeDecision(reason="grow")
+    assert p.resize_due(112.0)
+    assert p.make_decision(112.0, world_size=4, workers=WORKERS, draining=none) == \
+        NeedRoomDecision(world_size=4)
+    assert p.grow(pool(best=6), world_size=4) == ResizeDecision(reason="grow")
 
 
 def test_no_growing_at_the_ceiling() -> None:
-    p = policy()  # max_workers unset: num_workers is the ceiling
+    p = policy()  # max_workers unset: num_workers is the ceiling: no room is asked for
     assert p.make_decision(0.0, world_size=4, workers=WORKERS,
-                           room=lambda: pytest.fail("asked for room")) == NoopDecision()
+                           draining=frozenset()) == NoopDecision()
 
 
 def test_ranks_on_a_draining_node_leave_before_any_growing() -> None:
-    p = policy("scaling.max_workers=8", draining={"b"})
-    decision = p.make_decision(0.0, world_size=4, workers=WORKERS, room=lambda: 8)
+    p = policy("scaling.max_workers=8")
+    decision = p.make_decision(0.0, world_size=4, workers=WORKERS, draining=frozenset({"b"}))
     assert decision == ResizeDecision(reason="drain", leaving=(1, 2))
     assert decision.message == ("planned resize (drain, rank(s) [1, 2] leaving): "
                                 "checkpointing the next step")

@@ -12,6 +12,7 @@ import pytest
 from stalwart.core.config import load_config
 from stalwart.core.events import Straggler, WorkerPlace, read_events
 from stalwart.core.run_logs import EventLog
+from stalwart.orchestrator.detection import LastSeen
 from stalwart.orchestrator.failures import FailureKind
 from stalwart.orchestrator.reporting import StragglerReporter
 from stalwart.orchestrator.stragglers import StragglerDetector, median_without
@@ -136,7 +137,7 @@ def test_the_reporter_names_the_straggler_and_its_node(tmp_path: Path, replace: 
     for step in (1, 2, 3):
         for rank, local_s in enumerate([0.02, 0.09]):
             reporter.on_status(rank, _status(rank, step, local_s), now=float(step))
-        failures.append(reporter.check(float(step), last_seen=lambda ranks: None))
+        failures.append(reporter.check(float(step), LastSeen()))
 
     (event,) = [e for e in read_events(events.path) if isinstance(e, Straggler)]
     assert (event.rank, event.node_ip, event.step, event.replaced) == (1, "10.0.0.2", 2, replace)
