@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from stalwart.orchestrator.failures import (
@@ -125,3 +127,28 @@ def test_unlimited_failures_keep_backing_off_at_the_cap() -> None:
     for _ in range(1100):
         decision = policy.make_decision(failure())
     assert isinstance(decision, RetryDecision) and decision.delay_s == 60.0
+
+
+def test_the_failure_log_names_what_failed_from_the_members_it_is_given(tmp_path: Path) -> None:
+    """FailureLog: the policy's decision, written as a `failure` event whose nodes and pids
+    come from the places it is handed (no group asked)."""
+    from stalwart.core.events import WorkerPlace, read_jsonl
+    from stalwart.core.run_logs import EventLog
+    from stalwart.orchestrator.failure_log import FailureLog
+
+    places = [WorkerPlace(rank=r, pid=100 + r, node_ip=f"10.0.0.{r + 1}", node_id=f"n{r}")
+              for r in range(3)]
+    log = FailureLog(FailurePolicy(1), EventLog(tmp_path / "events.jsonl"))
+    died = WorkerFailure(kind=FailureKind.WORKER_DIED, rank=2, ranks=(2,), message="gone",
+                         detected_at=10.0, last_seen=9.25)
+    # a world that failed while forming: its members are not yet the running world's
+    assert isinstance(log.decide(died, workers=places[:2], members=places, step=7),
+                      RetryDecision)
+    silent = WorkerFailure(kind=FailureKind.HANG, rank=0, ranks=(0,), pids=(100,),
+                           message="silent", detected_at=11.0)
+    assert isinstance(log.decide(silent, workers=places, members=[], step=7), FailDecision)
+    first, second = read_jsonl(tmp_path / "events.jsonl")
+    assert (first["nodes"], first["pids"], first["detection_s"], first["retry"],
+            first["attempt"]) == (["10.0.0.3"], [102], 0.75, True, 1)
+    # pids known: named among the world's workers
+    assert (second["nodes"], second["pids"], second["retry"]) == (["10.0.0.1"], [100], False)

@@ -4,6 +4,7 @@ each fault strikes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import pickle
 import threading
@@ -271,6 +272,26 @@ def test_a_fired_fault_is_never_armed_again() -> None:
     plan.fired(kill)  # heard twice (two polls): harmless
     plan.fired(hang)
     assert plan.arm(world, DRIVER) == ({}, [])
+
+
+def test_the_fault_watch_arms_a_picked_world_and_logs_faults_with_no_target(
+        tmp_path: Path) -> None:
+    """The controller's side: given the picked places (no group), what each rank carries
+    out; a fault with no target is logged as `fault_skipped` and stays pending."""
+    from stalwart.core.events import read_jsonl
+    from stalwart.core.run_logs import EventLog
+    from stalwart.orchestrator.fault_watch import FaultWatch
+
+    config = load_config(None, ["scaling.num_workers=4"])
+    config = dataclasses.replace(config, faults=(parse_fault("kill:rank=3,step=5"),
+                                                 parse_fault("kill-node:node=1,step=6")))
+    watch = FaultWatch(config, EventLog(tmp_path / "events.jsonl"))
+    assert watch.arm(workers("a", "a"), DRIVER) == {0: [parse_fault("kill-node:node=1,step=6")]}
+    (skipped,) = read_jsonl(tmp_path / "events.jsonl")
+    assert skipped["kind"] == "fault_skipped" and "kill:rank=3,step=5" in skipped["message"]
+    assert watch.arm(workers("a", "a", "b", "b"), DRIVER) == {
+        3: [parse_fault("kill:rank=3,step=5")], 0: [parse_fault("kill-node:node=1,step=6")]}
+    assert dict(watch.fault_times()) == {}
 
 
 # ---------------------------------------------------------------------------- FaultInjector

@@ -1,14 +1,18 @@
-"""ScalingPolicy on its own: the size to wait for, form / wait / give up, and the planned
-resizes of a running world (drain, grow, preemption), as plain decisions. No group, fake or
-real: the policy is given views built here as plain dataclasses."""
+"""ScalingPolicy and the resize plan on their own: the size to wait for, form / wait / give
+up, and the planned resizes of a running world (drain, grow, preemption), as plain
+decisions. No group, fake or real: they are given views built here as plain dataclasses."""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 
 from stalwart.core.config import load_config
-from stalwart.core.events import WorkerPlace
+from stalwart.core.events import WorkerPlace, read_jsonl
+from stalwart.core.run_logs import EventLog
 from stalwart.orchestrator.group import PoolView
+from stalwart.orchestrator.resize_plan import ResizePlan
 from stalwart.orchestrator.scaling import (
     FormDecision,
     GiveUpDecision,
@@ -144,3 +148,60 @@ def test_every_preempted_rank_leaves() -> None:
     drain = ResizeDecision(reason="drain", leaving=(1,))
     assert ScalingPolicy.preempted(drain, 3) == ResizeDecision(reason="preempted",
                                                                leaving=(1, 3))
+
+
+# ---------------------------------------------------------------------------- the resize plan
+
+
+class _Display:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def log(self, message: str) -> None:
+        self.lines.append(message)
+
+
+def plan(tmp_path: Path, *overrides: str) -> ResizePlan:
+    return ResizePlan(policy(*overrides), EventLog(tmp_path / "events.jsonl"), _Display())
+
+
+def test_the_resize_plan_asks_for_room_and_grows_on_the_pool_it_is_given(
+        tmp_path: Path) -> None:
+    """ResizePlan returns what the controller must do (look for room, stop the ranks); it is
+    given views and never touches a group."""
+    p = plan(tmp_path, "scaling.max_workers=8", "scaling.resize_check_s=10")
+    p.scaling.world_started(0.0)
+    assert not p.due(5.0)
+    assert p.due(10.0)
+    assert p.consider(10.0, world_size=4, workers=WORKERS, draining=frozenset()) == \
+        NeedRoomDecision(world_size=4)
+    assert p.room(pool(best=4), world_size=4) == NoopDecision() and p.decision is None
+    p.scaling.checkpoint_committed()
+    p.consider(11.0, world_size=4, workers=WORKERS, draining=frozenset())
+    grow = p.room(pool(best=6), world_size=4)
+    assert grow == ResizeDecision(reason="grow") and p.decision == grow
+    assert p.display.lines == [grow.message]
+    assert not p.due(100.0)  # planned: nothing more is asked until the world stops
+
+
+def test_a_drain_starts_at_once_and_a_preemption_joins_a_plan_under_way(
+        tmp_path: Path) -> None:
+    p = plan(tmp_path)
+    drain = p.consider(0.0, world_size=4, workers=WORKERS, draining=frozenset({"c"}))
+    assert drain == ResizeDecision(reason="drain", leaving=(3,)) and p.decision == drain
+    # a preemption during it: no new plan starts (the ranks were asked to stop already)
+    assert p.preempted(1) is None
+    assert p.decision == ResizeDecision(reason="preempted", leaving=(3, 1))
+    p.cancel()  # a failure replaces the plan
+    assert p.preempted(2) == ResizeDecision(reason="preempted", leaving=(2,))  # starts now
+
+
+def test_a_new_world_logs_the_resize_with_its_reason(tmp_path: Path) -> None:
+    p = plan(tmp_path)
+    p.preempted(1)
+    p.formed(old_world=4, old_layout={"dp_shard": 4}, new_world=3,
+             new_layout={"dp_shard": 3}, step=8, generation=2)
+    (resized,) = read_jsonl(tmp_path / "events.jsonl")
+    assert (resized["reason"], resized["old_world_size"], resized["new_world_size"],
+            resized["step"]) == ("preempted", 4, 3, 8)
+    assert p.decision is None and p.display.lines[-1] == "world resized 4 -> 3 (preempted)"
