@@ -11,14 +11,14 @@ covers that step finds it dead, and the survivors answer with no progress (stuck
 collective).
 
 The group counts its own time (`own_cpu_s`, `own_wall_s`) so that a bench can tell the
-controller's work from the simulated workers'; the fault plan's `arm`, which `form` calls
-back into the controller, is the controller's and is not counted.
+controller's work from the simulated workers'. It answers with the same views as the real
+group (pool_view, poll's PollView) and calls nothing back in the controller.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 
@@ -29,12 +29,12 @@ from stalwart.checkpointing.memory.catalog import MemoryChoice
 from stalwart.checkpointing.memory.store import Holding, Inventory
 from stalwart.checkpointing.snapshot import ShardLayout
 from stalwart.checkpointing.storage.writer import CommitReport
-from stalwart.core.config import JobConfig
+from stalwart.core.config import FaultSpec, JobConfig
 from stalwart.core.errors import ConfigError
 from stalwart.core.events import WorkerPlace
 from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
-from stalwart.orchestrator.group import Arm, Disbanded, WorkerGroup
+from stalwart.orchestrator.group import Disbanded, PollView, PoolView, WorkerGroup
 from stalwart.workers.reports import StepReport, WorkerStatus
 
 T0 = 1_700_000_000.0  # the simulated clock starts here
@@ -138,15 +138,16 @@ class SimGroup(WorkerGroup):
     def refresh(self, timeout: float = 0.0) -> None:
         """Placed actors are warm at once."""
 
-    def placed_starting(self) -> int:
-        return 0
+    def pool_view(self) -> PoolView:
+        return PoolView(available=len(self.members) + len(self.idle), placed_starting=0,
+                        best_world=self._best_world())
 
-    def available(self) -> int:
-        return len(self.members) + len(self.idle)
+    def draining_nodes(self) -> frozenset[str]:
+        return frozenset()
 
-    def best_world(self, up_to: int | None = None) -> int:
+    def _best_world(self) -> int:
         with self._own():
-            n = min(self.config.scaling.ceiling, self.available() if up_to is None else up_to)
+            n = min(self.config.scaling.ceiling, len(self.members) + len(self.idle))
             for size in range(n, 0, -1):  # from the top: the answer is usually n itself
                 try:
                     self.config._check_world(size)
@@ -160,15 +161,17 @@ class SimGroup(WorkerGroup):
 
     # -- one generation
 
-    def form(self, world_size: int, generation: int, arm: Arm) -> list[WorkerPlace]:
+    def pick(self, world_size: int, generation: int) -> list[WorkerPlace]:
         with self._own():
             pool = self.members + self.idle
             self.members, self.idle = pool[:world_size], pool[world_size:]
             self._generation = generation
             self._places = [a.place(r) for r, a in enumerate(self.members)]
             self.stats.generations += 1
-        arm(self._places)  # the controller's work (its fault plan)
         return list(self._places)
+
+    def form(self, armed: Mapping[int, Sequence[FaultSpec]]) -> None:
+        """Simulated ranks fire no injected faults: nothing to set up."""
 
     def places(self) -> list[WorkerPlace]:
         return list(self._places)
@@ -203,14 +206,14 @@ class SimGroup(WorkerGroup):
     def settle(self) -> None:
         """Older worlds' snapshots would be dropped (none are kept here)."""
 
-    def poll(self, wait_s: float) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
+    def poll(self, wait_s: float) -> PollView:
         self.clock.sleep(wait_s)  # the real group's node agents answer when the interval ends
         with self._own():
             answered, dead = self._answers()
             self.stats.polls += 1
         if dead:
             self.stats.failures_reported.append((time.perf_counter(), time.process_time()))
-        return answered, dead
+        return PollView(answered=answered, dead=tuple(dead))
 
     def _answers(self) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
         assert self._launched_at is not None, "poll before launch"
