@@ -1,19 +1,15 @@
 """Chaos soak: the reference task with random faults fired from outside, checked after each run.
 
-Each run trains the reference task (examples/gpt/config.toml with the tiny model) in a random
-layout, and gets 2 to 4 faults at random moments of its training: SIGKILL, SIGSTOP or SIGTERM
-of a random worker process, or SIGKILL of the driver's whole session followed by
-`stalwart run ... --resume` (chaos_faults.py). Then it checks (chaos_checks.py) that the run
-finished, that its final weights equal a failure-free run's of the same layout bit for bit,
-that every committed checkpoint verifies and exports, that every fault shows in events.jsonl,
-and counts the steps lost. Every random choice comes from one random.Random(--seed), printed
-first; `--first-run K --runs N` runs runs K..K+N-1 of the same soak, so a long soak can be
-split into chunks.
+Each run trains the tiny reference task in a random layout and gets 2 to 4 faults at random
+moments of its training (chaos_faults.py); then chaos_checks.py checks that it finished, that
+its final weights equal a failure-free run's bit for bit, that every checkpoint verifies and
+exports and every fault was recorded, and counts the steps lost. Every random choice comes
+from one random.Random(--seed); `--first-run K --runs N` runs runs K..K+N-1 of the same soak.
 
     python -m bench.chaos [--runs 10] [--seed S] [--first-run 0] [--layouts ddp2 fsdp2]
 
-prints a table (one row per run) and writes bench/results/chaos-seedS[-runK].json. Exit code 0
-when every run passed every check, 1 otherwise. Not a timed test.
+Prints a row per run; writes bench/results/chaos-seedS[-runK].json. Exit code 0 when every
+run passed every check, 1 otherwise. Not a timed test.
 """
 
 from __future__ import annotations

@@ -1,56 +1,39 @@
 """Commit: rank 0's time from the last shard written to the manifest committed, with each
 file's sha256 read back on rank 0 (the old path) against taken from its writer (the new one).
 
-For each world size N (default 1, 2, 4) it spawns N gloo processes. Each round, every rank
-saves its shard with DCP into a fresh step directory under a temporary dir (on /tmp by
-default), twice: once with DCP's plain fsspec writer, then rank 0 commits by reading every
-file back (`write_manifest` without digests, as before issue 17); once with `HashingWriter`,
-then rank 0 commits from the digests that came with DCP's write results. The commit clock
-starts when rank 0's `dcp.save` returns (DCP's coordinator returns once every rank's shard
-and `.metadata` are written) and stops when the manifest is renamed into place.
-
-Two shapes of state, both of float32 tensors with distinct names per rank:
-- `fixed`: one model of --total-mb split over the N ranks (strong scaling);
-- `per-rank`: --shard-mb on every rank, so the checkpoint grows with N (weak scaling: how
-  a world grows in practice).
-
-It also reports each save's write time (the slowest rank's `dcp.save`) with and without
-hashing, since the new path moves the hashing onto the writers.
+In N spawned gloo processes, each round every rank saves its shard with DCP twice: with the
+plain writer, then rank 0 reads every file back to commit; with HashingWriter, then rank 0
+commits from the writers' digests. Two shapes of float32 state: `fixed` (--total-mb over the
+ranks) and `per-rank` (--shard-mb on each, growing with N as a world does). The slowest rank's
+save time is reported with and without hashing, which the new path moves onto the writers.
 
     python -m bench.commit [--worlds 1 2 4] [--total-mb 128] [--shard-mb 32] [--rounds 3]
                            [--dir /tmp] [--out bench/results/commit.json]
 
-The files were just written, so the old path reads them from the page cache: on object
-storage, where a read is a download, its cost is larger still. Exit code 0 (a measurement);
-1 only if a rank failed.
+Target: the commit stays flat as the world grows. Exit code 0; 1 only if a rank failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import statistics
 import sys
 import tempfile
 import time
-import traceback
 import warnings
-from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import machine
+from bench import common
 
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = ROOT / "bench" / "results" / "commit.json"
 TENSORS_PER_RANK = 8
 MIB = 2**20
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = common.parser(__doc__, __spec__)
     p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4],
                    help="world sizes to measure (default 1 2 4)")
     p.add_argument("--total-mb", type=float, default=128.0,
@@ -60,7 +43,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3, help="saves per path (default 3)")
     p.add_argument("--dir", default=tempfile.gettempdir(),
                    help="where the checkpoints are written (default the temp dir)")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON result file")
+    p.add_argument("--out", default=str(common.RESULTS / "commit.json"), help="JSON result file")
     args = p.parse_args()
     if any(n < 1 for n in args.worlds) or args.rounds < 1:
         p.error("--worlds and --rounds must be >= 1")
@@ -82,6 +65,7 @@ def measure_rank(rank: int, world: int, root: str, shapes: dict[str, int], round
     commit, then a hashing save + digest commit."""
     from stalwart.checkpointing.storage.signing import SigningKey
 
+    warnings.simplefilter("ignore", UserWarning)  # DCP's, once per save and rank
     key = SigningKey(secret=b"k" * 32, source="bench")
     out, step = {}, 0
     for shape, shard_bytes in shapes.items():
@@ -126,40 +110,6 @@ def _measure_shape(rank: int, world: int, root: str, state: dict[str, Any], roun
     return rows
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str, root: str, shapes: dict[str, int],
-           rounds: int) -> None:
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)  # N processes share the machine's cores
-    warnings.simplefilter("ignore", UserWarning)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        result: Any = {"ok": measure_rank(rank, world, root, shapes, rounds)}
-    except BaseException:
-        result = {"error": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
-    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
-
-
-def run_world(world: int, shapes: dict[str, int], rounds: int, where: str
-              ) -> list[dict[str, list[dict]]]:
-    import torch.multiprocessing as mp
-
-    from stalwart.parallel.distributed import free_port
-
-    with tempfile.TemporaryDirectory() as out_dir, \
-            tempfile.TemporaryDirectory(prefix="stalwart-commit-", dir=where) as root:
-        mp.start_processes(_entry, args=(world, free_port(), out_dir, root, shapes, rounds),
-                           nprocs=world, join=True, start_method="spawn")
-        results = [json.loads(Path(out_dir, f"{r}.json").read_text()) for r in range(world)]
-    for rank, result in enumerate(results):
-        if "error" in result:
-            raise RuntimeError(f"world {world}, rank {rank} failed:\n{result['error']}")
-    return [r["ok"] for r in results]
-
-
 def summarise(shape: str, world: int, shard_bytes: int, per_rank: list[list[dict]]
               ) -> dict[str, Any]:
     row: dict[str, Any] = {"shape": shape, "world": world,
@@ -174,6 +124,20 @@ def summarise(shape: str, world: int, shard_bytes: int, per_rank: list[list[dict
     return row
 
 
+def print_table(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    head = ["shape", "N", "ckpt MiB", "old commit ms", "new commit ms", "old/new",
+            "files read old/new", "write s plain", "write s hashing"]
+    print(f"commit = rank 0 from its dcp.save returning to manifest.json in place; medians "
+          f"of {args.rounds} rounds; write = slowest rank's dcp.save; storage {args.dir}")
+    common.print_columns([head] + [[
+        r["shape"], str(r["world"]), f"{r['checkpoint_mib']:.0f}",
+        f"{r['old']['commit_median_s'] * 1e3:.1f}", f"{r['new']['commit_median_s'] * 1e3:.2f}",
+        f"{r['old']['commit_median_s'] / r['new']['commit_median_s']:.0f}x",
+        f"{r['old']['files_read']}/{r['new']['files_read']}",
+        f"{r['old']['write_median_s']:.2f}", f"{r['new']['write_median_s']:.2f}"]
+        for r in rows])
+
+
 def main() -> int:
     args = parse_args()
     rows = []
@@ -181,40 +145,21 @@ def main() -> int:
     for world in args.worlds:
         shapes = {"fixed": int(args.total_mb * MIB / world), "per-rank": int(args.shard_mb * MIB)}
         try:
-            per_rank = run_world(world, shapes, args.rounds, args.dir)
+            with tempfile.TemporaryDirectory(prefix="stalwart-commit-", dir=args.dir) as root:
+                per_rank = common.gloo_world(measure_rank, world, root, shapes, args.rounds)
         except RuntimeError as exc:
             print(exc, file=sys.stderr)
             return 1
         rows += [summarise(shape, world, shard_bytes, [r[shape] for r in per_rank])
                  for shape, shard_bytes in shapes.items()]
     rows.sort(key=lambda r: (r["shape"] != "fixed", r["world"]))
-
-    head = ["shape", "N", "ckpt MiB", "old commit ms", "new commit ms", "old/new",
-            "files read old/new", "write s plain", "write s hashing"]
-    table = [head] + [[
-        r["shape"], str(r["world"]), f"{r['checkpoint_mib']:.0f}",
-        f"{r['old']['commit_median_s'] * 1e3:.1f}", f"{r['new']['commit_median_s'] * 1e3:.2f}",
-        f"{r['old']['commit_median_s'] / r['new']['commit_median_s']:.0f}x",
-        f"{r['old']['files_read']}/{r['new']['files_read']}",
-        f"{r['old']['write_median_s']:.2f}", f"{r['new']['write_median_s']:.2f}"]
-        for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    print(f"commit = rank 0 from its dcp.save returning to manifest.json in place; medians "
-          f"of {args.rounds} rounds; write = slowest rank's dcp.save; storage {args.dir}")
-    for row in table:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    print_table(rows, args)
+    common.write_json(args.out, {
         "method": "rank 0's time from dcp.save returning to the manifest committed; old: "
                   "every file read back and hashed on rank 0; new: digests from the writers",
         "rounds": args.rounds, "storage_dir": args.dir, "results": rows,
-        "seconds": time.perf_counter() - t_start, "machine": machine(with_ray=False),
-    }, indent=2) + "\n")
-    print(f"wrote {out}")
+        "seconds": time.perf_counter() - t_start, "machine": common.machine(with_ray=False)})
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

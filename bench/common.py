@@ -254,6 +254,13 @@ def fmt(x: float | None, spec: str = "9,.0f", missing: str | None = None) -> str
     return "-".rjust(int(width or 1))
 
 
+def print_columns(table: list[list[str]]) -> None:
+    """A table of strings, each column right-aligned to its widest cell."""
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    for row in table:
+        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+
+
 def window_settings(args: argparse.Namespace, workers: int, tps: int,
                     overrides: list[str]) -> dict[str, Any]:
     """The settings every rate report starts with."""
@@ -283,6 +290,17 @@ def append_jsonl(path: Path, row: dict[str, Any]) -> None:
         os.write(fd, (json.dumps(row) + "\n").encode())
     finally:
         os.close(fd)
+
+
+def write_atomic(path: Path, write: Callable[[Any], None], mode: str = "w") -> None:
+    """Written whole or not at all (a temporary file, fsync, rename): a reader that polls the
+    file, or a run that restarts from it, never sees half of it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, mode) as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def write_json(path: str | Path, data: dict[str, Any]) -> None:

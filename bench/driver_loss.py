@@ -1,16 +1,14 @@
 """Steps lost when the driver is SIGKILLed on a cluster, over several kills of one run.
 
-On a `ray start` cluster of this machine, one run is driven by `stalwart run --address` as a
-user types it; the harness SIGKILLs its driver `--kills` times, each once a random step is in
-its metrics.jsonl, each followed by `stalwart run ... --auto-resume`; the last driver runs to
-the end. Its workers (detached) must commit the step in flight when their driver dies. Per
-kill: the last step logged (a metrics row or a commit), the step the next driver resumed from
-(its `resumed` event), the steps lost (logged before the kill and trained again: 0 when the
-workers' commit is at or past the last logged step) and the seconds from the kill to that
-commit. Then the final weights are compared bit for bit with a failure-free run on the same
-cluster. Prints a table; writes bench/results/driver_loss.json.
+On a `ray start` cluster of this machine, `stalwart run --address` drives one run; the harness
+SIGKILLs the driver --kills times, each once a random step is logged, and resumes it with
+`--auto-resume`. Its detached workers must commit the step in flight. Per kill: the last step
+logged, the step resumed from, the steps lost (logged, then trained again) and the seconds to
+the workers' commit; then the final weights against a failure-free run's, bit for bit.
 
     python -m bench.driver_loss [--kills 5] [--steps 600]
+
+Target: no step logged before a kill is trained again. Writes bench/results/driver_loss.json.
 """
 
 from __future__ import annotations

@@ -1,22 +1,16 @@
 """Goodput under a kill every minute: stalwart against Ray Train, side by side.
 
-The reference task (examples/gpt/config.toml: 2 workers, a storage checkpoint every 50 steps;
-stalwart also keeps its warm spare and in-memory snapshots) trains for --duration seconds while
-the harness SIGKILLs the process of rank 1 (found by the PID its run recorded) every
---kill-every seconds, then asks the run to stop. Ray Train runs the same model, batch, sample
-order and checkpoint interval under TorchTrainer with FailureConfig(max_failures=-1)
-(bench/peers/raytrain_worker.py; rank 0 waits for each checkpoint to be registered, or Ray
-Train loses the newest), killed on the same schedule.
-
-Goodput = productive step time / wall time, the same way for both from each completed step's
-end: a step's time runs from the end of the step before it in the same world (for a world's
-first step, from when the world was ready); productive: the steps of the final trajectory,
-each counted once however often it was trained; wall: from launching the run to asking it to
-stop. Target: stalwart >= 0.95.
+The reference task (examples/gpt/config.toml; stalwart with its warm spare and memory tier)
+trains for --duration seconds while the harness SIGKILLs rank 1's process every --kill-every
+seconds, then asks the run to stop; Ray Train trains the same model, batch, sample order and
+checkpoint interval under TorchTrainer (FailureConfig(max_failures=-1)) on the same schedule.
+Goodput, the same way for both from each completed step's end: the time of every step of the
+final trajectory (from the end of the step before it in the same world, or from the world
+being ready; a step trained twice counts once) over the wall time from launch to the stop.
 
     python -m bench.goodput [--duration 600 --kill-every 60] [--only stalwart|raytrain]
 
-prints a table and writes bench/results/goodput.json.
+Target: stalwart >= 0.95. Prints a table and writes bench/results/goodput.json.
 """
 
 from __future__ import annotations

@@ -1,14 +1,13 @@
 """Hang detection's false positives: the reference run, no fault, for a long time.
 
 `stalwart run examples/gpt/config.toml` with tight hang limits (a 2 s floor, 5 x the median
-step; the defaults are 5 s and 10 x) trains for `--minutes` with nothing injected, on whatever
-else the machine is doing, and is then stopped with SIGTERM (a stop: it checkpoints the step
-in flight). Every `failure` event is a false positive: the target is none. Also printed: the
-steps, the median and the slowest step time (how close a healthy step came to the limit), and
-the limit. With `--nodes N` the run is spread over a local cluster of N one-CPU nodes, so that
-the frozen-node rule (failure.node_silent_timeout_s) is on trial too.
+step) trains for --minutes, then stops on SIGTERM. Every `failure` event is a false positive.
+With --nodes N the run is spread over a local cluster of N one-CPU nodes, so that the
+frozen-node rule is on trial too.
 
     python -m bench.hang_soak [--minutes 30] [--nodes 0] [--set KEY=VALUE ...]
+
+Target: none. Writes bench/results/hang_soak.json.
 """
 
 from __future__ import annotations

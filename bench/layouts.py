@@ -1,19 +1,15 @@
 """Layouts: tokens/s of each parallel layout of the reference task on 4 CPU workers.
 
-Every layout is one `stalwart run examples/gpt/config.toml --set ...` as a user types it, with
-the same overrides: 4 workers of 0.5 CPU; one model for every row (8 blocks, untied
-embeddings: pp4 interleaved needs 2 stages per rank and pipelines need untied embeddings);
-the reference batch (global 32, micro 8), which every layout splits into 32 / (8 d)
-micro-batches for d data-parallel ranks, enough for its pipeline. Every layout trains the same
-model on the same samples, so the final losses agree up to the rounding of differently
-ordered reductions. The rate is steady-state tokens/s between metrics.jsonl rows; Ray and
-worker start-up are outside the window.
+Every layout is one `stalwart run examples/gpt/config.toml` as a user types it, one model for
+every row (8 blocks, untied embeddings: what pipelines need) and the reference batch, so every
+layout trains the same model on the same samples and the losses agree up to the rounding of
+differently ordered reductions. The rate is steady-state tokens/s between metrics.jsonl rows.
 
     python -m bench.layouts [--rounds 1] [--steps 30] [--layouts ddp4 fsdp4 ...]
                             [--out bench/results/layouts.json]
 
-A run that fails is recorded (exit code, the tail of its log) and the others go on. The exit
-code is 0 if at least one layout was measured, 1 otherwise.
+A failed run is recorded with the tail of its log and the others go on. The exit code is 0
+if at least one layout was measured, 1 otherwise.
 """
 
 from __future__ import annotations

@@ -1,60 +1,35 @@
 """Memory: measured per-rank bytes of model state under FSDP2 ZeRO-3 against the ZeRO formula.
 
-For each world size N (default 1, 2, 4) it spawns N gloo processes on this machine, builds the
-example GPT (d_model 256, 8 blocks, seq_len 128: big enough that FSDP2's per-tensor rounding of
-shards is small), shards it with stalwart's own data-parallel recipe (dp_shard = N,
-reshard_after_forward = True, fp32) and runs one real training step with AdamW (foreach=False).
-Then each rank counts the bytes of the LOCAL shards it holds: every parameter
-(`DTensor.to_local()`), every gradient, and every optimizer state tensor (exp_avg, exp_avg_sq,
-step). N = 1 is stalwart's single-rank layout, the model unwrapped.
+In N spawned gloo processes, the example GPT (6.5M parameters, so FSDP2's per-tensor rounding
+is small) sharded with stalwart's own mesh and recipe (N = 1: unwrapped) takes one real AdamW
+step; then each rank counts the bytes of the local shards it holds.
 
     python -m bench.memory [--worlds 1 2 4] [--out bench/results/memory.json]
 
-Target: the busiest rank's parameters + gradients + optimizer state are within 10% of the
-ZeRO formula for fp32 AdamW, 16 x params / N (4 params + 4 grads + 8 for m and v). The table
-also shows stalwart.plan.estimate.estimate for the same layout. Exit code 0 whether or not
-the target is met (a measurement); 1 only if a rank failed.
+Target: the busiest rank within 10% of 16 x params / N (fp32 params, grads, m and v), with
+stalwart.plan.estimate's figure beside it. Exit code 0; 1 only if a rank failed.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
-import tempfile
-import traceback
-from pathlib import Path
 from typing import Any
 
-import torch
+from bench import common
 
-from bench.common import machine
-
-ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_OUT = ROOT / "bench" / "results" / "memory.json"
 TARGET = 0.10
 MODEL = {"vocab_size": 256, "seq_len": 128, "d_model": 256, "n_layers": 8, "n_heads": 4}
 MICRO_BATCH = 2
 
 
-def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4],
-                   help="world sizes to measure (default 1 2 4)")
-    p.add_argument("--out", default=str(DEFAULT_OUT), help="JSON result file")
-    args = p.parse_args()
-    if any(n < 1 for n in args.worlds):
-        p.error("--worlds must all be >= 1")
-    return args
-
-
-def _nbytes(t: torch.Tensor) -> int:
+def _nbytes(t: Any) -> int:
     local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor's shard on this rank
     return local.numel() * local.element_size()
 
 
 def measure_rank(rank: int, world: int) -> dict[str, int]:
     """One training step on this rank, then the bytes of what it keeps, by kind."""
+    import torch
     import torch.nn.functional as F
 
     from stalwart.core.config import ParallelConfig
@@ -64,19 +39,16 @@ def measure_rank(rank: int, world: int) -> dict[str, int]:
 
     torch.manual_seed(0)
     cfg = GPTConfig(**MODEL)
-    model = GPT(cfg)
     # ZeRO-3 over every rank: the mesh and wrapping a stalwart worker builds for this config.
     parallel = ParallelConfig(dp_replicate=1, dp_shard=-1, reshard_after_forward=True)
     mesh = ParallelDims.from_config(parallel, world).build_mesh("cpu")
-    model = apply_data_parallel(model, mesh, parallel)
+    model = apply_data_parallel(GPT(cfg), mesh, parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=False)
-
     gen = torch.Generator().manual_seed(rank)  # each rank its own micro-batch, as in training
     tokens = torch.randint(0, cfg.vocab_size, (MICRO_BATCH, cfg.seq_len + 1), generator=gen)
     logits = model(tokens[:, :-1])
     F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
     optimizer.step()  # creates the optimizer state; grads are kept (no zero_grad) to count
-
     params = list(model.parameters())
     counts = {"params": sum(_nbytes(p) for p in params),
               "grads": sum(_nbytes(p.grad) for p in params if p.grad is not None),
@@ -90,49 +62,13 @@ def measure_rank(rank: int, world: int) -> dict[str, int]:
     return counts
 
 
-def _entry(rank: int, world: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
+def measure(worlds: list[int], shape: Any) -> list[dict[str, Any]]:
+    """Per world size: every rank's counts, the busiest, the formula and the estimate."""
+    from stalwart.plan.estimate import PlanLayout, estimate
 
-    torch.set_num_threads(1)  # N processes share the machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
-    try:
-        result: Any = {"ok": measure_rank(rank, world)}
-    except BaseException:
-        result = {"error": traceback.format_exc()}
-    finally:
-        dist.destroy_process_group()
-    Path(out_dir, f"{rank}.json").write_text(json.dumps(result))
-
-
-def run_world(world: int) -> list[dict[str, int]]:
-    import torch.multiprocessing as mp
-
-    from stalwart.parallel.distributed import free_port
-
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_entry, args=(world, free_port(), out_dir), nprocs=world,
-                           join=True, start_method="spawn")
-        results = [json.loads(Path(out_dir, f"{r}.json").read_text()) for r in range(world)]
-    for rank, result in enumerate(results):
-        if "error" in result:
-            raise RuntimeError(f"world {world}, rank {rank} failed:\n{result['error']}")
-    return [r["ok"] for r in results]
-
-
-def main() -> int:
-    args = parse_args()
-    from stalwart.examples.gpt.task import GPTTask
-    from stalwart.plan.estimate import ModelShape, PlanLayout, estimate
-
-    shape = ModelShape.from_task(GPTTask(**MODEL), None)
     rows = []
-    for world in args.worlds:
-        try:
-            per_rank = run_world(world)
-        except RuntimeError as exc:
-            print(exc, file=sys.stderr)
-            return 1
+    for world in worlds:
+        per_rank = common.gloo_world(measure_rank, world)
         busiest = max(per_rank, key=lambda c: c["total"])
         formula = 16 * shape.n_params / world
         est = estimate(shape, PlanLayout(dp_shard=world, zero3=True)).state
@@ -142,9 +78,11 @@ def main() -> int:
             "params_all_ranks": sum(c["params"] for c in per_rank),
             "formula_bytes": formula, "ratio": busiest["total"] / formula,
             "estimate_bytes": est, "estimate_ratio": busiest["total"] / est,
-            "within_target": abs(busiest["total"] / formula - 1) <= TARGET,
-        })
+            "within_target": abs(busiest["total"] / formula - 1) <= TARGET})
+    return rows
 
+
+def print_table(rows: list[dict[str, Any]], n_params: int) -> None:
     mib = 2**20
     head = ["N", "params MiB", "grads MiB", "optim MiB", "total MiB", "16P/N MiB",
             "ratio", "estimate MiB", "vs estimate", "within 10%"]
@@ -153,27 +91,40 @@ def main() -> int:
                                                                       "optimizer", "total")),
         f"{r['formula_bytes'] / mib:.3f}", f"{r['ratio']:.5f}", f"{r['estimate_bytes'] / mib:.3f}",
         f"{r['estimate_ratio']:.5f}", "yes" if r["within_target"] else "NO"] for r in rows]
-    widths = [max(len(row[i]) for row in table) for i in range(len(head))]
-    print(f"GPT {MODEL}: {shape.n_params:,} parameters; FSDP2 ZeRO-3, fp32, AdamW; bytes of "
+    print(f"GPT {MODEL}: {n_params:,} parameters; FSDP2 ZeRO-3, fp32, AdamW; bytes of "
           f"the busiest rank after one step")
-    for row in table:
-        print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
+    common.print_columns(table)
     for r in rows:
-        if r["params_all_ranks"] != 4 * shape.n_params:
+        if r["params_all_ranks"] != 4 * n_params:
             print(f"warning: N={r['world']}: parameter shards add up to "
-                  f"{r['params_all_ranks']:,} bytes, not 4 x {shape.n_params:,}")
+                  f"{r['params_all_ranks']:,} bytes, not 4 x {n_params:,}")
+
+
+def main() -> int:
+    p = common.parser(__doc__, __spec__)
+    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4],
+                   help="world sizes to measure (default 1 2 4)")
+    p.add_argument("--out", default=str(common.RESULTS / "memory.json"), help="JSON result file")
+    args = p.parse_args()
+    if any(n < 1 for n in args.worlds):
+        p.error("--worlds must all be >= 1")
+    from stalwart.examples.gpt.task import GPTTask
+    from stalwart.plan.estimate import ModelShape
+
+    shape = ModelShape.from_task(GPTTask(**MODEL), None)
+    try:
+        rows = measure(args.worlds, shape)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    print_table(rows, shape.n_params)
     met = all(r["within_target"] for r in rows)
     print(f"target: within {TARGET:.0%} of 16 x params / N: {'met' if met else 'NOT met'}")
-
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({
+    common.write_json(args.out, {
         "model": {**MODEL, "n_params": shape.n_params}, "micro_batch": MICRO_BATCH,
         "layout": "FSDP2 ZeRO-3 (dp_shard = N), fp32, AdamW foreach=False",
         "target": TARGET, "target_met": met, "results": rows,
-        "machine": machine(with_ray=False),
-    }, indent=2) + "\n")
-    print(f"wrote {out}")
+        "machine": common.machine(with_ray=False)})
     return 0
 
 

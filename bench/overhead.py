@@ -1,20 +1,12 @@
 """Overhead: what the in-memory checkpoint tier costs the reference task's tokens/s.
 
-Each round runs `stalwart run examples/gpt/config.toml --set ...` as a user types it, one run
-after the other, the order flipping every round, with:
-
-  no-snapshots            checkpoint.snapshot_every=0: the memory tier off
-  snapshots               checkpoint.snapshot_every=1 checkpoint.replicas=0: every step each
-                          rank stages its shard into CPU buffers, no peer copies; informational
-  snapshots+replication   checkpoint.snapshot_every=1 checkpoint.replicas=1 (the default):
-                          staged, then sent to a peer holder by a background thread
-
-in the reference DDP layout, where the two ranks are data-parallel twins (each already holds
-the other's snapshot, so nothing is sent), and, to measure the copy itself, `fsdp
-no-snapshots` / `fsdp snapshots+replication` with FSDP2 over both workers, where every shard
-is distinct and sent to the other rank every step. No idle spare shares the CPUs. The tier's
-size comes from each snapshot run's `memory_tier` event. Snapshots must not change training:
-the losses of the runs of a layout must agree exactly at every logged step.
+Each round runs `stalwart run examples/gpt/config.toml` as a user types it once per runner,
+the order flipping every round: the DDP layout with the memory tier off (`no-snapshots`),
+staging only (`snapshots`, informational) and staged and replicated to a peer
+(`snapshots+replication`, the default; DDP ranks are twins, so nothing is sent); and FSDP2
+over both workers, off and replicated (every shard distinct and sent every step). No spare
+shares the CPUs. The tier's size comes from each run's `memory_tier` event; snapshots must
+not change training, so the losses of a layout's runs must agree exactly.
 
     python -m bench.overhead [--rounds 3] [--steps 60] [--out bench/results/overhead.json]
 

@@ -37,43 +37,16 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
+from bench import recovery_report as report
+from bench import recovery_rows as rows
 from bench.harness import OUTSIDE_KILL
-from bench.harness import POLL_S as KILL_POLL_S
-from bench.peers.torchrun_recovery import MAX_RESTARTS
-from bench.recovery_report import (
-    one_line,
-    plot,
-    print_outside,
-    print_table,
-    summarise,
-    verdicts,
-)
-from bench.recovery_rows import (
-    ELASTIC,
-    FAULT_STEP,
-    FAULTS,
-    HANG_WAIT_S,
-    INJECT,
-    OUTSIDE_MODEL,
-    OUTSIDE_STALWART,
-    PERSIST_EVERY,
-    RUNNERS,
-    SPARE,
-    STALWART_OVERRIDES,
-    STEPS,
-    TARGET_NEXT_STEP_SLACK_S,
-    TARGET_OUTSIDE_RATIOS,
-    WORKERS,
-    run_row,
-    stalwart_overrides,
-)
 
 
 def parse_args() -> argparse.Namespace:
     p = common.parser(__doc__, __spec__)
     p.add_argument("--rounds", type=int, default=1,
                    help="repeat every measurement this many times; medians are reported")
-    p.add_argument("--faults", nargs="+", choices=FAULTS, default=list(FAULTS),
+    p.add_argument("--faults", nargs="+", choices=rows.FAULTS, default=list(rows.FAULTS),
                    help="faults to measure (default: all)")
     common.add_config_args(p, sets=False)
     p.add_argument("--out", default=str(common.RESULTS / "recovery.json"),
@@ -84,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     args = p.parse_args()
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
-    args.faults = [f for f in FAULTS if f in args.faults]
+    args.faults = [f for f in rows.FAULTS if f in args.faults]
     return args
 
 
@@ -103,14 +76,14 @@ def run_all(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     results: list[dict[str, Any]] = []
     for rnd in range(args.rounds):
         for fault in args.faults:
-            runners = [r for r, _ in RUNNERS[fault]]
+            runners = [r for r, _ in rows.RUNNERS[fault]]
             # The order flips every round, so a drift in machine load favours no side.
             order = runners if rnd % 2 == 0 else runners[::-1]
             print(f"round {rnd + 1}/{args.rounds}, {fault}: {' -> '.join(order)}", flush=True)
             for runner in order:
-                r = run_row(runner, fault, args, work, rnd)
+                r = rows.run_row(runner, fault, args, work, rnd)
                 results.append(r)
-                print(one_line(r), flush=True)
+                print(report.one_line(r), flush=True)
                 if r.get("log_tail"):
                     print(f"    last lines of {r['log']}:\n" + "\n".join(
                         "      " + line for line in r["log_tail"].splitlines()), flush=True)
@@ -126,52 +99,6 @@ def ray_health_checks() -> dict[str, Any]:
             "health_check_timeout_ms": Config.health_check_timeout_ms()}
 
 
-def notes(results: list[dict[str, Any]], health: dict[str, Any]) -> list[str]:
-    """What a reader of the figures needs to know about how they were taken."""
-    period, threshold = health["health_check_period_ms"], health["health_check_failure_threshold"]
-    out = [
-        "Ray Train runs with commit_checkpoints=True: rank 0 waits until each checkpoint is "
-        "registered by the controller, so that Ray Train restores from its newest checkpoint "
-        "(the plain loop of its docs loses the step-20 checkpoint to a registration race "
-        "when the fault comes before the controller's next 2 s poll).",
-        "Ray Train detection_s is its controller's FailurePolicy decision (controller_failure_s); "
-        "restart_s is the first train-loop start of a new attempt (run_raytrain's detection_s).",
-        f"Ray Train does not detect the hang: its worker health check times out after "
-        f"600 s by default and the torch process group after 1800 s; the harness waited "
-        f"{HANG_WAIT_S:g} s, then stopped the run.",
-        "Node loss: both sides on a local ray.cluster_utils.Cluster (a 0-CPU head, one 1-CPU "
-        f"node per worker) with Ray's default node health checks (health_check_period_ms="
-        f"{period}, failure_threshold={threshold}); the stalwart cluster also sets "
-        "worker_niceness=0. A replacement 1-CPU node is added as soon as the GCS reports the "
-        "lost node dead, on both sides.",
-        f"{OUTSIDE_KILL}: the harness SIGKILLs rank 1's process by its PID once step "
-        f"{FAULT_STEP} is in the system's own step log (read every 50 ms), so the kill lands "
-        "a step or two later on every side; the kill time is read just before the signal. "
-        "torchrun: its elastic agent's defaults (--monitor-interval 0.1) with --max-restarts 3.",
-        "stalwart's fault time is the controller's acknowledgement of the fault (the worker "
-        "carries it out right after); Ray Train's is written by the worker just before it.",
-        "freeze: stalwart only, on the node-loss cluster. A frozen raylet still accepts "
-        f"connections and Ray's node health check gives up on it after about "
-        f"{period * threshold / 1000:g} s; stalwart's rule is its node agent, "
-        "failure.node_silent_timeout_s late while the other nodes' agents answer.",
-    ]
-    for r in results:
-        if (r["runner"] == "stalwart-elastic" and r["fault"] == "node" and r.get("completed")
-                and not any(e["reason"] == "grow" for e in r.get("resized", []))):
-            why = ("before the GCS reported the lost node dead (Ray's default node health "
-                   "checks), so no replacement node was added"
-                   if r.get("replacement_added_s") is None else
-                   f"though a replacement node was added {r['replacement_added_s']:.1f} s "
-                   "after the fault")
-            out.append(
-                f"round {r['round'] + 1}, node: stalwart detected the loss by probing the "
-                f"raylet, shrank to 1 worker and finished the run "
-                f"{common.fmt(r.get('finished_s'), '.1f')} s after the fault on the surviving "
-                f"worker, {why}: it did not grow back (the grow path is what "
-                "tests/ray/test_cli_node_loss.py covers, on a longer run).")
-    return out
-
-
 def changed_note(start: dict[str, Any], end: dict[str, Any]) -> str | None:
     """Someone committed or edited files while the benchmark ran."""
     if end == start:
@@ -183,48 +110,30 @@ def changed_note(start: dict[str, Any], end: dict[str, Any]) -> str | None:
         + " (runs after the change may have used different code)")
 
 
-def settings(args: argparse.Namespace, tps: int, health: dict[str, Any]) -> dict[str, Any]:
-    return {
-        "rounds": args.rounds, "faults": args.faults, "steps": STEPS, "fault_step": FAULT_STEP,
-        "persist_every": PERSIST_EVERY, "workers": WORKERS, "tokens_per_step": tps,
-        "config": args.config, "stalwart_overrides": STALWART_OVERRIDES, "stalwart_spare": SPARE,
-        "stalwart_elastic": ELASTIC, "inject": INJECT, "hang_wait_s": HANG_WAIT_S,
-        OUTSIDE_KILL: {"kill_after_step_logged": FAULT_STEP, "poll_s": KILL_POLL_S,
-                       "stalwart_overrides": OUTSIDE_STALWART, "model_overrides": OUTSIDE_MODEL,
-                       "torchrun": {"max_restarts": MAX_RESTARTS,
-                                    "checkpoint_every": PERSIST_EVERY},
-                       "targets": {"next_step_slack_s": TARGET_NEXT_STEP_SLACK_S,
-                                   "ratios": TARGET_OUTSIDE_RATIOS}},
-        "raytrain": {"commit_checkpoints": True, "hang_wait_s": HANG_WAIT_S,
-                     "replace_node_after": "dead", "overrides": common.TINY,
-                     "checkpoint_every": PERSIST_EVERY},
-        "ray_node_health_checks": health}
-
-
 def main() -> int:
     args = parse_args()
     t_start, revision = time.time(), git_revision()
-    tps, _ = common.tokens_per_step(args.config, stalwart_overrides("stalwart"))
+    tps, _ = common.tokens_per_step(args.config, rows.stalwart_overrides("stalwart"))
     work = Path(tempfile.mkdtemp(prefix="stalwart-recovery-"))
-    print(f"recovery: {args.rounds} round(s) x faults {args.faults}, {STEPS} steps, fault on "
-          f"rank 1 at step {FAULT_STEP}, checkpoint every {PERSIST_EVERY}, {WORKERS} workers, "
-          f"{os.cpu_count()} CPUs; runs in {work}", flush=True)
+    print(f"recovery: {args.rounds} round(s) x faults {args.faults}, {rows.STEPS} steps, fault "
+          f"on rank 1 at step {rows.FAULT_STEP}, checkpoint every {rows.PERSIST_EVERY}, "
+          f"{rows.WORKERS} workers, {os.cpu_count()} CPUs; runs in {work}", flush=True)
     results = run_all(args, work)
-    med = summarise(results, args.faults)
-    print_table(med)
+    med = report.summarise(results, args.faults)
+    report.print_table(med)
     if OUTSIDE_KILL in med:
-        print_outside(med)
-    checks = verdicts(results, med)
+        report.print_outside(med)
+    checks = report.verdicts(results, med)
     print()
     for v in checks:
         print(f"target {v['target']}: {'MET' if v['met'] else 'NOT MET'} "
               f"(value {common.fmt(v['value'], '.2f')}; {v['detail']})")
     health, end_revision = ray_health_checks(), git_revision()
-    report_notes = notes(results, health)
+    report_notes = report.notes(results, health)
     if note := changed_note(revision, end_revision):
         report_notes.append(note)
     print("\nnotes:\n" + "\n".join(f"- {n}" for n in report_notes))
-    png = plot(args.png, med)
+    png = report.plot(args.png, med)
     if png:
         print(f"wrote {png}")
     # Runs that went wrong (Ray Train not noticing the hang is the measurement, not a failure).
@@ -238,10 +147,10 @@ def main() -> int:
     import torch
 
     wall = time.time() - t_start
-    report = {
+    out = {
         "bench": "recovery", "time": t_start, "wall_s": wall, "targets": checks,
         "all_targets_met": all(v["met"] for v in checks), "medians": med,
-        "notes": report_notes, "settings": settings(args, tps, health),
+        "notes": report_notes, "settings": rows.settings(args, tps, health),
         "git": {"at_start": revision, "at_end": end_revision},
         "versions": {"stalwart": importlib.metadata.version("stalwart"),
                      "torch": torch.__version__, "ray": ray.__version__,
@@ -254,7 +163,7 @@ def main() -> int:
             r.pop("run_dir", None)
     elif failed:
         print(f"kept {work}: {len(failed)} run(s) did not complete or missed events")
-    common.write_report(args.out, report, results)
+    common.write_report(args.out, out, results)
     print(f"whole benchmark: {wall / 60:.1f} min")
     return 1 if any(r.get("error") or r.get("fault_time") is None for r in results) else 0
 

@@ -131,6 +131,52 @@ def outside_verdicts(rows: dict[str, Any], stalwart: str = "stalwart+spare"
     return out
 
 
+def notes(results: list[dict[str, Any]], health: dict[str, Any]) -> list[str]:
+    """What a reader of the figures needs to know about how they were taken."""
+    period, threshold = health["health_check_period_ms"], health["health_check_failure_threshold"]
+    out = [
+        "Ray Train runs with commit_checkpoints=True: rank 0 waits until each checkpoint is "
+        "registered by the controller, so that Ray Train restores from its newest checkpoint "
+        "(the plain loop of its docs loses the step-20 checkpoint to a registration race "
+        "when the fault comes before the controller's next 2 s poll).",
+        "Ray Train detection_s is its controller's FailurePolicy decision (controller_failure_s); "
+        "restart_s is the first train-loop start of a new attempt (run_raytrain's detection_s).",
+        f"Ray Train does not detect the hang: its worker health check times out after "
+        f"600 s by default and the torch process group after 1800 s; the harness waited "
+        f"{HANG_WAIT_S:g} s, then stopped the run.",
+        "Node loss: both sides on a local ray.cluster_utils.Cluster (a 0-CPU head, one 1-CPU "
+        f"node per worker) with Ray's default node health checks (health_check_period_ms="
+        f"{period}, failure_threshold={threshold}); the stalwart cluster also sets "
+        "worker_niceness=0. A replacement 1-CPU node is added as soon as the GCS reports the "
+        "lost node dead, on both sides.",
+        f"{OUTSIDE_KILL}: the harness SIGKILLs rank 1's process by its PID once step "
+        f"{FAULT_STEP} is in the system's own step log (read every 50 ms), so the kill lands "
+        "a step or two later on every side; the kill time is read just before the signal. "
+        "torchrun: its elastic agent's defaults (--monitor-interval 0.1) with --max-restarts 3.",
+        "stalwart's fault time is the controller's acknowledgement of the fault (the worker "
+        "carries it out right after); Ray Train's is written by the worker just before it.",
+        "freeze: stalwart only, on the node-loss cluster. A frozen raylet still accepts "
+        f"connections and Ray's node health check gives up on it after about "
+        f"{period * threshold / 1000:g} s; stalwart's rule is its node agent, "
+        "failure.node_silent_timeout_s late while the other nodes' agents answer.",
+    ]
+    for r in results:
+        if (r["runner"] == "stalwart-elastic" and r["fault"] == "node" and r.get("completed")
+                and not any(e["reason"] == "grow" for e in r.get("resized", []))):
+            why = ("before the GCS reported the lost node dead (Ray's default node health "
+                   "checks), so no replacement node was added"
+                   if r.get("replacement_added_s") is None else
+                   f"though a replacement node was added {r['replacement_added_s']:.1f} s "
+                   "after the fault")
+            out.append(
+                f"round {r['round'] + 1}, node: stalwart detected the loss by probing the "
+                f"raylet, shrank to 1 worker and finished the run "
+                f"{fmt(r.get('finished_s'), '.1f')} s after the fault on the surviving "
+                f"worker, {why}: it did not grow back (the grow path is what "
+                "tests/ray/test_cli_node_loss.py covers, on a longer run).")
+    return out
+
+
 def one_line(r: dict[str, Any]) -> str:
     tag = f"r{r['round']}-{r['fault']}-{r['runner']}"
     if r.get("error"):

@@ -30,6 +30,7 @@ from bench.harness import (
 )
 from bench.peers import raytrain_worker, torchrun_recovery
 from bench.peers.raytrain_recovery import run_raytrain
+from bench.peers.torchrun_recovery import MAX_RESTARTS
 from stalwart.core import events as ev
 from stalwart.core.events import read_events, read_jsonl, read_metrics
 
@@ -87,11 +88,29 @@ def stalwart_overrides(runner: str) -> list[str]:
     return [*STALWART_OVERRIDES, *extra, *(STORAGE_ONLY if tier == "storage" else [])]
 
 
+def settings(args: argparse.Namespace, tps: int, health: dict[str, Any]) -> dict[str, Any]:
+    """The scenario as the report records it."""
+    return {
+        "rounds": args.rounds, "faults": args.faults, "steps": STEPS, "fault_step": FAULT_STEP,
+        "persist_every": PERSIST_EVERY, "workers": WORKERS, "tokens_per_step": tps,
+        "config": args.config, "stalwart_overrides": STALWART_OVERRIDES, "stalwart_spare": SPARE,
+        "stalwart_elastic": ELASTIC, "inject": INJECT, "hang_wait_s": HANG_WAIT_S,
+        OUTSIDE_KILL: {"kill_after_step_logged": FAULT_STEP, "poll_s": POLL_S,
+                       "stalwart_overrides": OUTSIDE_STALWART, "model_overrides": OUTSIDE_MODEL,
+                       "torchrun": {"max_restarts": MAX_RESTARTS,
+                                    "checkpoint_every": PERSIST_EVERY},
+                       "targets": {"next_step_slack_s": TARGET_NEXT_STEP_SLACK_S,
+                                   "ratios": TARGET_OUTSIDE_RATIOS}},
+        "raytrain": {"commit_checkpoints": True, "hang_wait_s": HANG_WAIT_S,
+                     "replace_node_after": "dead", "overrides": common.TINY,
+                     "checkpoint_every": PERSIST_EVERY},
+        "ray_node_health_checks": health}
+
+
 def run_row(runner: str, fault: str, args: argparse.Namespace, work: Path,
             rnd: int) -> dict[str, Any]:
     tag = f"r{rnd}-{fault}-{runner}"
-    system = "ray-train" if runner == "ray-train" else "torchrun" if runner == "torchrun" \
-        else "stalwart"
+    system = runner if runner in ("ray-train", "torchrun") else "stalwart"
     result: dict[str, Any] = {"system": system, "runner": runner, "fault": fault, "round": rnd,
                               "load_before": os.getloadavg()[0], "log": str(work / f"{tag}.log")}
     try:
@@ -397,11 +416,9 @@ def run_ray_train(result: dict[str, Any], args: argparse.Namespace,
     with output_to(Path(result["log"])):
         raw = run_raytrain(fault, steps=STEPS, fault_step=FAULT_STEP,
                            checkpoint_every=PERSIST_EVERY, workdir=workdir,
-                           timeout_s=args.timeout, hang_wait_s=HANG_WAIT_S, num_cpus=WORKERS,
-                           config=args.config,
+                           timeout_s=args.timeout, hang_wait_s=HANG_WAIT_S, config=args.config,
                            overrides=list(OUTSIDE_MODEL if fault == OUTSIDE_KILL
-                                          else common.TINY),
-                           replace_node_after="dead", commit_checkpoints=True)
+                                          else common.TINY), commit_checkpoints=True)
     raw.pop("step_times", None)
     # Ray Train's own detection: its controller's FailurePolicy decision; restart_s: the
     # first train-loop start of the next attempt (run_raytrain's detection_s, an upper bound).

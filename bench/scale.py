@@ -1,26 +1,19 @@
 """The controller at thousands of ranks: the driver's CPU, its failure decision and its plan.
 
-The real Controller (orchestrator/controller.py) drives a simulated group (bench/sim_group.py)
-of 64, 1,024 and 4,096 ranks, 8 to a node: no torch training, no Ray. Per size it measures:
+The real Controller drives a simulated group (sim_group.py: no torch, no Ray, a clock that
+moves only when a poll waits) of 64, 1,024 and 4,096 ranks, 8 to a node. Per size: the
+driver's CPU per second of training (the group's own work left out), the time from the poll
+that reports a dead rank to the failure decided, and the controller's time to plan the next
+world. Then scale_ray.py: the driver's time per polling interval on a real local Ray.
 
-- cpu_per_train_s: the driver's process CPU in the controller loop over a run of many polls,
-  the simulated group's own work left out, over the simulated training time (polls x poll
-  interval). Also with the group's work in, for information.
-- decision: wall (and CPU) from the return of the poll that reports a dead rank to the start
-  of the RECOVERING state (the `failure` event is written by then). Median of several.
-- plan: the controller's wall and CPU from RECOVERING to the next world launched, the
-  simulated group's own work left out (tear-down, scheduling, rendezvous, restore choice).
+    python -m bench.scale [--sizes 64,1024,4096] [--ray-actors 96] [--profile RANKS]
 
-Goal: decision under 100 ms at 4,096 ranks. Then a real Ray part (bench/scale_ray.py): the
-driver's time per polling interval, one poll per actor against one per node of 8.
-Writes bench/results/scale.json. About 3 minutes on 2 cores.
+Goal: a decision under 100 ms at 4,096 ranks. Writes bench/results/scale.json.
 """
 
 from __future__ import annotations
 
-import argparse
 import cProfile
-import json
 import pstats
 import statistics
 import sys
@@ -29,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import common
 from bench.sim_group import SimClock, SimGroup, SimGroupError
 from stalwart.checkpointing.storage.signing import CheckpointTrust, SigningKey
 from stalwart.core.config import load_config
@@ -38,7 +32,6 @@ from stalwart.orchestrator.observers import ControllerObserver
 from stalwart.orchestrator.policies import default_policies
 from stalwart.orchestrator.states import Finished
 
-ROOT = Path(__file__).resolve().parent.parent
 SIZES = ((64, 8), (1024, 128), (4096, 512))  # (ranks, nodes): 8 ranks a node
 POLL_S = 0.5  # the controller's default poll interval
 GOAL_DECISION_S = 0.100
@@ -157,7 +150,7 @@ def profile(ranks: int, polls: int, failures: int, top: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p = common.parser(__doc__, __spec__)
     p.add_argument("--polls", type=int, default=120, help="polls of the steady run (default 120)")
     p.add_argument("--failures", type=int, default=5, help="failures per size (default 5)")
     p.add_argument("--sizes", default=",".join(str(r) for r, _ in SIZES),
@@ -168,7 +161,7 @@ def main() -> None:
                    help="polling intervals timed per way of polling (default 30)")
     p.add_argument("--profile", type=int, default=0, metavar="RANKS",
                    help="only print a cProfile of the controller at this many ranks")
-    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "scale.json")
+    p.add_argument("--out", type=Path, default=common.RESULTS / "scale.json")
     args = p.parse_args()
     if args.profile:
         profile(args.profile, args.polls, args.failures, top=30)
@@ -198,9 +191,7 @@ def main() -> None:
     if args.ray_actors:
         from bench.scale_ray import ray_polling
         result["ray"] = ray_polling(args.ray_actors, intervals=args.ray_intervals)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    print(f"wrote {args.out}")
+    common.write_json(args.out, result)
 
 
 if __name__ == "__main__":

@@ -132,7 +132,8 @@ def ray_polling(actors: int, *, intervals: int = 30) -> dict[str, Any]:
     """Start a local Ray, `actors` light workers in nodes of 8, time the three ways of polling."""
     nodes_n = max(1, actors // PER_NODE)
     actors = nodes_n * PER_NODE
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # bench/ is not on the workers' path
+    # The actors travel by value: a worker need not have the repository on its path.
+    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     t = time.perf_counter()
     ray.init(num_cpus=os.cpu_count() or 2, include_dashboard=False, log_to_driver=False,
              configure_logging=False)

@@ -1,29 +1,19 @@
 """Signing: what signed checkpoints cost a commit, and what verifying them costs a load.
 
-Runs the reference task (`stalwart run examples/gpt/config.toml --set ...`, as a user types
-it) with a storage checkpoint every --persist-every steps. Then, on each checkpoint it
-committed:
-
-  commit_s        the commit's own time (its `checkpoint_committed` event's save_s: from
-                  the start of the save to the manifest being written)
-  sign_s          signing its manifest (HMAC-SHA256 of the canonical JSON), the one step
-                  signing adds to a commit; the median of --repeat timings
-  check_s         checking that signature, what each load adds on each rank
-  metadata_s      reading .metadata with its sha256 checked and the restricted unpickler,
-                  instead of DCP's pickle.load (what each load does now on each rank)
-  verify_s        the driver's whole verification before a restore (signature and every
-                  file's sha256): for information; the hashing was there before signing
+The reference run (`stalwart run examples/gpt/config.toml`) commits a checkpoint every
+--persist-every steps; on each: the commit's own time (its `checkpoint_committed` event's
+save_s), signing its manifest (the one step signing adds to a commit), checking the signature
+and reading .metadata checked (what each load adds on each rank), and the driver's whole
+verification (for information). Medians of --repeat timings.
 
     python -m bench.signing [--steps 60] [--persist-every 10] [--repeat 2000]
 
-Target: sign_s < 1% of commit_s (the median over the run's commits). The exit code is 0
-whether or not the target is met; 1 only if the run failed or committed nothing.
+Target: signing < 1% of a commit (medians). The exit code is 0 whether or not the target is
+met; 1 only if the run failed or committed nothing.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -33,7 +23,6 @@ from pathlib import Path
 from bench import common
 
 TARGET = 0.01
-DEFAULT_OUT = common.ROOT / "bench" / "results" / "signing.json"
 
 
 def _median_time(fn, repeat: int) -> float:
@@ -82,11 +71,11 @@ def measure(run_dir: Path, repeat: int) -> list[dict]:
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = common.parser(__doc__, __spec__)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--persist-every", type=int, default=10)
     p.add_argument("--repeat", type=int, default=2000, help="timings per figure (median)")
-    p.add_argument("--out", default=str(DEFAULT_OUT))
+    p.add_argument("--out", default=str(common.RESULTS / "signing.json"))
     p.add_argument("--timeout", type=float, default=1800.0)
     args = p.parse_args()
 
@@ -126,10 +115,7 @@ def main() -> int:
     print(f"signing is {summary['sign_share_of_commit']:.4%} of a commit's time "
           f"(median {sign_s * 1e6:.0f} us of {commit * 1e3:.0f} ms); target < {TARGET:.0%}: "
           f"{'met' if summary['met'] else 'NOT met'}")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps({"summary": summary, "commits": rows}, indent=1))
-    print(f"wrote {out}")
+    common.write_json(args.out, {"summary": summary, "commits": rows})
     return 0
 
 

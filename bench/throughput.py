@@ -1,17 +1,10 @@
 """Throughput: the reference task on 2 workers through stalwart against plain torchrun DDP.
 
-Each round runs, one after the other on the same machine, the order flipping every round:
-
-  stalwart-ddp    `stalwart run examples/gpt/config.toml --set parallel.dp_replicate=2
-                  --set parallel.dp_shard=1 ...`, exactly as a user types it (own embedded Ray)
-  torchrun-ddp    `python -m torch.distributed.run --standalone --nproc_per_node 2
-                  -m bench.peers.torchrun_ddp ...`: the same model, data, batch, optimizer by hand
-  stalwart-fsdp   stalwart with FSDP2 over both workers (parallel.dp_shard=-1);
-                  informational, not part of the target
-
-The rate is steady-state tokens/s: tokens of steps exclude+1..steps over the wall time from
-the end of step `exclude` to the end of the last step (stalwart: its metrics.jsonl rows;
-torchrun: the same clock in the script), so process and Ray start-up are outside it.
+Each round runs, the order flipping every round: `stalwart run examples/gpt/config.toml` in
+the DDP layout as a user types it (stalwart-ddp); bench/peers/torchrun_ddp.py under torchrun,
+the same model, data, batch and optimizer by hand (torchrun-ddp); stalwart with FSDP2
+(stalwart-fsdp, informational). The rate is steady-state tokens/s: steps exclude+1..steps over
+the time from the end of step `exclude` to the end of the last, so start-up is left out.
 
     python -m bench.throughput [--rounds 3] [--steps 60] [--out bench/results/throughput.json]
 

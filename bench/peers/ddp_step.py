@@ -18,9 +18,10 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
+from stalwart.core.config import load_config
 from stalwart.core.task import build_task
 from stalwart.examples.gpt.data import TokenDataset, build_token_files
-from stalwart.workers.sampler import GlobalSampler
+from stalwart.workers.sampler import GlobalSampler, rank_slice
 
 if TYPE_CHECKING:
     from stalwart.core.config import JobConfig, TrainConfig
@@ -53,6 +54,11 @@ class DDPSetup:
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         return state["step"], state["samples_seen"]
+
+    def rank_step(self, samples_seen: int, rank: int, world: int) -> tuple[float, int]:
+        """One step on this rank's share of the global batch that starts at samples_seen."""
+        start, count = rank_slice(samples_seen, self.train.global_batch_size, rank, world)
+        return self.step(self.sampler.items(start, count))
 
     def step(self, items: Any) -> tuple[float, int]:
         """Train one step on this rank's `items`, `accum` micro-batches; (the loss summed
@@ -103,3 +109,13 @@ def build_ddp(config: JobConfig, world: int, cache: Path | None = None) -> DDPSe
                     scheduler=task.build_lr_scheduler(optimizer, config))
 
 
+def torchrun_setup(config: str, overrides: list[str], steps: int | None,
+                   cache: Path | None = None) -> tuple[int, int, DDPSetup]:
+    """A torchrun process's (rank, world, baseline): gloo, and one compute thread, since the
+    ranks share the machine's cores."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    world = dist.get_world_size()
+    sets = [*overrides, f"scaling.num_workers={world}"] + (
+        [f"train.steps={steps}"] if steps is not None else [])
+    return dist.get_rank(), world, build_ddp(load_config(config, sets), world, cache)

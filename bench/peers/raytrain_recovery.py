@@ -1,46 +1,35 @@
 """Ray Train's side of the recovery benchmark: the reference task under TorchTrainer, one fault.
 
-`run_raytrain(fault, ...)` starts its own Ray (a local ray.cluster_utils.Cluster), trains the
-reference task with TorchTrainer on 2 workers (DDP over gloo, raytrain_worker.py: the same
-model, batch and sample order as stalwart), faults rank 1 at the start of `fault_step`, lets
-Ray Train recover (FailureConfig(max_failures=3)) and returns when and how it did. Faults:
-
-  kill          the worker SIGKILLs itself.
-  hang          the worker SIGSTOPs itself. Ray Train notices only by its worker health check
-                (600 s by default) or the process group's timeout (1800 s): if no new attempt
-                starts within `hang_wait_s`, the harness stops the run (a stop file) and
-                records detected=False.
-  outside-kill  the harness SIGKILLs rank 1's process once rank 0 has logged `fault_step`
-                (bench/harness.py, as for stalwart and torchrun).
-  node          a 0-CPU head and one 1-CPU node per worker; rank 1 SIGKILLs its raylet, the
-                raylet's other children and itself, as when a machine dies. A replacement node
-                is added once the GCS reports the node dead (`replace_node_after="dead"`, what
-                an autoscaler could do at the earliest) or a number of seconds after the fault.
+`run_raytrain(fault, ...)` starts its own local Ray cluster, trains the reference task with
+TorchTrainer on 2 workers (DDP over gloo, raytrain_worker.py: the same model, batch and sample
+order as stalwart), faults rank 1 at the start of `fault_step`, lets Ray Train recover
+(FailureConfig(max_failures=3)) and returns when and how it did. Faults: `kill` (the worker
+SIGKILLs itself); `hang` (it SIGSTOPs itself: Ray Train notices only by its worker health check,
+600 s, or the process group's timeout, 1800 s, so past `hang_wait_s` the harness stops the run
+and records detected=False); `outside-kill` (the harness SIGKILLs rank 1's process once rank 0
+has logged `fault_step`, as for stalwart and torchrun); `node` (a 0-CPU head and a 1-CPU node
+per worker; rank 1 SIGKILLs its raylet, the raylet's other children and itself, as when a
+machine dies; a replacement node is added once the GCS reports the node dead, what an
+autoscaler could do at the earliest).
 
 Pitfall: `ray.train.report(..., checkpoint=...)` writes the checkpoint at once, but it counts
 only once the controller's next poll (every 2 s) takes it from the worker's queue: a worker
 that dies before loses it, and the run restores an older one. `commit_checkpoints=True`
 makes rank 0 wait for the registration.
-
-    python -m bench.peers.raytrain_recovery --fault kill [--steps 40 --fault-step 25] [--keep]
-
-prints the result as JSON.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
-import tempfile
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
 import bench
-from bench.common import DEFAULT_CONFIG, TINY, add_config_args, parser
+from bench.common import DEFAULT_CONFIG, TINY
 from bench.harness import (
     OUTSIDE_KILL,
     POLL_S,
@@ -64,8 +53,6 @@ from bench.peers.raytrain_worker import (
 from stalwart.core.config import load_config
 from stalwart.core.events import read_jsonl
 from stalwart.core.task import build_task
-
-HEALTH_CHECK_ENV = "RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S"
 
 
 def start_cluster(head_cpus: int, worker_nodes: int = 0) -> Any:
@@ -146,15 +133,13 @@ class _Watch:
     """The harness's side of one run while it trains: the outside kill, the replacement node,
     giving up on a hang Ray Train does not notice, and the timeout."""
 
-    def __init__(self, workdir: Path, fault: str, fault_step: int, cluster: Any, *,
-                 timeout_s: float, deadline: float, hang_wait_s: float,
-                 replace_node_after: str | float) -> None:
-        self.workdir, self.fault, self.cluster, self.deadline = workdir, fault, cluster, deadline
-        self.timeout_s = timeout_s
+    def __init__(self, workdir: Path, fault: str, fault_step: int, *, deadline: float,
+                 timeout_s: float, hang_wait_s: float) -> None:
+        self.workdir, self.fault, self.deadline = workdir, fault, deadline
+        self.timeout_s, self.hang_wait_s = timeout_s, hang_wait_s
+        self.cluster: Any = None
         self.session_dir: str | None = None
-        self.hang_wait_s, self.replace = hang_wait_s, replace_node_after
-        self.node_info: dict[str, Any] = (
-            {"replace_node_after": replace_node_after} if fault == "node" else {})
+        self.node_info: dict[str, Any] = {"replace_node_after": "dead"} if fault == "node" else {}
         self.aborted: str | None = None
         self.abort_time: float | None = None
         self.killed_pids: list[int] = []
@@ -171,8 +156,8 @@ class _Watch:
                     "fault": self.fault, "time": self.killer.time, "pid": self.killer.sent_to,
                     "step_logged": self.killer.step_logged})
         now, info = time.time(), read_fault(self.workdir)
-        if info is not None and self.fault == "node":
-            self._replace_node(info, now)
+        if info is not None and self.fault == "node" and "replacement_added" not in self.node_info:
+            self._replace_node(info)
         if (info is not None and self.fault == "hang" and self.aborted is None
                 and now > info["time"] + self.hang_wait_s
                 and not any(a["event"] == "start" and a["time"] > info["time"]
@@ -196,42 +181,29 @@ class _Watch:
             return False
         return True
 
-    def _replace_node(self, info: dict[str, Any], now: float) -> None:
+    def _replace_node(self, info: dict[str, Any]) -> None:
+        """A new 1-CPU node once the GCS reports the killed one dead, as an autoscaler would."""
         import ray
 
-        node = self.node_info
-        if "dead_time" not in node and any(n["NodeID"] == info["node_id"] and not n["Alive"]
-                                           for n in ray.nodes()):
-            node["dead_time"] = time.time()  # the GCS has noticed
-        due = ("dead_time" in node if self.replace == "dead"
-               else now >= info["time"] + float(self.replace))
-        if due and "replacement_added" not in node:
+        if any(n["NodeID"] == info["node_id"] and not n["Alive"] for n in ray.nodes()):
+            self.node_info["dead_time"] = time.time()
             self.cluster.add_node(num_cpus=1)
-            node["replacement_added"] = time.time()
+            self.node_info["replacement_added"] = time.time()
 
 
 def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: int = 10,
                  workdir: Path, timeout_s: float, hang_wait_s: float = 120,
-                 num_cpus: int = NUM_WORKERS, config: str | Path = DEFAULT_CONFIG,
-                 overrides: list[str] | None = None,
-                 replace_node_after: str | float = "dead",
-                 health_check_timeout_s: float | None = None,
+                 config: str | Path = DEFAULT_CONFIG, overrides: list[str] | None = None,
                  commit_checkpoints: bool = False) -> dict[str, Any]:
     """One Ray Train run of `steps` steps with one fault on rank 1 at the start of `fault_step`.
 
-    workdir (new or empty) holds Ray Train's storage and the workers' files. num_cpus: the
-    head's CPUs except for "node" (a 0-CPU head, 1 CPU per worker node). overrides: `--set`
-    overrides of config (default TINY). health_check_timeout_s: RAY_TRAIN_WORKER_HEALTH_CHECK_
-    TIMEOUT_S for this run. commit_checkpoints: rank 0 waits until the controller has
-    registered each checkpoint (see the module's pitfall).
+    workdir (new or empty) holds Ray Train's storage and the workers' files. overrides:
+    `--set` overrides of config (default TINY). commit_checkpoints: rank 0 waits until the
+    controller has registered each checkpoint (see the module's pitfall).
     """
-    if fault not in (*FAULTS, OUTSIDE_KILL):
-        raise ValueError(f"fault must be one of {(*FAULTS, OUTSIDE_KILL)}, got {fault!r}")
-    if not 1 <= fault_step <= steps or checkpoint_every < 1:
-        raise ValueError(f"need 1 <= fault_step={fault_step} <= steps={steps} and "
-                         f"checkpoint_every={checkpoint_every} >= 1")
-    if replace_node_after != "dead" and not isinstance(replace_node_after, int | float):
-        raise ValueError('replace_node_after must be "dead" or a number of seconds')
+    if fault not in (*FAULTS, OUTSIDE_KILL) or not 1 <= fault_step <= steps:
+        raise ValueError(f"fault {fault!r} at step {fault_step} of {steps}: no such fault, or "
+                         "not a step of the run")
     import ray
     from ray.train.torch import TorchConfig
     from ray.train.v2._internal.constants import is_v2_enabled
@@ -247,9 +219,6 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
     job = load_config(config, overrides)
     build_task(job.task.path, job.task.args).prepare_data(job)  # tokenize outside the clock
     torch_config = TorchConfig()  # Ray Train's defaults: gloo on CPU, timeout_s=1800
-    saved_env = os.environ.get(HEALTH_CHECK_ENV)
-    if health_check_timeout_s is not None:
-        os.environ[HEALTH_CHECK_ENV] = str(health_check_timeout_s)
     result: dict[str, Any] = {
         "fault": fault, "ray_train_version": ray.__version__, "v2": is_v2_enabled(),
         "ray_train_v2_enabled_env": os.environ.get("RAY_TRAIN_V2_ENABLED"),  # None: default
@@ -263,37 +232,24 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
             "fault_step": 0 if fault == OUTSIDE_KILL else fault_step,
             "checkpoint_every": checkpoint_every, "commit_checkpoints": commit_checkpoints}
     t_start = time.time()
-    try:
-        watch = _fit_watched(workdir, loop, fault, fault_step, num_cpus, result,
-                             timeout_s=timeout_s, deadline=t_start + timeout_s,
-                             hang_wait_s=hang_wait_s,
-                             replace_node_after=replace_node_after, torch_config=torch_config)
-    finally:
-        if health_check_timeout_s is not None:
-            os.environ.pop(HEALTH_CHECK_ENV, None)
-            if saved_env is not None:
-                os.environ[HEALTH_CHECK_ENV] = saved_env
+    watch = _Watch(workdir, fault, fault_step, deadline=t_start + timeout_s,
+                   timeout_s=timeout_s, hang_wait_s=hang_wait_s)
+    _fit_watched(watch, loop, torch_config, result)
     result["wall_s"] = time.time() - t_start
-    return _measure(result, workdir, fault, steps, watch,
-                    hang_wait_s=hang_wait_s, replace_node_after=replace_node_after)
+    return _measure(result, workdir, fault, steps, watch, hang_wait_s)
 
 
-def _fit_watched(workdir: Path, loop: dict[str, Any], fault: str, fault_step: int,
-                 num_cpus: int, result: dict[str, Any], *, timeout_s: float, deadline: float,
-                 hang_wait_s: float, replace_node_after: str | float,
-                 torch_config: Any) -> _Watch:
+def _fit_watched(watch: _Watch, loop: dict[str, Any], torch_config: Any,
+                 result: dict[str, Any]) -> None:
     """Start the cluster and the fit, watch it until it returns; records into result."""
     import ray
 
-    cluster = None
+    node = watch.fault == "node"
     try:
-        cluster = start_cluster(0 if fault == "node" else num_cpus,
-                                NUM_WORKERS if fault == "node" else 0)
+        watch.cluster = start_cluster(0 if node else NUM_WORKERS, NUM_WORKERS if node else 0)
         fit_out: dict[str, Any] = {}
-        thread = start_fit(trainer(workdir, loop, name=f"raytrain-{fault}", max_failures=3,
-                                   torch_config=torch_config), fit_out)
-        watch = _Watch(workdir, fault, fault_step, cluster, timeout_s=timeout_s, deadline=deadline,
-                       hang_wait_s=hang_wait_s, replace_node_after=replace_node_after)
+        thread = start_fit(trainer(watch.workdir, loop, name=f"raytrain-{watch.fault}",
+                                   max_failures=3, torch_config=torch_config), fit_out)
         while thread.is_alive():
             thread.join(0.2 if watch.killer is None else POLL_S)
             if not watch.poll():
@@ -303,13 +259,12 @@ def _fit_watched(workdir: Path, loop: dict[str, Any], fault: str, fault_step: in
                       aborted=watch.aborted, harness_killed_pids=watch.killed_pids)
         if watch.killer is not None:
             result["outside_kill"] = watch.killer.record()
-        return watch
     finally:
         try:
             ray.shutdown()
         finally:
-            if cluster is not None:
-                cluster.shutdown()
+            if watch.cluster is not None:
+                watch.cluster.shutdown()
 
 
 def _session_dir() -> str | None:
@@ -321,8 +276,8 @@ def _session_dir() -> str | None:
         return None
 
 
-def _measure(result: dict[str, Any], workdir: Path, fault: str, steps: int, watch: _Watch, *,
-             hang_wait_s: float, replace_node_after: str | float) -> dict[str, Any]:
+def _measure(result: dict[str, Any], workdir: Path, fault: str, steps: int, watch: _Watch,
+             hang_wait_s: float) -> dict[str, Any]:
     """Kill what outlived the run, then its measurements and notes from the workers' files
     and the controller's log."""
     attempts = read_jsonl(workdir / ATTEMPTS_FILE)
@@ -348,9 +303,7 @@ def _measure(result: dict[str, Any], workdir: Path, fault: str, steps: int, watc
     if fault == "node":
         result["notes"].append(
             "node: rank 1 SIGKILLed its raylet, the raylet's other children and itself; the "
-            "driver added a replacement 1-CPU node "
-            + ("once the GCS reported the node dead." if replace_node_after == "dead"
-               else f"{float(replace_node_after):g} s after the fault."))
+            "driver added a replacement 1-CPU node once the GCS reported the node dead.")
     lost_ckpt = result.get("last_checkpoint_before_fault")
     if (result["restored_from_step"] is not None and lost_ckpt is not None
             and result["restored_from_step"] < lost_ckpt):
@@ -449,55 +402,3 @@ def analyse(workdir: Path, attempts: list[dict[str, Any]], info: dict[str, Any] 
             replacement_added_s=(node_info["replacement_added"] - ft
                                  if "replacement_added" in node_info else None))
     return out
-
-
-def main() -> None:
-    p = parser(__doc__, __spec__)
-    p.add_argument("--fault", choices=(*FAULTS, OUTSIDE_KILL), required=True)
-    p.add_argument("--steps", type=int, default=40)
-    p.add_argument("--fault-step", type=int, default=25)
-    p.add_argument("--checkpoint-every", type=int, default=10)
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed for the run")
-    p.add_argument("--hang-wait", type=float, default=120.0,
-                   help="hang: seconds to wait for Ray Train to notice before giving up")
-    p.add_argument("--num-cpus", type=int, default=NUM_WORKERS)
-    p.add_argument("--replace-node-after", default="dead",
-                   help='node: "dead" (when the GCS reports the node dead) or seconds')
-    p.add_argument("--health-check-timeout", type=float, default=None,
-                   help="RAY_TRAIN_WORKER_HEALTH_CHECK_TIMEOUT_S for this run (default 600)")
-    p.add_argument("--commit-checkpoints", action="store_true",
-                   help="rank 0 waits until each checkpoint is registered (see run_raytrain)")
-    add_config_args(p)
-    p.add_argument("--workdir", default=None, help="default: a fresh temporary folder")
-    p.add_argument("--keep", action="store_true", help="keep the temporary workdir")
-    p.add_argument("--step-times", action="store_true", help="keep step_times in the output")
-    p.add_argument("--out", default=None,
-                   help="also write the JSON here (stdout carries Ray's worker logs too)")
-    args = p.parse_args()
-    replace = args.replace_node_after
-    tmp = None if args.workdir else tempfile.mkdtemp(prefix=f"raytrain-{args.fault}-")
-    workdir = Path(args.workdir or tmp)
-    try:
-        out = run_raytrain(args.fault, steps=args.steps, fault_step=args.fault_step,
-                           checkpoint_every=args.checkpoint_every, workdir=workdir,
-                           timeout_s=args.timeout, hang_wait_s=args.hang_wait,
-                           num_cpus=args.num_cpus, config=args.config,
-                           overrides=args.overrides or None,
-                           replace_node_after=replace if replace == "dead" else float(replace),
-                           health_check_timeout_s=args.health_check_timeout,
-                           commit_checkpoints=args.commit_checkpoints)
-    finally:
-        if tmp is not None and not args.keep:
-            shutil.rmtree(tmp, ignore_errors=True)
-    if not args.step_times:
-        out.pop("step_times", None)
-    out["workdir"] = str(workdir) if (args.keep or args.workdir) else None
-    text = json.dumps(out, indent=1)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(text + "\n")
-    print(text)
-
-
-if __name__ == "__main__":
-    main()

@@ -15,10 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.common import append_jsonl
+from bench.common import append_jsonl, write_atomic
 from bench.peers.ddp_step import DDPSetup, build_ddp
 from stalwart.core.config import load_config
-from stalwart.workers.sampler import rank_slice
 
 FAULTS = ("kill", "hang", "node")
 NUM_WORKERS = 2
@@ -34,13 +33,7 @@ STATE_FILE = "state.pt"           # inside each Ray Train checkpoint
 
 
 def write_json_atomic(path: Path, row: dict[str, Any]) -> None:
-    """Written whole or not at all: the harness reads it while it is written."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(row, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    write_atomic(path, lambda f: json.dump(row, f))  # the harness reads it meanwhile
 
 
 def _pg_timeout_s() -> float | None:
@@ -143,8 +136,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
         "pg_timeout_s": _pg_timeout_s()})
     while step < t.steps and not (workdir / STOP_FILE).exists():
         _maybe_inject(cfg, rank, step, workdir)
-        start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
-        loss_sum, _ = run.step(run.sampler.items(start, count))
+        loss_sum, _ = run.rank_step(samples_seen, rank, world)
         step += 1
         samples_seen += t.global_batch_size
         if rank == 0:

@@ -1,18 +1,15 @@
 """The baseline of bench/throughput.py: the reference task trained by hand with torch DDP.
 
-What a competent user would write without stalwart: one process per rank started by torchrun,
-gloo on CPU, one compute thread per rank, torch DistributedDataParallel, gradient accumulation
-with no_sync(), clip_grad_norm_, AdamW + LR schedule, and one tiny all-reduce of the loss per
-step for logging. Everything that decides the numbers is taken from stalwart itself so that the
-two runs train the same thing: the JobConfig (same TOML + `--set` overrides), the GPTTask's
-model, init, loss, optimizer and schedule, the same token files and the same sample order.
+What a competent user would write without stalwart, one process per rank under torchrun
+(ddp_step.py: everything that decides the numbers is taken from stalwart, so that both train
+the same model on the same samples):
 
     python -m torch.distributed.run --standalone --nproc_per_node 2 -m bench.peers.torchrun_ddp \
         --steps 60 --exclude 10 --out /tmp/torchrun.json
 
 Rank 0 appends one JSON line to --out: steady-state tokens/s measured like stalwart's
-metrics.jsonl (wall time between the ends of step `exclude` and of the last step), plus the
-loss at every step, so that the caller can check both runs trained the same model on the same data.
+metrics.jsonl (wall time between the ends of step `exclude` and of the last step), and the
+loss at every step.
 """
 
 from __future__ import annotations
@@ -27,9 +24,7 @@ import torch
 import torch.distributed as dist
 
 from bench.common import add_config_args, parser
-from bench.peers.ddp_step import build_ddp
-from stalwart.core.config import load_config
-from stalwart.workers.sampler import rank_slice
+from bench.peers.ddp_step import torchrun_setup
 
 
 def parse_args() -> argparse.Namespace:
@@ -47,34 +42,21 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-
-    overrides = list(args.overrides) + [f"scaling.num_workers={world}"]
-    if args.steps is not None:
-        overrides.append(f"train.steps={args.steps}")
-    config = load_config(args.config, overrides)
-    t = config.train
+    rank, world, run = torchrun_setup(args.config, args.overrides, args.steps,
+                                      Path(args.cache_dir) if args.cache_dir else None)
+    t = run.train
     if not 0 <= args.exclude < t.steps:
         raise SystemExit(f"--exclude={args.exclude} must be in [0, train.steps={t.steps})")
-    run = build_ddp(config, world, Path(args.cache_dir) if args.cache_dir else None)
-
-    samples_seen = 0
+    samples_seen, tokens_per_step = 0, 0
     losses: list[float] = []
-    ends: list[float] = []  # wall time at the end of each step (index 0: before step 1)
-    tokens_per_step = 0
     dist.barrier()
-    ends.append(time.time())
+    ends = [time.time()]  # wall time at the end of each step (index 0: before step 1)
     for _step in range(1, t.steps + 1):
-        start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
-        items = run.sampler.items(start, count)
-        loss_sum, tokens = run.step(items)
+        loss_sum, tokens = run.rank_step(samples_seen, rank, world)
         losses.append(loss_sum / world)
         samples_seen += t.global_batch_size
         tokens_per_step = tokens * world
         ends.append(time.time())
-
     window_s = ends[-1] - ends[args.exclude]
     measured = t.steps - args.exclude
     if rank == 0:

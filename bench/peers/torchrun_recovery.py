@@ -32,11 +32,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench.common import add_config_args, append_jsonl, parser, set_args
+from bench.common import add_config_args, append_jsonl, parser, set_args, write_atomic
 from bench.peers import torchrun
-from bench.peers.ddp_step import build_ddp
-from stalwart.core.config import load_config
-from stalwart.workers.sampler import rank_slice
+from bench.peers.ddp_step import torchrun_setup
 
 STEPS_FILE = "steps.jsonl"
 ATTEMPTS_FILE = "attempts.jsonl"
@@ -59,17 +57,9 @@ def newest_checkpoint(folder: Path) -> Path | None:
     return done[-1] if done else None
 
 
-def save_checkpoint(folder: Path, step: int, state: dict[str, Any]) -> Path:
-    """Write, fsync, then rename: the file appears whole or not at all."""
+def save_checkpoint(folder: Path, step: int, state: dict[str, Any]) -> None:
     folder.mkdir(parents=True, exist_ok=True)
-    final = folder / f"step-{step:06d}.pt"
-    tmp = folder / f".{final.name}.{os.getpid()}.tmp"
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    return final
+    write_atomic(folder / f"step-{step:06d}.pt", lambda f: torch.save(state, f), "wb")
 
 
 def parse_args() -> argparse.Namespace:
@@ -88,15 +78,8 @@ def main() -> None:
     rank = int(os.environ["RANK"])
     append_jsonl(workdir / ATTEMPTS_FILE, {"event": "start", "time": START, "rank": rank,
                                            "attempt": attempt, "pid": os.getpid()})
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    world = dist.get_world_size()
-
-    config = load_config(args.config, [*args.overrides, f"scaling.num_workers={world}",
-                                       f"train.steps={args.steps}"])
-    t = config.train
-    run = build_ddp(config, world)
-
+    _, world, run = torchrun_setup(args.config, args.overrides, args.steps)
+    t = run.train
     # Resume: every rank from the newest checkpoint. No writer is alive now (torchrun stopped
     # the whole old group before starting this one), so both ranks see the same files.
     step, samples_seen = 0, 0
@@ -110,9 +93,7 @@ def main() -> None:
         "pid": os.getpid(), "restored_from": step if newest is not None else None})
 
     while step < t.steps:
-        start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
-        items = run.sampler.items(start, count)
-        loss_sum, _ = run.step(items)
+        loss_sum, _ = run.rank_step(samples_seen, rank, world)
         step += 1
         samples_seen += t.global_batch_size
         if rank == 0:
