@@ -3,6 +3,7 @@ a line per run, the tables and the bar chart."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,38 +55,42 @@ def _worst_detection(results: list[dict[str, Any]], fault: str, runner: str | No
     return max(r["detection_s"] for r in rs), len(rs)
 
 
+def _target(target: str, value: float | None, ok: Callable[[float], bool],
+            detail: str) -> dict[str, Any]:
+    """A target's verdict: not met when nothing was measured."""
+    return {"target": target, "value": value, "met": value is not None and ok(value),
+            "detail": detail}
+
+
 def verdicts(results: list[dict[str, Any]], med: dict[str, Any]) -> list[dict[str, Any]]:
     out = []
     if "kill" in med:
         rt = med["kill"]["ray-train"]["recovery_s"]
         for runner in ("stalwart", "stalwart+spare", "stalwart+spare/storage"):
             st = med["kill"][runner]["recovery_s"]
-            value = ratio(rt, st)
-            out.append({"target": f"kill: Ray Train recovery_s / {runner} recovery_s >= "
-                                  f"{TARGET_KILL_RATIO:g} (medians)",
-                        "value": value, "met": value is not None and value >= TARGET_KILL_RATIO,
-                        "detail": f"Ray Train {fmt(rt, '.2f')} s, {runner} {fmt(st, '.2f')} s"})
+            out.append(_target(f"kill: Ray Train recovery_s / {runner} recovery_s >= "
+                               f"{TARGET_KILL_RATIO:g} (medians)", ratio(rt, st),
+                               lambda v: v >= TARGET_KILL_RATIO,
+                               f"Ray Train {fmt(rt, '.2f')} s, {runner} {fmt(st, '.2f')} s"))
     if "hang" in med:
         rt = med["hang"]["ray-train"]
         theirs = (f"{fmt(rt['detection_s'], '.2f')} s" if rt["detected"]
                   else f"not detected within {HANG_WAIT_S:g} s")
         for runner in ("stalwart", "stalwart+spare"):
             worst, n = _worst_detection(results, "hang", runner)
-            out.append({"target": f"hang: {runner} detects the hang within "
-                                  f"{TARGET_HANG_DETECTION_S:g} s (every round)",
-                        "value": worst,
-                        "met": worst is not None and worst <= TARGET_HANG_DETECTION_S,
-                        "detail": f"worst detection {fmt(worst, '.2f')} s over {n} round(s); "
-                                  f"Ray Train: {theirs}"})
+            out.append(_target(f"hang: {runner} detects the hang within "
+                               f"{TARGET_HANG_DETECTION_S:g} s (every round)", worst,
+                               lambda v: v <= TARGET_HANG_DETECTION_S,
+                               f"worst detection {fmt(worst, '.2f')} s over {n} round(s); "
+                               f"Ray Train: {theirs}"))
     if "freeze" in med:
         worst, n = _worst_detection(results, "freeze")
         recovery = med["freeze"]["stalwart-elastic"]["recovery_s"]
-        out.append({"target": f"freeze: stalwart notices a frozen node within "
-                              f"{TARGET_FREEZE_DETECTION_S:g} s (every round)",
-                    "value": worst,
-                    "met": worst is not None and worst <= TARGET_FREEZE_DETECTION_S,
-                    "detail": f"worst detection {fmt(worst, '.2f')} s over {n} round(s); "
-                              f"median recovery {fmt(recovery, '.2f')} s"})
+        out.append(_target(f"freeze: stalwart notices a frozen node within "
+                           f"{TARGET_FREEZE_DETECTION_S:g} s (every round)", worst,
+                           lambda v: v <= TARGET_FREEZE_DETECTION_S,
+                           f"worst detection {fmt(worst, '.2f')} s over {n} round(s); "
+                           f"median recovery {fmt(recovery, '.2f')} s"))
     if OUTSIDE_KILL in med:
         out += outside_verdicts(med[OUTSIDE_KILL])
     return [*out, _lost_steps_verdict(results)]
@@ -116,18 +121,17 @@ def outside_verdicts(rows: dict[str, Any], stalwart: str = "stalwart+spare"
     time at least its ratio over stalwart's."""
     st, normal = rows[stalwart]["recovery_s"], rows[stalwart]["normal_step_s"]
     bound = normal + TARGET_NEXT_STEP_SLACK_S if normal is not None else None
-    out = [{"target": f"{OUTSIDE_KILL}: stalwart kill -> next completed step <= one normal "
-                      f"step + {TARGET_NEXT_STEP_SLACK_S:g} s (medians)",
-            "value": st, "met": st is not None and bound is not None and st <= bound,
-            "detail": f"{fmt(st, '.2f')} s against {fmt(bound, '.2f')} s (normal step "
-                      f"{fmt(normal, '.3f')} s)"}]
+    out = [_target(f"{OUTSIDE_KILL}: stalwart kill -> next completed step <= one normal step "
+                   f"+ {TARGET_NEXT_STEP_SLACK_S:g} s (medians)", st,
+                   lambda v: bound is not None and v <= bound,
+                   f"{fmt(st, '.2f')} s against {fmt(bound, '.2f')} s (normal step "
+                   f"{fmt(normal, '.3f')} s)")]
     for peer, target in TARGET_OUTSIDE_RATIOS.items():
         theirs, label = rows[peer]["recovery_s"], rows[peer]["label"]
-        value = ratio(theirs, st)
-        out.append({"target": f"{OUTSIDE_KILL}: {label} / stalwart kill -> next completed step "
-                              f">= {target:g}x (medians)",
-                    "value": value, "met": value is not None and value >= target,
-                    "detail": f"{label} {fmt(theirs, '.2f')} s, stalwart {fmt(st, '.2f')} s"})
+        out.append(_target(f"{OUTSIDE_KILL}: {label} / stalwart kill -> next completed step "
+                           f">= {target:g}x (medians)", ratio(theirs, st),
+                           lambda v, t=target: v >= t,
+                           f"{label} {fmt(theirs, '.2f')} s, stalwart {fmt(st, '.2f')} s"))
     return out
 
 
