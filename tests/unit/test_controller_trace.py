@@ -10,7 +10,8 @@ edge (the caller's module and qualified name -> the callee's). Then:
 - no function of a policy, the detector, the fault plan or the classifier calls a
   WorkerGroup method, directly or through anything it calls (the whole stack is looked at
   on each call into the group);
-- the controller is the only caller of the group (besides the group's own methods).
+- the controller is the only caller of the group (besides the group's own methods);
+- observers' hooks are called by the controller's `_notify` alone, never by a helper.
 
 So that the check cannot pass by seeing nothing, the trace must hold the recovery's steps:
 the detection, the classifier, the failure decision, the teardown, the scheduling policy,
@@ -136,6 +137,11 @@ def test_a_recovery_from_detection_to_the_next_step_has_no_backward_call(
     callers = {caller[0] for caller, callee in trace.edges
                if any(callee == c for c, _ in trace.into_group)}
     assert callers <= {CONTROLLER, *GROUP_MODULES}, callers
+    # 4. Observers hear of things from the controller, at its transitions, and from no one else.
+    hooks = {name for name in vars(ControllerObserver) if not name.startswith("_")}
+    heard = {(caller, callee) for caller, callee in trace.edges
+             if callee[1].rsplit(".", 1)[-1] in hooks}
+    assert heard and {caller for caller, _ in heard} == {(CONTROLLER, "Controller._notify")}
 
     # The trace holds the recovery, from its detection to the next step.
     def called(caller: str, callee: str) -> bool:
