@@ -181,8 +181,9 @@ class Controller:
         self._notify("before_form", state.generation, self.clock.time())
         # The faults each rank carries out are known from the picked places, before the
         # world forms: nothing is asked back while it forms.
-        self.workers = self.group.pick(state.world_size, state.generation)
-        self.group.form(self.faults.arm(self.workers, self.group.driver_node_id))
+        places = self.group.pick(state.world_size, state.generation)
+        self.group.form(self.faults.arm(places, self.group.driver_node_id))
+        self.workers = places  # the running world's, once it formed
         self._notify("after_form", state.generation, self.workers, self.clock.time())
         self.world_size = state.world_size
         self.layout = self.config.parallel.layout(self.world_size)
