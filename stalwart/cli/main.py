@@ -182,16 +182,17 @@ def closing_summary(result: RunResult) -> str:
 def _cmd_export(args: argparse.Namespace) -> int:
     from functools import partial
 
-    from stalwart.checkpointing.storage.export import check_out, export_newest, write_file
-    from stalwart.checkpointing.storage.export_hf import check_out_dir, parse_size, write_hf
-    from stalwart.checkpointing.storage.signing import CheckpointTrust, load_key
     from stalwart.core.config import load_config
     from stalwart.core.errors import ConfigError
     from stalwart.run_dir import RunDir
 
     rd = RunDir(Path(args.run_dir))
-    rd.check_resumable()
+    rd.check_resumable()  # before torch loads: a wrong path fails in a second
     config = load_config(rd.config_file)
+    from stalwart.checkpointing.storage.export import check_out, export_newest, write_file
+    from stalwart.checkpointing.storage.export_hf import check_out_dir, parse_size, write_hf
+    from stalwart.checkpointing.storage.signing import CheckpointTrust, load_key
+
     out = Path(args.out)
     if args.format == "hf":
         try:
@@ -218,9 +219,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    import ray
+    # The sweep file is checked before Ray, Tune and torch load: a bad one fails in a second.
+    from stalwart.integrations.tune.sweep_file import load_sweep
 
-    from stalwart.cluster import connect
+    sweep = load_sweep(args.sweep, args.overrides)
     from stalwart.integrations.tune.sweep import (
         check_experiment_dir,
         embedded_cpus,
@@ -229,10 +231,12 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         trial_rows,
         write_results,
     )
-    from stalwart.integrations.tune.sweep_file import load_sweep
 
-    sweep = load_sweep(args.sweep, args.overrides)
     check_experiment_dir(sweep, args.resume)
+    import ray
+
+    from stalwart.cluster import connect
+
     started = connect(args.address, num_cpus=embedded_cpus(sweep))
     try:
         rows = trial_rows(sweep, run_sweep(sweep, resume=args.resume))
