@@ -239,10 +239,6 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
         return config_from_dict(apply_overrides(job_data, [*all_overrides, *extra]))
 
     job = job_with([])  # names the config's own problems
-    try:  # and the task's: unknown task.args would fail every trial
-        check_trial(job)
-    except StalwartError as exc:
-        raise _fail(str(p), f"every trial would be refused: {exc}") from None
 
     metric = data.get("metric")
     if metric not in METRICS and not is_task_metric(metric):
@@ -267,12 +263,18 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     if not isinstance(search, dict) or not search:
         raise _fail(f"{p} [search]", "a sweep needs at least one key to search, e.g. "
                                      "\"train.lr\" = { loguniform = [1e-4, 1e-2] }")
+    name = _check_name(p, data.get("name", p.stem))
+    storage = _check_storage(p, data.get("storage", "sweeps"))
+    # The checks that import the task (and torch) or Tune come last: the file's own
+    # mistakes are named in a second.
+    try:  # unknown task.args would fail every trial
+        check_trial(job)
+    except StalwartError as exc:
+        raise _fail(str(p), f"every trial would be refused: {exc}") from None
     for key, spec in search.items():
         _check_values(p, job_with, "[search]", key, spec,
                       _check_rule(f"{p} [search] {key}", spec))
     scheduler = _check_scheduler(p, data.get("scheduler", {}), job_with, job)
-    name = _check_name(p, data.get("name", p.stem))
-    storage = _check_storage(p, data.get("storage", "sweeps"))
     return Sweep(path=p, name=name, config=config,
                  overrides=tuple(all_overrides), metric=metric, mode=mode, trials=trials,
                  concurrency=concurrency, storage=storage, search=search,
