@@ -33,7 +33,6 @@ from stalwart.checkpointing.memory.catalog import MemoryChoice
 from stalwart.checkpointing.memory.store import Inventory
 from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.core.config import FaultSpec, JobConfig
-from stalwart.core.errors import ConfigError
 from stalwart.core.events import WorkerPlace
 from stalwart.core.ray_private import actor_row
 from stalwart.core.task import TaskLike
@@ -110,18 +109,6 @@ def _answers(refs: list[Any], *, timeout: float) -> list[Any]:
 
 def task_name(rank: int, generation: int) -> str:
     return f"stalwart-worker-r{rank}-g{generation}"
-
-
-def valid_world_sizes(config: JobConfig, up_to: int) -> list[int]:
-    """World sizes <= up_to that the layout and the global batch can be split over."""
-    out = []
-    for n in range(1, up_to + 1):
-        try:
-            config._check_world(n)
-        except ConfigError:
-            continue
-        out.append(n)
-    return out
 
 
 class ElasticGroup(WorkerGroup):
@@ -247,9 +234,7 @@ class ElasticGroup(WorkerGroup):
 
     def best_world(self) -> int:
         """The largest valid world size the warm actors can make (0 if none)."""
-        n = min(self.config.scaling.ceiling, self.available())
-        sizes = valid_world_sizes(self.config, n)
-        return sizes[-1] if sizes else 0
+        return self.config.largest_world(min(self.config.scaling.ceiling, self.available()))
 
     # ------------------------------------------------------------------ one generation
 

@@ -23,6 +23,7 @@ from stalwart.core.config.sections import (
     TrainConfig,
     _require,
 )
+from stalwart.core.errors import ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -58,10 +59,10 @@ class JobConfig:
         self._check_keep_best()
         for name in ("floor", "ceiling"):
             # Every world size the run may take must split into the layout and the batch.
-            self._check_world(getattr(self.scaling, name))
+            self.check_world(getattr(self.scaling, name))
         # Cross-section checks: the world must be splittable into the data-parallel layout,
         # and the global batch into micro-batches on each data-parallel rank.
-        self._check_world(self.scaling.num_workers)
+        self.check_world(self.scaling.num_workers)
 
     def _check_keep_best(self) -> None:
         """keep_best ranks checkpoints by a value their own step recorded: a `val_` metric
@@ -78,7 +79,10 @@ class JobConfig:
                  f"{val_every} first meet at step {first}, not before train.steps = "
                  f"{self.train.steps}")
 
-    def _check_world(self, world: int) -> None:
+    def check_world(self, world: int) -> None:
+        """Raise ConfigError unless a world of `world` ranks can run this job: the global
+        batch splits into micro-batches over its data-parallel ranks (at least parallel.pp of
+        them each with pipeline parallelism), and cpu_offload has GPU workers."""
         replicate, shard = self.parallel.degrees(world)
         dp = replicate * shard
         _require(not self.parallel.cpu_offload or self.scaling.gpus_per_worker > 0,
@@ -97,6 +101,16 @@ class JobConfig:
                  self.train.global_batch_size,
                  f"must be a multiple of micro_batch_size x data-parallel ranks = "
                  f"{self.train.micro_batch_size} x {dp} = {per_step}")
+
+    def largest_world(self, up_to: int) -> int:
+        """The largest world size <= up_to that check_world accepts (0: none)."""
+        for world in range(up_to, 0, -1):
+            try:
+                self.check_world(world)
+            except ConfigError:
+                continue
+            return world
+        return 0
 
     @property
     def dp_size(self) -> int:
