@@ -1,7 +1,7 @@
 """The controller at thousands of ranks: the driver's CPU, its failure decision and its plan.
 
-The real Controller drives a simulated group (sim_group.py: no torch, no Ray, a clock that
-moves only when a poll waits) of 64, 1,024 and 4,096 ranks, 8 to a node. Per size: the
+The real Controller drives the simulated fake group (tests/fake_group.py: no torch, no Ray, a
+clock that moves only when a poll waits) of 64, 1,024 and 4,096 ranks, 8 to a node. Per size: the
 driver's CPU per second of training (the group's own work left out), the time from the poll
 that reports a dead rank to the failure decided, and the controller's time to plan the next
 world. Then scale_ray.py: the driver's time per polling interval on a real local Ray.
@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.sim_group import SimClock, SimGroup, SimGroupError
 from stalwart.checkpointing.storage.signing import CheckpointTrust, SigningKey
 from stalwart.core.config import load_config
 from stalwart.core.run_logs import EventLog, MetricsLog
@@ -31,6 +30,7 @@ from stalwart.orchestrator.controller import Controller
 from stalwart.orchestrator.observers import ControllerObserver
 from stalwart.orchestrator.policies import default_policies
 from stalwart.orchestrator.states import Finished
+from tests.fake_group import FakeClock, FakeGroup, FakeGroupError, nodes
 
 SIZES = ((64, 8), (1024, 128), (4096, 512))  # (ranks, nodes): 8 ranks a node
 POLL_S = 0.5  # the controller's default poll interval
@@ -49,7 +49,7 @@ class Marks(ControllerObserver):
     """(perf_counter, process_time, group's own wall, group's own CPU) at each recovery's
     start and at each world's launch."""
 
-    def __init__(self, group: SimGroup) -> None:
+    def __init__(self, group: FakeGroup) -> None:
         self.group = group
         self.recovering: list[tuple[float, float, float, float]] = []
         self.launched: list[tuple[float, float, float, float]] = []
@@ -66,22 +66,23 @@ class Marks(ControllerObserver):
 
 
 def build(ranks: int, run_dir: Path, *, steps: int, fail_at: dict[int, int] | None = None,
-          ranks_per_node: int = 8) -> tuple[Controller, SimGroup, Marks]:
-    """A Controller over a SimGroup of `ranks` ranks (and one node of warm spares)."""
+          ranks_per_node: int = 8) -> tuple[Controller, FakeGroup, Marks]:
+    """A Controller over a simulated FakeGroup of `ranks` ranks (and one node of warm spares)."""
     config = load_config(None, [
         f"scaling.num_workers={ranks}", f"scaling.spare_workers={ranks_per_node}",
         f"train.steps={steps}", f"train.global_batch_size={ranks}", "train.micro_batch_size=1",
         "train.warmup_steps=0", "run.log_every=10", "failure.max_failures=1000",
         "failure.backoff_s=0", "checkpoint.snapshot_every=1"])
-    clock = SimClock()
-    group = SimGroup(config, clock, ranks_per_node=ranks_per_node, step_s=POLL_S,
-                     fail_at=fail_at)
+    clock = FakeClock()
+    # Enough actors for the world, a node of spares and a replacement for each failure.
+    cluster = nodes(ranks + ranks_per_node + len(fail_at or {}), ranks_per_node)
+    group = FakeGroup(config, clock, cluster, step_s=POLL_S, fail_at=fail_at)
     marks = Marks(group)
     storage = run_dir / "checkpoints"
     storage.mkdir(parents=True, exist_ok=True)
     trust = CheckpointTrust(key=SigningKey(secret=b"scale bench", source="bench/scale.py"))
     controller = Controller(
-        config, storage_url=str(storage), group=group, group_error=SimGroupError,
+        config, storage_url=str(storage), group=group, group_error=FakeGroupError,
         events=EventLog(run_dir / "events.jsonl"), metrics=MetricsLog(run_dir / "metrics.jsonl"),
         display=NullDisplay(), resume_from=None, trust=trust, clock=clock,
         poll_interval_s=POLL_S, observers=[marks],

@@ -1,4 +1,4 @@
-"""The controller driven step by step by the fake worker group (tests/unit/fake_group.py).
+"""The controller driven step by step by the fake worker group (tests/fake_group.py).
 
 FakeWorld builds a Controller over one FakeGroup, a FakeClock and a real run directory: the
 event log, the metrics file and the checkpoint catalog are the real ones, under tmp_path. The
@@ -28,8 +28,7 @@ from stalwart.orchestrator.policies import default_policies
 from stalwart.orchestrator.states import State
 from stalwart.workers.faults import FaultFired
 from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
-from tests.keys import signing_key, trust
-from tests.unit.fake_group import (
+from tests.fake_group import (
     Actor,
     Call,
     FakeClock,
@@ -38,6 +37,7 @@ from tests.unit.fake_group import (
     Plan,
     actors,
 )
+from tests.keys import signing_key, trust
 
 T0 = 1_700_000_000.0  # the fake clock starts here; step n of generation 0 ends at T0 + n
 T1 = T0 + 100.0  # ... and step n of a later generation at T1 + n (T2, T3 likewise)
@@ -134,7 +134,8 @@ class FakeWorld:
         if faults:
             config = dataclasses.replace(config, faults=tuple(parse_fault(f) for f in faults))
         self.config = config
-        self.group = FakeGroup(self, actors(8) if cluster is None else cluster)
+        self.group = FakeGroup(config, self.clock, actors(8) if cluster is None else cluster,
+                               world=self)
         self.controller = Controller(
             config, storage_url=str(self.storage), group=self.group,
             group_error=FakeGroupError, events=EventLog(self.events_path),

@@ -1,4 +1,4 @@
-"""bench/scale.py's simulated group (bench/sim_group.py) driven by the real controller at a
+"""bench/scale.py's simulated group (tests/fake_group.py) driven by the real controller at a
 small size, so that the bench cannot rot unnoticed: a run of a few polls with one failure
 finishes, its events record the failure and the recovery, and the bench's measurements come
 out. No timing is asserted."""

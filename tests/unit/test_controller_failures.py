@@ -1,5 +1,5 @@
 """What is blamed for a failure, and injected faults; the controller driven by the fake worker group
-(tests/unit/controller_world.py, tests/unit/fake_group.py)."""
+(tests/unit/controller_world.py, tests/fake_group.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from stalwart.core.config import parse_fault
 from stalwart.orchestrator.states import Failed, Finished
 from stalwart.workers.faults import FaultFired
 from stalwart.workers.reports import WorkerStatus
+from tests.fake_group import DRIVER_NODE, Plan, Poll, actors
 from tests.unit.controller_world import (
     COLLECTIVE_ERROR,
     HANG_LIMIT,
@@ -22,7 +23,6 @@ from tests.unit.controller_world import (
     status,
     statuses,
 )
-from tests.unit.fake_group import DRIVER_NODE, Plan, Poll, actors
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

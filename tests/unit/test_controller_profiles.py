@@ -12,8 +12,8 @@ import pytest
 
 from stalwart.orchestrator.states import Finished
 from stalwart.workers.reports import ProfileReport, WorkerStatus
+from tests.fake_group import Plan
 from tests.unit.controller_world import FakeWorld, statuses
-from tests.unit.fake_group import Plan
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -1,5 +1,5 @@
 """Recovery in place: a worker dies, the world re-forms and restores; the failure budget; the controller driven by the fake worker group
-(tests/unit/controller_world.py, tests/unit/fake_group.py)."""
+(tests/unit/controller_world.py, tests/fake_group.py)."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.observers import ControllerObserver, Restored
 from stalwart.orchestrator.states import Failed, Finished, Running
 from stalwart.workers.reports import StepReport, WorkerStatus
+from tests.fake_group import POLL_S, REFRESH_S, Actor, Plan, Poll, died
 from tests.unit.controller_world import (
     HAPPY,
     PHASES,
@@ -27,7 +28,6 @@ from tests.unit.controller_world import (
     status,
     statuses,
 )
-from tests.unit.fake_group import POLL_S, REFRESH_S, Actor, Plan, Poll, died
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -1,5 +1,5 @@
 """Where a recovery restores from (memory or storage), and the accounts a restore keeps; the controller driven by the fake worker group
-(tests/unit/controller_world.py, tests/unit/fake_group.py)."""
+(tests/unit/controller_world.py, tests/fake_group.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from stalwart.orchestrator.failures import FailureKind
 from stalwart.orchestrator.states import Finished, Stopped
+from tests.fake_group import Plan, Poll
 from tests.unit.controller_world import (
     T1,
     FakeWorld,
@@ -20,7 +21,6 @@ from tests.unit.controller_world import (
     status,
     statuses,
 )
-from tests.unit.fake_group import Plan, Poll
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -1,5 +1,5 @@
 """Normal runs and stopping them (Ctrl-C); the controller driven by the fake worker group
-(tests/unit/controller_world.py, tests/unit/fake_group.py)."""
+(tests/unit/controller_world.py, tests/fake_group.py)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from stalwart.checkpointing.storage.layout import join
 from stalwart.orchestrator.outcome import Outcome
 from stalwart.orchestrator.states import TRANSITIONS, Finished, Stopped
 from stalwart.workers.reports import WorkerStatus
+from tests.fake_group import Plan, Poll, actors
 from tests.unit.controller_world import (
     HAPPY,
     T0,
@@ -27,7 +28,6 @@ from tests.unit.controller_world import (
     status,
     statuses,
 )
-from tests.unit.fake_group import Plan, Poll, actors
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -1,5 +1,5 @@
 """Elasticity: shrink, grow, preemption, drain and the wait for workers; the controller driven by the fake worker group
-(tests/unit/controller_world.py, tests/unit/fake_group.py)."""
+(tests/unit/controller_world.py, tests/fake_group.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from stalwart.checkpointing.storage.layout import join
 from stalwart.core.config import parse_fault
 from stalwart.orchestrator.states import Failed, Finished
 from stalwart.workers.faults import FaultFired
+from tests.fake_group import DRIVER_NODE, REFRESH_S, Plan, Poll, actors
 from tests.unit.controller_world import (
     HAPPY,
     T0,
@@ -20,7 +21,6 @@ from tests.unit.controller_world import (
     status,
     statuses,
 )
-from tests.unit.fake_group import DRIVER_NODE, REFRESH_S, Plan, Poll, actors
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -2,7 +2,7 @@
 and the helpers; none of them calls back.
 
 The real Controller is driven through a kill and a recovery by the fake worker group
-(tests/unit/controller_world.py, tests/unit/fake_group.py). From the poll that finds rank 1
+(tests/unit/controller_world.py, tests/fake_group.py). From the poll that finds rank 1
 dead to the new world's first step, every Python call is recorded with sys.setprofile as an
 edge (the caller's module and qualified name -> the callee's). Then:
 
@@ -32,8 +32,8 @@ from stalwart.orchestrator.group import WorkerGroup
 from stalwart.orchestrator.observers import ControllerObserver
 from stalwart.orchestrator.states import Finished
 from stalwart.workers.reports import StepReport
+from tests.fake_group import FakeGroup, Plan, Poll
 from tests.unit.controller_world import T1, FakeWorld, _commit_checkpoint, status, statuses
-from tests.unit.fake_group import FakeGroup, Plan, Poll
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -43,7 +43,7 @@ CONTROLLER = "stalwart.orchestrator.controller"
 DECIDERS = {f"stalwart.orchestrator.{m}" for m in (
     "scaling", "restore", "failures", "policies", "detection", "health", "stragglers",
     "faults", "fault_watch", "classify", "resize_plan", "failure_log")}
-GROUP_MODULES = {"tests.unit.fake_group", "stalwart.orchestrator.group"}
+GROUP_MODULES = {"tests.fake_group", "stalwart.orchestrator.group"}
 
 
 def where(code: CodeType, frame: FrameType) -> tuple[str, str]:

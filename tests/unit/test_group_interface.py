@@ -9,7 +9,7 @@ import inspect
 import pytest
 
 from stalwart.orchestrator.group import WorkerGroup
-from tests.unit.fake_group import FakeGroup
+from tests.fake_group import FakeGroup
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -11,7 +11,7 @@ from stalwart.checkpointing.memory.store import Inventory
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 from stalwart.orchestrator.restore import RestoreDecision, RestorePolicy
-from tests.unit.fake_group import held_in_memory
+from tests.fake_group import held_in_memory
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 

@@ -19,8 +19,8 @@ from stalwart.core.config import load_config
 from stalwart.core.errors import ConfigError
 from stalwart.orchestrator.interrupt import StopAbandoned, StopRequest
 from stalwart.orchestrator.states import Stopped
+from tests.fake_group import Plan, Poll
 from tests.unit.controller_world import FakeWorld, statuses
-from tests.unit.fake_group import Plan, Poll
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60),
               pytest.mark.skipif(threading.current_thread() is not threading.main_thread(),
