@@ -115,7 +115,7 @@ CASES: dict[str, Case] = {
                            lambda d: _previous_run(d / "old", with_checkpoint=False)),
     "export_no_checkpoint": Case(("export", "run", "--out", "model.safetensors"),
                                  lambda d: _previous_run(d / "run", with_checkpoint=False)),
-    # -- non-finite and out-of-range numbers: one rule for every float key (issue 14, item 9)
+    # -- non-finite and out-of-range numbers: one rule for every float key
     "lr_inf": _run_set("train.lr=inf", expect=f"train.lr = inf {FINITE}"),
     "lr_nan_literal": _run_toml("[train]\nlr = nan\n", f"train.lr = nan {FINITE}"),
     "weight_decay_inf": _run_set("train.weight_decay=+inf",

@@ -335,7 +335,7 @@ def test_memory_url_is_really_in_memory() -> None:
         s.fs.rm(s.root, recursive=True)
 
 
-# ---------------------------------------------------------------------------- issue 14
+# ----------------------------------------------- damaged and reshaped checkpoints: verified first
 
 
 def _rewrite_manifest(store: Store, step: int, change: Callable[[dict], object]) -> None:
@@ -348,7 +348,7 @@ def _rewrite_manifest(store: Store, step: int, change: Callable[[dict], object])
 
 
 def test_retention_counts_only_verified_checkpoints(store: Store) -> None:
-    """The issue's repro: commits at 100 and 200; a shard of 200 damaged; the resumed run
+    """The case: commits at 100 and 200; a shard of 200 damaged; the resumed run
     falls back to 100 and commits 150 with keep_last=1. Retention keeps 150 (just
     committed) and leaves 200 (newer than it), so a valid checkpoint is always there."""
     store.commit(100)

@@ -39,7 +39,7 @@ STRINGS = [f for f in _fields(str) if f[0] != "faults"]
 
 
 def test_the_fields_are_found() -> None:
-    # The list, and a few more: the walk finds every section's fields.
+    # The keys users set most, and a few more: the walk finds every section's fields.
     for key in [("train", "lr"), ("train", "weight_decay"), ("scaling", "cpus_per_worker"),
                 ("scaling", "gpus_per_worker"), ("failure", "hang_timeout_floor_s"),
                 ("failure", "hang_factor"), ("checkpoint", "memory_limit_gb"),

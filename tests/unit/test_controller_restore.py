@@ -162,7 +162,7 @@ def test_the_memory_tier_size_is_reported_once_per_world(
     assert tier["generation"] == 0 and tier["replicas"] == 1
 
 
-# ---------------------------------------------------------------------------- issue 14
+# ----------------------------------------------------- damaged checkpoints: the next older one loads
 
 
 def _damage(storage: Path, step: int) -> None:
