@@ -1,12 +1,7 @@
-"""A plain user DDP loop's setup and one optimizer step, as the baselines run them
-(torchrun_ddp.py, torchrun_recovery.py and Ray Train's workers in raytrain_worker.py).
-
-The setup takes everything that decides the numbers from stalwart: the JobConfig's task, the
-same token files and sample order, the model built and initialised from the seed on every
-rank. The step: gradient accumulation with no_sync() on every micro-batch but the last,
-clip_grad_norm_, optimizer and LR schedule, then the loss summed over ranks. The same on
-every baseline, so that they differ only in what runs them.
-"""
+"""A plain user DDP loop's setup and one optimizer step, the same for every peer (torchrun_ddp,
+torchrun_recovery, raytrain_worker): stalwart's task, token files, sample order and seeded
+model, gradient accumulation with no_sync(), clipping, optimizer and LR schedule, so that the
+peers differ only in what runs them."""
 
 from __future__ import annotations
 
@@ -88,15 +83,13 @@ class DDPSetup:
         return loss_sum.item(), tokens
 
 
-def build_ddp(config: JobConfig, world: int, cache: Path | None = None) -> DDPSetup:
-    """The baseline's task, data and DDP model for a world of `world` ranks. `cache`: the
-    token files' folder (default: <data.cache_dir>/gpt-stdlib, the one stalwart uses;
-    build_token_files takes a file lock, so every rank may call it at once)."""
+def build_ddp(config: JobConfig, world: int) -> DDPSetup:
+    """The baseline's task, data (stalwart's token files: build_token_files takes a file lock,
+    so every rank may call it at once) and DDP model for a world of `world` ranks."""
     t = config.train
     task = build_task(config.task.path, config.task.args)
-    files = build_token_files(
-        (cache or Path(config.data.cache_dir) / "gpt-stdlib").expanduser(),
-        val_fraction=task.val_fraction)
+    files = build_token_files((Path(config.data.cache_dir) / "gpt-stdlib").expanduser(),
+                              val_fraction=task.val_fraction)
     data = TokenDataset(files.train, task.model_config.seq_len)
     torch.manual_seed(t.seed)
     model = task.build_model(config)
@@ -109,8 +102,8 @@ def build_ddp(config: JobConfig, world: int, cache: Path | None = None) -> DDPSe
                     scheduler=task.build_lr_scheduler(optimizer, config))
 
 
-def torchrun_setup(config: str, overrides: list[str], steps: int | None,
-                   cache: Path | None = None) -> tuple[int, int, DDPSetup]:
+def torchrun_setup(config: str, overrides: list[str], steps: int | None
+                   ) -> tuple[int, int, DDPSetup]:
     """A torchrun process's (rank, world, baseline): gloo, and one compute thread, since the
     ranks share the machine's cores."""
     torch.set_num_threads(1)
@@ -118,4 +111,4 @@ def torchrun_setup(config: str, overrides: list[str], steps: int | None,
     world = dist.get_world_size()
     sets = [*overrides, f"scaling.num_workers={world}"] + (
         [f"train.steps={steps}"] if steps is not None else [])
-    return dist.get_rank(), world, build_ddp(load_config(config, sets), world, cache)
+    return dist.get_rank(), world, build_ddp(load_config(config, sets), world)

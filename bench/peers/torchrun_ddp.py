@@ -1,15 +1,7 @@
 """The baseline of bench/throughput.py: the reference task trained by hand with torch DDP.
 
-What a competent user would write without stalwart, one process per rank under torchrun
-(ddp_step.py: everything that decides the numbers is taken from stalwart, so that both train
-the same model on the same samples):
-
-    python -m torch.distributed.run --standalone --nproc_per_node 2 -m bench.peers.torchrun_ddp \
-        --steps 60 --exclude 10 --out /tmp/torchrun.json
-
-Rank 0 appends one JSON line to --out: steady-state tokens/s measured like stalwart's
-metrics.jsonl (wall time between the ends of step `exclude` and of the last step), and the
-loss at every step.
+One process per rank under torchrun (ddp_step.py); rank 0 appends one JSON line to --out with
+the steady-state tokens/s (steps after --exclude) and the loss at every step.
 """
 
 from __future__ import annotations
@@ -33,17 +25,13 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (train.steps)")
     p.add_argument("--exclude", type=int, default=10,
                    help="warm-up steps left out of the measured window")
-    p.add_argument("--cache-dir", default=None,
-                   help="token file cache (default: <data.cache_dir>/gpt-stdlib, "
-                        "i.e. ~/.cache/stalwart/gpt-stdlib, the one stalwart uses)")
     p.add_argument("--out", required=True, help="JSON-lines file that rank 0 appends to")
     return p.parse_args()
 
 
 def main() -> None:
     args = parse_args()
-    rank, world, run = torchrun_setup(args.config, args.overrides, args.steps,
-                                      Path(args.cache_dir) if args.cache_dir else None)
+    rank, world, run = torchrun_setup(args.config, args.overrides, args.steps)
     t = run.train
     if not 0 <= args.exclude < t.steps:
         raise SystemExit(f"--exclude={args.exclude} must be in [0, train.steps={t.steps})")
