@@ -1,15 +1,8 @@
 """Chaos soak: the reference task with random faults fired from outside, checked after each run.
 
-Each run trains the tiny reference task in a random layout and gets 2 to 4 faults at random
-moments of its training (chaos_faults.py); then chaos_checks.py checks that it finished, that
-its final weights equal a failure-free run's bit for bit, that every checkpoint verifies and
-exports and every fault was recorded, and counts the steps lost. Every random choice comes
-from one random.Random(--seed); `--first-run K --runs N` runs runs K..K+N-1 of the same soak.
-
-    python -m bench.chaos [--runs 10] [--seed S] [--first-run 0] [--layouts ddp2 fsdp2]
-
-Prints a row per run; writes bench/results/chaos-seedS[-runK].json. Exit code 0 when every
-run passed every check, 1 otherwise. Not a timed test.
+Each run gets a random layout and 2 to 4 faults (chaos_faults.py, all from one --seed), then
+chaos_checks.py's checks. Exit code 0 when every run passed every check. The method:
+docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -28,6 +21,7 @@ from typing import Any
 from bench import chaos_checks as checks
 from bench import chaos_faults as cf
 from bench import common
+from bench.harness import run_watched
 from stalwart.core import events as ev
 from stalwart.core.events import read_events, read_metrics
 
@@ -62,8 +56,8 @@ def reference(layout: str, steps: int, cache: Path, timeout: float) -> dict[str,
     shutil.rmtree(run_dir, ignore_errors=True)
     print(f"reference run of {layout} (failure-free, cached in {where})", flush=True)
     t_launch = time.time()
-    code, wall = common.run_logged(common.stalwart_command(str(common.DEFAULT_CONFIG), ov,
-                                                           run_dir), where / "run.log", timeout)
+    cmd = common.stalwart_command(str(common.DEFAULT_CONFIG), ov, run_dir)
+    code, wall = run_watched(cmd, where / "run.log", timeout)
     if code != 0:
         raise SystemExit(f"the reference run of {layout} failed (exit {code}); see "
                          f"{where / 'run.log'}:\n{common.tail(where / 'run.log')}")
@@ -109,6 +103,12 @@ def soak_run(plan: cf.RunPlan, ref: dict[str, Any], steps: int, work: Path,
     return out
 
 
+def summary(results: list[dict[str, Any]]) -> dict[str, int]:
+    return {"runs": len(results), **{k: sum(r[f] for r in results) for k, f in (
+        ("faults_fired", "fired"), ("not_fired", "not_fired"), ("recorded", "detected"),
+        ("lost_steps", "lost_steps"))}, "runs_lost": sum(not r["ok"] for r in results)}
+
+
 def table(results: list[dict[str, Any]]) -> None:
     print(f"\n{'run':>4} {'layout':7} {'faults fired':22} {'not':>4} {'det':>4} {'lost':>5} "
           f"{'recov s':>8} {'bit-identical':>13} {'ckpts ok':>9} {'finished':>9}")
@@ -119,11 +119,10 @@ def table(results: list[dict[str, Any]]) -> None:
               f"{'yes' if r['bit_identical'] else 'NO':>13} "
               f"{len(r['checkpoints']) if r['checkpoints_ok'] else 'NO':>9} "
               f"{'yes' if r['finished'] else 'NO':>9}")
-    print(f"\n{len(results)} runs, {sum(r['fired'] for r in results)} faults fired "
-          f"({sum(r['not_fired'] for r in results)} not fired: the run was over), "
-          f"{sum(r['detected'] for r in results)} recorded, "
-          f"{sum(r['lost_steps'] for r in results)} steps lost; "
-          f"runs lost (any check failed): {sum(not r['ok'] for r in results)}")
+    t = summary(results)
+    print(f"\n{t['runs']} runs, {t['faults_fired']} faults fired ({t['not_fired']} not fired: "
+          f"the run was over), {t['recorded']} recorded, {t['lost_steps']} steps lost; "
+          f"runs lost (any check failed): {t['runs_lost']}")
     for r in results:
         if not r["ok"]:
             print(f"  run {r['run']} FAILED: finished={r['finished']} weights={r['weights']} "
@@ -133,21 +132,21 @@ def table(results: list[dict[str, Any]]) -> None:
 
 def parse_args() -> argparse.Namespace:
     p = common.parser(__doc__, __spec__)
-    p.add_argument("--runs", type=int, default=10, help="runs in this invocation (default 10)")
+    p.add_argument("--runs", type=common.positive(), default=10,
+                   help="runs in this invocation (default 10)")
     p.add_argument("--seed", type=int, default=None, help="the soak's seed (default: random)")
     p.add_argument("--first-run", type=int, default=0,
                    help="index of the first run of the soak to run (to split it in chunks)")
     p.add_argument("--layouts", nargs="+", default=["ddp2", "fsdp2"], choices=sorted(LAYOUTS))
     p.add_argument("--steps", type=int, default=600, help="train.steps per run (default 600)")
-    p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per run")
+    common.add_run_args(p, 900.0)
     p.add_argument("--cache", default=str(common.RESULTS / "chaos-refs"),
                    help="where the failure-free references are kept between invocations")
-    p.add_argument("--keep", action="store_true", help="keep the run directories")
     p.add_argument("--out", default=None,
                    help="JSON out (default bench/results/chaos-seedS[-runK].json)")
     args = p.parse_args()
-    if args.runs < 1 or args.first_run < 0:
-        p.error("--runs must be >= 1 and --first-run >= 0")
+    if args.first_run < 0:
+        p.error("--first-run must be >= 0")
     return args
 
 
@@ -175,12 +174,7 @@ def main() -> int:
         suffix = f"-run{args.first_run}" if args.first_run else ""
         report = {"seed": seed, "first_run": args.first_run, "runs": args.runs,
                   "layouts": args.layouts, "steps": args.steps, "references": refs,
-                  "summary": {"runs": len(results),
-                              "faults_fired": sum(r["fired"] for r in results),
-                              "not_fired": sum(r["not_fired"] for r in results),
-                              "recorded": sum(r["detected"] for r in results),
-                              "lost_steps": sum(r["lost_steps"] for r in results),
-                              "runs_lost": sum(not r["ok"] for r in results)}}
+                  "summary": summary(results)}
         common.write_report(args.out or str(common.RESULTS / f"chaos-seed{seed}{suffix}.json"),
                             report, results)
         if all(r["ok"] for r in results) and not args.keep:

@@ -1,15 +1,6 @@
-"""The chaos soak's checks of one run, after it ended, all read from its run directory:
-
-- it finished (a `finished` event at train.steps, the last driver exit code 0);
-- its final weights equal its layout's failure-free reference bit for bit (`stalwart export`
-  of both, every tensor's dtype, shape and bytes);
-- every committed checkpoint left in storage verifies (catalog.verify) and exports
-  (`stalwart export --step S`);
-- every fault fired shows in events.jsonl: a worker fault as a `failure` event naming the
-  rank the process had, a driver kill as the resumed invocation's `resumed` event;
-- lost steps: each `recovered` event's, plus for a driver kill the steps logged before the
-  kill that the resumed run trains again.
-"""
+"""The chaos soak's checks of one run, read from its run directory after it ended: it
+finished, its final weights equal the failure-free reference's bit for bit, every committed
+checkpoint verifies and exports, every fault fired was recorded, and the steps lost."""
 
 from __future__ import annotations
 
@@ -59,23 +50,17 @@ def worker_fault_record(row: dict[str, Any], events: list[ev.Event]
     return None
 
 
-def driver_fault_record(row: dict[str, Any], events: list[ev.Event]) -> ev.Resumed | None:
-    """The resumed invocation's `resumed` event."""
-    return next((e for e in events[row["events_before_resume"]:]
-                 if isinstance(e, ev.Resumed)), None)
-
-
 def check_faults(run_dir: Path, fired: list[dict[str, Any]]) -> dict[str, Any]:
     events = read_events(run_dir / "events.jsonl")
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    detected = 0
-    driver_lost = 0
+    detected = driver_lost = 0
     driver_recovery: list[float] = []
     for row in fired:
         if not row.get("fired"):
             continue
         if row["kind"] == "driver":
-            resumed = driver_fault_record(row, events)
+            resumed = next((e for e in events[row["events_before_resume"]:]  # resumed's
+                            if isinstance(e, ev.Resumed)), None)
             row["recorded"] = resumed is not None
             if resumed is not None:
                 row["resumed_from"] = resumed.from_step
@@ -89,11 +74,10 @@ def check_faults(run_dir: Path, fired: list[dict[str, Any]]) -> dict[str, Any]:
         else:
             failure = worker_fault_record(row, events)
             row["recorded"] = failure is not None
-            if isinstance(failure, ev.Failure):
-                row["recorded_as"] = f"failure {failure.failure_kind}"
-            elif failure is not None:
-                row["recorded_as"] = f"resized {failure.reason}"
             if failure is not None:
+                row["recorded_as"] = (f"failure {failure.failure_kind}"
+                                      if isinstance(failure, ev.Failure)
+                                      else f"resized {failure.reason}")
                 row["detection_s"] = round(failure.time - row["time"], 2)
         detected += row["recorded"]
     recovered = [e for e in events if isinstance(e, ev.Recovered)]
@@ -125,10 +109,8 @@ def export(run_dir: Path, out: Path, step: int | None = None) -> str | None:
         cmd += ["--step", str(step)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT,
                           env=common.child_env(), timeout=300)
-    if proc.returncode == 0:
-        return None
-    return (proc.stdout + proc.stderr).strip().splitlines()[-1:][0] if (
-        proc.stdout + proc.stderr).strip() else f"exit {proc.returncode}"
+    lines = (proc.stdout + proc.stderr).strip().splitlines()
+    return None if proc.returncode == 0 else lines[-1] if lines else f"exit {proc.returncode}"
 
 
 def weights_equal(a: Path, b: Path) -> tuple[bool, str]:

@@ -1,17 +1,9 @@
 """The chaos soak's faults: which ones a run gets (from one seed), and firing them from outside.
 
-A plan is drawn up front from one `random.Random(seed)` for every run of the soak, so run k
-gets the same layout and faults whether it runs in one invocation or in a chunk
-(`--first-run k`). Moments are fractions of the layout's training window (measured on its
-failure-free reference run), so one plan fits any machine speed.
-
-Firing is from outside, as an operator or the kernel would (bench/harness.py): a signal to a
-worker's process (its pid from `workers_started`), or SIGKILL of the driver's whole session
-plus any process it started that survived, then `stalwart run ... --resume`. Deferrals are
-recorded in the fault's row: a worker fault waits for a live worker of the current driver; a
-driver kill waits for a committed checkpoint (`--resume` needs one) and for the faults before
-it to show in events.jsonl (a driver killed first would take their record with it). A fault
-still pending when the run ends is "not fired".
+A plan is drawn from one random.Random(seed) for every run of the soak, so run k gets the same
+faults in any chunk; moments are fractions of the layout's failure-free training window. A
+worker fault is a signal to a worker's process; a driver fault SIGKILLs the driver's session,
+then `--resume`. Deferrals and faults never fired are recorded in the fault's row.
 """
 
 from __future__ import annotations
@@ -40,14 +32,9 @@ DRIVER_DEFER_S = 90.0
 
 @dataclass(frozen=True, kw_only=True)
 class PlannedFault:
-    kind: str
-    """kill, stop, term (a signal to a worker process) or driver (SIGKILL of the driver and
-    everything it started, then `--resume`)."""
-    at: float
-    """When, as a fraction of the layout's failure-free training window (0: its first step;
-    1: its last)."""
-    pick: float
-    """In [0, 1): which of the live workers is hit, by index into them in rank order."""
+    kind: str  # kill, stop, term (a signal to a worker process) or driver
+    at: float  # when, as a fraction of the failure-free training window (0: its first step)
+    pick: float  # in [0, 1): which of the live workers is hit, by index in rank order
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -78,11 +65,6 @@ def _moments(rng: random.Random, n: int) -> list[float]:
         at = sorted(round(rng.uniform(0.0, 0.9), 4) for _ in range(n))
         if all(b - a >= MIN_GAP for a, b in zip(at, at[1:], strict=False)):
             return at
-
-
-def invocation_events(run_dir: Path, skip: int) -> list[ev.Event]:
-    """The events of run_dir written after the first `skip` (those of earlier invocations)."""
-    return read_events(run_dir / "events.jsonl")[skip:]
 
 
 def live_workers(events: list[ev.Event], exclude: set[int]) -> list[ev.WorkerPlace]:
@@ -144,7 +126,7 @@ def run_with_faults(plan: RunPlan, cmd: list[str], run_dir: Path, log: Path, *,
 def _worker_fault(row: dict[str, Any], fault: PlannedFault, run: Invocation, run_dir: Path,
                   hit: set[int]) -> None:
     while run.running():
-        events = invocation_events(run_dir, run.skip)
+        events = read_events(run_dir / "events.jsonl")[run.skip:]
         live = live_workers(events, hit)
         if live:
             target = live[int(fault.pick * len(live))]
@@ -166,7 +148,7 @@ def _driver_fault(row: dict[str, Any], run: Invocation, cmd: list[str], run_dir:
     plan's clock moves (the time from the kill to the resumed world's start)."""
     give_up = time.time() + DRIVER_DEFER_S
     while run.running() and time.time() < give_up:
-        events = invocation_events(run_dir, 0)
+        events = read_events(run_dir / "events.jsonl")
         committed = any(isinstance(e, ev.CheckpointCommitted) for e in events)
         pending = [r for r in fired if r.get("fired") and r["kind"] != "driver"
                    and worker_fault_record(r, events) is None]

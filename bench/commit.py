@@ -1,16 +1,8 @@
 """Commit: rank 0's time from the last shard written to the manifest committed, with each
 file's sha256 read back on rank 0 (the old path) against taken from its writer (the new one).
 
-In N spawned gloo processes, each round every rank saves its shard with DCP twice: with the
-plain writer, then rank 0 reads every file back to commit; with HashingWriter, then rank 0
-commits from the writers' digests. Two shapes of float32 state: `fixed` (--total-mb over the
-ranks) and `per-rank` (--shard-mb on each, growing with N as a world does). The slowest rank's
-save time is reported with and without hashing, which the new path moves onto the writers.
-
-    python -m bench.commit [--worlds 1 2 4] [--total-mb 128] [--shard-mb 32] [--rounds 3]
-                           [--dir /tmp] [--out bench/results/commit.json]
-
-Target: the commit stays flat as the world grows. Exit code 0; 1 only if a rank failed.
+N spawned gloo processes save with DCP each round, both ways, two shapes of state. Target: the
+commit stays flat as the world grows. Exit code 1 only if a rank failed. docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -33,81 +25,63 @@ MIB = 2**20
 
 
 def parse_args() -> argparse.Namespace:
-    p = common.parser(__doc__, __spec__)
-    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4],
+    p = common.parser(__doc__, __spec__, "commit.json")
+    p.add_argument("--worlds", type=common.positive(), nargs="+", default=[1, 2, 4],
                    help="world sizes to measure (default 1 2 4)")
-    p.add_argument("--total-mb", type=float, default=128.0,
+    p.add_argument("--total-mb", type=common.positive(float), default=128.0,
                    help="`fixed` shape: MiB of state over all ranks (default 128)")
-    p.add_argument("--shard-mb", type=float, default=32.0,
+    p.add_argument("--shard-mb", type=common.positive(float), default=32.0,
                    help="`per-rank` shape: MiB of state on each rank (default 32)")
-    p.add_argument("--rounds", type=int, default=3, help="saves per path (default 3)")
+    p.add_argument("--rounds", type=common.positive(), default=3, help="saves per path (default 3)")
     p.add_argument("--dir", default=tempfile.gettempdir(),
                    help="where the checkpoints are written (default the temp dir)")
-    p.add_argument("--out", default=str(common.RESULTS / "commit.json"), help="JSON result file")
-    args = p.parse_args()
-    if any(n < 1 for n in args.worlds) or args.rounds < 1:
-        p.error("--worlds and --rounds must be >= 1")
-    if args.total_mb <= 0 or args.shard_mb <= 0:
-        p.error("--total-mb and --shard-mb must be > 0")
-    return args
-
-
-def rank_state(rank: int, nbytes: int) -> dict[str, Any]:
-    numel = max(1, nbytes // 4 // TENSORS_PER_RANK)
-    gen = torch.Generator().manual_seed(rank)
-    return {"model": {f"rank{rank}.t{i}": torch.randn(numel, generator=gen)
-                      for i in range(TENSORS_PER_RANK)}, "step": 1}
+    return p.parse_args()
 
 
 def measure_rank(rank: int, world: int, root: str, shapes: dict[str, int], rounds: int
                  ) -> dict[str, list[dict[str, Any]]]:
-    """For each shape (name -> bytes on each rank), each round: a plain save + read-back
-    commit, then a hashing save + digest commit."""
-    from stalwart.checkpointing.storage.signing import SigningKey
-
-    warnings.simplefilter("ignore", UserWarning)  # DCP's, once per save and rank
-    key = SigningKey(secret=b"k" * 32, source="bench")
-    out, step = {}, 0
-    for shape, shard_bytes in shapes.items():
-        out[shape] = _measure_shape(rank, world, root, rank_state(rank, shard_bytes), rounds,
-                                    key, step)
-        step += 2 * rounds
-    return out
-
-
-def _measure_shape(rank: int, world: int, root: str, state: dict[str, Any], rounds: int,
-                   key: Any, step: int) -> list[dict[str, Any]]:
+    """For each shape (name -> bytes of float32 state on each rank), each round: a plain save
+    and a read-back commit, then a hashing save and a commit from the writers' digests."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     from stalwart.checkpointing.storage.hashing import HashingWriter
     from stalwart.checkpointing.storage.layout import join, step_dir_name
+    from stalwart.checkpointing.storage.signing import SigningKey
     from stalwart.checkpointing.storage.writer import write_manifest
 
-    rows = []
-    for _ in range(rounds):
-        for path in ("old", "new"):
-            step += 1
-            url = join(root, step_dir_name(step))
-            writer = FsspecWriter(url) if path == "old" else HashingWriter(url)
-            dist.barrier()
-            t0 = time.perf_counter()
-            dcp.save(state, storage_writer=writer)
-            written = time.perf_counter()
-            read_back: list[str] = []
-            if rank == 0:
-                digests = None if path == "old" else writer.digests
-                read_back = write_manifest(root, step, {"world_size": world}, key=key,
-                                           ranks=world, digests=digests)
-            committed = time.perf_counter()
-            rows.append({"path": path, "write_s": written - t0,
-                         "commit_s": committed - written if rank == 0 else None,
-                         "files_read": len(read_back)})
-            dist.barrier()
-            if rank == 0:  # keep the disk and its write-back queue to one checkpoint
-                shutil.rmtree(url)
-    return rows
+    warnings.simplefilter("ignore", UserWarning)  # DCP's, once per save and rank
+    key = SigningKey(secret=b"k" * 32, source="bench")
+    out: dict[str, list[dict[str, Any]]] = {}
+    step = 0
+    for shape, shard_bytes in shapes.items():
+        gen = torch.Generator().manual_seed(rank)
+        numel = max(1, shard_bytes // 4 // TENSORS_PER_RANK)
+        state = {"model": {f"rank{rank}.t{i}": torch.randn(numel, generator=gen)
+                           for i in range(TENSORS_PER_RANK)}, "step": 1}
+        out[shape] = []
+        for _ in range(rounds):
+            for path in ("old", "new"):
+                step += 1
+                url = join(root, step_dir_name(step))
+                writer = FsspecWriter(url) if path == "old" else HashingWriter(url)
+                dist.barrier()
+                t0 = time.perf_counter()
+                dcp.save(state, storage_writer=writer)
+                written = time.perf_counter()
+                read_back: list[str] = []
+                if rank == 0:
+                    digests = None if path == "old" else writer.digests
+                    read_back = write_manifest(root, step, {"world_size": world}, key=key,
+                                               ranks=world, digests=digests)
+                out[shape].append({"path": path, "write_s": written - t0,
+                                   "commit_s": time.perf_counter() - written if rank == 0
+                                   else None, "files_read": len(read_back)})
+                dist.barrier()
+                if rank == 0:  # keep the disk and its write-back queue to one checkpoint
+                    shutil.rmtree(url)
+    return out
 
 
 def summarise(shape: str, world: int, shard_bytes: int, per_rank: list[list[dict]]
@@ -160,6 +134,7 @@ def main() -> int:
         "rounds": args.rounds, "storage_dir": args.dir, "results": rows,
         "seconds": time.perf_counter() - t_start, "machine": common.machine(with_ray=False)})
     return 0
+
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -10,10 +10,8 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -28,10 +26,25 @@ TINY = ["task.args.seq_len=64", "task.args.d_model=64", "task.args.n_layers=2",
         "train.warmup_steps=5", "data.val_batches=1"]
 
 
-def parser(doc: str, spec: Any) -> argparse.ArgumentParser:
-    """A script's parser: its docstring's first paragraph, named as it is run."""
-    return argparse.ArgumentParser(prog=f"python -m {spec.name}" if spec else None,
-                                   description=doc.split("\n\n")[0])
+def parser(doc: str, spec: Any, out: str | None = None) -> argparse.ArgumentParser:
+    """A script's parser: its docstring's first paragraph, named as it is run; with `out`,
+    --out (the JSON result file, default bench/results/OUT)."""
+    p = argparse.ArgumentParser(prog=f"python -m {spec.name}" if spec else None,
+                                description=doc.split("\n\n")[0])
+    if out:
+        p.add_argument("--out", default=str(RESULTS / out), help=f"JSON result file ({out})")
+    return p
+
+
+def positive(kind: type = int) -> Callable[[str], Any]:
+    """An argparse type: a number of `kind` above 0."""
+
+    def parse(text: str) -> Any:
+        if (value := kind(text)) <= 0:
+            raise argparse.ArgumentTypeError(f"{text} is not above 0")
+        return value
+
+    return parse
 
 
 def add_config_args(p: argparse.ArgumentParser, *, sets: bool = True) -> None:
@@ -42,29 +55,34 @@ def add_config_args(p: argparse.ArgumentParser, *, sets: bool = True) -> None:
                        metavar="KEY=VALUE", help="config override (repeatable)")
 
 
-def add_window_args(p: argparse.ArgumentParser, *, rounds: int, rounds_of: str,
-                    steps: int) -> None:
-    """--config, --rounds, --steps, --exclude and --log-every: the runs, and which steps count."""
+def add_run_args(p: argparse.ArgumentParser, timeout: float, rounds: int | None = None) -> None:
+    """--timeout and --keep, and --rounds if given its default."""
+    if rounds is not None:
+        p.add_argument("--rounds", type=positive(), default=rounds,
+                       help=f"rounds; medians are reported (default {rounds})")
+    p.add_argument("--timeout", type=float, default=timeout, help="seconds allowed per run")
+    p.add_argument("--keep", action="store_true", help="keep the temporary run directories")
+
+
+def window_parser(doc: str, spec: Any, out: str, *, rounds: int,
+                  steps: int) -> argparse.ArgumentParser:
+    """A rate bench's parser: --config, --rounds, --steps, --exclude, --log-every (the runs and
+    which steps count), --out, --timeout and --keep."""
+    p = parser(doc, spec, out)
     add_config_args(p, sets=False)
-    p.add_argument("--rounds", type=int, default=rounds,
-                   help=f"rounds of all {rounds_of} (default {rounds})")
+    add_run_args(p, 1800.0, rounds)
     p.add_argument("--steps", type=int, default=steps,
                    help=f"optimizer steps per run (default {steps})")
     p.add_argument("--exclude", type=int, default=10,
                    help="warm-up steps left out of the rate (default 10; a multiple of "
                         "--log-every)")
     p.add_argument("--log-every", type=int, default=5, help="stalwart run.log_every (default 5)")
+    return p
 
 
-def parse_bench_args(p: argparse.ArgumentParser, out: str) -> argparse.Namespace:
-    """Adds --out, --timeout and --keep (every rate bench's last options), parses, checks the
-    window."""
-    p.add_argument("--out", default=str(RESULTS / out), help="JSON result file")
-    p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per run")
-    p.add_argument("--keep", action="store_true", help="keep the temporary run directories")
+def parse_window(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """Parses a window_parser's arguments and checks the window."""
     args = p.parse_args()
-    if args.rounds < 1:
-        p.error("--rounds must be >= 1")
     if args.log_every < 1 or args.exclude < 1 or args.exclude % args.log_every:
         p.error("--exclude must be a positive multiple of --log-every (a metrics row must "
                 "mark the start of the window)")
@@ -87,8 +105,10 @@ def rate_run(tag: str, cmd: list[str], args: argparse.Namespace, work: Path,
     """Run cmd (one runner of a round) with its log in work, then `measure()` its rate into
     result; a run that failed or left no rate is recorded with its error, and the bench
     goes on. Prints a line either way."""
+    from bench.harness import run_watched
+
     log, load = work / f"{tag}.log", os.getloadavg()[0]
-    code, wall = run_logged(cmd, log, args.timeout)
+    code, wall = run_watched(cmd, log, args.timeout)
     result.update(exit_code=code, wall_s=wall, load_before=load, log=str(log))
     try:
         if code != 0:
@@ -117,6 +137,22 @@ def medians(results: list[dict[str, Any]], key: str, names: list[str]
     return out
 
 
+def by_round(results: list[dict[str, Any]], key: str) -> dict[tuple[str, int], float]:
+    """Each measured run's tokens/s by (its runner's name under `key`, round)."""
+    return {(r[key], r["round"]): r["tokens_per_s"] for r in results if "tokens_per_s" in r}
+
+
+def paired(rates: dict[tuple[str, int], float], a: str, b: str, rounds: int) -> list[float]:
+    """a / b in each round that measured both: side-by-side pairs cancel the machine's slow
+    drifts (a shared host), and their spread shows how far one round can be trusted."""
+    return [p for rnd in range(rounds)
+            if (p := ratio(rates.get((a, rnd)), rates.get((b, rnd)))) is not None]
+
+
+def spread(xs: list[float]) -> str:
+    return f"median {statistics.median(xs):.3f}, min {min(xs):.3f}, max {max(xs):.3f}"
+
+
 def child_env() -> dict[str, str]:
     env = dict(os.environ)
     env.pop("RAY_ADDRESS", None)  # every stalwart run starts its own embedded Ray
@@ -136,21 +172,6 @@ def stalwart_command(config: str, overrides: list[str], run_dir: Path) -> list[s
     return [*cli, "run", str(config), *set_args(overrides), "--run-dir", str(run_dir)]
 
 
-def run_logged(cmd: list[str], log: Path, timeout: float) -> tuple[int, float]:
-    """Run cmd with output to log; returns (exit code, wall seconds)."""
-    t0 = time.perf_counter()
-    with log.open("w") as f:
-        f.write("$ " + " ".join(cmd) + "\n")
-        f.flush()
-        try:
-            code = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
-                                  env=child_env(), timeout=timeout).returncode
-        except subprocess.TimeoutExpired:
-            code = -1
-            f.write(f"\n[bench] timed out after {timeout:.0f}s\n")
-    return code, time.perf_counter() - t0
-
-
 def tail(path: Path, n: int = 15, indent: str = "") -> str:
     """The last n lines of a log, each prefixed with indent."""
     lines = path.read_text(errors="replace").splitlines()
@@ -159,11 +180,8 @@ def tail(path: Path, n: int = 15, indent: str = "") -> str:
 
 def stalwart_rate(run_dir: Path, exclude: int, tokens_per_step: int, *,
                   cross_check: bool = False, final: bool = False) -> dict[str, Any]:
-    """Steady-state tokens/s of a run: steps exclude+1.. over the time between those rows.
-
-    cross_check adds tokens_counted_by_stalwart (the tokens stalwart itself counted over the
-    window); final adds last_step and final_loss.
-    """
+    """Steady-state tokens/s of a run: steps exclude+1.. over the time between those rows;
+    cross_check adds the tokens stalwart itself counted, final the last step and loss."""
     from stalwart.core.events import read_metrics
 
     rows = read_metrics(run_dir / "metrics.jsonl")
@@ -208,12 +226,8 @@ def tokens_per_step(config_path: str, overrides: list[str]) -> tuple[int, Any]:
 def run_rounds(names: list[str], rounds: int, run: Callable[[str, int], dict[str, Any]], *,
                work: Path, keep: bool, prune_measured: bool) -> list[dict[str, Any]]:
     """run(name, round) for every name, every round, the order flipping every round so that a
-    drift in machine load favours no runner.
-
-    Unless keep: the work folder goes if every run was measured, and the results no longer
-    point into it; with prune_measured, the run folder and log of each measured run go even
-    when another run failed (the failed ones' stay, for their logs).
-    """
+    drift in machine load favours no runner. Unless keep, the work folder goes if every run was
+    measured; with prune_measured each measured run's folder and log go anyway."""
     results: list[dict[str, Any]] = []
     try:
         for rnd in range(rounds):
@@ -244,14 +258,11 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
-def fmt(x: float | None, spec: str = "9,.0f", missing: str | None = None) -> str:
-    """x formatted by spec; None as missing (default: "-" right-aligned to spec's width)."""
+def fmt(x: float | None, spec: str = "9,.0f") -> str:
+    """x formatted by spec; None as "-" right-aligned to spec's width."""
     if x is not None:
         return format(x, spec)
-    if missing is not None:
-        return missing
-    width = "".join(c for c in spec.split(",")[0].split(".")[0] if c.isdigit())
-    return "-".rjust(int(width or 1))
+    return "-".rjust(int("".join(c for c in spec.split(",")[0].split(".")[0] if c.isdigit()) or 1))
 
 
 def print_columns(table: list[list[str]]) -> None:

@@ -1,14 +1,8 @@
 """Steps lost when the driver is SIGKILLed on a cluster, over several kills of one run.
 
-On a `ray start` cluster of this machine, `stalwart run --address` drives one run; the harness
-SIGKILLs the driver --kills times, each once a random step is logged, and resumes it with
-`--auto-resume`. Its detached workers must commit the step in flight. Per kill: the last step
-logged, the step resumed from, the steps lost (logged, then trained again) and the seconds to
-the workers' commit; then the final weights against a failure-free run's, bit for bit.
-
-    python -m bench.driver_loss [--kills 5] [--steps 600]
-
-Target: no step logged before a kill is trained again. Writes bench/results/driver_loss.json.
+On a `ray start` cluster of this machine the harness SIGKILLs the driver --kills times and
+resumes it with `--auto-resume`; then the final weights against a failure-free run's. Target:
+no step logged before a kill is trained again. The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -119,14 +113,13 @@ def soak(args: Any, scratch: Path, address: str, env: dict[str, str]
 
 
 def main() -> None:
-    p = common.parser(__doc__, __spec__)
+    p = common.parser(__doc__, __spec__, "driver_loss.json")
     p.add_argument("--kills", type=int, default=5, help="driver SIGKILLs (default 5)")
     p.add_argument("--steps", type=int, default=600, help="train.steps (default 600)")
     p.add_argument("--persist-every", type=int, default=50,
                    help="checkpoint.persist_every (default 50)")
     p.add_argument("--cpus", type=int, default=3, help="the cluster's CPUs (default 3)")
     p.add_argument("--seed", type=int, default=0, help="picks the kill steps (default 0)")
-    p.add_argument("--out", type=Path, default=common.RESULTS / "driver_loss.json")
     args = p.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="stalwart-driver-loss-"))
     ray_proc, address, env = start_cluster(scratch, args.cpus)

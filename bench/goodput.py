@@ -1,16 +1,8 @@
 """Goodput under a kill every minute: stalwart against Ray Train, side by side.
 
-The reference task (examples/gpt/config.toml; stalwart with its warm spare and memory tier)
-trains for --duration seconds while the harness SIGKILLs rank 1's process every --kill-every
-seconds, then asks the run to stop; Ray Train trains the same model, batch, sample order and
-checkpoint interval under TorchTrainer (FailureConfig(max_failures=-1)) on the same schedule.
-Goodput, the same way for both from each completed step's end: the time of every step of the
-final trajectory (from the end of the step before it in the same world, or from the world
-being ready; a step trained twice counts once) over the wall time from launch to the stop.
-
-    python -m bench.goodput [--duration 600 --kill-every 60] [--only stalwart|raytrain]
-
-Target: stalwart >= 0.95. Prints a table and writes bench/results/goodput.json.
+Each trains the reference task for --duration s while the harness SIGKILLs rank 1 every
+--kill-every s; goodput is the time of the final trajectory's steps over the wall time, the
+same way for both. Target: stalwart >= 0.95. The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -27,13 +19,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.harness import Launch, attempts_pid, signal_pid, split_worlds, stalwart_rank_pid
+from bench.harness import Launch, attempts_pid, signal_pid, stalwart_rank_pid, stalwart_steps
 from bench.peers import raytrain_recovery as rt
 from bench.peers import raytrain_worker as rw
 from stalwart.core import events as ev
-from stalwart.core.config import load_config
 from stalwart.core.events import read_events, read_jsonl, read_metrics
-from stalwart.core.task import build_task
 from stalwart.report.summary import median
 
 STALWART_OVERRIDES = ["train.steps=1000000", "failure.max_failures=-1", "run.log_every=1",
@@ -97,13 +87,10 @@ def run_stalwart(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     kills, t_stop = kill_on_schedule(running, lambda: stalwart_rank_pid(run_dir, 1), run.time,
                                      args)
     code = run.stop(signal.SIGINT)  # stop after the step in flight, checkpoint it
-    events = read_events(run_dir / "events.jsonl")
-    metrics = read_metrics(run_dir / "metrics.jsonl")
-    rows = split_worlds([(r.step, r.time) for r in metrics],
-                        [e.time for e in events if isinstance(e, ev.WorkersStarted)])
+    events, rows = read_events(run_dir / "events.jsonl"), stalwart_steps(run_dir)
     # A world is ready when its first step starts: that row's window_s is the step's own time.
     starts: dict[Any, float] = {}
-    for row, m in zip(rows, metrics, strict=True):
+    for row, m in zip(rows, read_metrics(run_dir / "metrics.jsonl"), strict=True):
         starts.setdefault(row.world, m.time - (m.window_s or 0.0))
     recovered = [e for e in events if isinstance(e, ev.Recovered)]
     out = {"system": "stalwart", "exit_code": code, "kills": len(kills),
@@ -124,15 +111,14 @@ def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     workdir = work / "raytrain"
     workdir.mkdir()
-    job = load_config(common.DEFAULT_CONFIG, [])
-    build_task(job.task.path, job.task.args).prepare_data(job)  # tokenize outside the clock
+    _, job = common.tokens_per_step(str(common.DEFAULT_CONFIG), [])  # tokenizes the data
     cluster = rt.start_cluster(rw.NUM_WORKERS)
     fit_out: dict[str, Any] = {}
     try:
         trainer = rt.trainer(workdir, {
             "config": str(common.DEFAULT_CONFIG), "overrides": ["train.steps=1000000"],
-            "fault": "kill", "fault_step": 0, "checkpoint_every": job.checkpoint.persist_every,
-            "commit_checkpoints": True}, name="raytrain-goodput", max_failures=-1)
+            "fault": "kill", "fault_step": 0, "checkpoint_every": job.checkpoint.persist_every},
+            name="raytrain-goodput", max_failures=-1)
         t0 = time.time()
         thread = rt.start_fit(trainer, fit_out)
 
@@ -158,11 +144,10 @@ def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    p = common.parser(__doc__, __spec__)
+    p = common.parser(__doc__, __spec__, "goodput.json")
     p.add_argument("--duration", type=float, default=600.0, help="seconds of training per run")
     p.add_argument("--kill-every", type=float, default=60.0, help="seconds between kills")
     p.add_argument("--only", choices=("stalwart", "raytrain"), help="run one side only")
-    p.add_argument("--out", default=str(common.RESULTS / "goodput.json"))
     args = p.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="goodput-") as tmp:

@@ -1,13 +1,7 @@
 """Hang detection's false positives: the reference run, no fault, for a long time.
 
-`stalwart run examples/gpt/config.toml` with tight hang limits (a 2 s floor, 5 x the median
-step) trains for --minutes, then stops on SIGTERM. Every `failure` event is a false positive.
-With --nodes N the run is spread over a local cluster of N one-CPU nodes, so that the
-frozen-node rule is on trial too.
-
-    python -m bench.hang_soak [--minutes 30] [--nodes 0] [--set KEY=VALUE ...]
-
-Target: none. Writes bench/results/hang_soak.json.
+Tight hang limits (a 2 s floor, 5 x the median step) for --minutes, then SIGTERM; every
+`failure` event is a false positive (target: none). --nodes N spreads it over a local cluster.
 """
 
 from __future__ import annotations
@@ -20,7 +14,7 @@ import time
 from pathlib import Path
 
 from bench import common
-from bench.harness import Launch
+from bench.harness import Launch, local_cluster
 from stalwart.core.events import read_jsonl
 
 
@@ -52,14 +46,8 @@ def soak(minutes: float, overrides: list[str], run_dir: Path, address: str | Non
 
 def on_nodes(nodes: int, minutes: float, overrides: list[str], run_dir: Path) -> dict:
     """The soak over a local cluster of `nodes` one-CPU nodes and a 0-CPU head, spread."""
-    from ray.cluster_utils import Cluster
-
-    cluster = Cluster(initialize_head=True, head_node_args={
-        "num_cpus": 0, "include_dashboard": False})
+    cluster = local_cluster(nodes, num_cpus=0)
     try:
-        for _ in range(nodes):
-            cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
         spread = [f"scaling.num_workers={nodes}", "scaling.spare_workers=0",
                   "scaling.placement_strategy=SPREAD"]
         return {**soak(minutes, [*spread, *overrides], run_dir, cluster.address),
@@ -69,12 +57,11 @@ def on_nodes(nodes: int, minutes: float, overrides: list[str], run_dir: Path) ->
 
 
 def main() -> None:
-    p = common.parser(__doc__, __spec__)
+    p = common.parser(__doc__, __spec__, "hang_soak.json")
     p.add_argument("--minutes", type=float, default=30.0)
     p.add_argument("--nodes", type=int, default=0,
                    help="spread the run over a local cluster of this many 1-CPU nodes")
     p.add_argument("--set", dest="overrides", action="append", default=[])
-    p.add_argument("--out", default=str(common.RESULTS / "hang_soak.json"))
     args = p.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="stalwart-soak-")) / "soak"
     t0 = time.time()

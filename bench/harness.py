@@ -1,15 +1,11 @@
 """The fault harness of the recovery, goodput, chaos and driver-loss benchmarks: launch a run
-in a session of its own, watch its step log, send a signal to a process by its PID once a step
-is logged, and time the next completed step from the same log.
-
-A step log is what a system writes as each step completes: stalwart's metrics.jsonl (with
-run.log_every=1) or a peer's steps.jsonl (bench/peers). A world tells apart the processes of
-one start of the training (stalwart's generation, Ray Train's rank-0 pid, torchrun's restart
-count), so that a step the killed world logs just after the kill is not taken for a recovery.
-"""
+in a session of its own, watch its step log (stalwart's metrics.jsonl or a peer's steps.jsonl),
+signal a process by its PID once a step is logged, and time the next completed step of another
+world (one start of the training) from the same log."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import statistics
@@ -52,10 +48,8 @@ class Launch:
 
     def kill(self) -> None:
         """SIGKILL the whole session: a stuck run must not outlive its bench."""
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         self.proc.wait()
 
     def stop(self, sig: int = signal.SIGINT, timeout: float = 120.0) -> int:
@@ -72,11 +66,9 @@ class Launch:
 def run_watched(cmd: list[str], log: Path, timeout: float,
                 tick: Callable[[], None] | None = None, poll_s: float = 0.2
                 ) -> tuple[int, float]:
-    """Run cmd with output to log, calling tick() every poll_s; (exit code, wall s).
-
-    Past the timeout the run gets Ctrl-C twice (stop, then abandon the checkpoint), 30 s
-    apart, then SIGKILL; the exit code is then -1.
-    """
+    """Run cmd with output to log, calling tick() every poll_s; (exit code, wall s). Past the
+    timeout the run gets Ctrl-C twice (stop, then abandon the checkpoint), 30 s apart, then
+    SIGKILL; the exit code is then -1."""
     t0 = time.perf_counter()
     run = Launch(cmd, log)
     deadline, stage = t0 + timeout, 0
@@ -91,7 +83,8 @@ def run_watched(cmd: list[str], log: Path, timeout: float,
                 break
             run.proc.send_signal(signal.SIGINT)
             deadline, stage = time.perf_counter() + 30, stage + 1
-        time.sleep(poll_s)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            run.proc.wait(timeout=poll_s)  # returns as soon as the run ends
     return (run.proc.returncode if stage == 0 else -1), time.perf_counter() - t0
 
 
@@ -133,16 +126,10 @@ class SignalAtStep:
 
 
 def measure_kill(rows: list[StepRow], kill_time: float | None) -> dict[str, Any]:
-    """kill -> the next completed step, from a run's step rows.
-
-    The killed world is the one that completed the last step before the kill. The next
-    completed step is the first one of another world that ends after the kill: the killed
-    world's rank 0 may still log the step in flight a few ms after the kill (its all-reduce
-    had finished), which is not a recovery; that step counts as completed before the kill.
-    lost_steps = the killed world's last step - the step resumed from (the next completed
-    step - 1). normal_step_s: the median time between consecutive steps of the killed world
-    that ended before the kill (checkpoint steps included, as they come).
-    """
+    """kill -> the next completed step: the first step of another world than the one that
+    completed the last step before the kill (whose step in flight may end just after it);
+    lost_steps: the killed world's last step - the step resumed from; normal_step_s: the
+    median gap between consecutive steps of the killed world before the kill."""
     out: dict[str, Any] = {"steps_before_kill": None, "last_step_of_killed_world": None,
                            "first_step_after": None, "recovery_s": None,
                            "resumed_from": None, "lost_steps": None, "normal_step_s": None,
@@ -198,6 +185,39 @@ def stalwart_rank_pid(run_dir: Path, rank: int) -> int | None:
     started = [e for e in ev.read_events(run_dir / "events.jsonl")
                if isinstance(e, ev.WorkersStarted)]
     return next((w.pid for w in started[-1].workers if w.rank == rank), None) if started else None
+
+
+def local_cluster(nodes: int, **head: Any) -> Any:
+    """A local ray.cluster_utils.Cluster, up: a head without dashboard (`head`: its arguments)
+    and `nodes` nodes of 1 CPU."""
+    from ray.cluster_utils import Cluster
+
+    cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **head})
+    for _ in range(nodes):
+        cluster.add_node(num_cpus=1)
+    if nodes:
+        cluster.wait_for_nodes()
+    return cluster
+
+
+def replace_dead_node(cluster: Any, node_id: str, record: dict[str, Any]) -> None:
+    """Once Ray's GCS reports node_id dead, add a 1-CPU node in its place, once (what an
+    autoscaler could do at the earliest); record when (dead_time, replacement_added)."""
+    import ray
+
+    if "replacement_added" not in record and any(
+            n["NodeID"] == node_id and not n["Alive"] for n in ray.nodes()):
+        record["dead_time"] = time.time()
+        cluster.add_node(num_cpus=1)
+        record["replacement_added"] = time.time()
+
+
+def node_times(record: dict[str, Any], fault_time: float) -> dict[str, Any]:
+    """A replace_dead_node record in seconds after the fault."""
+    return {"replace_node_after": "dead",
+            "node_dead_s": record["dead_time"] - fault_time if "dead_time" in record else None,
+            "replacement_added_s": (record["replacement_added"] - fault_time
+                                    if "replacement_added" in record else None)}
 
 
 # ------------------------------------------------------------------------------- processes
@@ -262,10 +282,8 @@ def kill_tree(pgid: int, wait_s: float = 10.0) -> list[str]:
     descendants just before the kill) that is still alive `wait_s` later: a daemon that left
     the group. Returns those, as 'name:pid'."""
     tree = descendants(pgid)
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
     deadline = time.monotonic() + wait_s
     while survivors(tree) and time.monotonic() < deadline:
         time.sleep(0.2)

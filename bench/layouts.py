@@ -1,15 +1,8 @@
 """Layouts: tokens/s of each parallel layout of the reference task on 4 CPU workers.
 
-Every layout is one `stalwart run examples/gpt/config.toml` as a user types it, one model for
-every row (8 blocks, untied embeddings: what pipelines need) and the reference batch, so every
-layout trains the same model on the same samples and the losses agree up to the rounding of
-differently ordered reductions. The rate is steady-state tokens/s between metrics.jsonl rows.
-
-    python -m bench.layouts [--rounds 1] [--steps 30] [--layouts ddp4 fsdp4 ...]
-                            [--out bench/results/layouts.json]
-
-A failed run is recorded with the tail of its log and the others go on. The exit code is 0
-if at least one layout was measured, 1 otherwise.
+One `stalwart run` per layout, one model and batch for every row, so the losses agree up to
+the rounding of differently ordered reductions. A failed run is recorded and the others go on;
+the exit code is 1 only if no layout was measured. The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -29,31 +22,26 @@ from bench.common import fmt
 WORKERS = 4
 BASELINE = "ddp4"
 # name -> (what it is, its --set overrides on top of common_overrides).
-LAYOUTS: dict[str, tuple[str, list[str]]] = {
-    "ddp4": ("DDP", ["parallel.dp_replicate=4", "parallel.dp_shard=1"]),
-    "fsdp4": ("FSDP2 ZeRO-3", ["parallel.dp_replicate=1", "parallel.dp_shard=4"]),
-    "fsdp4-zero2": ("FSDP2 ZeRO-2", ["parallel.dp_replicate=1", "parallel.dp_shard=4",
-                                     "parallel.reshard_after_forward=false"]),
-    "hsdp2x2": ("HSDP", ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
-    "tp2-fsdp2": ("TP x FSDP2", ["parallel.dp_replicate=1", "parallel.dp_shard=2",
-                                 "parallel.tp=2"]),
-    "pp2-fsdp2": ("PP 1f1b x FSDP2", ["parallel.dp_replicate=1", "parallel.dp_shard=2",
-                                      "parallel.pp=2"]),
-    "tp2-pp2": ("TP x PP 1f1b", ["parallel.dp_replicate=1", "parallel.dp_shard=1",
-                                 "parallel.tp=2", "parallel.pp=2"]),
-    "pp4-interleaved": ("PP interleaved 1f1b", [
-        "parallel.dp_replicate=1", "parallel.dp_shard=1", "parallel.pp=4",
-        "parallel.pp_schedule=interleaved_1f1b"]),
+# name -> (what it is, dp_replicate x dp_shard x tp x pp, further overrides).
+LAYOUTS: dict[str, tuple[str, str, list[str]]] = {
+    "ddp4": ("DDP", "4x1x1x1", []),
+    "fsdp4": ("FSDP2 ZeRO-3", "1x4x1x1", []),
+    "fsdp4-zero2": ("FSDP2 ZeRO-2", "1x4x1x1", ["parallel.reshard_after_forward=false"]),
+    "hsdp2x2": ("HSDP", "2x2x1x1", []),
+    "tp2-fsdp2": ("TP x FSDP2", "1x2x2x1", []),
+    "pp2-fsdp2": ("PP 1f1b x FSDP2", "1x2x1x2", []),
+    "tp2-pp2": ("TP x PP 1f1b", "1x1x2x2", []),
+    "pp4-interleaved": ("PP interleaved 1f1b", "1x1x1x4",
+                        ["parallel.pp_schedule=interleaved_1f1b"]),
 }
 MODEL = ["task.args.n_layers=8", "task.args.tie_embeddings=false"]
 
 
 def parse_args() -> argparse.Namespace:
-    p = common.parser(__doc__, __spec__)
-    common.add_window_args(p, rounds=1, rounds_of="layouts", steps=30)
+    p = common.window_parser(__doc__, __spec__, "layouts.json", rounds=1, steps=30)
     p.add_argument("--layouts", nargs="+", choices=list(LAYOUTS), default=list(LAYOUTS),
                    metavar="NAME", help=f"layouts to run (default all: {' '.join(LAYOUTS)})")
-    args = common.parse_bench_args(p, "layouts.json")
+    args = common.parse_window(p)
     args.layouts = list(dict.fromkeys(args.layouts))  # drop repeats, keep the order given
     return args
 
@@ -63,19 +51,16 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
             "train.warmup_steps=2"]
 
 
-def dims(layout: list[str]) -> str:
-    """dp_replicate x dp_shard x tp x pp of a layout's overrides."""
-    d = {"dp_replicate": "1", "dp_shard": "1", "tp": "1", "pp": "1"}
-    for o in layout:
-        key, _, value = o.partition("=")
-        if key.startswith("parallel.") and key.removeprefix("parallel.") in d:
-            d[key.removeprefix("parallel.")] = value
-    return "x".join(d.values())
+def layout_overrides(name: str) -> list[str]:
+    """A layout's --set overrides: both data-parallel degrees, tp and pp when above 1."""
+    _, dims, extra = LAYOUTS[name]
+    degrees = zip(("dp_replicate", "dp_shard", "tp", "pp"), dims.split("x"), strict=True)
+    return [f"parallel.{k}={v}" for k, v in degrees if k.startswith("dp") or v != "1"] + extra
 
 
 def one_run(name: str, args: argparse.Namespace, work: Path, rnd: int,
             tps: int) -> dict[str, Any]:
-    tag, overrides = f"r{rnd}-{name}", LAYOUTS[name][1]
+    tag, overrides = f"r{rnd}-{name}", layout_overrides(name)
     run_dir = work / tag
 
     def measure() -> dict[str, Any]:
@@ -86,7 +71,7 @@ def one_run(name: str, args: argparse.Namespace, work: Path, rnd: int,
 
     result = common.rate_run(
         tag, common.stalwart_command(args.config, common_overrides(args) + overrides, run_dir),
-        args, work, {"layout": name, "dims": dims(overrides), "round": rnd,
+        args, work, {"layout": name, "dims": LAYOUTS[name][1], "round": rnd,
                      "overrides": overrides, "run_dir": str(run_dir)}, measure,
         lambda r: f", final loss {r['final_loss']:.4f}")
     if "error" in result:
@@ -102,7 +87,7 @@ def summarise(results: list[dict[str, Any]], names: list[str]) -> dict[str, dict
         runs = [r for r in results if r["layout"] == name]
         ok = [r for r in runs if "tokens_per_s" in r]
         summary[name] = {
-            "dims": dims(LAYOUTS[name][1]), "description": LAYOUTS[name][0],
+            "dims": LAYOUTS[name][1], "description": LAYOUTS[name][0],
             "tokens_per_s": statistics.median(r["tokens_per_s"] for r in ok) if ok else None,
             "wall_s": statistics.median(r["wall_s"] for r in runs) if runs else None,
             "final_loss": ok[0]["final_loss"] if ok else None,
@@ -161,7 +146,7 @@ def main() -> int:
                     for k, v in summary.items()},
         "loss_by_step": {k: v["loss_by_step"] for k, v in summary.items()},
         "settings": {**common.window_settings(args, WORKERS, tps, common_overrides(args)),
-                     "layouts": {k: LAYOUTS[k][1] for k in args.layouts},
+                     "layouts": {k: layout_overrides(k) for k in args.layouts},
                      "global_batch_size": config.train.global_batch_size,
                      "micro_batch_size": config.train.micro_batch_size}}, results)
     return 0 if any("tokens_per_s" in r for r in results) else 1

@@ -1,13 +1,8 @@
 """Memory: measured per-rank bytes of model state under FSDP2 ZeRO-3 against the ZeRO formula.
 
-In N spawned gloo processes, the example GPT (6.5M parameters, so FSDP2's per-tensor rounding
-is small) sharded with stalwart's own mesh and recipe (N = 1: unwrapped) takes one real AdamW
-step; then each rank counts the bytes of the local shards it holds.
-
-    python -m bench.memory [--worlds 1 2 4] [--out bench/results/memory.json]
-
-Target: the busiest rank within 10% of 16 x params / N (fp32 params, grads, m and v), with
-stalwart.plan.estimate's figure beside it. Exit code 0; 1 only if a rank failed.
+In N spawned gloo processes the example GPT, sharded by stalwart's own mesh and recipe, takes
+one AdamW step; each rank counts its local shards. Target: the busiest rank within 10% of
+16 x params / N. Exit code 1 only if a rank failed. The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -101,13 +96,10 @@ def print_table(rows: list[dict[str, Any]], n_params: int) -> None:
 
 
 def main() -> int:
-    p = common.parser(__doc__, __spec__)
-    p.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4],
+    p = common.parser(__doc__, __spec__, "memory.json")
+    p.add_argument("--worlds", type=common.positive(), nargs="+", default=[1, 2, 4],
                    help="world sizes to measure (default 1 2 4)")
-    p.add_argument("--out", default=str(common.RESULTS / "memory.json"), help="JSON result file")
     args = p.parse_args()
-    if any(n < 1 for n in args.worlds):
-        p.error("--worlds must all be >= 1")
     from stalwart.examples.gpt.task import GPTTask
     from stalwart.plan.estimate import ModelShape
 

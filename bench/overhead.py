@@ -1,17 +1,9 @@
 """Overhead: what the in-memory checkpoint tier costs the reference task's tokens/s.
 
-Each round runs `stalwart run examples/gpt/config.toml` as a user types it once per runner,
-the order flipping every round: the DDP layout with the memory tier off (`no-snapshots`),
-staging only (`snapshots`, informational) and staged and replicated to a peer
-(`snapshots+replication`, the default; DDP ranks are twins, so nothing is sent); and FSDP2
-over both workers, off and replicated (every shard distinct and sent every step). No spare
-shares the CPUs. The tier's size comes from each run's `memory_tier` event; snapshots must
-not change training, so the losses of a layout's runs must agree exactly.
-
-    python -m bench.overhead [--rounds 3] [--steps 60] [--out bench/results/overhead.json]
-
-Target: median(snapshots+replication) >= 0.95 x median(no-snapshots), in each layout. The exit
-code is 0 whether or not the target is met; 1 only if a runner produced no measurement.
+Steady-state tokens/s of `stalwart run` with the tier off, staging only and staged and
+replicated, in the DDP layout and with FSDP2, in rounds of alternating order; the losses of a
+layout's runs must agree exactly. Target: median(snapshots+replication) >= 0.95 x
+median(no-snapshots) in each layout. The method and the last figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -51,12 +43,6 @@ RUNNERS: dict[str, list[str]] = {
 COMPARED = [("snapshots", BASELINE), (TARGET_RUNNER, BASELINE),
             (f"fsdp {TARGET_RUNNER}", f"fsdp {BASELINE}")]
 TARGETS = [TARGET_RUNNER, f"fsdp {TARGET_RUNNER}"]
-
-
-def parse_args() -> argparse.Namespace:
-    p = common.parser(__doc__, __spec__)
-    common.add_window_args(p, rounds=3, rounds_of="runners", steps=60)
-    return common.parse_bench_args(p, "overhead.json")
 
 
 def common_overrides(args: argparse.Namespace) -> list[str]:
@@ -110,8 +96,7 @@ def print_rates(rates: dict[tuple[str, int], float], medians: dict[str, float | 
     for n, b in COMPARED:
         if paired[n]:
             print(f"{n} / {b}: median ratio {fmt(ratios[n], '.3f')}; paired (same round) "
-                  f"median {statistics.median(paired[n]):.3f}, min {min(paired[n]):.3f}, max "
-                  f"{max(paired[n]):.3f}")
+                  f"{common.spread(paired[n])}")
 
 
 def tier_sizes(measured: list[dict[str, Any]]) -> dict[str, dict[str, Any] | None]:
@@ -175,7 +160,8 @@ def verdicts(ratios: dict[str, float | None], paired_median: dict[str, float | N
 
 
 def main() -> int:
-    args = parse_args()
+    args = common.parse_window(common.window_parser(__doc__, __spec__, "overhead.json",
+                                                    rounds=3, steps=60))
     overrides = common_overrides(args)
     tps, config = common.tokens_per_step(args.config, overrides)
     work = Path(tempfile.mkdtemp(prefix="stalwart-bench-overhead-"))
@@ -188,14 +174,10 @@ def main() -> int:
                                 partial(one_run, args=args, work=work, tps=tps),
                                 work=work, keep=args.keep, prune_measured=True)
     measured = [r for r in results if "tokens_per_s" in r]
-    rates = {(r["runner"], r["round"]): r["tokens_per_s"] for r in measured}
+    rates = common.by_round(results, "runner")
     medians = common.medians(results, "runner", list(RUNNERS))
     ratios = {n: ratio(medians[n], medians[b]) for n, b in COMPARED}
-    # Side-by-side pairs cancel the machine's slow drifts (a shared host); their spread
-    # shows how far one round can be trusted.
-    paired = {n: [p for rnd in range(args.rounds)
-                  if (p := ratio(rates.get((n, rnd)), rates.get((b, rnd)))) is not None]
-              for n, b in COMPARED}
+    paired = {n: common.paired(rates, n, b, args.rounds) for n, b in COMPARED}
     paired_median = {n: statistics.median(v) if v else None for n, v in paired.items()}
     print_rates(rates, medians, ratios, paired, args)
     tier = tier_sizes(measured)

@@ -1,6 +1,6 @@
 """The recovery benchmark's scenario and its rows (bench/recovery.py): each row is one run on
-its own Ray, stalwart as a user types it, Ray Train through bench/peers/raytrain_recovery.py,
-torchrun through bench/peers/torchrun_recovery.py, measured from the run's own records."""
+its own Ray (stalwart as a user types it, Ray Train through bench/peers/raytrain_recovery.py,
+torchrun through bench/peers/torchrun_recovery.py), measured from the run's own records."""
 
 from __future__ import annotations
 
@@ -10,27 +10,13 @@ import os
 import shutil
 import signal
 import sys
-import time
 from pathlib import Path
 from typing import Any, TypeVar
 
-from bench import common
-from bench.harness import (
-    OUTSIDE_KILL,
-    POLL_S,
-    SignalAtStep,
-    StepRow,
-    attempts_pid,
-    last_logged,
-    measure_kill,
-    run_watched,
-    signal_pid,
-    stalwart_rank_pid,
-    stalwart_steps,
-)
+from bench import common, harness
+from bench.harness import OUTSIDE_KILL, POLL_S, SignalAtStep, StepRow, measure_kill
 from bench.peers import raytrain_worker, torchrun_recovery
 from bench.peers.raytrain_recovery import run_raytrain
-from bench.peers.torchrun_recovery import MAX_RESTARTS
 from stalwart.core import events as ev
 from stalwart.core.events import read_events, read_jsonl, read_metrics
 
@@ -97,7 +83,7 @@ def settings(args: argparse.Namespace, tps: int, health: dict[str, Any]) -> dict
         "stalwart_elastic": ELASTIC, "inject": INJECT, "hang_wait_s": HANG_WAIT_S,
         OUTSIDE_KILL: {"kill_after_step_logged": FAULT_STEP, "poll_s": POLL_S,
                        "stalwart_overrides": OUTSIDE_STALWART, "model_overrides": OUTSIDE_MODEL,
-                       "torchrun": {"max_restarts": MAX_RESTARTS,
+                       "torchrun": {"max_restarts": torchrun_recovery.MAX_RESTARTS,
                                     "checkpoint_every": PERSIST_EVERY},
                        "targets": {"next_step_slack_s": TARGET_NEXT_STEP_SLACK_S,
                                    "ratios": TARGET_OUTSIDE_RATIOS}},
@@ -136,10 +122,10 @@ def run_stalwart(result: dict[str, Any], args: argparse.Namespace,
     if fault == OUTSIDE_KILL:
         cmd = common.stalwart_command(args.config, OUTSIDE_STALWART, run_dir)
         killer = SignalAtStep(after_step=FAULT_STEP,
-                              logged_step=lambda: last_logged(run_dir / "metrics.jsonl"),
-                              pid=lambda: stalwart_rank_pid(run_dir, 1))
+                              logged_step=lambda: harness.last_logged(run_dir / "metrics.jsonl"),
+                              pid=lambda: harness.stalwart_rank_pid(run_dir, 1))
         result["command"] = cmd
-        code, wall = run_watched(cmd, log, args.timeout, killer.tick, poll_s=POLL_S)
+        code, wall = harness.run_watched(cmd, log, args.timeout, killer.tick, poll_s=POLL_S)
         result.update(exit_code=code, wall_s=wall, **killer.record())
         result.update(analyse_stalwart_outside(run_dir, killer.time))
     else:
@@ -149,7 +135,7 @@ def run_stalwart(result: dict[str, Any], args: argparse.Namespace,
             code, wall = run_stalwart_node(cmd, run_dir, log, args.timeout, result)
         else:
             result["command"] = cmd
-            code, wall = run_watched(cmd, log, args.timeout)
+            code, wall = harness.run_watched(cmd, log, args.timeout)
         result.update(exit_code=code, wall_s=wall)
         result.update(analyse_stalwart(run_dir, fault,
                                        memory_tier=not result["runner"].endswith("/storage")))
@@ -162,23 +148,17 @@ def run_stalwart(result: dict[str, Any], args: argparse.Namespace,
 def run_stalwart_node(cmd: list[str], run_dir: Path, log: Path, timeout: float,
                       result: dict[str, Any]) -> tuple[int, float]:
     """The node faults: the CLI against a local cluster of a 0-CPU head and a 1-CPU node per
-    worker; a replacement node is added as soon as the GCS reports the lost node dead (as
-    run_raytrain's replace_node_after="dead"). A frozen node is SIGKILLed at the end."""
+    worker; a replacement node is added as soon as the GCS reports the lost node dead (as for
+    Ray Train). A frozen node is SIGKILLed at the end."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True, head_node_args=NODE_HEAD_ARGS)
+    cluster = harness.local_cluster(WORKERS, **NODE_HEAD_ARGS)
     node: dict[str, Any] = {}
     try:
-        for _ in range(WORKERS):
-            cluster.add_node(num_cpus=1)
-        cluster.wait_for_nodes()
         ray.init(address=cluster.address, logging_level="WARNING")  # to watch the GCS
         result["command"] = cmd = [*cmd, "--address", cluster.address]
 
         def tick() -> None:
-            if "replacement_added" in node:
-                return
             if "killed_node_id" not in node:
                 events = read_events(run_dir / "events.jsonl")
                 fired = next((e for e in events if isinstance(e, ev.FaultInjected)), None)
@@ -187,13 +167,9 @@ def run_stalwart_node(cmd: list[str], run_dir: Path, log: Path, timeout: float,
                     return
                 node["fault_time"] = fired.time
                 node["killed_node_id"] = started.workers[fired.rank].node_id
-            if any(n["NodeID"] == node["killed_node_id"] and not n["Alive"]
-                   for n in ray.nodes()):
-                node["dead_time"] = time.time()  # the GCS has noticed
-                cluster.add_node(num_cpus=1)
-                node["replacement_added"] = time.time()
+            harness.replace_dead_node(cluster, node["killed_node_id"], node)
 
-        code, wall = run_watched(cmd, log, timeout, tick)
+        code, wall = harness.run_watched(cmd, log, timeout, tick)
     finally:
         try:
             ray.shutdown()
@@ -201,11 +177,7 @@ def run_stalwart_node(cmd: list[str], run_dir: Path, log: Path, timeout: float,
                 kill_frozen_nodes(cluster)
         finally:
             cluster.shutdown()
-    ft = node.get("fault_time")
-    result.update(node_dead_s=node["dead_time"] - ft if "dead_time" in node else None,
-                  replacement_added_s=(node["replacement_added"] - ft
-                                       if "replacement_added" in node else None),
-                  replace_node_after="dead",
+    result.update(harness.node_times(node, node.get("fault_time", 0.0)),
                   cluster={"head": NODE_HEAD_ARGS, "worker_nodes": WORKERS, "cpus_per_node": 1})
     return code, wall
 
@@ -222,7 +194,7 @@ def kill_frozen_nodes(cluster: Any) -> None:
         raylet = node.all_processes[ray_constants.PROCESS_TYPE_RAYLET][0].process
         if raylet.poll() is None and process_state(raylet.pid) == "T":
             for pid in [raylet.pid, *children_of(raylet.pid)]:
-                signal_pid(pid, signal.SIGKILL)
+                harness.signal_pid(pid, signal.SIGKILL)
             cluster.remove_node(node, allow_graceful=False)
 
 
@@ -303,7 +275,7 @@ def analyse_stalwart_outside(run_dir: Path, kill_time: float | None) -> dict[str
     """The outside-kill measure from metrics.jsonl, and stalwart's own account of the same
     recovery from events.jsonl (the `failure` and `recovered` events after the kill)."""
     events = read_events(run_dir / "events.jsonl")
-    out = measure_kill(stalwart_steps(run_dir), kill_time)
+    out = measure_kill(harness.stalwart_steps(run_dir), kill_time)
     kinds = [e.kind for e in events]
     finished, not_finished = _finished(kinds)
     out.update(fault_time=kill_time, event_kinds=kinds, detected=False, detection_s=None,
@@ -342,9 +314,9 @@ def run_torchrun_outside(result: dict[str, Any], args: argparse.Namespace,
         config=args.config, overrides=list(OUTSIDE_MODEL))
     killer = SignalAtStep(
         after_step=FAULT_STEP,
-        logged_step=lambda: last_logged(workdir / torchrun_recovery.STEPS_FILE),
-        pid=lambda: attempts_pid(workdir / torchrun_recovery.ATTEMPTS_FILE, 1))
-    code, wall = run_watched(cmd, log, args.timeout, killer.tick, poll_s=POLL_S)
+        logged_step=lambda: harness.last_logged(workdir / torchrun_recovery.STEPS_FILE),
+        pid=lambda: harness.attempts_pid(workdir / torchrun_recovery.ATTEMPTS_FILE, 1))
+    code, wall = harness.run_watched(cmd, log, args.timeout, killer.tick, poll_s=POLL_S)
     result.update(exit_code=code, wall_s=wall, **killer.record())
     result.update(analyse_torchrun(workdir, killer.time))
     result["completed"] = code == 0 and result["final_step"] == STEPS
@@ -417,8 +389,7 @@ def run_ray_train(result: dict[str, Any], args: argparse.Namespace,
         raw = run_raytrain(fault, steps=STEPS, fault_step=FAULT_STEP,
                            checkpoint_every=PERSIST_EVERY, workdir=workdir,
                            timeout_s=args.timeout, hang_wait_s=HANG_WAIT_S, config=args.config,
-                           overrides=list(OUTSIDE_MODEL if fault == OUTSIDE_KILL
-                                          else common.TINY), commit_checkpoints=True)
+                           overrides=OUTSIDE_MODEL if fault == OUTSIDE_KILL else common.TINY)
     raw.pop("step_times", None)
     # Ray Train's own detection: its controller's FailurePolicy decision; restart_s: the
     # first train-loop start of the next attempt (run_raytrain's detection_s, an upper bound).

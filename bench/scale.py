@@ -1,14 +1,8 @@
 """The controller at thousands of ranks: the driver's CPU, its failure decision and its plan.
 
-The real Controller drives the simulated fake group (tests/fake_group.py: no torch, no Ray, a
-clock that moves only when a poll waits) of 64, 1,024 and 4,096 ranks, 8 to a node. Per size: the
-driver's CPU per second of training (the group's own work left out), the time from the poll
-that reports a dead rank to the failure decided, and the controller's time to plan the next
-world. Then scale_ray.py: the driver's time per polling interval on a real local Ray.
-
-    python -m bench.scale [--sizes 64,1024,4096] [--ray-actors 96] [--profile RANKS]
-
-Goal: a decision under 100 ms at 4,096 ranks. Writes bench/results/scale.json.
+The real Controller drives the fake worker group, simulated (tests/fake_group.py), at 64 to
+4,096 ranks, 8 to a node; then scale_ray.py times the driver's polling on a real local Ray.
+Goal: a decision under 100 ms at 4,096 ranks. The method and figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -20,6 +14,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from bench import common
@@ -32,17 +27,9 @@ from stalwart.orchestrator.policies import default_policies
 from stalwart.orchestrator.states import Finished
 from tests.fake_group import FakeClock, FakeGroup, FakeGroupError, nodes
 
-SIZES = ((64, 8), (1024, 128), (4096, 512))  # (ranks, nodes): 8 ranks a node
 POLL_S = 0.5  # the controller's default poll interval
 GOAL_DECISION_S = 0.100
-
-
-class NullDisplay:
-    def update(self, report: Any, tokens_per_s: float | None) -> None:
-        pass
-
-    def log(self, message: str) -> None:
-        pass
+NULL_DISPLAY = SimpleNamespace(update=lambda report, tokens_per_s: None, log=lambda message: None)
 
 
 class Marks(ControllerObserver):
@@ -84,7 +71,7 @@ def build(ranks: int, run_dir: Path, *, steps: int, fail_at: dict[int, int] | No
     controller = Controller(
         config, storage_url=str(storage), group=group, group_error=FakeGroupError,
         events=EventLog(run_dir / "events.jsonl"), metrics=MetricsLog(run_dir / "metrics.jsonl"),
-        display=NullDisplay(), resume_from=None, trust=trust, clock=clock,
+        display=NULL_DISPLAY, resume_from=None, trust=trust, clock=clock,
         poll_interval_s=POLL_S, observers=[marks],
         policies=default_policies(config, storage_url=str(storage)))
     return controller, group, marks
@@ -151,18 +138,16 @@ def profile(ranks: int, polls: int, failures: int, top: int) -> None:
 
 
 def main() -> None:
-    p = common.parser(__doc__, __spec__)
+    p = common.parser(__doc__, __spec__, "scale.json")
     p.add_argument("--polls", type=int, default=120, help="polls of the steady run (default 120)")
     p.add_argument("--failures", type=int, default=5, help="failures per size (default 5)")
-    p.add_argument("--sizes", default=",".join(str(r) for r, _ in SIZES),
-                   help="rank counts, 8 to a node (default 64,1024,4096)")
+    p.add_argument("--sizes", default="64,1024,4096", help="rank counts, 8 to a node")
     p.add_argument("--ray-actors", type=int, default=96,
                    help="light Ray actors for the real-Ray part; 0 skips it (default 96)")
     p.add_argument("--ray-intervals", type=int, default=30,
                    help="polling intervals timed per way of polling (default 30)")
     p.add_argument("--profile", type=int, default=0, metavar="RANKS",
                    help="only print a cProfile of the controller at this many ranks")
-    p.add_argument("--out", type=Path, default=common.RESULTS / "scale.json")
     args = p.parse_args()
     if args.profile:
         profile(args.profile, args.polls, args.failures, top=30)

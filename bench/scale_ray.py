@@ -1,21 +1,8 @@
 """bench/scale.py's real-Ray part: the driver's time per polling interval, three ways.
 
-As many light actors as this machine holds (num_cpus=0, on a Ray started with explicit
-num_cpus), 8 to a "node". Three ways of polling, timed by one function that takes "how to poll
-one node" as a parameter:
-
-- per_rank: every actor's `poll()` once per interval (what the driver does for a node whose
-  agent is not up yet).
-- per_node: one call per node to the bench's own aggregator, which polls its 8 members and
-  returns their answers at once: the bare cost of one call per node.
-- per_node_agent: one call per node to the production NodeAgent (workers/node_agent.py), as
-  orchestrator/node_polls.py makes it: the members are sent with the generation's first poll
-  only, and the agent watches their pids and answers when its wait ends. Its wall is mostly
-  that wait, so the driver's CPU is its figure to compare.
-
-In all three an answer is a real WorkerStatus with one StepReport (the agent keeps only
-those), so every way ships the same answers. The actors import stalwart.workers.reports (no
-torch: about 4 MB a process), so a hundred of them fit in this machine.
+Light actors (num_cpus=0, no torch), 8 to a "node", polled per rank, per node through the
+bench's aggregator, and per node through the production NodeAgent; every answer is a real
+WorkerStatus with one StepReport. The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -35,13 +22,9 @@ from stalwart.workers.reports import StepReport, WorkerStatus
 
 PER_NODE = 8
 GENERATION = 0
-# The agent's wait per poll (production waits the controller's interval, 0.5 s). The agent
-# answers when it ends, so it sets the agent way's wall and says nothing of its cost. With 0
-# it would give its members at most one NodeAgent.CHECK_S to answer: on a busy machine some
-# answers slip to the next report (11 of 16 in an interval, seen here with CHECK_S 20 ms).
-# 50 ms gets every answer in and keeps the intervals quick. The driver's CPU while it blocks in
-# ray.get that long (Ray's threads: about 1 ms here) is in the figure; the controller's loop
-# waits its interval whichever way it polls.
+# The agent's wait per poll (production waits the controller's 0.5 s interval): it answers
+# when the wait ends, so this sets the agent way's wall, not its cost. With 0 a busy machine's
+# answers slip to the next report; 50 ms gets them in and keeps the intervals quick.
 AGENT_WAIT_S = 0.05
 
 
@@ -53,8 +36,7 @@ class LightWorker:
         self.rank, self.step = rank, 0
 
     def pid(self) -> int:
-        """Its process, which the node agent watches."""
-        return os.getpid()
+        return os.getpid()  # the process the node agent watches
 
     def poll(self, generation: int) -> WorkerStatus:
         self.step += 1
@@ -77,29 +59,18 @@ class NodeAggregator:
 
 @dataclass(frozen=True)
 class Node:
-    members: list[Any]
-    """Its LightWorker handles."""
+    members: list[Any]  # LightWorker handles
     aggregator: Any
-    """Its NodeAggregator handle."""
-    agent: Any
-    """Its NodeAgent actor, already sent its members (ray_polling)."""
+    agent: Any  # a NodeAgent, already sent its members (ray_polling)
 
 
-PollNode = Callable[[Node], list[Any]]
-"""How to poll one node: the object refs whose answers make its ranks' statuses."""
-
-
-def per_rank(node: Node) -> list[Any]:
-    return [m.poll.remote(GENERATION) for m in node.members]
-
-
-def per_node(node: Node) -> list[Any]:
-    return [node.aggregator.poll.remote()]
-
-
-def per_node_agent(node: Node) -> list[Any]:
-    # No members: the agent has this generation's, as after NodePolls' first poll.
-    return [node.agent.poll.remote(GENERATION, AGENT_WAIT_S)]
+# How to poll one node: the object refs whose answers make its ranks' statuses. The agent is
+# sent no members: it has this generation's, as after NodePolls' first poll.
+WAYS: dict[str, Callable[[Node], list[Any]]] = {
+    "per_rank": lambda node: [m.poll.remote(GENERATION) for m in node.members],
+    "per_node": lambda node: [node.aggregator.poll.remote()],
+    "per_node_agent": lambda node: [node.agent.poll.remote(GENERATION, AGENT_WAIT_S)],
+}
 
 
 def answers(reply: Any) -> int:
@@ -109,7 +80,8 @@ def answers(reply: Any) -> int:
     return len(reply) if isinstance(reply, list) else 1
 
 
-def time_polling(nodes: list[Node], poll_node: PollNode, *, intervals: int) -> dict[str, float]:
+def time_polling(nodes: list[Node], poll_node: Callable[[Node], list[Any]], *,
+                 intervals: int) -> dict[str, float]:
     """The driver's wall and CPU per polling interval: every node polled, every answer got."""
     for _ in range(3):  # warm-up: first calls set up the actors' connections
         ray.get([ref for n in nodes for ref in poll_node(n)])
@@ -157,11 +129,10 @@ def ray_polling(actors: int, *, intervals: int = 30) -> dict[str, Any]:
         out: dict[str, Any] = {"actors": actors, "nodes": nodes_n,
                                "start_s": round(started_s, 1),
                                "agent_wait_ms": round(1000 * AGENT_WAIT_S)}
-        for name, how in (("per_rank", per_rank), ("per_node", per_node),
-                          ("per_node_agent", per_node_agent)):
+        for name, how in WAYS.items():
             out[name] = r = time_polling(nodes, how, intervals=intervals)
             waited = (f" ({out['agent_wait_ms']} ms of it the agent's wait)"
-                      if how is per_node_agent else "")
+                      if name == "per_node_agent" else "")
             print(f"ray: {name:<14}: {r['driver_cpu_ms']:.1f} ms driver CPU, "
                   f"{r['driver_wall_ms']:.1f} ms wall{waited} per interval "
                   f"({r['answers_per_interval']} answers, fewest {r['answers_min']})", flush=True)

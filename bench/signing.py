@@ -1,15 +1,8 @@
 """Signing: what signed checkpoints cost a commit, and what verifying them costs a load.
 
-The reference run (`stalwart run examples/gpt/config.toml`) commits a checkpoint every
---persist-every steps; on each: the commit's own time (its `checkpoint_committed` event's
-save_s), signing its manifest (the one step signing adds to a commit), checking the signature
-and reading .metadata checked (what each load adds on each rank), and the driver's whole
-verification (for information). Medians of --repeat timings.
-
-    python -m bench.signing [--steps 60] [--persist-every 10] [--repeat 2000]
-
-Target: signing < 1% of a commit (medians). The exit code is 0 whether or not the target is
-met; 1 only if the run failed or committed nothing.
+On each checkpoint of a reference run: the commit's time, signing its manifest, checking the
+signature and reading .metadata checked, and the driver's whole verification. Target: signing
+< 1% of a commit; exit code 1 only if the run failed or committed nothing. docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -17,36 +10,29 @@ from __future__ import annotations
 import statistics
 import sys
 import tempfile
-import time
+import timeit
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench import common
+from bench.harness import run_watched
 
 TARGET = 0.01
 
 
-def _median_time(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def _median_time(fn: Callable[[], object], repeat: int) -> float:
+    return statistics.median(timeit.repeat(fn, "gc.enable()", number=1, repeat=repeat))
 
 
 def measure(run_dir: Path, repeat: int) -> list[dict]:
     from stalwart.checkpointing.safe_load import VerifiedReader
+    from stalwart.checkpointing.storage import signing
     from stalwart.checkpointing.storage.catalog import read_checkpoint, verify
     from stalwart.checkpointing.storage.layout import METADATA
-    from stalwart.checkpointing.storage.signing import (
-        CheckpointTrust,
-        check_signature,
-        load_key,
-        sign,
-    )
     from stalwart.core import events as ev
 
-    trust = CheckpointTrust(key=load_key(None))  # the key the run signed with
+    trust = signing.CheckpointTrust(key=signing.load_key(None))  # the key the run signed with
     commits = {e.step: e for e in ev.read_events(run_dir / "events.jsonl")
                if isinstance(e, ev.CheckpointCommitted)}
     storage = str(run_dir / "checkpoints")
@@ -62,8 +48,9 @@ def measure(run_dir: Path, repeat: int) -> list[dict]:
             "step": step, "commit_s": commit.save_s,
             "files": len(manifest["files"]),
             "bytes": sum(m["size"] for m in manifest["files"].values()),
-            "sign_s": _median_time(lambda m=manifest: sign(m, trust.key), repeat),
-            "check_s": _median_time(lambda m=manifest: check_signature(m, trust, "x"), repeat),
+            "sign_s": _median_time(lambda m=manifest: signing.sign(m, trust.key), repeat),
+            "check_s": _median_time(lambda m=manifest: signing.check_signature(m, trust, "x"),
+                                    repeat),
             "metadata_s": _median_time(reader.read_metadata, max(1, repeat // 20)),
             "verify_s": _median_time(lambda i=info: verify(i, trust), 3),
         })
@@ -71,11 +58,10 @@ def measure(run_dir: Path, repeat: int) -> list[dict]:
 
 
 def main() -> int:
-    p = common.parser(__doc__, __spec__)
+    p = common.parser(__doc__, __spec__, "signing.json")
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--persist-every", type=int, default=10)
     p.add_argument("--repeat", type=int, default=2000, help="timings per figure (median)")
-    p.add_argument("--out", default=str(common.RESULTS / "signing.json"))
     p.add_argument("--timeout", type=float, default=1800.0)
     args = p.parse_args()
 
@@ -85,7 +71,7 @@ def main() -> int:
                      f"checkpoint.persist_every={args.persist_every}",
                      "checkpoint.keep_last=0", "run.log_every=10"]
         cmd = common.stalwart_command(str(common.DEFAULT_CONFIG), overrides, run_dir)
-        code, wall = common.run_logged(cmd, Path(tmp) / "run.log", args.timeout)
+        code, wall = run_watched(cmd, Path(tmp) / "run.log", args.timeout)
         if code != 0:
             print(common.tail(Path(tmp) / "run.log"), file=sys.stderr)
             return 1
@@ -94,17 +80,12 @@ def main() -> int:
         print("the run committed no checkpoint", file=sys.stderr)
         return 1
 
-    commit = statistics.median(r["commit_s"] for r in rows)
-    sign_s = statistics.median(r["sign_s"] for r in rows)
-    summary = {
-        "commits": len(rows), "median_commit_s": commit, "median_sign_s": sign_s,
-        "sign_share_of_commit": sign_s / commit,
-        "median_check_s": statistics.median(r["check_s"] for r in rows),
-        "median_metadata_s": statistics.median(r["metadata_s"] for r in rows),
-        "median_verify_s": statistics.median(r["verify_s"] for r in rows),
-        "target": f"sign < {TARGET:.0%} of a commit", "met": sign_s / commit < TARGET,
-        "run_wall_s": wall,
-    }
+    summary: dict[str, Any] = {"commits": len(rows), **{
+        f"median_{k}": statistics.median(r[k] for r in rows)
+        for k in ("commit_s", "sign_s", "check_s", "metadata_s", "verify_s")}}
+    commit, sign_s = summary["median_commit_s"], summary["median_sign_s"]
+    summary.update(sign_share_of_commit=sign_s / commit, met=sign_s / commit < TARGET,
+                   target=f"sign < {TARGET:.0%} of a commit", run_wall_s=wall)
     print(f"{'step':>6} {'files':>5} {'MB':>6} {'commit ms':>10} {'sign us':>8} "
           f"{'check us':>9} {'.metadata ms':>12} {'verify ms':>10}")
     for r in rows:

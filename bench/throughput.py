@@ -1,32 +1,23 @@
 """Throughput: the reference task on 2 workers through stalwart against plain torchrun DDP.
 
-Each round runs, the order flipping every round: `stalwart run examples/gpt/config.toml` in
-the DDP layout as a user types it (stalwart-ddp); bench/peers/torchrun_ddp.py under torchrun,
-the same model, data, batch and optimizer by hand (torchrun-ddp); stalwart with FSDP2
-(stalwart-fsdp, informational). The rate is steady-state tokens/s: steps exclude+1..steps over
-the time from the end of step `exclude` to the end of the last, so start-up is left out.
-
-    python -m bench.throughput [--rounds 3] [--steps 60] [--out bench/results/throughput.json]
-
-Target: median(stalwart-ddp) >= 0.98 x median(torchrun-ddp). The exit code is 0 whether or
-not the target is met (this is a measurement); it is 1 only if no comparison could be made.
+Steady-state tokens/s of `stalwart run` (DDP; FSDP2 for information) and of
+bench/peers/torchrun_ddp.py under torchrun, in rounds of alternating order. Target:
+median(stalwart-ddp) >= 0.98 x median(torchrun-ddp); the exit code is 1 only if no comparison
+could be made. The method and the last figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.common import ratio
+from bench.common import fmt, ratio
 from bench.peers import torchrun
 
 TARGET = 0.98
@@ -34,19 +25,9 @@ WORKERS = 2
 RUNNERS = ("stalwart-ddp", "torchrun-ddp", "stalwart-fsdp")
 DDP_LAYOUT = ["parallel.dp_replicate=2", "parallel.dp_shard=1"]
 FSDP_LAYOUT = ["parallel.dp_replicate=1", "parallel.dp_shard=-1"]
-# A missing value prints 9 wide in every column of the table.
-fmt = partial(common.fmt, missing="-".rjust(9))
 
 
-def parse_args() -> argparse.Namespace:
-    p = common.parser(__doc__, __spec__)
-    common.add_window_args(p, rounds=3, rounds_of="runners", steps=60)
-    p.add_argument("--no-fsdp", action="store_true", help="skip the informational FSDP2 runs")
-    return common.parse_bench_args(p, "throughput.json")
-
-
-def one_run(runner: str, args: argparse.Namespace, work: Path, rnd: int,
-            tps: int) -> dict[str, Any]:
+def one_run(runner: str, args: Any, work: Path, rnd: int, tps: int) -> dict[str, Any]:
     tag = f"r{rnd}-{runner}"
     overrides = common.window_overrides(args, WORKERS)
     result: dict[str, Any] = {"runner": runner, "round": rnd}
@@ -73,12 +54,7 @@ def one_run(runner: str, args: argparse.Namespace, work: Path, rnd: int,
     return common.rate_run(tag, cmd, args, work, result, measure)
 
 
-def rate(results: list[dict[str, Any]], runner: str, rnd: int) -> float | None:
-    return next((r.get("tokens_per_s") for r in results
-                 if r["runner"] == runner and r["round"] == rnd), None)
-
-
-def print_table(results: list[dict[str, Any]], medians: dict[str, float | None],
+def print_table(rates: dict[tuple[str, int], float], medians: dict[str, float | None],
                 runners: list[str], rounds: int) -> tuple[float | None, float | None]:
     """Tokens/s per round and the medians; (stalwart DDP / torchrun, FSDP2 / torchrun)."""
     fsdp = "stalwart-fsdp" in runners
@@ -91,8 +67,7 @@ def print_table(results: list[dict[str, Any]], medians: dict[str, float | None],
         return out + (f" | {fmt(f, '14,.0f')} | {fmt(ratio(f, t), '6.3f')}" if fsdp else "")
 
     for rnd in range(rounds):
-        print(line(str(rnd + 1), rate(results, "stalwart-ddp", rnd),
-                   rate(results, "torchrun-ddp", rnd), rate(results, "stalwart-fsdp", rnd)))
+        print(line(str(rnd + 1), *(rates.get((r, rnd)) for r in RUNNERS)))
     t = medians["torchrun-ddp"]
     print("-" * len(head) + "\n" + line("median", medians["stalwart-ddp"], t,
                                           medians.get("stalwart-fsdp")))
@@ -104,11 +79,11 @@ def loss_check(results: list[dict[str, Any]], runners: list[str]) -> dict[str, f
     """Same model, same data: the loss curves of stalwart and torchrun DDP should agree."""
     out: dict[str, float | None] = {}
     for runner in ("stalwart-ddp", "stalwart-fsdp"):
-        diffs = [common.max_loss_diff(a["loss_by_step"], b["loss_by_step"])
-                 for a in results for b in results
+        diffs = [d for a in results for b in results
                  if a["runner"] == runner and b["runner"] == "torchrun-ddp"
-                 and a["round"] == b["round"] and "loss_by_step" in a and "loss_by_step" in b]
-        diffs = [d for d in diffs if d is not None]
+                 and a["round"] == b["round"] and "loss_by_step" in a and "loss_by_step" in b
+                 and (d := common.max_loss_diff(a["loss_by_step"], b["loss_by_step"]))
+                 is not None]
         out[runner] = max(diffs) if diffs else None
     print("\nloss vs torchrun at logged steps, max |diff|: " + ", ".join(
         f"{k} {fmt(v, '.2e')}" for k, v in out.items() if k in runners))
@@ -116,7 +91,9 @@ def loss_check(results: list[dict[str, Any]], runners: list[str]) -> dict[str, f
 
 
 def main() -> int:
-    args = parse_args()
+    p = common.window_parser(__doc__, __spec__, "throughput.json", rounds=3, steps=60)
+    p.add_argument("--no-fsdp", action="store_true", help="skip the informational FSDP2 runs")
+    args = common.parse_window(p)
     runners = [r for r in RUNNERS if not (args.no_fsdp and r == "stalwart-fsdp")]
     overrides = common.window_overrides(args, WORKERS)
     tps, config = common.tokens_per_step(args.config, overrides)
@@ -128,15 +105,12 @@ def main() -> int:
                                 lambda runner, rnd: one_run(runner, args, work, rnd, tps),
                                 work=work, keep=args.keep, prune_measured=False)
     medians = common.medians(results, "runner", runners)
-    ratio_ddp, ratio_fsdp = print_table(results, medians, runners, args.rounds)
+    rates = common.by_round(results, "runner")
+    ratio_ddp, ratio_fsdp = print_table(rates, medians, runners, args.rounds)
     losses = loss_check(results, runners)
-    # Side-by-side pairs cancel the machine's slow drifts (shared hosts); their spread shows
-    # how far one round can be trusted.
-    paired = [p for rnd in range(args.rounds) if (p := ratio(
-        rate(results, "stalwart-ddp", rnd), rate(results, "torchrun-ddp", rnd))) is not None]
+    paired = common.paired(rates, "stalwart-ddp", "torchrun-ddp", args.rounds)
     if paired:
-        print(f"paired ratios (stalwart DDP / torchrun DDP, same round): median "
-              f"{statistics.median(paired):.3f}, min {min(paired):.3f}, max {max(paired):.3f}")
+        print(f"paired ratios (stalwart DDP / torchrun DDP, same round): {common.spread(paired)}")
     met = ratio_ddp is not None and ratio_ddp >= TARGET
     if ratio_ddp is None:
         print("\nno comparison: a runner produced no measurement (see the logs above)")

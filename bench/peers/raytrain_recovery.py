@@ -1,21 +1,11 @@
 """Ray Train's side of the recovery benchmark: the reference task under TorchTrainer, one fault.
 
-`run_raytrain(fault, ...)` starts its own local Ray cluster, trains the reference task with
-TorchTrainer on 2 workers (DDP over gloo, raytrain_worker.py: the same model, batch and sample
-order as stalwart), faults rank 1 at the start of `fault_step`, lets Ray Train recover
-(FailureConfig(max_failures=3)) and returns when and how it did. Faults: `kill` (the worker
-SIGKILLs itself); `hang` (it SIGSTOPs itself: Ray Train notices only by its worker health check,
-600 s, or the process group's timeout, 1800 s, so past `hang_wait_s` the harness stops the run
-and records detected=False); `outside-kill` (the harness SIGKILLs rank 1's process once rank 0
-has logged `fault_step`, as for stalwart and torchrun); `node` (a 0-CPU head and a 1-CPU node
-per worker; rank 1 SIGKILLs its raylet, the raylet's other children and itself, as when a
-machine dies; a replacement node is added once the GCS reports the node dead, what an
-autoscaler could do at the earliest).
-
-Pitfall: `ray.train.report(..., checkpoint=...)` writes the checkpoint at once, but it counts
-only once the controller's next poll (every 2 s) takes it from the worker's queue: a worker
-that dies before loses it, and the run restores an older one. `commit_checkpoints=True`
-makes rank 0 wait for the registration.
+`run_raytrain` starts its own local Ray cluster, trains raytrain_worker.py's loop on 2 workers,
+faults rank 1 at the start of `fault_step` (or has the harness kill it from outside), lets Ray
+Train recover (FailureConfig(max_failures=3)) and measures how it did; the faults and the
+method are in docs/benchmarks.md. Pitfall: `ray.train.report(..., checkpoint=...)` counts only
+once the controller's next poll (every 2 s) takes it from the worker's queue, so rank 0 waits
+for the registration (a worker that died before would lose it).
 """
 
 from __future__ import annotations
@@ -29,30 +19,9 @@ from pathlib import Path
 from typing import Any
 
 import bench
-from bench.common import DEFAULT_CONFIG, TINY
-from bench.harness import (
-    OUTSIDE_KILL,
-    POLL_S,
-    SignalAtStep,
-    attempts_pid,
-    last_logged,
-    pid_alive,
-    signal_pid,
-)
-from bench.peers.raytrain_worker import (
-    ATTEMPTS_FILE,
-    CHECKPOINTS_FILE,
-    FAULT_FILE,
-    FAULTS,
-    NUM_WORKERS,
-    STEPS_FILE,
-    STOP_FILE,
-    train_loop_per_worker,
-    write_json_atomic,
-)
-from stalwart.core.config import load_config
+from bench import common, harness
+from bench.peers import raytrain_worker as rw
 from stalwart.core.events import read_jsonl
-from stalwart.core.task import build_task
 
 
 def start_cluster(head_cpus: int, worker_nodes: int = 0) -> Any:
@@ -61,14 +30,8 @@ def start_cluster(head_cpus: int, worker_nodes: int = 0) -> Any:
     the machine (another test's, say) and removes this run's placement group if its controller
     is not found there. RAY_ADDRESS in the job's runtime env pins it to this cluster."""
     import ray
-    from ray.cluster_utils import Cluster
 
-    cluster = Cluster(initialize_head=True,
-                      head_node_args={"num_cpus": head_cpus, "include_dashboard": False})
-    for _ in range(worker_nodes):
-        cluster.add_node(num_cpus=1)
-    if worker_nodes:
-        cluster.wait_for_nodes()
+    cluster = harness.local_cluster(worker_nodes, num_cpus=head_cpus)
     ray.init(address=cluster.address, runtime_env={"env_vars": {"RAY_ADDRESS": cluster.address}})
     # The train loop and the bench modules it uses travel by value: a worker need not have
     # the repository on its path.
@@ -84,9 +47,9 @@ def trainer(workdir: Path, loop: dict[str, Any], *, name: str, max_failures: int
     from ray.train.torch import TorchTrainer
 
     return TorchTrainer(
-        train_loop_per_worker, train_loop_config={"workdir": str(workdir), **loop},
+        rw.train_loop_per_worker, train_loop_config={"workdir": str(workdir), **loop},
         torch_config=torch_config,
-        scaling_config=ScalingConfig(num_workers=NUM_WORKERS, use_gpu=False,
+        scaling_config=ScalingConfig(num_workers=rw.NUM_WORKERS, use_gpu=False,
                                      resources_per_worker={"CPU": 1}),
         run_config=RunConfig(name=name, storage_path=str(workdir / "storage"),
                              failure_config=FailureConfig(max_failures=max_failures)))
@@ -110,21 +73,17 @@ def start_fit(trainer: Any, fit_out: dict[str, Any]) -> threading.Thread:
 def _health_settings() -> dict[str, Any]:
     from ray.train.v2._internal import constants as c
 
-    def env(name: str, default: float) -> float:
-        return float(os.environ.get(name, default))
-
-    return {"health_check_interval_s": env(c.HEALTH_CHECK_INTERVAL_S_ENV_VAR,
-                                           c.DEFAULT_HEALTH_CHECK_INTERVAL_S),
-            "worker_health_check_timeout_s": env(c.WORKER_HEALTH_CHECK_TIMEOUT_S_ENV_VAR,
-                                                 c.DEFAULT_WORKER_HEALTH_CHECK_TIMEOUT_S),
-            "worker_group_start_timeout_s": env(c.WORKER_GROUP_START_TIMEOUT_S_ENV_VAR,
-                                                c.DEFAULT_WORKER_GROUP_START_TIMEOUT_S)}
+    return {key: float(os.environ.get(getattr(c, f"{name}_ENV_VAR"),
+                                      getattr(c, f"DEFAULT_{name}")))
+            for key, name in (("health_check_interval_s", "HEALTH_CHECK_INTERVAL_S"),
+                              ("worker_health_check_timeout_s", "WORKER_HEALTH_CHECK_TIMEOUT_S"),
+                              ("worker_group_start_timeout_s", "WORKER_GROUP_START_TIMEOUT_S"))}
 
 
 def read_fault(workdir: Path) -> dict[str, Any] | None:
     """What rank 1 (or the harness) wrote just before the fault; None before it."""
     try:
-        return json.loads((workdir / FAULT_FILE).read_text())
+        return json.loads((workdir / rw.FAULT_FILE).read_text())
     except (OSError, ValueError):
         return None
 
@@ -138,127 +97,108 @@ class _Watch:
         self.workdir, self.fault, self.deadline = workdir, fault, deadline
         self.timeout_s, self.hang_wait_s = timeout_s, hang_wait_s
         self.cluster: Any = None
-        self.session_dir: str | None = None
-        self.node_info: dict[str, Any] = {"replace_node_after": "dead"} if fault == "node" else {}
+        self.node_info: dict[str, Any] = {}  # a lost node's replacement (harness)
         self.aborted: str | None = None
         self.abort_time: float | None = None
         self.killed_pids: list[int] = []
-        self.killer = None if fault != OUTSIDE_KILL else SignalAtStep(
-            after_step=fault_step, logged_step=lambda: last_logged(workdir / STEPS_FILE),
-            pid=lambda: attempts_pid(workdir / ATTEMPTS_FILE, 1))
+        self.killer = None if fault != harness.OUTSIDE_KILL else harness.SignalAtStep(
+            after_step=fault_step, logged_step=lambda: harness.last_logged(workdir / rw.STEPS_FILE),
+            pid=lambda: harness.attempts_pid(workdir / rw.ATTEMPTS_FILE, 1))
 
     def poll(self) -> bool:
         """One look; False once the teardown after an abort is stuck (ray.shutdown ends it)."""
         if self.killer is not None and not self.killer.done:
             self.killer.tick()
             if self.killer.time is not None:  # what the rank writes before an inside fault
-                write_json_atomic(self.workdir / FAULT_FILE, {
+                rw.write_json_atomic(self.workdir / rw.FAULT_FILE, {
                     "fault": self.fault, "time": self.killer.time, "pid": self.killer.sent_to,
                     "step_logged": self.killer.step_logged})
         now, info = time.time(), read_fault(self.workdir)
-        if info is not None and self.fault == "node" and "replacement_added" not in self.node_info:
-            self._replace_node(info)
+        if info is not None and self.fault == "node":
+            harness.replace_dead_node(self.cluster, info["node_id"], self.node_info)
         if (info is not None and self.fault == "hang" and self.aborted is None
                 and now > info["time"] + self.hang_wait_s
                 and not any(a["event"] == "start" and a["time"] > info["time"]
-                            for a in read_jsonl(self.workdir / ATTEMPTS_FILE))):
+                            for a in read_jsonl(self.workdir / rw.ATTEMPTS_FILE))):
             self.aborted = f"hang not detected within hang_wait_s={self.hang_wait_s:g}"
         if self.aborted is None and now > self.deadline:
             self.aborted = f"timeout_s={self.timeout_s:g} reached"
-        if self.aborted is not None and not (self.workdir / STOP_FILE).exists():
+        if self.aborted is not None and not (self.workdir / rw.STOP_FILE).exists():
             # Every train loop that sees the stop file returns; the stopped (or stuck) rank
             # gets SIGKILLed so that Ray Train tears the group down.
             self.abort_time = time.time()
-            (self.workdir / STOP_FILE).write_text(json.dumps({"time": self.abort_time,
-                                                              "reason": self.aborted}))
+            (self.workdir / rw.STOP_FILE).write_text(json.dumps({"time": self.abort_time,
+                                                                 "reason": self.aborted}))
             from stalwart.workers.node_agent import process_state
 
             if info is not None and process_state(info["pid"]) == "T":
-                if signal_pid(info["pid"], signal.SIGKILL):
+                if harness.signal_pid(info["pid"], signal.SIGKILL):
                     self.killed_pids.append(info["pid"])
             self.deadline = time.time() + 120  # for the teardown itself
         elif self.aborted is not None and now > self.deadline:
             return False
         return True
 
-    def _replace_node(self, info: dict[str, Any]) -> None:
-        """A new 1-CPU node once the GCS reports the killed one dead, as an autoscaler would."""
-        import ray
 
-        if any(n["NodeID"] == info["node_id"] and not n["Alive"] for n in ray.nodes()):
-            self.node_info["dead_time"] = time.time()
-            self.cluster.add_node(num_cpus=1)
-            self.node_info["replacement_added"] = time.time()
-
-
-def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: int = 10,
-                 workdir: Path, timeout_s: float, hang_wait_s: float = 120,
-                 config: str | Path = DEFAULT_CONFIG, overrides: list[str] | None = None,
-                 commit_checkpoints: bool = False) -> dict[str, Any]:
-    """One Ray Train run of `steps` steps with one fault on rank 1 at the start of `fault_step`.
-
-    workdir (new or empty) holds Ray Train's storage and the workers' files. overrides:
-    `--set` overrides of config (default TINY). commit_checkpoints: rank 0 waits until the
-    controller has registered each checkpoint (see the module's pitfall).
-    """
-    if fault not in (*FAULTS, OUTSIDE_KILL) or not 1 <= fault_step <= steps:
-        raise ValueError(f"fault {fault!r} at step {fault_step} of {steps}: no such fault, or "
-                         "not a step of the run")
+def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: int,
+                 workdir: Path, timeout_s: float, hang_wait_s: float, config: str | Path,
+                 overrides: list[str]) -> dict[str, Any]:
+    """One Ray Train run of `steps` steps with one fault on rank 1 at the start of `fault_step`
+    (kill, hang, node or outside-kill); workdir (new) holds Ray Train's storage and the
+    workers' files; overrides: `--set` overrides of config."""
     import ray
     from ray.train.torch import TorchConfig
     from ray.train.v2._internal.constants import is_v2_enabled
 
-    if ray.is_initialized():
-        raise RuntimeError("run_raytrain starts its own Ray: call it with no Ray initialised")
     workdir = Path(workdir).resolve()
-    if workdir.exists() and any(workdir.iterdir()):
-        raise ValueError(f"workdir {workdir} is not empty")
     workdir.mkdir(parents=True, exist_ok=True)
-    overrides = [*(TINY if overrides is None else overrides), f"train.steps={steps}",
-                 f"scaling.num_workers={NUM_WORKERS}"]
-    job = load_config(config, overrides)
-    build_task(job.task.path, job.task.args).prepare_data(job)  # tokenize outside the clock
+    overrides = [*overrides, f"train.steps={steps}", f"scaling.num_workers={rw.NUM_WORKERS}"]
+    common.tokens_per_step(str(config), overrides)  # tokenizes the data outside the clock
     torch_config = TorchConfig()  # Ray Train's defaults: gloo on CPU, timeout_s=1800
     result: dict[str, Any] = {
         "fault": fault, "ray_train_version": ray.__version__, "v2": is_v2_enabled(),
         "ray_train_v2_enabled_env": os.environ.get("RAY_TRAIN_V2_ENABLED"),  # None: default
         "steps": steps, "fault_step": fault_step, "checkpoint_every": checkpoint_every,
-        "num_workers": NUM_WORKERS, "overrides": overrides,
-        "commit_checkpoints": commit_checkpoints,
+        "num_workers": rw.NUM_WORKERS, "overrides": overrides, "commit_checkpoints": True,
         "torch_config_timeout_s": torch_config.timeout_s, "torch_backend": "gloo",
         **_health_settings()}
     loop = {"config": str(config), "overrides": overrides, "fault": fault,
             # outside-kill: the workers inject nothing (no step is step 0)
-            "fault_step": 0 if fault == OUTSIDE_KILL else fault_step,
-            "checkpoint_every": checkpoint_every, "commit_checkpoints": commit_checkpoints}
+            "fault_step": 0 if fault == harness.OUTSIDE_KILL else fault_step,
+            "checkpoint_every": checkpoint_every}
     t_start = time.time()
     watch = _Watch(workdir, fault, fault_step, deadline=t_start + timeout_s,
                    timeout_s=timeout_s, hang_wait_s=hang_wait_s)
-    _fit_watched(watch, loop, torch_config, result)
+    session_dir = _fit_watched(watch, loop, torch_config, result)
     result["wall_s"] = time.time() - t_start
-    return _measure(result, workdir, fault, steps, watch, hang_wait_s)
+    return _measure(result, workdir, fault, steps, watch, hang_wait_s, session_dir)
 
 
 def _fit_watched(watch: _Watch, loop: dict[str, Any], torch_config: Any,
-                 result: dict[str, Any]) -> None:
-    """Start the cluster and the fit, watch it until it returns; records into result."""
+                 result: dict[str, Any]) -> str | None:
+    """Start the cluster and the fit, watch it until it returns; records into result. Returns
+    Ray's session folder (its controller's log is there)."""
     import ray
 
     node = watch.fault == "node"
     try:
-        watch.cluster = start_cluster(0 if node else NUM_WORKERS, NUM_WORKERS if node else 0)
+        watch.cluster = start_cluster(0 if node else rw.NUM_WORKERS, rw.NUM_WORKERS if node else 0)
         fit_out: dict[str, Any] = {}
         thread = start_fit(trainer(watch.workdir, loop, name=f"raytrain-{watch.fault}",
                                    max_failures=3, torch_config=torch_config), fit_out)
         while thread.is_alive():
-            thread.join(0.2 if watch.killer is None else POLL_S)
+            thread.join(0.2 if watch.killer is None else harness.POLL_S)
             if not watch.poll():
                 break
-        watch.session_dir = _session_dir()
+        try:
+            session_dir = ray._private.worker._global_node.get_session_dir_path()
+        except Exception:
+            session_dir = None
         result.update(fit_error=fit_out.get("error", "fit did not return"),
                       aborted=watch.aborted, harness_killed_pids=watch.killed_pids)
         if watch.killer is not None:
             result["outside_kill"] = watch.killer.record()
+        return session_dir
     finally:
         try:
             ray.shutdown()
@@ -267,29 +207,20 @@ def _fit_watched(watch: _Watch, loop: dict[str, Any], torch_config: Any,
                 watch.cluster.shutdown()
 
 
-def _session_dir() -> str | None:
-    try:
-        import ray
-
-        return ray._private.worker._global_node.get_session_dir_path()
-    except Exception:
-        return None
-
-
 def _measure(result: dict[str, Any], workdir: Path, fault: str, steps: int, watch: _Watch,
-             hang_wait_s: float) -> dict[str, Any]:
+             hang_wait_s: float, session_dir: str | None) -> dict[str, Any]:
     """Kill what outlived the run, then its measurements and notes from the workers' files
     and the controller's log."""
-    attempts = read_jsonl(workdir / ATTEMPTS_FILE)
+    attempts = read_jsonl(workdir / rw.ATTEMPTS_FILE)
     info = read_fault(workdir)
     pids = {a["pid"] for a in attempts} | set((info or {}).get("other_node_pids", []))
     time.sleep(1.0)
-    leftover = sorted(p for p in pids if pid_alive(p))  # a stopped process outlives shutdown
+    leftover = sorted(p for p in pids if harness.pid_alive(p))  # a stopped process outlives
     for p in leftover:
-        signal_pid(p, signal.SIGKILL)
+        harness.signal_pid(p, signal.SIGKILL)
     result["leftover_pids_killed"] = leftover
     result.update(analyse(workdir, attempts, info, fault, watch.node_info))
-    result.update(controller_events(watch.session_dir, info["time"] if info else None,
+    result.update(controller_events(session_dir, info["time"] if info else None,
                                     watch.abort_time))
     result["abort_s"] = (None if watch.abort_time is None or info is None
                          else watch.abort_time - info["time"])
@@ -320,12 +251,8 @@ def _measure(result: dict[str, Any], workdir: Path, fault: str, steps: int, watc
 
 def controller_events(session_dir: str | None, fault_time: float | None,
                       abort_time: float | None) -> dict[str, Any]:
-    """From Ray Train's controller log: when it decided on the failure, and what came after.
-
-    controller_failure_s: fault -> the controller's FailurePolicy decision (Ray Train's own
-    detection, including the up to health_check_interval_s until its next poll); only a
-    decision before the harness aborted the run (abort_time) counts.
-    """
+    """From Ray Train's controller log: when it decided on the failure (its FailurePolicy,
+    before the harness aborted the run: Ray Train's own detection), and what came after."""
     out: dict[str, Any] = {"controller_failure_s": None, "controller_events": []}
     if session_dir is None or fault_time is None:
         return out
@@ -350,11 +277,9 @@ def controller_events(session_dir: str | None, fault_time: float | None,
 
 def analyse(workdir: Path, attempts: list[dict[str, Any]], info: dict[str, Any] | None,
             fault: str, node_info: dict[str, Any]) -> dict[str, Any]:
-    """detection_s: fault -> the first train-loop start of a new attempt (an upper bound: it
-    includes tearing down the old worker group and starting the new one); recovery_s: fault
-    -> the first step completed after it; lost_steps: the steps completed before the fault -
-    the step the new attempt restored from."""
-    rows = read_jsonl(workdir / STEPS_FILE)
+    """From the workers' files: detection_s (fault -> the first train-loop start of a new
+    attempt), recovery_s (fault -> the first step completed after it) and lost_steps."""
+    rows = read_jsonl(workdir / rw.STEPS_FILE)
     starts = [a for a in attempts if a["event"] == "start" and not a["stopping"]]
     readies = [a for a in attempts if a["event"] == "ready"]
     out: dict[str, Any] = {
@@ -380,7 +305,7 @@ def analyse(workdir: Path, attempts: list[dict[str, Any]], info: dict[str, Any] 
     out["fault_time"] = ft
     out["steps_before_fault"] = max((r["step"] for r in rows if r["pid"] in old), default=0)
     out["last_checkpoint_before_fault"] = max(
-        (c["step"] for c in read_jsonl(workdir / CHECKPOINTS_FILE) if c["pid"] in old),
+        (c["step"] for c in read_jsonl(workdir / rw.CHECKPOINTS_FILE) if c["pid"] in old),
         default=None)
     later = [a for a in starts if a["pid"] not in old]
     if later:
@@ -394,11 +319,6 @@ def analyse(workdir: Path, attempts: list[dict[str, Any]], info: dict[str, Any] 
         first_row = min(after, key=lambda r: r["time"])
         out.update(recovery_s=first_row["time"] - ft, first_step_after_fault=first_row["step"])
     if fault == "node":
-        out.update(
-            ranks_on_distinct_nodes=len(set(first_nodes.values())) == len(first_nodes) > 1,
-            killed_node_id=info.get("node_id"), replace_node_after=node_info.get(
-                "replace_node_after"),
-            node_dead_s=node_info["dead_time"] - ft if "dead_time" in node_info else None,
-            replacement_added_s=(node_info["replacement_added"] - ft
-                                 if "replacement_added" in node_info else None))
+        out.update(ranks_on_distinct_nodes=len(set(first_nodes.values())) == len(first_nodes) > 1,
+                   killed_node_id=info.get("node_id"), **harness.node_times(node_info, ft))
     return out

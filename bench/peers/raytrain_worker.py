@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from bench.common import append_jsonl, write_atomic
+from bench.harness import signal_pid
 from bench.peers.ddp_step import DDPSetup, build_ddp
 from stalwart.core.config import load_config
 
-FAULTS = ("kill", "hang", "node")
 NUM_WORKERS = 2
 
 # Files in workdir; every time is time.time() of one machine, comparable across processes.
@@ -67,13 +67,9 @@ def _inject(fault: str, workdir: Path) -> None:
     if fault == "hang":
         os.kill(me, signal.SIGSTOP)
         return
-    for pid in [row.get("raylet_pid"), *row.get("other_node_pids", [])]:
+    for pid in [row.get("raylet_pid"), *row.get("other_node_pids", []), me]:
         if pid is not None:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-    os.kill(me, signal.SIGKILL)
+            signal_pid(pid, signal.SIGKILL)
 
 
 def _maybe_inject(cfg: dict[str, Any], rank: int, step: int, workdir: Path) -> None:
@@ -99,10 +95,8 @@ def _report(run: DDPSetup, cfg: dict[str, Any], rank: int, step: int, samples_se
     with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as tmp:
         torch.save(run.state_dict(step, samples_seen), Path(tmp) / STATE_FILE)
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
-    if cfg["commit_checkpoints"]:
-        # Until the controller registers it, a checkpoint dies with its worker (see run_raytrain).
-        ray.train.get_all_reported_checkpoints(
-            consistency_mode=CheckpointConsistencyMode.COMMITTED)
+    # Until the controller registers it, a checkpoint dies with its worker (see run_raytrain).
+    ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
     append_jsonl(workdir / CHECKPOINTS_FILE, {"step": step, "time": time.time(),
                                               "pid": os.getpid()})
 

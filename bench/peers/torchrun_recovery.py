@@ -1,19 +1,8 @@
-"""torchrun's side of the recovery benchmark: the reference task as a careful user runs it under
-`torchrun --max-restarts`, checkpointing and resuming by hand. bench/recovery.py starts it as
+"""torchrun's side of the recovery benchmark: the reference task under `torchrun --max-restarts`,
+checkpointing (an atomic torch.save every --checkpoint-every steps) and resuming by hand.
 
-    python -m torch.distributed.run --standalone --nproc_per_node 2 --max-restarts 3 \
-        -m bench.peers.torchrun_recovery --workdir DIR [--steps 40] [--checkpoint-every 10] \
-        [--config TOML] [--set KEY=VALUE ...]
-
-and SIGKILLs rank 1's process once step 25 is logged; torchrun's agent then restarts the
-whole group and every new process resumes from the newest checkpoint. It trains
-torchrun_ddp.py's loop (ddp_step.py). Every --checkpoint-every steps rank 0 torch.saves the
-state to a temporary file, fsyncs it and renames it to DIR/checkpoints/step-NNNNNN.pt, so
-that a reader never sees half a file.
-
-Files in DIR: steps.jsonl (rank 0, per completed step: step, time of its end, loss, attempt,
-pid) and attempts.jsonl (every rank: its start, timed before torch is imported, and once
-restored its "ready" with restored_from). The attempt is TORCHELASTIC_RESTART_COUNT.
+Rank 0 logs each step to WORKDIR/steps.jsonl; every rank logs its start (timed before torch is
+imported) and its restore to WORKDIR/attempts.jsonl. docs/benchmarks.md has the command line.
 """
 
 # The start time is taken before the imports, which take seconds.
