@@ -1,5 +1,5 @@
 """The outside-kill measure of bench/recovery.py (bench/harness.py, recovery_rows.py,
-recovery_report.outside_verdicts): which step counts as the next completed one, the steps lost,
+recovery.outside_verdicts): which step counts as the next completed one, the steps lost,
 a normal step, the kill itself, and each system's step log. The benchmark itself is not a test."""
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from bench import harness as ok
-from bench import recovery_report, recovery_rows
+from bench import recovery as recovery_report
+from bench import recovery_rows
 from bench.peers import torchrun_recovery
 from stalwart.core import events as ev
 
