@@ -13,7 +13,7 @@ import statistics
 import sys
 import tempfile
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -252,6 +252,13 @@ def run_rounds(names: list[str], rounds: int, run: Callable[[str, int], dict[str
 def max_loss_diff(a: dict[str, float], b: dict[str, float]) -> float | None:
     common = sorted(set(a) & set(b), key=int)
     return max((abs(a[s] - b[s]) for s in common), default=None)
+
+
+def worst_loss_diff(pairs: Iterable[tuple[dict[str, Any], dict[str, Any]]]) -> float | None:
+    """The largest loss difference at a step both logged, over pairs of runs (None: none)."""
+    return max((d for a, b in pairs
+                if (d := max_loss_diff(a["loss_by_step"], b["loss_by_step"])) is not None),
+               default=None)
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

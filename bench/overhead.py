@@ -121,17 +121,12 @@ def loss_diffs(measured: list[dict[str, Any]]) -> tuple[dict[str, float | None],
     """Snapshots must not change training: every run's losses agree exactly, step by step,
     with its baseline's, and any two runs of a layout's (DDP and FSDP sum gradients in
     different orders, so not across layouts)."""
-    base_of = dict(COMPARED)
-    loss_diff: dict[str, float | None] = {}
-    for n, _ in COMPARED:
-        diffs = [d for a in measured for b in measured
-                 if a["runner"] == n and b["runner"] == base_of[n]
-                 and (d := common.max_loss_diff(a["loss_by_step"], b["loss_by_step"])) is not None]
-        loss_diff[n] = max(diffs) if diffs else None
-    every = [d for a, b in itertools.combinations(measured, 2)
-             if a["runner"].startswith("fsdp") == b["runner"].startswith("fsdp")
-             and (d := common.max_loss_diff(a["loss_by_step"], b["loss_by_step"])) is not None]
-    any_two = max(every) if every else None
+    loss_diff = {n: common.worst_loss_diff((a, c) for a in measured for c in measured
+                                          if a["runner"] == n and c["runner"] == base)
+                 for n, base in COMPARED}
+    any_two = common.worst_loss_diff(
+        (a, b) for a, b in itertools.combinations(measured, 2)
+        if a["runner"].startswith("fsdp") == b["runner"].startswith("fsdp"))
     logged = len(measured[0]["loss_by_step"]) if measured else 0
     print(f"loss vs the baseline of its layout at the {logged} logged steps (every run, all "
           f"rounds), max |diff|: " + ", ".join(f"{n} {d}" for n, d in loss_diff.items())

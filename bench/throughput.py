@@ -77,14 +77,11 @@ def print_table(rates: dict[tuple[str, int], float], medians: dict[str, float | 
 
 def loss_check(results: list[dict[str, Any]], runners: list[str]) -> dict[str, float | None]:
     """Same model, same data: the loss curves of stalwart and torchrun DDP should agree."""
-    out: dict[str, float | None] = {}
-    for runner in ("stalwart-ddp", "stalwart-fsdp"):
-        diffs = [d for a in results for b in results
-                 if a["runner"] == runner and b["runner"] == "torchrun-ddp"
-                 and a["round"] == b["round"] and "loss_by_step" in a and "loss_by_step" in b
-                 and (d := common.max_loss_diff(a["loss_by_step"], b["loss_by_step"]))
-                 is not None]
-        out[runner] = max(diffs) if diffs else None
+    out = {runner: common.worst_loss_diff(
+        (a, b) for a in results for b in results
+        if a["runner"] == runner and b["runner"] == "torchrun-ddp" and a["round"] == b["round"]
+        and "loss_by_step" in a and "loss_by_step" in b)
+        for runner in ("stalwart-ddp", "stalwart-fsdp")}
     print("\nloss vs torchrun at logged steps, max |diff|: " + ", ".join(
         f"{k} {fmt(v, '.2e')}" for k, v in out.items() if k in runners))
     return out
