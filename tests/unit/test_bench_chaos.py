@@ -73,8 +73,11 @@ def test_killing_a_driver_kills_its_whole_tree_even_a_process_in_a_session_of_it
          "subprocess.Popen(['sleep', '60'])\n"
          "subprocess.Popen(['sleep', '61'], start_new_session=True)\n"
          "time.sleep(60)"], start_new_session=True)
+    # Both children counted once they run `sleep`: a child forked but not yet in its own
+    # session would still die with the group.
     deadline = time.monotonic() + 20
-    while len(harness.descendants(driver.pid)) < 3 and time.monotonic() < deadline:
+    while ([name for _, name in harness.descendants(driver.pid).values()].count("sleep") < 2
+           and time.monotonic() < deadline):
         time.sleep(0.05)
     tree = harness.descendants(driver.pid)
     assert len(tree) == 3
