@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -360,26 +361,22 @@ def analyse_torchrun(workdir: Path, kill_time: float | None) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def output_to(log: Path):
+def output_to(log: Path) -> Iterator[None]:
     """This process's stdout and stderr (file descriptors 1 and 2) go to log: Ray's driver
     prints every worker's and the controller's log lines there."""
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = os.dup(1), os.dup(2)
+    saved = []
     try:
         with log.open("a") as f:
-            os.dup2(f.fileno(), 1)
-            os.dup2(f.fileno(), 2)
-            try:
-                yield
-            finally:
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os.dup2(saved[0], 1)
-                os.dup2(saved[1], 2)
+            for fd, stream in ((1, sys.stdout), (2, sys.stderr)):
+                stream.flush()
+                saved.append(os.dup(fd))
+                os.dup2(f.fileno(), fd)
+            yield
     finally:
-        os.close(saved[0])
-        os.close(saved[1])
+        for fd, old in enumerate(saved, start=1):
+            (sys.stdout, sys.stderr)[fd - 1].flush()
+            os.dup2(old, fd)
+            os.close(old)
 
 
 def run_ray_train(result: dict[str, Any], args: argparse.Namespace,
@@ -395,17 +392,14 @@ def run_ray_train(result: dict[str, Any], args: argparse.Namespace,
     # first train-loop start of the next attempt (run_raytrain's detection_s, an upper bound).
     detection, restart = raw.get("controller_failure_s"), raw.get("detection_s")
     result.update(
-        raw=raw, fault_time=raw.get("fault_time"),
+        raw=raw, restart_s=restart, completed=raw.get("completed", False),
         detected=raw.get("detected", False) and (detection is not None or restart is not None),
         detection_s=detection if detection is not None else restart,
         detection_from=("controller_failure_s" if detection is not None else
                         "detection_s (restart)" if restart is not None else None),
-        restart_s=restart, recovery_s=raw.get("recovery_s"), lost_steps=raw.get("lost_steps"),
-        restored_from_step=raw.get("restored_from_step"),
-        steps_before_fault=raw.get("steps_before_fault"),
-        last_checkpoint_before_fault=raw.get("last_checkpoint_before_fault"),
-        completed=raw.get("completed", False), node_dead_s=raw.get("node_dead_s"),
-        replacement_added_s=raw.get("replacement_added_s"))
+        **{k: raw.get(k) for k in ("fault_time", "recovery_s", "lost_steps", "restored_from_step",
+                                   "steps_before_fault", "last_checkpoint_before_fault",
+                                   "node_dead_s", "replacement_added_s")})
     if result["steps_before_fault"] is not None:
         result["lost_steps_bound"] = result["steps_before_fault"] % PERSIST_EVERY
     if fault == OUTSIDE_KILL:  # the same measure as the other outside-kill rows
