@@ -167,8 +167,15 @@ def init_process_group(rdzv: RendezvousAddress, *, rank: int, world_size: int,
 
 
 def destroy_process_group() -> None:
+    """Leave this process's world. Its groups end (gloo's threads stop, their connections
+    close) once nothing references them: DTensor's caches hold the world's meshes, and
+    through them its groups, so they are forgotten here; what else held them (a model and
+    its optimizer, often in reference cycles) must be gone by then, or collected."""
     global _world_store
-    if dist.is_available() and dist.is_initialized():
+    if not dist.is_available():
+        return
+    forget_dtensor_caches()  # after an abort too (the world is no longer "initialized")
+    if dist.is_initialized():
         dist.destroy_process_group()
     # On rank 0 the store stops listening once the last group that uses it is gone.
     _world_store = None
@@ -196,8 +203,12 @@ def forget_dtensor_caches() -> None:
     rank 0 of this one would get the last world's mesh back (its coordinate, its groups)
     for parameters it shards now, and train and checkpoint the wrong shard. The
     sharding-propagation cache is per thread; this clears the calling thread's.
+
+    The redistribute planners are cached by a weak reference to their mesh, but each holds
+    its mesh: it never dies, and with it the groups of every world the process was in
+    (gloo's threads and connections) and a planner with the last world's coordinate.
     """
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor, _redistribute
     from torch.distributed.tensor._collective_utils import MeshTopoInfo
     from torch.distributed.tensor._redistribute import _gen_transform_infos
 
@@ -210,3 +221,6 @@ def forget_dtensor_caches() -> None:
     propagator._propagate_tensor_meta_cached.cache_clear()
     _gen_transform_infos.cache_clear()
     MeshTopoInfo.build_from_mesh.cache_clear()
+    clear_planners = getattr(_redistribute, "clear_redistribute_planner_cache", None)
+    if clear_planners is not None:  # older torch has no planner cache
+        clear_planners()
