@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import pickle
 import tempfile
@@ -12,7 +13,27 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from stalwart.parallel.distributed import free_port
+from stalwart.parallel.distributed import destroy_process_group, free_port
+
+# The threads of a process group (gloo's workers and event loops) and of the store it was
+# formed through: none may outlive the world. One alive when the process exits runs on
+# while the interpreter is torn down, and a thread that needs the interpreter then is
+# ended by it mid-stack, which aborts the process ("terminate called without an active
+# exception").
+GROUP_THREADS = ("pt_gloo_runloop", "gloo_tcp_loop", "pt_tcpstore_uv")
+
+
+def group_threads() -> list[str]:
+    """Names of this process's threads that belong to a process group or its store."""
+    names = []
+    for task in Path("/proc/self/task").iterdir():
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:
+            continue  # the thread ended meanwhile
+        if name in GROUP_THREADS:
+            names.append(name)
+    return sorted(names)
 
 
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str,
@@ -29,7 +50,12 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_di
     except BaseException:
         result, status = traceback.format_exc(), "error"
     finally:
-        dist.destroy_process_group()
+        # Leave the world as a worker does (DTensor's caches forgotten), and let what fn
+        # built go: its model and optimizer hold the groups too, in reference cycles.
+        destroy_process_group()
+        gc.collect()
+    if status == "ok" and os.path.isdir("/proc/self/task") and (left := group_threads()):
+        result, status = f"the world's groups outlived it: threads {left} still run", "error"
     Path(out_dir, f"{rank}.pkl").write_bytes(pickle.dumps((status, result)))
 
 
