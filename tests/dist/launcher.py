@@ -39,8 +39,12 @@ def group_threads() -> list[str]:
 def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str,
            args: tuple[Any, ...]) -> None:
     import torch
+    import torch._dynamo  # noqa: F401 (before the world: see below)
     import torch.distributed as dist
 
+    # First imported while a group exists, torch._dynamo keeps that group alive past
+    # destroy_process_group (torch 2.13; an optimizer's first step imports it). A worker has
+    # it, through the engine, before it joins a world; so do these ranks.
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
