@@ -43,8 +43,10 @@ def cluster():
         c.shutdown()
 
 
-def _scrape(names: tuple[str, ...], timeout_s: float = 60.0) -> dict[str, list[str]]:
-    """Every sample line of the named series on the node's endpoint, once all are there."""
+def _scrape(names: tuple[str, ...], settled=lambda found: True,
+            timeout_s: float = 60.0) -> dict[str, list[str]]:
+    """Every sample line of the named series on the node's endpoint, once all are there and
+    `settled` holds: the driver's last values reach the endpoint a report interval later."""
     import ray
 
     (node,) = [n for n in ray.nodes() if n["Alive"]]
@@ -54,7 +56,7 @@ def _scrape(names: tuple[str, ...], timeout_s: float = 60.0) -> dict[str, list[s
         body = urllib.request.urlopen(url, timeout=5).read().decode()
         found = {n: [line for line in body.splitlines() if line.startswith(n + "{")]
                  for n in names}
-        if all(found.values()) or time.monotonic() > deadline:
+        if (all(found.values()) and settled(found)) or time.monotonic() > deadline:
             return found
         time.sleep(1)
 
@@ -75,9 +77,13 @@ def test_failures_recoveries_and_goodput_reach_prometheus(cluster, tmp_path: Pat
     names = ("ray_stalwart_failures_total", "ray_stalwart_recoveries_total",
              "ray_stalwart_recovery_seconds_count", "ray_stalwart_goodput",
              "ray_stalwart_step", "ray_stalwart_tokens_per_second", "ray_stalwart_world_size")
-    found = _scrape(names)
-    assert all(found.values()), {n: bool(v) for n, v in found.items()}
     tag = f'run="{run_dir.name}"'
+
+    def at_last_step(found: dict[str, list[str]]) -> bool:
+        return any(tag in line and _value(line) == 60 for line in found["ray_stalwart_step"])
+
+    found = _scrape(names, settled=at_last_step)
+    assert all(found.values()), {n: bool(v) for n, v in found.items()}
     mine = {n: [line for line in lines if tag in line] for n, lines in found.items()}
     (failures,) = mine["ray_stalwart_failures_total"]
     assert 'kind="worker_died"' in failures and _value(failures) == 1
