@@ -6,14 +6,16 @@ import pytest
 import torch
 
 from stalwart.core.config import load_config
-from stalwart.examples.gpt.data import build_token_files
 from stalwart.core.task import build_task
+from stalwart.examples.gpt.data import build_token_files
 from stalwart.workers.engine import TrainEngine
 from tests.dist.launcher import run_ranks
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
-STEPS = 20
+# Eight steps: two of warm-up, six at full rate with Adam's moments built up; the one-process
+# loss falls by over 1.5 nats in them (the learning check below asks for 0.5).
+STEPS = 8
 
 
 def tiny_config(world: int, cache_dir: str, layout: list[str]):
@@ -38,19 +40,41 @@ def cache_dir(tmp_path_factory) -> str:
     return str(path)
 
 
+def final_weights(engine: TrainEngine) -> dict[str, torch.Tensor]:
+    model = getattr(engine.model, "module", engine.model)  # DDP wraps the model
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def train_losses_and_weights(rank: int, world: int, cache_dir: str, layout: list[str]
+                             ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    config = tiny_config(world, cache_dir, layout)
+    task = build_task(config.task.path, config.task.args)
+    engine = TrainEngine(config, task, rank=rank, world_size=world, device=torch.device("cpu"))
+    losses = [engine.train_step()[0].loss for _ in range(STEPS)]
+    return losses, final_weights(engine)
+
+
 @pytest.fixture(scope="module")
-def single_process_losses(cache_dir) -> list[float]:
-    return run_ranks(train_losses, 1, cache_dir, [])[0]
+def single_process(cache_dir) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process, no parallelism: the losses every layout must reproduce, and the weights
+    plain DDP's control compares with (one run serves both)."""
+    return run_ranks(train_losses_and_weights, 1, cache_dir, [])[0]
 
 
+@pytest.fixture(scope="module")
+def single_process_losses(single_process) -> list[float]:
+    return single_process[0]
+
+
+# Plain FSDP2 ZeRO-3 at 2 ranks and plain TP at 2 (with sequence parallelism) are not cases of
+# their own: fsdp2-selective-ac is that FSDP2 layout and tp2-full-ac that TP layout, each with
+# activation checkpointing on top, under the same exactness check (fsdp4 shards ZeRO-3 too).
 @pytest.mark.parametrize(("world", "layout"), [
     pytest.param(2, ["parallel.dp_replicate=2", "parallel.dp_shard=1"], id="ddp2"),
-    pytest.param(2, ["parallel.dp_shard=2"], id="fsdp2-zero3"),
     pytest.param(2, ["parallel.dp_shard=2", "parallel.reshard_after_forward=false"],
                  id="fsdp2-zero2"),
     pytest.param(4, ["parallel.dp_shard=4"], id="fsdp4"),
     pytest.param(4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"], id="hsdp2x2"),
-    pytest.param(2, ["parallel.tp=2", "parallel.dp_shard=1"], id="tp2"),
     pytest.param(2, ["parallel.tp=2", "parallel.dp_shard=1", "parallel.sequence_parallel=false"],
                  id="tp2-no-sp"),
     pytest.param(4, ["parallel.tp=2", "parallel.dp_shard=2"], id="fsdp2xtp2"),
@@ -90,8 +114,7 @@ def train_weights(rank: int, world: int, cache_dir: str, layout: list[str]
     engine = TrainEngine(config, task, rank=rank, world_size=world, device=torch.device("cpu"))
     for _ in range(STEPS):
         engine.train_step()
-    model = getattr(engine.model, "module", engine.model)  # DDP wraps the model
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    return final_weights(engine)
 
 
 INVARIANT = ["parallel.dp_replicate=-1", "parallel.dp_shard=1", "parallel.invariant_reduction=true"]
@@ -106,9 +129,9 @@ def test_invariant_reduction_gives_the_same_bits_for_any_dp_degree(cache_dir):
             assert torch.equal(value, weights[world][key]), f"{key} differs at dp={world}"
 
 
-def test_plain_ddp_is_not_bitwise_invariant(cache_dir):
+def test_plain_ddp_is_not_bitwise_invariant(cache_dir, single_process):
     # The control: DDP's all-reduce sums in another order for another world size.
-    one = run_ranks(train_weights, 1, cache_dir, ["parallel.dp_shard=1"])[0]
+    one = single_process[1]  # one process, plain: no reduction at all
     four = run_ranks(train_weights, 4, cache_dir, ["parallel.dp_replicate=4",
                                                    "parallel.dp_shard=1"])[0]
     assert any(not torch.equal(v, four[k]) for k, v in one.items())

@@ -117,20 +117,27 @@ def test_a_lying_peer_is_refused_and_the_honest_snapshot_still_restores() -> Non
             assert "model.w1" not in names
 
 
-def restored_steps(rank: int, world: int, cache: str, steps: list[int]) -> str:
-    """Each rank's engine as if it had restored `steps[rank]`; what the check says."""
+def restored_steps(rank: int, world: int, cache: str, cases: list[list[int]]) -> list[str]:
+    """For each case, this rank's engine as if it had restored `case[rank]`; what the check
+    says (the check is a collective: every rank runs the cases in the same order)."""
     engine = make_engine(rank, world, cache, [])
-    engine.step = steps[rank]
-    try:
-        engine.check_restored_step()
-    except RestoredStepMismatch as exc:
-        return str(exc)
-    return "same"
+    said = []
+    for steps in cases:
+        engine.step = steps[rank]
+        try:
+            engine.check_restored_step()
+        except RestoredStepMismatch as exc:
+            said.append(str(exc))
+        else:
+            said.append("same")
+    return said
 
 
 def test_ranks_that_restored_different_steps_do_not_train_on(cache_dir) -> None:  # noqa: F811
-    assert run_ranks(restored_steps, 2, cache_dir, [4, 4]) == ["same", "same"]
-    said = run_ranks(restored_steps, 2, cache_dir, [4, 5])
-    assert said[0] == ("the ranks of this world restored different steps (from 4 to 5; "
-                       "rank 0 has 4): it must not train on")
-    assert said[1].startswith("the ranks of this world restored different steps (from 4 to 5")
+    same, different = zip(*run_ranks(restored_steps, 2, cache_dir, [[4, 4], [4, 5]]),
+                          strict=True)
+    assert same == ("same", "same")
+    assert different[0] == ("the ranks of this world restored different steps (from 4 to 5; "
+                            "rank 0 has 4): it must not train on")
+    assert different[1].startswith(
+        "the ranks of this world restored different steps (from 4 to 5")

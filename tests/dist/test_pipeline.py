@@ -55,11 +55,16 @@ def val_loss_after_training(rank: int, world: int, cache: str, layout: list[str]
     return engine.validate()[0]
 
 
+@pytest.fixture(scope="module")
+def single_val_loss(cache_dir) -> float:  # noqa: F811
+    return run_ranks(val_loss_after_training, 1, cache_dir, PP_MODEL)[0]
+
+
 @pytest.mark.parametrize(("world", "layout"), [
     pytest.param(2, ["parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"], id="pp2"),
     pytest.param(2, ["parallel.tp=2", "parallel.dp_shard=1"], id="tp2"),
 ])
-def test_validation_loss_is_layout_independent(cache_dir, world, layout):  # noqa: F811
-    (single,) = run_ranks(val_loss_after_training, 1, cache_dir, PP_MODEL)
+def test_validation_loss_is_layout_independent(cache_dir, single_val_loss, world,  # noqa: F811
+                                               layout):
     per_rank = run_ranks(val_loss_after_training, world, cache_dir, [*PP_MODEL, *layout])
-    assert per_rank == pytest.approx([single] * world, rel=1e-5)
+    assert per_rank == pytest.approx([single_val_loss] * world, rel=1e-5)
