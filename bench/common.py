@@ -20,6 +20,9 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "examples" / "gpt" / "config.toml"
 RESULTS = ROOT / "bench" / "results"
+# The two-worker layouts of the throughput and overhead benches.
+DDP_LAYOUT = ["parallel.dp_replicate=2", "parallel.dp_shard=1"]
+FSDP_LAYOUT = ["parallel.dp_replicate=1", "parallel.dp_shard=-1"]
 # The tiny GPT of tests/cli_helpers.py: a run takes seconds on 2 CPU cores.
 TINY = ["task.args.seq_len=64", "task.args.d_model=64", "task.args.n_layers=2",
         "task.args.n_heads=2", "train.global_batch_size=8", "train.micro_batch_size=2",
@@ -66,8 +69,7 @@ def add_run_args(p: argparse.ArgumentParser, timeout: float, rounds: int | None 
 
 def window_parser(doc: str, spec: Any, out: str, *, rounds: int,
                   steps: int) -> argparse.ArgumentParser:
-    """A rate bench's parser: --config, --rounds, --steps, --exclude, --log-every (the runs and
-    which steps count), --out, --timeout and --keep."""
+    """A rate bench's parser: the runs, which of their steps count, --out, --timeout, --keep."""
     p = parser(doc, spec, out)
     add_config_args(p, sets=False)
     add_run_args(p, 1800.0, rounds)
@@ -102,9 +104,8 @@ def window_overrides(args: argparse.Namespace, workers: int) -> list[str]:
 def rate_run(tag: str, cmd: list[str], args: argparse.Namespace, work: Path,
              result: dict[str, Any], measure: Callable[[], dict[str, Any]],
              note: Callable[[dict[str, Any]], str] = lambda r: "") -> dict[str, Any]:
-    """Run cmd (one runner of a round) with its log in work, then `measure()` its rate into
-    result; a run that failed or left no rate is recorded with its error, and the bench
-    goes on. Prints a line either way."""
+    """Run cmd with its log in work, then `measure()` its rate into result; a run that failed
+    or left no rate is recorded with its error, and the bench goes on."""
     from bench.harness import run_watched
 
     log, load = work / f"{tag}.log", os.getloadavg()[0]
@@ -236,17 +237,21 @@ def run_rounds(names: list[str], rounds: int, run: Callable[[str, int], dict[str
             results += [run(name, rnd) for name in order]
     finally:
         if not keep:
-            if prune_measured:
-                for r in results:
-                    if "tokens_per_s" in r:
-                        shutil.rmtree(r.pop("run_dir"), ignore_errors=True)
-                        Path(r.pop("log")).unlink(missing_ok=True)
+            for r in results:
+                if prune_measured and "tokens_per_s" in r:
+                    shutil.rmtree(r.pop("run_dir"), ignore_errors=True)
+                    Path(r.pop("log")).unlink(missing_ok=True)
             if all("tokens_per_s" in r for r in results):
-                shutil.rmtree(work, ignore_errors=True)
-                for r in results:
-                    r.pop("log", None)
-                    r.pop("run_dir", None)
+                drop_work(work, results)
     return results
+
+
+def drop_work(work: Path, results: list[dict[str, Any]]) -> None:
+    """The work folder goes, every run's folder and log with it."""
+    shutil.rmtree(work, ignore_errors=True)
+    for r in results:
+        r.pop("log", None)
+        r.pop("run_dir", None)
 
 
 def max_loss_diff(a: dict[str, float], b: dict[str, float]) -> float | None:
@@ -279,12 +284,14 @@ def print_columns(table: list[list[str]]) -> None:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
 
 
-def window_settings(args: argparse.Namespace, workers: int, tps: int,
-                    overrides: list[str]) -> dict[str, Any]:
-    """The settings every rate report starts with."""
+def window_settings(args: argparse.Namespace, workers: int, tps: int, overrides: list[str],
+                    config: Any, **extra: Any) -> dict[str, Any]:
+    """A rate report's settings: the window and the runs, `extra`, then the batch."""
     return {"rounds": args.rounds, "steps": args.steps, "excluded_steps": args.exclude,
             "log_every": args.log_every, "workers": workers, "tokens_per_step": tps,
-            "config": args.config, "overrides": overrides}
+            "config": args.config, "overrides": overrides, **extra,
+            "global_batch_size": config.train.global_batch_size,
+            "micro_batch_size": config.train.micro_batch_size}
 
 
 def machine(*, with_ray: bool = True) -> dict[str, Any]:
@@ -333,12 +340,6 @@ def write_report(path: str, report: dict[str, Any], results: list[dict[str, Any]
     report["machine"] = machine()
     report["runs"] = [{k: v for k, v in r.items() if k != "loss_by_step"} for r in results]
     write_json(path, report)
-
-
-def failed(result: dict[str, Any], exc: BaseException) -> dict[str, Any]:
-    """A run that raised: recorded with its traceback, so that the other runs go on."""
-    result.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
-    return result
 
 
 def gloo_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:

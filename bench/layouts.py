@@ -145,10 +145,9 @@ def main() -> int:
         "summary": {k: {kk: vv for kk, vv in v.items() if kk != "loss_by_step"}
                     for k, v in summary.items()},
         "loss_by_step": {k: v["loss_by_step"] for k, v in summary.items()},
-        "settings": {**common.window_settings(args, WORKERS, tps, common_overrides(args)),
-                     "layouts": {k: layout_overrides(k) for k in args.layouts},
-                     "global_batch_size": config.train.global_batch_size,
-                     "micro_batch_size": config.train.micro_batch_size}}, results)
+        "settings": common.window_settings(
+            args, WORKERS, tps, common_overrides(args), config,
+            layouts={k: layout_overrides(k) for k in args.layouts})}, results)
     return 0 if any("tokens_per_s" in r for r in results) else 1
 
 

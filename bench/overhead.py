@@ -20,12 +20,10 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.common import fmt, ratio
+from bench.common import DDP_LAYOUT, FSDP_LAYOUT, fmt, ratio
 
 TARGET = 0.95
 WORKERS = 2
-DDP_LAYOUT = ["parallel.dp_replicate=2", "parallel.dp_shard=1"]
-FSDP_LAYOUT = ["parallel.dp_replicate=1", "parallel.dp_shard=-1"]
 OFF = ["checkpoint.snapshot_every=0"]
 STAGE_ONLY = ["checkpoint.snapshot_every=1", "checkpoint.replicas=0"]
 REPLICATED = ["checkpoint.snapshot_every=1", "checkpoint.replicas=1"]
@@ -184,9 +182,8 @@ def main() -> int:
         "median_tokens_per_s": medians, "memory_tier": tier,
         "loss_max_abs_diff_vs_no_snapshots": loss_diff,
         "loss_max_abs_diff_any_two_runs": loss_diff_all,
-        "settings": {**common.window_settings(args, WORKERS, tps, overrides), "runners": RUNNERS,
-                     "global_batch_size": config.train.global_batch_size,
-                     "micro_batch_size": config.train.micro_batch_size}}, results)
+        "settings": common.window_settings(args, WORKERS, tps, overrides, config,
+                                           runners=RUNNERS)}, results)
     return 0 if all(medians[n] is not None for n in RUNNERS) else 1
 
 

@@ -1,11 +1,8 @@
 """Recovery: how fast stalwart, Ray Train's TorchTrainer and torchrun recover from a fault.
 
-One fault on rank 1 at step 25 of 40 of the reference task: kill (SIGKILL), hang (SIGSTOP),
-node (its node lost), freeze (its node stopped; stalwart only), injected; outside-kill, the
-harness SIGKILLs the process from outside, stalwart against Ray Train and torchrun alike. Each
-row is one run (recovery_rows.py), the order flipping every round; here the medians, the
-targets, the tables and the chart. The method, targets and last figures: docs/benchmarks.md.
-The exit code is 1 only if a run produced no measurement.
+One fault on rank 1 at step 25 of 40 (kill, hang, node, freeze, outside-kill); each row is one
+run of recovery_rows.py, here the medians, targets, tables and chart. The exit code is 1 only
+if a run produced no measurement. The method and last figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -13,7 +10,6 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import os
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -62,13 +58,15 @@ def summarise(results: list[dict[str, Any]], faults: list[str]) -> dict[str, Any
     return out
 
 
-def _worst_detection(results: list[dict[str, Any]], fault: str, runner: str | None = None
-                     ) -> tuple[float | None, int]:
-    """The slowest detection over every round (None if a round detected nothing)."""
+def _detection_target(results: list[dict[str, Any]], fault: str, runner: str | None,
+                      what: str, limit: float, detail: str) -> dict[str, Any]:
+    """`what` within limit s in every round: the slowest detection (None: a round had none)."""
     rs = [r for r in results if r["fault"] == fault and runner in (None, r["runner"])]
-    if not rs or any(r.get("detection_s") is None for r in rs):
-        return None, len(rs)
-    return max(r["detection_s"] for r in rs), len(rs)
+    worst = (None if not rs or any(r.get("detection_s") is None for r in rs)
+             else max(r["detection_s"] for r in rs))
+    return _target(f"{fault}: {what} within {limit:g} s (every round)", worst,
+                   lambda v: v <= limit,
+                   f"worst detection {fmt(worst, '.2f')} s over {len(rs)} round(s); {detail}")
 
 
 def _target(target: str, value: float | None, ok: Callable[[float], bool],
@@ -92,21 +90,14 @@ def verdicts(results: list[dict[str, Any]], med: dict[str, Any]) -> list[dict[st
         rt = med["hang"]["ray-train"]
         theirs = (f"{fmt(rt['detection_s'], '.2f')} s" if rt["detected"]
                   else f"not detected within {rows.HANG_WAIT_S:g} s")
-        for runner in ("stalwart", "stalwart+spare"):
-            worst, n = _worst_detection(results, "hang", runner)
-            out.append(_target(f"hang: {runner} detects the hang within "
-                               f"{rows.TARGET_HANG_DETECTION_S:g} s (every round)", worst,
-                               lambda v: v <= rows.TARGET_HANG_DETECTION_S,
-                               f"worst detection {fmt(worst, '.2f')} s over {n} round(s); "
-                               f"Ray Train: {theirs}"))
+        out += [_detection_target(results, "hang", runner, f"{runner} detects the hang",
+                                  rows.TARGET_HANG_DETECTION_S, f"Ray Train: {theirs}")
+                for runner in ("stalwart", "stalwart+spare")]
     if "freeze" in med:
-        worst, n = _worst_detection(results, "freeze")
         recovery = med["freeze"]["stalwart-elastic"]["recovery_s"]
-        out.append(_target(f"freeze: stalwart notices a frozen node within "
-                           f"{rows.TARGET_FREEZE_DETECTION_S:g} s (every round)", worst,
-                           lambda v: v <= rows.TARGET_FREEZE_DETECTION_S,
-                           f"worst detection {fmt(worst, '.2f')} s over {n} round(s); "
-                           f"median recovery {fmt(recovery, '.2f')} s"))
+        out.append(_detection_target(results, "freeze", None, "stalwart notices a frozen node",
+                                     rows.TARGET_FREEZE_DETECTION_S,
+                                     f"median recovery {fmt(recovery, '.2f')} s"))
     if OUTSIDE_KILL in med:
         out += outside_verdicts(med[OUTSIDE_KILL])
     return [*out, _lost_steps_verdict(results)]
@@ -132,9 +123,8 @@ def _lost_steps_verdict(results: list[dict[str, Any]]) -> dict[str, Any]:
 
 def outside_verdicts(side: dict[str, Any], stalwart: str = "stalwart+spare"
                      ) -> list[dict[str, Any]]:
-    """The outside-kill targets, on the medians of each row: stalwart's kill -> next completed
-    step within one normal step (of its own run, before the kill) + the slack, and each peer's
-    time at least its ratio over stalwart's."""
+    """The outside-kill targets on each row's medians: stalwart's kill -> next step within one
+    normal step of its own + the slack, and each peer's time at least its ratio over it."""
     st, normal = side[stalwart]["recovery_s"], side[stalwart]["normal_step_s"]
     bound = normal + rows.TARGET_NEXT_STEP_SLACK_S if normal is not None else None
     out = [_target(f"{OUTSIDE_KILL}: stalwart kill -> next completed step <= one normal step "
@@ -353,6 +343,7 @@ def plot(png: str, med: dict[str, Any]) -> str | None:
     Path(png).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=120)
     plt.close(fig)
+    print(f"wrote {png}")
     return png
 
 
@@ -428,8 +419,6 @@ def main() -> int:
         run_notes.append(note)
     print("\nnotes:\n" + "\n".join(f"- {n}" for n in run_notes))
     png = plot(args.png, med)
-    if png:
-        print(f"wrote {png}")
     # Runs that went wrong (Ray Train not noticing the hang is the measurement, not a failure).
     failed = [r for r in results if r.get("error") or r.get("missing_events") or (
         not r.get("completed") and not (r["system"] == "ray-train" and r["fault"] == "hang"
@@ -444,10 +433,7 @@ def main() -> int:
                      for name in ("stalwart", "torch", "ray", "matplotlib")},
         "png": png}
     if not args.keep and not failed:
-        shutil.rmtree(work, ignore_errors=True)
-        for r in results:
-            r.pop("log", None)
-            r.pop("run_dir", None)
+        common.drop_work(work, results)
     elif failed:
         print(f"kept {work}: {len(failed)} run(s) did not complete or missed events")
     common.write_report(args.out, out, results)

@@ -10,6 +10,7 @@ import os
 import shutil
 import signal
 import sys
+import traceback
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -109,7 +110,8 @@ def run_row(runner: str, fault: str, args: argparse.Namespace, work: Path,
     except Exception as exc:  # recorded, the other runs go on
         if system == "ray-train":
             result["log_tail"] = common.tail(Path(result["log"]), 25)
-        return common.failed(result, exc) | {
+        result.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc())
+        return result | {
             "completed": False, "detected": False, "detection_s": None, "restart_s": None,
             "recovery_s": None, "lost_steps": None, "fault_time": None}
 

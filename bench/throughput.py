@@ -17,14 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.common import fmt, ratio
+from bench.common import DDP_LAYOUT, FSDP_LAYOUT, fmt, ratio
 from bench.peers import torchrun
 
 TARGET = 0.98
 WORKERS = 2
 RUNNERS = ("stalwart-ddp", "torchrun-ddp", "stalwart-fsdp")
-DDP_LAYOUT = ["parallel.dp_replicate=2", "parallel.dp_shard=1"]
-FSDP_LAYOUT = ["parallel.dp_replicate=1", "parallel.dp_shard=-1"]
 
 
 def one_run(runner: str, args: Any, work: Path, rnd: int, tps: int) -> dict[str, Any]:
@@ -122,10 +120,8 @@ def main() -> int:
         "ratio_stalwart_fsdp_over_torchrun": ratio_fsdp,
         "paired_ratios_stalwart_ddp_over_torchrun": paired, "median_tokens_per_s": medians,
         "loss_max_abs_diff_vs_torchrun": losses,
-        "settings": {**common.window_settings(args, WORKERS, tps, overrides),
-                     "ddp_layout": DDP_LAYOUT,
-                     "global_batch_size": config.train.global_batch_size,
-                     "micro_batch_size": config.train.micro_batch_size,
+        "settings": {**common.window_settings(args, WORKERS, tps, overrides, config,
+                                              ddp_layout=DDP_LAYOUT),
                      "grad_accum": config.grad_accum_steps}}, results)
     return 0 if ratio_ddp is not None else 1
 
