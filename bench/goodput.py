@@ -1,8 +1,7 @@
 """Goodput under a kill every minute: stalwart against Ray Train, side by side.
 
-Each trains the reference task for --duration s while the harness SIGKILLs rank 1 every
---kill-every s; goodput is the time of the final trajectory's steps over the wall time, the
-same way for both. Target: stalwart >= 0.95. The method: docs/benchmarks.md.
+Rank 1 is SIGKILLed every --kill-every s for --duration s; goodput is the time of the final
+trajectory's steps over the wall time. Target: stalwart >= 0.95. The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -107,18 +106,14 @@ def run_stalwart(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
 def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Ray Train on the same schedule: a local Ray of 2 CPUs, the bench train loop."""
-    import ray
-
     workdir = work / "raytrain"
     workdir.mkdir()
     _, job = common.tokens_per_step(str(common.DEFAULT_CONFIG), [])  # tokenizes the data
-    cluster = rt.start_cluster(rw.NUM_WORKERS)
     fit_out: dict[str, Any] = {}
-    try:
-        trainer = rt.trainer(workdir, {
+    with rt.ray_train(workdir, {
             "config": str(common.DEFAULT_CONFIG), "overrides": ["train.steps=1000000"],
             "fault": "kill", "fault_step": 0, "checkpoint_every": job.checkpoint.persist_every},
-            name="raytrain-goodput", max_failures=-1)
+            name="raytrain-goodput", max_failures=-1, head_cpus=rw.NUM_WORKERS) as (_, trainer):
         t0 = time.time()
         thread = rt.start_fit(trainer, fit_out)
 
@@ -131,9 +126,6 @@ def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
             args)
         (workdir / rw.STOP_FILE).write_text(json.dumps({"time": t_stop}))
         thread.join(180)
-    finally:
-        ray.shutdown()
-        cluster.shutdown()
     ready = [a for a in read_jsonl(workdir / rw.ATTEMPTS_FILE)
              if a["event"] == "ready" and a["rank"] == 0]
     steps = [(s["step"], s["time"], s["pid"]) for s in read_jsonl(workdir / rw.STEPS_FILE)]

@@ -1,20 +1,20 @@
 """Ray Train's side of the recovery benchmark: the reference task under TorchTrainer, one fault.
 
-`run_raytrain` starts its own local Ray cluster, trains raytrain_worker.py's loop on 2 workers,
-faults rank 1 at the start of `fault_step` (or has the harness kill it from outside), lets Ray
-Train recover (FailureConfig(max_failures=3)) and measures how it did; the faults and the
-method are in docs/benchmarks.md. Pitfall: `ray.train.report(..., checkpoint=...)` counts only
-once the controller's next poll (every 2 s) takes it from the worker's queue, so rank 0 waits
-for the registration (a worker that died before would lose it).
+`run_raytrain` trains raytrain_worker.py's loop on a local Ray of its own, faults rank 1 at
+`fault_step` (or has the harness kill it from outside) and measures how Ray Train recovers
+(docs/benchmarks.md). A reported checkpoint counts only once the controller's next poll (every
+2 s) takes it from the worker's queue, so rank 0 waits for that before it goes on.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,35 +24,38 @@ from bench.peers import raytrain_worker as rw
 from stalwart.core.events import read_jsonl
 
 
-def start_cluster(head_cpus: int, worker_nodes: int = 0) -> Any:
-    """A local Cluster (and ray.init on it), for every fault: Ray Train's PlacementGroupCleaner
-    queries the State API with no address, which otherwise picks "the latest" Ray instance on
-    the machine (another test's, say) and removes this run's placement group if its controller
-    is not found there. RAY_ADDRESS in the job's runtime env pins it to this cluster."""
+@contextlib.contextmanager
+def ray_train(workdir: Path, loop: dict[str, Any], *, name: str, max_failures: int,
+              head_cpus: int, worker_nodes: int = 0, torch_config: Any = None
+              ) -> Iterator[tuple[Any, Any]]:
+    """(a local Cluster, joined; a TorchTrainer over raytrain_worker.py's loop on NUM_WORKERS
+    CPU workers, storage in workdir/storage); Ray and the cluster end with the block.
+    RAY_ADDRESS in the job's runtime env pins Ray Train's PlacementGroupCleaner to this cluster:
+    without an address it picks "the latest" Ray on the machine (another test's, say) and
+    removes this run's placement group if its controller is not found there."""
     import ray
-
-    cluster = harness.local_cluster(worker_nodes, num_cpus=head_cpus)
-    ray.init(address=cluster.address, runtime_env={"env_vars": {"RAY_ADDRESS": cluster.address}})
-    # The train loop and the bench modules it uses travel by value: a worker need not have
-    # the repository on its path.
-    ray.cloudpickle.register_pickle_by_value(bench)
-    return cluster
-
-
-def trainer(workdir: Path, loop: dict[str, Any], *, name: str, max_failures: int,
-            torch_config: Any = None) -> Any:
-    """TorchTrainer over raytrain_worker.py's loop: NUM_WORKERS CPU workers, storage in
-    workdir/storage."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    return TorchTrainer(
-        rw.train_loop_per_worker, train_loop_config={"workdir": str(workdir), **loop},
-        torch_config=torch_config,
-        scaling_config=ScalingConfig(num_workers=rw.NUM_WORKERS, use_gpu=False,
-                                     resources_per_worker={"CPU": 1}),
-        run_config=RunConfig(name=name, storage_path=str(workdir / "storage"),
-                             failure_config=FailureConfig(max_failures=max_failures)))
+    cluster = harness.local_cluster(worker_nodes, num_cpus=head_cpus)
+    try:
+        ray.init(address=cluster.address,
+                 runtime_env={"env_vars": {"RAY_ADDRESS": cluster.address}})
+        # The train loop and the bench modules it uses travel by value: a worker need not have
+        # the repository on its path.
+        ray.cloudpickle.register_pickle_by_value(bench)
+        yield cluster, TorchTrainer(
+            rw.train_loop_per_worker, train_loop_config={"workdir": str(workdir), **loop},
+            torch_config=torch_config,
+            scaling_config=ScalingConfig(num_workers=rw.NUM_WORKERS, use_gpu=False,
+                                         resources_per_worker={"CPU": 1}),
+            run_config=RunConfig(name=name, storage_path=str(workdir / "storage"),
+                                 failure_config=FailureConfig(max_failures=max_failures)))
+    finally:
+        try:
+            ray.shutdown()
+        finally:
+            cluster.shutdown()
 
 
 def start_fit(trainer: Any, fit_out: dict[str, Any]) -> threading.Thread:
@@ -181,11 +184,12 @@ def _fit_watched(watch: _Watch, loop: dict[str, Any], torch_config: Any,
     import ray
 
     node = watch.fault == "node"
-    try:
-        watch.cluster = start_cluster(0 if node else rw.NUM_WORKERS, rw.NUM_WORKERS if node else 0)
+    with ray_train(watch.workdir, loop, name=f"raytrain-{watch.fault}", max_failures=3,
+                   head_cpus=0 if node else rw.NUM_WORKERS,
+                   worker_nodes=rw.NUM_WORKERS if node else 0,
+                   torch_config=torch_config) as (watch.cluster, trainer):
         fit_out: dict[str, Any] = {}
-        thread = start_fit(trainer(watch.workdir, loop, name=f"raytrain-{watch.fault}",
-                                   max_failures=3, torch_config=torch_config), fit_out)
+        thread = start_fit(trainer, fit_out)
         while thread.is_alive():
             thread.join(0.2 if watch.killer is None else harness.POLL_S)
             if not watch.poll():
@@ -199,12 +203,6 @@ def _fit_watched(watch: _Watch, loop: dict[str, Any], torch_config: Any,
         if watch.killer is not None:
             result["outside_kill"] = watch.killer.record()
         return session_dir
-    finally:
-        try:
-            ray.shutdown()
-        finally:
-            if watch.cluster is not None:
-                watch.cluster.shutdown()
 
 
 def _measure(result: dict[str, Any], workdir: Path, fault: str, steps: int, watch: _Watch,
