@@ -1,7 +1,6 @@
-"""A plain user DDP loop's setup and one optimizer step, the same for every peer (torchrun_ddp,
-torchrun_recovery, raytrain_worker): stalwart's task, token files, sample order and seeded
-model, gradient accumulation with no_sync(), clipping, optimizer and LR schedule, so that the
-peers differ only in what runs them."""
+"""A plain user DDP loop's setup and optimizer step, the same for every peer: stalwart's task,
+data, sample order and seeded model, no_sync() accumulation, clipping, optimizer and schedule,
+so that the peers differ only in what runs them."""
 
 from __future__ import annotations
 
@@ -51,14 +50,11 @@ class DDPSetup:
         return state["step"], state["samples_seen"]
 
     def rank_step(self, samples_seen: int, rank: int, world: int) -> tuple[float, int]:
-        """One step on this rank's share of the global batch that starts at samples_seen."""
-        start, count = rank_slice(samples_seen, self.train.global_batch_size, rank, world)
-        return self.step(self.sampler.items(start, count))
-
-    def step(self, items: Any) -> tuple[float, int]:
-        """Train one step on this rank's `items`, `accum` micro-batches; (the loss summed
-        over ranks, this rank's tokens)."""
+        """One step on this rank's share of the global batch that starts at samples_seen, in
+        `accum` micro-batches: (the loss summed over ranks, this rank's tokens)."""
         ddp, task, data, accum, t = self.ddp, self.task, self.data, self.accum, self.train
+        start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
+        items = self.sampler.items(start, count)
         ddp.train()
         loss_sum = torch.zeros(())
         tokens = 0

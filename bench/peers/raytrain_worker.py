@@ -49,16 +49,13 @@ def _inject(fault: str, workdir: Path) -> None:
     """Rank 1, first attempt, start of step fault_step: record the time, then the fault."""
     import ray
 
-    from stalwart.workers.faults import children_of
+    from stalwart.workers.faults import children_of, raylet_pid
 
     me = os.getpid()
     row: dict[str, Any] = {"fault": fault, "pid": me,
                            "node_id": ray.get_runtime_context().get_node_id()}
     if fault == "node":  # the whole node at once, as when a machine dies
-        raylet = os.getppid()
-        comm = Path(f"/proc/{raylet}/comm").read_text().strip()
-        if comm != "raylet":
-            raise RuntimeError(f"the worker's parent {raylet} is {comm!r}, not the raylet")
+        raylet = raylet_pid()  # the worker's parent, checked by name
         # Listed now: once the raylet is gone they are reparented.
         row.update(raylet_pid=raylet, other_node_pids=[p for p in children_of(raylet)
                                                        if p != me])

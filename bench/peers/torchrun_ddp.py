@@ -7,7 +7,6 @@ the steady-state tokens/s (steps after --exclude) and the loss at every step.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
 from pathlib import Path
@@ -15,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.common import add_config_args, parser
+from bench.common import add_config_args, append_jsonl, parser
 from bench.peers.ddp_step import torchrun_setup
 
 
@@ -65,8 +64,7 @@ def main() -> None:
             "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
         }
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        with open(args.out, "a") as f:
-            f.write(json.dumps(row) + "\n")
+        append_jsonl(Path(args.out), row)
         print(f"torchrun DDP: {row['tokens_per_s']:,.0f} tokens/s over steps "
               f"{args.exclude + 1}..{t.steps}, final loss {losses[-1]:.4f}", flush=True)
     dist.destroy_process_group()

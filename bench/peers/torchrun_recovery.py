@@ -15,8 +15,8 @@ START = time.time()
 
 import argparse
 import os
+from functools import partial
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,16 +40,6 @@ def torchrun_command(workdir: Path, *, nproc: int, steps: int, checkpoint_every:
         max_restarts=MAX_RESTARTS)
 
 
-def newest_checkpoint(folder: Path) -> Path | None:
-    """The newest complete checkpoint (temporary files start with a dot and are left out)."""
-    done = sorted(folder.glob("step-*.pt"))
-    return done[-1] if done else None
-
-
-def save_checkpoint(folder: Path, step: int, state: dict[str, Any]) -> None:
-    folder.mkdir(parents=True, exist_ok=True)
-    write_atomic(folder / f"step-{step:06d}.pt", lambda f: torch.save(state, f), "wb")
-
 
 def parse_args() -> argparse.Namespace:
     p = parser(__doc__, __spec__)
@@ -69,14 +59,14 @@ def main() -> None:
                                            "attempt": attempt, "pid": os.getpid()})
     _, world, run = torchrun_setup(args.config, args.overrides, args.steps)
     t = run.train
-    # Resume: every rank from the newest checkpoint. No writer is alive now (torchrun stopped
-    # the whole old group before starting this one), so both ranks see the same files.
+    # Resume: every rank from the newest complete checkpoint (a temporary file's name starts
+    # with a dot). No writer is alive now (torchrun stopped the whole old group before starting
+    # this one), so both ranks see the same files.
     step, samples_seen = 0, 0
     folder = workdir / CHECKPOINT_DIR
-    newest = newest_checkpoint(folder)
+    newest = max(folder.glob("step-*.pt"), default=None)
     if newest is not None:
-        state = torch.load(newest, weights_only=True)
-        step, samples_seen = run.load(state)
+        step, samples_seen = run.load(torch.load(newest, weights_only=True))
     append_jsonl(workdir / ATTEMPTS_FILE, {
         "event": "ready", "time": time.time(), "rank": rank, "attempt": attempt,
         "pid": os.getpid(), "restored_from": step if newest is not None else None})
@@ -90,7 +80,9 @@ def main() -> None:
                                                 "loss": loss_sum / world, "attempt": attempt,
                                                 "pid": os.getpid()})
             if step % args.checkpoint_every == 0 or step == t.steps:
-                save_checkpoint(folder, step, run.state_dict(step, samples_seen))
+                folder.mkdir(parents=True, exist_ok=True)
+                write_atomic(folder / f"step-{step:06d}.pt",
+                             partial(torch.save, run.state_dict(step, samples_seen)), "wb")
     dist.destroy_process_group()
 
 
