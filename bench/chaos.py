@@ -1,8 +1,7 @@
 """Chaos soak: the reference task with random faults fired from outside, checked after each run.
 
-Each run gets a random layout and 2 to 4 faults (chaos_faults.py, all from one --seed), then
-chaos_checks.py's checks. Exit code 0 when every run passed every check. The method:
-docs/benchmarks.md.
+Each run gets a random layout and 2 to 4 faults (chaos_faults.py, from one --seed), then
+chaos_checks.py's checks; exit code 0 when every run passed. The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations

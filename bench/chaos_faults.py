@@ -1,9 +1,8 @@
 """The chaos soak's faults: which ones a run gets (from one seed), and firing them from outside.
 
-A plan is drawn from one random.Random(seed) for every run of the soak, so run k gets the same
-faults in any chunk; moments are fractions of the layout's failure-free training window. A
-worker fault is a signal to a worker's process; a driver fault SIGKILLs the driver's session,
-then `--resume`. Deferrals and faults never fired are recorded in the fault's row.
+One random.Random(seed) draws every run's plan, so run k gets the same faults in any chunk;
+moments are fractions of the layout's failure-free training window. A worker fault signals a
+worker's process; a driver fault SIGKILLs the driver's session, then `--resume`.
 """
 
 from __future__ import annotations

@@ -9,13 +9,15 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
+
+from stalwart.core.events import read_metrics
+from stalwart.report.summary import median
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "examples" / "gpt" / "config.toml"
@@ -41,12 +43,10 @@ def parser(doc: str, spec: Any, out: str | None = None) -> argparse.ArgumentPars
 
 def positive(kind: type = int) -> Callable[[str], Any]:
     """An argparse type: a number of `kind` above 0."""
-
     def parse(text: str) -> Any:
         if (value := kind(text)) <= 0:
             raise argparse.ArgumentTypeError(f"{text} is not above 0")
         return value
-
     return parse
 
 
@@ -131,11 +131,7 @@ def rate_run(tag: str, cmd: list[str], args: argparse.Namespace, work: Path,
 def medians(results: list[dict[str, Any]], key: str, names: list[str]
             ) -> dict[str, float | None]:
     """The median tokens/s of each runner over its measured rounds (None if none was)."""
-    out = {}
-    for name in names:
-        vals = [r["tokens_per_s"] for r in results if r[key] == name and "tokens_per_s" in r]
-        out[name] = statistics.median(vals) if vals else None
-    return out
+    return {n: median(r.get("tokens_per_s") for r in results if r[key] == n) for n in names}
 
 
 def by_round(results: list[dict[str, Any]], key: str) -> dict[tuple[str, int], float]:
@@ -151,7 +147,7 @@ def paired(rates: dict[tuple[str, int], float], a: str, b: str, rounds: int) -> 
 
 
 def spread(xs: list[float]) -> str:
-    return f"median {statistics.median(xs):.3f}, min {min(xs):.3f}, max {max(xs):.3f}"
+    return f"median {median(xs):.3f}, min {min(xs):.3f}, max {max(xs):.3f}"
 
 
 def child_env() -> dict[str, str]:
@@ -183,8 +179,6 @@ def stalwart_rate(run_dir: Path, exclude: int, tokens_per_step: int, *,
                   cross_check: bool = False, final: bool = False) -> dict[str, Any]:
     """Steady-state tokens/s of a run: steps exclude+1.. over the time between those rows;
     cross_check adds the tokens stalwart itself counted, final the last step and loss."""
-    from stalwart.core.events import read_metrics
-
     rows = read_metrics(run_dir / "metrics.jsonl")
     by_step = {r.step: r for r in rows}
     if exclude not in by_step:

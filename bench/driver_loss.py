@@ -1,8 +1,7 @@
 """Steps lost when the driver is SIGKILLed on a cluster, over several kills of one run.
 
-On a `ray start` cluster of this machine the harness SIGKILLs the driver --kills times and
-resumes it with `--auto-resume`; then the final weights against a failure-free run's. Target:
-no step logged before a kill is trained again. The method: docs/benchmarks.md.
+On a `ray start` cluster the driver is SIGKILLed --kills times and resumed with `--auto-resume`;
+target: no step logged before a kill is trained again. The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The fault harness of the recovery, goodput, chaos and driver-loss benchmarks: launch a run
-in a session of its own, watch its step log (stalwart's metrics.jsonl or a peer's steps.jsonl),
-signal a process by its PID once a step is logged, and time the next completed step of another
-world (one start of the training) from the same log."""
+in a session of its own, watch its step log, signal a process by its PID once a step is logged,
+and time the next completed step of another world (one start of the training)."""
 
 from __future__ import annotations
 
@@ -106,13 +105,9 @@ class SignalAtStep:
         return self.time is not None or self.error is not None
 
     def tick(self) -> None:
-        if self.done:
+        if self.done or (step := self.logged_step()) is None or step < self.after_step:
             return
-        step = self.logged_step()
-        if step is None or step < self.after_step:
-            return
-        pid = self.pid()
-        if pid is None:
+        if (pid := self.pid()) is None:
             return
         now = time.time()
         if not signal_pid(pid, self.sig):
@@ -218,9 +213,6 @@ def node_times(record: dict[str, Any], fault_time: float) -> dict[str, Any]:
             "node_dead_s": record["dead_time"] - fault_time if "dead_time" in record else None,
             "replacement_added_s": (record["replacement_added"] - fault_time
                                     if "replacement_added" in record else None)}
-
-
-# ------------------------------------------------------------------------------- processes
 
 
 def signal_pid(pid: int, sig: int) -> bool:

@@ -1,8 +1,7 @@
 """Layouts: tokens/s of each parallel layout of the reference task on 4 CPU workers.
 
-One `stalwart run` per layout, one model and batch for every row, so the losses agree up to
-the rounding of differently ordered reductions. A failed run is recorded and the others go on;
-the exit code is 1 only if no layout was measured. The method: docs/benchmarks.md.
+One `stalwart run` per layout, one model and batch for every row; the exit code is 1 only if
+no layout was measured. The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -21,7 +20,6 @@ from bench.common import fmt
 
 WORKERS = 4
 BASELINE = "ddp4"
-# name -> (what it is, its --set overrides on top of common_overrides).
 # name -> (what it is, dp_replicate x dp_shard x tp x pp, further overrides).
 LAYOUTS: dict[str, tuple[str, str, list[str]]] = {
     "ddp4": ("DDP", "4x1x1x1", []),

@@ -1,8 +1,7 @@
 """Memory: measured per-rank bytes of model state under FSDP2 ZeRO-3 against the ZeRO formula.
 
-In N spawned gloo processes the example GPT, sharded by stalwart's own mesh and recipe, takes
-one AdamW step; each rank counts its local shards. Target: the busiest rank within 10% of
-16 x params / N. Exit code 1 only if a rank failed. The method: docs/benchmarks.md.
+N gloo processes take one AdamW step of the sharded example GPT and count their local shards.
+Target: within 10% of 16 x params / N. Exit code 1 only if a rank failed. docs/benchmarks.md.
 """
 
 from __future__ import annotations

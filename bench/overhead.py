@@ -1,9 +1,7 @@
 """Overhead: what the in-memory checkpoint tier costs the reference task's tokens/s.
 
-Steady-state tokens/s of `stalwart run` with the tier off, staging only and staged and
-replicated, in the DDP layout and with FSDP2, in rounds of alternating order; the losses of a
-layout's runs must agree exactly. Target: median(snapshots+replication) >= 0.95 x
-median(no-snapshots) in each layout. The method and the last figures: docs/benchmarks.md.
+The tier off, staging only, and staged and replicated, in the DDP and FSDP2 layouts. Target:
+snapshots+replication >= 0.95 x no-snapshots in each layout. The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """The controller at thousands of ranks: the driver's CPU, its failure decision and its plan.
 
-The real Controller drives the fake worker group, simulated (tests/fake_group.py), at 64 to
-4,096 ranks, 8 to a node; then scale_ray.py times the driver's polling on a real local Ray.
-Goal: a decision under 100 ms at 4,096 ranks. The method and figures: docs/benchmarks.md.
+The real Controller drives tests/fake_group.py's simulated group at 64 to 4,096 ranks; then
+scale_ray.py times polling on a real Ray. The method and figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -33,8 +32,7 @@ NULL_DISPLAY = SimpleNamespace(update=lambda report, tokens_per_s: None, log=lam
 
 
 class Marks(ControllerObserver):
-    """(perf_counter, process_time, group's own wall, group's own CPU) at each recovery's
-    start and at each world's launch."""
+    """(wall, CPU, the group's own wall, its own CPU) at each recovery's start and launch."""
 
     def __init__(self, group: FakeGroup) -> None:
         self.group = group
@@ -126,8 +124,7 @@ def recoveries(ranks: int, failures: int) -> dict[str, Any]:
 
 
 def profile(ranks: int, polls: int, failures: int, top: int) -> None:
-    """cProfile of a steady run and a run with failures at `ranks` ranks (the group's own
-    functions included: read them as the simulated workers' share)."""
+    """cProfile of a steady run and one with failures (the group's own functions included)."""
     prof = cProfile.Profile()
     prof.enable()
     steady(ranks, polls)
@@ -152,9 +149,8 @@ def main() -> None:
     if args.profile:
         profile(args.profile, args.polls, args.failures, top=30)
         return
-    sizes = [int(s) for s in args.sizes.split(",")]
     rows = []
-    for ranks in sizes:
+    for ranks in (int(s) for s in args.sizes.split(",")):
         t = time.perf_counter()
         row = {"ranks": ranks, "nodes": ranks // 8, **steady(ranks, args.polls),
                **recoveries(ranks, args.failures)}

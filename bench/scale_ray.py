@@ -1,8 +1,7 @@
 """bench/scale.py's real-Ray part: the driver's time per polling interval, three ways.
 
-Light actors (num_cpus=0, no torch), 8 to a "node", polled per rank, per node through the
-bench's aggregator, and per node through the production NodeAgent; every answer is a real
-WorkerStatus with one StepReport. The method: docs/benchmarks.md.
+Light actors, 8 to a "node", polled per rank, through a node aggregator and through the
+production NodeAgent. The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -22,9 +21,8 @@ from stalwart.workers.reports import StepReport, WorkerStatus
 
 PER_NODE = 8
 GENERATION = 0
-# The agent's wait per poll (production waits the controller's 0.5 s interval): it answers
-# when the wait ends, so this sets the agent way's wall, not its cost. With 0 a busy machine's
-# answers slip to the next report; 50 ms gets them in and keeps the intervals quick.
+# The agent's wait per poll (production: 0.5 s) sets that way's wall, not its cost; with 0 a
+# busy machine's answers slip to the next report, 50 ms gets them in.
 AGENT_WAIT_S = 0.05
 
 

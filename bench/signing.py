@@ -1,8 +1,7 @@
 """Signing: what signed checkpoints cost a commit, and what verifying them costs a load.
 
-On each checkpoint of a reference run: the commit's time, signing its manifest, checking the
-signature and reading .metadata checked, and the driver's whole verification. Target: signing
-< 1% of a commit; exit code 1 only if the run failed or committed nothing. docs/benchmarks.md.
+Target: signing < 1% of a commit; exit code 1 only if the run failed or committed nothing.
+The method: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Throughput: the reference task on 2 workers through stalwart against plain torchrun DDP.
 
-Steady-state tokens/s of `stalwart run` (DDP; FSDP2 for information) and of
-bench/peers/torchrun_ddp.py under torchrun, in rounds of alternating order. Target:
-median(stalwart-ddp) >= 0.98 x median(torchrun-ddp); the exit code is 1 only if no comparison
-could be made. The method and the last figures: docs/benchmarks.md.
+Target: median(stalwart-ddp) >= 0.98 x median(torchrun-ddp); the exit code is 1 only if no
+comparison could be made. The method and the last figures: docs/benchmarks.md.
 """
 
 from __future__ import annotations
