@@ -5,7 +5,6 @@ checkpoint verifies and exports, every fault fired was recorded, and the steps l
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -13,13 +12,10 @@ from bench import common
 from stalwart.core import events as ev
 from stalwart.core.events import read_events, read_jsonl
 
-STALWART = str(Path(sys.executable).with_name("stalwart"))
-
 
 def last_logged_step(run_dir: Path) -> int:
-    """The newest step the driver is known to have seen completed: in metrics.jsonl
-    (run.log_every=1) or committed to storage (a commit can be recorded before the metrics
-    rows of the steps before it)."""
+    """The newest step the driver has seen completed: in metrics.jsonl or committed to storage
+    (a commit can be recorded before the metrics rows of the steps before it)."""
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     steps += [e["step"] for e in read_jsonl(run_dir / "events.jsonl")
               if e["kind"] == "checkpoint_committed"]
@@ -104,7 +100,7 @@ def check_finished(run_dir: Path, steps: int, exit_codes: list[int]) -> dict[str
 
 def export(run_dir: Path, out: Path, step: int | None = None) -> str | None:
     """`stalwart export`; None when it worked, else the tail of its output."""
-    cmd = [STALWART, "export", str(run_dir), "--out", str(out)]
+    cmd = [str(common.STALWART), "export", str(run_dir), "--out", str(out)]
     if step is not None:
         cmd += ["--step", str(step)]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT,

@@ -70,9 +70,8 @@ def live_workers(events: list[ev.Event], exclude: set[int]) -> list[ev.WorkerPla
     """The newest world's workers whose process is alive, in rank order, without `exclude`
     (processes already hit: a second SIGSTOP of a stopped process is no fault)."""
     started = [e for e in events if isinstance(e, ev.WorkersStarted)]
-    if not started:
-        return []
-    return [w for w in started[-1].workers if w.pid not in exclude and pid_alive(w.pid)]
+    return [w for w in started[-1].workers
+            if w.pid not in exclude and pid_alive(w.pid)] if started else []
 
 
 class Invocation(Launch):

@@ -22,6 +22,7 @@ from stalwart.report.summary import median
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CONFIG = ROOT / "examples" / "gpt" / "config.toml"
 RESULTS = ROOT / "bench" / "results"
+STALWART = Path(sys.executable).with_name("stalwart")  # the CLI, in this venv
 # The two-worker layouts of the throughput and overhead benches.
 DDP_LAYOUT = ["parallel.dp_replicate=2", "parallel.dp_shard=1"]
 FSDP_LAYOUT = ["parallel.dp_replicate=1", "parallel.dp_shard=-1"]
@@ -32,8 +33,7 @@ TINY = ["task.args.seq_len=64", "task.args.d_model=64", "task.args.n_layers=2",
 
 
 def parser(doc: str, spec: Any, out: str | None = None) -> argparse.ArgumentParser:
-    """A script's parser: its docstring's first paragraph, named as it is run; with `out`,
-    --out (the JSON result file, default bench/results/OUT)."""
+    """A script's parser, described by its docstring's first paragraph; with `out`, --out."""
     p = argparse.ArgumentParser(prog=f"python -m {spec.name}" if spec else None,
                                 description=doc.split("\n\n")[0])
     if out:
@@ -164,8 +164,7 @@ def set_args(overrides: list[str]) -> list[str]:
 
 def stalwart_command(config: str, overrides: list[str], run_dir: Path) -> list[str]:
     """`stalwart run config --set o ... --run-dir run_dir`, as a user types it."""
-    exe = Path(sys.executable).with_name("stalwart")
-    cli = [str(exe)] if exe.exists() else [sys.executable, "-m", "stalwart.cli.main"]
+    cli = [str(STALWART)] if STALWART.exists() else [sys.executable, "-m", "stalwart.cli.main"]
     return [*cli, "run", str(config), *set_args(overrides), "--run-dir", str(run_dir)]
 
 
@@ -207,8 +206,7 @@ def stalwart_rate(run_dir: Path, exclude: int, tokens_per_step: int, *,
 
 
 def tokens_per_step(config_path: str, overrides: list[str]) -> tuple[int, Any]:
-    """(tokens per optimizer step, the loaded config); tokenizes the data once up front, so
-    that no timed run pays for it."""
+    """(tokens per step, the config); tokenizes the data first, so no timed run pays for it."""
     from stalwart.core.config import load_config
     from stalwart.core.task import build_task
 
@@ -302,8 +300,7 @@ def machine(*, with_ray: bool = True) -> dict[str, Any]:
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
-    """One JSON line, in one small O_APPEND write: lines that several processes append to the
-    same file never interleave."""
+    """One JSON line in one O_APPEND write: lines from several processes never interleave."""
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     try:
         os.write(fd, (json.dumps(row) + "\n").encode())
@@ -312,8 +309,7 @@ def append_jsonl(path: Path, row: dict[str, Any]) -> None:
 
 
 def write_atomic(path: Path, write: Callable[[Any], None], mode: str = "w") -> None:
-    """Written whole or not at all (a temporary file, fsync, rename): a reader that polls the
-    file, or a run that restarts from it, never sees half of it."""
+    """Written whole or not at all (temporary file, fsync, rename): no reader sees half of it."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, mode) as f:
         write(f)

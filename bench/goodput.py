@@ -97,8 +97,8 @@ def run_stalwart(args: argparse.Namespace, work: Path) -> dict[str, Any]:
            "recoveries": len(recovered), "lost_steps": sum(e.lost_steps for e in recovered),
            "median_recovery_s": median(e.recovery_s for e in recovered),
            **goodput(rows, starts, run.time, t_stop), "run_dir": str(run_dir)}
-    report = subprocess.run([str(Path(sys.executable).with_name("stalwart")), "report",
-                             str(run_dir), "--json"], capture_output=True, text=True)
+    report = subprocess.run([str(common.STALWART), "report", str(run_dir), "--json"],
+                            capture_output=True, text=True)
     if report.returncode == 0:  # stalwart's own report of the same run, for comparison
         out["stalwart_report"] = json.loads(report.stdout)
     return out
@@ -109,13 +109,12 @@ def run_raytrain(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     workdir = work / "raytrain"
     workdir.mkdir()
     _, job = common.tokens_per_step(str(common.DEFAULT_CONFIG), [])  # tokenizes the data
-    fit_out: dict[str, Any] = {}
     with rt.ray_train(workdir, {
             "config": str(common.DEFAULT_CONFIG), "overrides": ["train.steps=1000000"],
             "fault": "kill", "fault_step": 0, "checkpoint_every": job.checkpoint.persist_every},
-            name="raytrain-goodput", max_failures=-1, head_cpus=rw.NUM_WORKERS) as (_, trainer):
-        t0 = time.time()
-        thread = rt.start_fit(trainer, fit_out)
+            name="raytrain-goodput", max_failures=-1,
+            head_cpus=rw.NUM_WORKERS) as (_, thread, fit_out):
+        t0 = fit_out["start"]  # the fit's start, after Ray and the trainer are up
 
         def running() -> bool:
             thread.join(POLL_S)

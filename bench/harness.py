@@ -183,8 +183,7 @@ def stalwart_rank_pid(run_dir: Path, rank: int) -> int | None:
 
 
 def local_cluster(nodes: int, **head: Any) -> Any:
-    """A local ray.cluster_utils.Cluster, up: a head without dashboard (`head`: its arguments)
-    and `nodes` nodes of 1 CPU."""
+    """A local ray.cluster_utils.Cluster, up: a head (`head`: its args) and `nodes` 1-CPU nodes."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **head})

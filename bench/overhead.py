@@ -96,8 +96,7 @@ def print_rates(rates: dict[tuple[str, int], float], medians: dict[str, float | 
 
 
 def tier_sizes(measured: list[dict[str, Any]]) -> dict[str, dict[str, Any] | None]:
-    """The size of the tier per snapshot runner: the largest reported (it should not differ
-    between rounds: say so when it does)."""
+    """The tier's size per snapshot runner: the largest reported (noted when rounds differ)."""
     print()
     tier: dict[str, dict[str, Any] | None] = {}
     for n, _ in COMPARED:

@@ -150,9 +150,8 @@ def run_stalwart(result: dict[str, Any], args: argparse.Namespace,
 
 def run_stalwart_node(cmd: list[str], run_dir: Path, log: Path, timeout: float,
                       result: dict[str, Any]) -> tuple[int, float]:
-    """The node faults: the CLI against a local cluster of a 0-CPU head and a 1-CPU node per
-    worker; a replacement node is added as soon as the GCS reports the lost node dead (as for
-    Ray Train). A frozen node is SIGKILLed at the end."""
+    """The node faults: the CLI on a 0-CPU head and a 1-CPU node per worker; a replacement is
+    added once the GCS reports the lost node dead, as for Ray Train. A frozen node is killed."""
     import ray
 
     cluster = harness.local_cluster(WORKERS, **NODE_HEAD_ARGS)
@@ -308,8 +307,7 @@ def analyse_stalwart_outside(run_dir: Path, kill_time: float | None) -> dict[str
 
 def run_torchrun_outside(result: dict[str, Any], args: argparse.Namespace,
                          workdir: Path) -> dict[str, Any]:
-    """`torchrun --max-restarts 3` over bench/peers/torchrun_recovery.py, killed by the
-    harness once step FAULT_STEP is in its steps.jsonl."""
+    """`torchrun --max-restarts 3` of torchrun_recovery.py, killed once FAULT_STEP is logged."""
     log = Path(result["log"])
     workdir.mkdir(parents=True)
     result["command"] = cmd = torchrun_recovery.torchrun_command(

@@ -7,8 +7,7 @@ import sys
 
 
 def torchrun(module: str, nproc: int, args: list[str], *, max_restarts: int = 0) -> list[str]:
-    """`torchrun --standalone` over `python -m module args` (from the repository root, where
-    the bench package is found)."""
+    """`torchrun --standalone` over `python -m module args`, run from the repository root."""
     restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
             str(nproc), *restarts, "-m", module, *args]

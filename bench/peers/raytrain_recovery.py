@@ -27,12 +27,12 @@ from stalwart.core.events import read_jsonl
 @contextlib.contextmanager
 def ray_train(workdir: Path, loop: dict[str, Any], *, name: str, max_failures: int,
               head_cpus: int, worker_nodes: int = 0, torch_config: Any = None
-              ) -> Iterator[tuple[Any, Any]]:
-    """(a local Cluster, joined; a TorchTrainer over raytrain_worker.py's loop on NUM_WORKERS
-    CPU workers, storage in workdir/storage); Ray and the cluster end with the block.
-    RAY_ADDRESS in the job's runtime env pins Ray Train's PlacementGroupCleaner to this cluster:
-    without an address it picks "the latest" Ray on the machine (another test's, say) and
-    removes this run's placement group if its controller is not found there."""
+              ) -> Iterator[tuple[Any, threading.Thread, dict[str, Any]]]:
+    """trainer.fit() of raytrain_worker.py's loop (NUM_WORKERS CPU workers, storage in
+    workdir/storage) on a thread of its own, on a local Cluster that ends with the block:
+    (the cluster, the thread, fit_out: "start" when fit began, "error" None or its error).
+    RAY_ADDRESS in the job's env pins Ray Train's PlacementGroupCleaner to this cluster: with
+    no address it picks "the latest" Ray on the machine and may remove this run's group."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -44,33 +44,31 @@ def ray_train(workdir: Path, loop: dict[str, Any], *, name: str, max_failures: i
         # The train loop and the bench modules it uses travel by value: a worker need not have
         # the repository on its path.
         ray.cloudpickle.register_pickle_by_value(bench)
-        yield cluster, TorchTrainer(
+        trainer = TorchTrainer(
             rw.train_loop_per_worker, train_loop_config={"workdir": str(workdir), **loop},
             torch_config=torch_config,
             scaling_config=ScalingConfig(num_workers=rw.NUM_WORKERS, use_gpu=False,
                                          resources_per_worker={"CPU": 1}),
             run_config=RunConfig(name=name, storage_path=str(workdir / "storage"),
                                  failure_config=FailureConfig(max_failures=max_failures)))
+        fit_out: dict[str, Any] = {}
+
+        def fit() -> None:
+            try:
+                res = trainer.fit()
+                fit_out["error"] = None if res.error is None else repr(res.error)
+            except BaseException as e:  # reported, not raised
+                fit_out["error"] = repr(e)
+
+        thread = threading.Thread(target=fit, name="raytrain-fit", daemon=True)
+        fit_out["start"] = time.time()
+        thread.start()
+        yield cluster, thread, fit_out
     finally:
         try:
             ray.shutdown()
         finally:
             cluster.shutdown()
-
-
-def start_fit(trainer: Any, fit_out: dict[str, Any]) -> threading.Thread:
-    """`trainer.fit()` on a thread of its own, so the caller can watch and kill meanwhile;
-    its error (None when it succeeded) lands in fit_out["error"] when it returns."""
-    def fit() -> None:
-        try:
-            res = trainer.fit()
-            fit_out["error"] = None if res.error is None else repr(res.error)
-        except BaseException as e:  # reported, not raised
-            fit_out["error"] = repr(e)
-
-    thread = threading.Thread(target=fit, name="raytrain-fit", daemon=True)
-    thread.start()
-    return thread
 
 
 def _health_settings() -> dict[str, Any]:
@@ -187,9 +185,7 @@ def _fit_watched(watch: _Watch, loop: dict[str, Any], torch_config: Any,
     with ray_train(watch.workdir, loop, name=f"raytrain-{watch.fault}", max_failures=3,
                    head_cpus=0 if node else rw.NUM_WORKERS,
                    worker_nodes=rw.NUM_WORKERS if node else 0,
-                   torch_config=torch_config) as (watch.cluster, trainer):
-        fit_out: dict[str, Any] = {}
-        thread = start_fit(trainer, fit_out)
+                   torch_config=torch_config) as (watch.cluster, thread, fit_out):
         while thread.is_alive():
             thread.join(0.2 if watch.killer is None else harness.POLL_S)
             if not watch.poll():
@@ -207,8 +203,7 @@ def _fit_watched(watch: _Watch, loop: dict[str, Any], torch_config: Any,
 
 def _measure(result: dict[str, Any], workdir: Path, fault: str, steps: int, watch: _Watch,
              hang_wait_s: float, session_dir: str | None) -> dict[str, Any]:
-    """Kill what outlived the run, then its measurements and notes from the workers' files
-    and the controller's log."""
+    """Kill what outlived the run; its measurements from the workers' files and Ray's log."""
     attempts = read_jsonl(workdir / rw.ATTEMPTS_FILE)
     info = read_fault(workdir)
     pids = {a["pid"] for a in attempts} | set((info or {}).get("other_node_pids", []))
