@@ -38,14 +38,10 @@ LAYOUTS = {
 }
 
 
-def overrides(layout: str, steps: int) -> list[str]:
-    return [*common.TINY, f"train.steps={steps}", *SOAK, *LAYOUTS[layout]]
-
-
 def reference(layout: str, steps: int, cache: Path, timeout: float) -> dict[str, Any]:
     """The layout's failure-free run, once per (layout, overrides): its exported final
     weights and its training window (seconds from launch to the first step; of training)."""
-    ov = overrides(layout, steps)
+    ov = [*common.TINY, f"train.steps={steps}", *SOAK, *LAYOUTS[layout]]
     where = cache / f"{layout}-{hashlib.sha256(json.dumps(ov).encode()).hexdigest()[:10]}"
     meta_file = where / "reference.json"
     if meta_file.exists():

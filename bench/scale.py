@@ -75,10 +75,6 @@ def build(ranks: int, run_dir: Path, *, steps: int, fail_at: dict[int, int] | No
     return controller, group, marks
 
 
-def failure_steps(ranks: int, failures: int, every: int = 10) -> dict[int, int]:
-    """One rank dies every `every` steps, a different one each time (never rank 0)."""
-    return {every * (i + 1): 1 + (i * 7919) % (ranks - 1) for i in range(failures)}
-
 
 def steady(ranks: int, polls: int) -> dict[str, float]:
     """The driver's CPU per second of simulated training over `polls` polls, no failure."""
@@ -99,7 +95,8 @@ def steady(ranks: int, polls: int) -> dict[str, float]:
 
 def recoveries(ranks: int, failures: int) -> dict[str, Any]:
     """Decision and plan times over `failures` failures of one run (medians and all)."""
-    fail_at = failure_steps(ranks, failures)
+    # One rank dies every 10 steps, a different one each time (never rank 0).
+    fail_at = {10 * (i + 1): 1 + (i * 7919) % (ranks - 1) for i in range(failures)}
     with tempfile.TemporaryDirectory() as tmp:
         controller, group, marks = build(ranks, Path(tmp), steps=max(fail_at) + 5,
                                          fail_at=fail_at)
