@@ -170,19 +170,8 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
     t_start = time.time()
     watch = _Watch(workdir, fault, fault_step, deadline=t_start + timeout_s,
                    timeout_s=timeout_s, hang_wait_s=hang_wait_s)
-    session_dir = _fit_watched(watch, loop, torch_config, result)
-    result["wall_s"] = time.time() - t_start
-    return _measure(result, workdir, fault, steps, watch, hang_wait_s, session_dir)
-
-
-def _fit_watched(watch: _Watch, loop: dict[str, Any], torch_config: Any,
-                 result: dict[str, Any]) -> str | None:
-    """Start the cluster and the fit, watch it until it returns; records into result. Returns
-    Ray's session folder (its controller's log is there)."""
-    import ray
-
-    node = watch.fault == "node"
-    with ray_train(watch.workdir, loop, name=f"raytrain-{watch.fault}", max_failures=3,
+    node = fault == "node"
+    with ray_train(workdir, loop, name=f"raytrain-{fault}", max_failures=3,
                    head_cpus=0 if node else rw.NUM_WORKERS,
                    worker_nodes=rw.NUM_WORKERS if node else 0,
                    torch_config=torch_config) as (watch.cluster, thread, fit_out):
@@ -190,15 +179,16 @@ def _fit_watched(watch: _Watch, loop: dict[str, Any], torch_config: Any,
             thread.join(0.2 if watch.killer is None else harness.POLL_S)
             if not watch.poll():
                 break
-        try:
+        try:  # Ray's session folder: its controller's log is there
             session_dir = ray._private.worker._global_node.get_session_dir_path()
         except Exception:
             session_dir = None
-        result.update(fit_error=fit_out.get("error", "fit did not return"),
-                      aborted=watch.aborted, harness_killed_pids=watch.killed_pids)
-        if watch.killer is not None:
-            result["outside_kill"] = watch.killer.record()
-        return session_dir
+    result.update(fit_error=fit_out.get("error", "fit did not return"),
+                  aborted=watch.aborted, harness_killed_pids=watch.killed_pids)
+    if watch.killer is not None:
+        result["outside_kill"] = watch.killer.record()
+    result["wall_s"] = time.time() - t_start
+    return _measure(result, workdir, fault, steps, watch, hang_wait_s, session_dir)
 
 
 def _measure(result: dict[str, Any], workdir: Path, fault: str, steps: int, watch: _Watch,
