@@ -19,6 +19,7 @@ from typing import Any
 
 from bench import common
 from bench.common import DDP_LAYOUT, FSDP_LAYOUT, fmt, ratio
+from stalwart.core.events import MemoryTier, read_events
 
 TARGET = 0.95
 WORKERS = 2
@@ -48,8 +49,6 @@ def common_overrides(args: argparse.Namespace) -> list[str]:
 
 def one_run(runner: str, rnd: int, *, args: argparse.Namespace, work: Path,
             tps: int) -> dict[str, Any]:
-    from stalwart.core.events import MemoryTier, read_events
-
     run_dir = work / f"r{rnd}-{runner}"
     cmd = common.stalwart_command(args.config, common_overrides(args) + RUNNERS[runner],
                                   run_dir)
