@@ -34,9 +34,8 @@ TARGET_FREEZE_DETECTION_S = 1.0
 TARGET_NEXT_STEP_SLACK_S = 0.5
 TARGET_OUTSIDE_RATIOS = {"ray-train": 20.0, "torchrun": 10.0}
 
-# Every run: a storage checkpoint every 10 steps, a metrics row every step (the step log), no
-# validation, plain log lines, up to 3 recoveries. The tiny model, but outside-kill runs the
-# reference config's own model and batch on every side (OUTSIDE_MODEL: no overrides).
+# Every run: a storage checkpoint every 10 steps, a metrics row (the step log) every step, up to
+# 3 recoveries; the tiny model, but outside-kill runs the reference config's own on every side.
 RUN = [f"train.steps={STEPS}", f"checkpoint.persist_every={PERSIST_EVERY}", "run.log_every=1",
        "data.val_every=0", "run.progress=false", "failure.max_failures=3",
        f"scaling.num_workers={WORKERS}"]

@@ -41,8 +41,7 @@ def ray_train(workdir: Path, loop: dict[str, Any], *, name: str, max_failures: i
     try:
         ray.init(address=cluster.address,
                  runtime_env={"env_vars": {"RAY_ADDRESS": cluster.address}})
-        # The train loop and the bench modules it uses travel by value: a worker need not have
-        # the repository on its path.
+        # The train loop and the bench modules it uses travel by value, not by import path.
         ray.cloudpickle.register_pickle_by_value(bench)
         trainer = TorchTrainer(
             rw.train_loop_per_worker, train_loop_config={"workdir": str(workdir), **loop},

@@ -59,9 +59,8 @@ def main() -> None:
                                            "attempt": attempt, "pid": os.getpid()})
     _, world, run = torchrun_setup(args.config, args.overrides, args.steps)
     t = run.train
-    # Resume: every rank from the newest complete checkpoint (a temporary file's name starts
-    # with a dot). No writer is alive now (torchrun stopped the whole old group before starting
-    # this one), so both ranks see the same files.
+    # Resume from the newest complete checkpoint (a temporary one's name starts with a dot):
+    # torchrun stopped the whole old group first, so every rank sees the same files.
     step, samples_seen = 0, 0
     folder = workdir / CHECKPOINT_DIR
     newest = max(folder.glob("step-*.pt"), default=None)
