@@ -6,6 +6,8 @@ run's storage, owned by it, keeps working across --resume."""
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +21,22 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 RUN = [*TINY, "scaling.num_workers=2", "checkpoint.persist_every=2", "checkpoint.keep_last=3",
        "checkpoint.async_save=false", "run.log_every=1", "data.val_every=100",
-       "train.warmup_steps=1"]
+       "train.warmup_steps=1", "scaling.spare_workers=0"]
+
+
+@pytest.fixture(scope="module")
+def six_steps(tmp_path_factory) -> Path:
+    """One 6-step run, committed at steps 2, 4 and 6, that each test damages a copy of."""
+    cwd = tmp_path_factory.mktemp("six")
+    stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN, "train.steps=6"), "--run-dir", "run",
+             cwd=cwd)
+    return cwd / "run"
+
+
+@pytest.fixture
+def run(six_steps, tmp_path) -> Path:
+    """This test's copy of the 6-step run, at tmp_path/run (its owner and run id kept)."""
+    return Path(shutil.copytree(six_steps, tmp_path / "run"))
 
 
 def _garble_and_recommit(storage, step: int) -> None:
@@ -34,10 +51,9 @@ def _garble_and_recommit(storage, step: int) -> None:
                    key=signing_key())
 
 
-def test_resume_skips_a_checkpoint_that_fails_to_load(tmp_path) -> None:
+def test_resume_skips_a_checkpoint_that_fails_to_load(run, tmp_path) -> None:
     config = str(REFERENCE_CONFIG)
-    stalwart("run", config, *sets(*RUN, "train.steps=6"), "--run-dir", "run", cwd=tmp_path)
-    run, storage = tmp_path / "run", tmp_path / "run" / "checkpoints"
+    storage = run / "checkpoints"
     owner = json.loads((storage / "owner.json").read_text())
     assert owner["run_id"] == (run / "run_id").read_text().strip()
     _garble_and_recommit(storage, 6)
@@ -54,45 +70,43 @@ def test_resume_skips_a_checkpoint_that_fails_to_load(tmp_path) -> None:
     assert json.loads((storage / "owner.json").read_text()) == owner  # still this run's
 
 
-def test_resume_with_every_checkpoint_damaged_names_each(tmp_path) -> None:
+def test_resume_with_every_checkpoint_damaged_names_each(run, tmp_path) -> None:
     config = str(REFERENCE_CONFIG)
-    stalwart("run", config, *sets(*RUN, "train.steps=4"), "--run-dir", "run", cwd=tmp_path)
-    storage = tmp_path / "run" / "checkpoints"
-    for step in (2, 4):
+    storage = run / "checkpoints"
+    for step in (2, 4, 6):
         shard = storage / step_dir_name(step) / "__1_0.distcp"
         shard.write_bytes(shard.read_bytes()[:-1])
-    proc = stalwart("run", config, *sets(*RUN, "train.steps=6"), "--run-dir", "run",
+    proc = stalwart("run", config, *sets(*RUN, "train.steps=8"), "--run-dir", "run",
                     "--resume", cwd=tmp_path, check=2)
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("stalwart: error: --resume: checkpoints were committed under ")
     assert "but none verifies" in line
-    assert "step_000000004" in line and "step_000000002" in line
+    assert all(f"step_00000000{step}" in line for step in (2, 4, 6))
     assert "file __1_0.distcp is damaged" in line
 
 
-def test_resume_from_unsigned_checkpoints_needs_trust_unsigned(tmp_path) -> None:
+def test_resume_from_unsigned_checkpoints_needs_trust_unsigned(run, tmp_path) -> None:
     config = str(REFERENCE_CONFIG)
-    stalwart("run", config, *sets(*RUN, "train.steps=4"), "--run-dir", "run", cwd=tmp_path)
-    run, storage = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    for step in (2, 4):  # as written before signing, or elsewhere: intact, unsigned
+    storage = run / "checkpoints"
+    for step in (2, 4, 6):  # as written before signing, or elsewhere: intact, unsigned
         path = storage / step_dir_name(step) / "manifest.json"
         manifest = json.loads(path.read_text())
         del manifest["signature"], manifest["key_id"]
         path.write_text(json.dumps(manifest))
     before = (run / "events.jsonl").read_bytes()
 
-    refused = stalwart("run", config, *sets(*RUN, "train.steps=6"), "--run-dir", "run",
+    refused = stalwart("run", config, *sets(*RUN, "train.steps=8"), "--run-dir", "run",
                        "--resume", cwd=tmp_path, check=2)
-    assert "none verifies" in refused.stderr and "step_000000004" in refused.stderr
+    assert "none verifies" in refused.stderr and "step_000000006" in refused.stderr
     assert "it is not signed; --trust-unsigned accepts it" in refused.stderr
     assert (run / "events.jsonl").read_bytes() == before
 
-    stalwart("run", config, *sets(*RUN, "train.steps=6"), "--run-dir", "run", "--resume",
+    stalwart("run", config, *sets(*RUN, "train.steps=8"), "--run-dir", "run", "--resume",
              "--trust-unsigned", cwd=tmp_path)
     events = read_jsonl(run / "events.jsonl")
     accepted = [e for e in events if e["kind"] == "unsigned_checkpoint_accepted"]
-    assert [(e["step"], e["why"]) for e in accepted] == [(4, "it is not signed")]
-    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 6
-    newest = json.loads((storage / step_dir_name(6) / "manifest.json").read_text())
+    assert [(e["step"], e["why"]) for e in accepted] == [(6, "it is not signed")]
+    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 8
+    newest = json.loads((storage / step_dir_name(8) / "manifest.json").read_text())
     assert newest["run_id"] == (run / "run_id").read_text().strip()
     assert len(newest["signature"]) == 64  # what the run writes from then on is signed
