@@ -34,8 +34,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
               f"data.cache_dir={root / 'cache'}", "run.progress=false",
               "failure.max_failures=1", "task.args.text_glob=[a-m]*.py",
               "task.args.vocab_size=1024", "task.args.seq_len=64"]
-    layouts = {"ddp": [], "killed": [], "fsdp": ["parallel.dp_replicate=1",
-                                                 "parallel.dp_shard=-1"]}
+    # The runs nothing fails start no warm spare; the killed one's spare replaces rank 1.
+    no_spare = "scaling.spare_workers=0"
+    layouts = {"ddp": [no_spare], "killed": [],
+               "fsdp": [no_spare, "parallel.dp_replicate=1", "parallel.dp_shard=-1"]}
     out = {}
     for name, layout in layouts.items():
         inject = ["--inject", "kill:rank=1,step=10"] if name == "killed" else []

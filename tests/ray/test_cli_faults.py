@@ -21,7 +21,7 @@ from tests.cli_helpers import (
     wait_for_step,
 )
 from tests.keys import trust
-from tests.ray.conftest import RUN
+from tests.ray.conftest import RUN, STEPS
 from tests.ray.helpers import assert_same_weights, events_of, only
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
@@ -127,7 +127,7 @@ def test_preemption_checkpoints_then_resizes_without_losing_a_step(tmp_path, str
     committed = [e["step"] for e in events if e["kind"] == "checkpoint_committed"]
     assert resized["step"] in committed and resized["step"] % 10 != 0
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
-    assert steps == list(range(1, 151))
+    assert steps == list(range(1, STEPS + 1))
     survivors_kept(events, replaced_rank=1)
     assert_same_weights(tmp_path, straight_run, run_dir)
 

@@ -12,7 +12,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 # Four workers on two cores; an untied GPT with four blocks can take every layout.
 FOUR = [*TINY, "scaling.num_workers=4", "scaling.cpus_per_worker=0.5",
         "train.global_batch_size=16", "task.args.n_layers=4",
-        "task.args.tie_embeddings=false", "data.val_every=5", "run.log_every=1"]
+        "task.args.tie_embeddings=false", "data.val_every=5", "run.log_every=1",
+        "scaling.spare_workers=0"]
 
 
 def test_resume_a_fsdp_run_as_tensor_x_pipeline_parallel(tmp_path):

@@ -19,16 +19,18 @@ from tests.cli_helpers import (
     stalwart,
     wait_for_step,
 )
-from tests.ray.conftest import RUN
+from tests.ray.conftest import NO_SPARE, RUN, STEPS
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+
+UNFAILED = sets(*RUN, NO_SPARE)  # stopped and resumed, never failed: no warm spare
 
 
 def test_interrupt_then_resume_equals_uninterrupted(tmp_path, straight_run):
     config = str(REFERENCE_CONFIG)
 
     interrupted = tmp_path / "interrupted"
-    proc = subprocess.Popen([STALWART, "run", config, *sets(*RUN), "--run-dir", "interrupted"],
+    proc = subprocess.Popen([STALWART, "run", config, *UNFAILED, "--run-dir", "interrupted"],
                             cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True)
     try:
@@ -40,26 +42,26 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, straight_run):
     assert proc.returncode == 130, f"expected 130 (stopped)\n{out}\n{err}"
     assert "--resume" in out
     stop = [e for e in read_jsonl(interrupted / "events.jsonl") if e["kind"] == "stopped"]
-    assert len(stop) == 1 and 20 <= stop[0]["step"] < 150
+    assert len(stop) == 1 and 20 <= stop[0]["step"] < STEPS
     stopped_at = stop[0]["step"]
 
     # Without --resume the run dir is refused and left as it is.
     before = (interrupted / "events.jsonl").read_bytes()
-    refused = stalwart("run", config, *sets(*RUN), "--run-dir", "interrupted", cwd=tmp_path,
+    refused = stalwart("run", config, *UNFAILED, "--run-dir", "interrupted", cwd=tmp_path,
                        check=2)
     assert "--resume" in refused.stderr
     assert (interrupted / "events.jsonl").read_bytes() == before
 
-    stalwart("run", config, *sets(*RUN), "--run-dir", "interrupted", "--resume", cwd=tmp_path)
+    stalwart("run", config, *UNFAILED, "--run-dir", "interrupted", "--resume", cwd=tmp_path)
     events = read_jsonl(interrupted / "events.jsonl")
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert [e["from_step"] for e in resumed] == [stopped_at]
-    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 150
+    assert events[-1]["kind"] == "finished" and events[-1]["step"] == STEPS
 
     # The metrics continue where the stop left off, and the last losses agree exactly.
     straight_rows = read_jsonl(straight_run / "metrics.jsonl")
     resumed_rows = read_jsonl(interrupted / "metrics.jsonl")
-    assert [r["step"] for r in resumed_rows] == list(range(1, 151))
+    assert [r["step"] for r in resumed_rows] == list(range(1, STEPS + 1))
     assert resumed_rows[-1]["loss"] == straight_rows[-1]["loss"]
 
     a = exported_weights(straight_run, tmp_path, "straight")
@@ -70,6 +72,6 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, straight_run):
 
     # Retention: keep_last=2 committed checkpoints remain, the final step among them.
     steps = sorted(p.name for p in (interrupted / "checkpoints").glob("step_*"))
-    assert steps[-1] == "step_000000150" and len(steps) == 2, steps
+    assert steps[-1] == f"step_{STEPS:09d}" and len(steps) == 2, steps
     manifest = json.loads((interrupted / "checkpoints" / steps[-1] / "manifest.json").read_text())
-    assert manifest["step"] == 150 and manifest["world_size"] == 2
+    assert manifest["step"] == STEPS and manifest["world_size"] == 2

@@ -20,12 +20,14 @@ import pytest
 from stalwart.checkpointing.storage.catalog import list_step_dirs
 from stalwart.core.events import read_jsonl
 from tests.cli_helpers import REFERENCE_CONFIG, STALWART, sets, stalwart, wait_for_step
-from tests.ray.conftest import RUN
+from tests.ray.conftest import NO_SPARE, RUN
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 
 PERSIST_EVERY = 50
-ARGS = [str(REFERENCE_CONFIG), *sets(*RUN, f"checkpoint.persist_every={PERSIST_EVERY}"),
+# 150 steps: room for a stop after step 55, two more runs that stop, and a last that ends.
+ARGS = [str(REFERENCE_CONFIG), *sets(*RUN, NO_SPARE, "train.steps=150",
+                                     f"checkpoint.persist_every={PERSIST_EVERY}"),
         "--run-dir", "run", "--auto-resume"]
 NO_HANG_DETECTION = sets("failure.hang_timeout_floor_s=300", "failure.hang_factor=1000",
                          "failure.stopped_timeout_s=300")
