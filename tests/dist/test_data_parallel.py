@@ -26,11 +26,17 @@ def tiny_config(world: int, cache_dir: str, layout: list[str]):
         "train.lr=1e-2", f'data.cache_dir="{cache_dir}"', *layout])
 
 
-def train_losses(rank: int, world: int, cache_dir: str, layout: list[str]) -> list[float]:
+def trained(rank: int, world: int, cache_dir: str, layout: list[str]
+            ) -> tuple[TrainEngine, list[float]]:
+    """This rank's engine after STEPS steps of the tiny config, and each step's loss."""
     config = tiny_config(world, cache_dir, layout)
     task = build_task(config.task.path, config.task.args)
     engine = TrainEngine(config, task, rank=rank, world_size=world, device=torch.device("cpu"))
-    return [engine.train_step()[0].loss for _ in range(STEPS)]
+    return engine, [engine.train_step()[0].loss for _ in range(STEPS)]
+
+
+def train_losses(rank: int, world: int, cache_dir: str, layout: list[str]) -> list[float]:
+    return trained(rank, world, cache_dir, layout)[1]
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +53,7 @@ def final_weights(engine: TrainEngine) -> dict[str, torch.Tensor]:
 
 def train_losses_and_weights(rank: int, world: int, cache_dir: str, layout: list[str]
                              ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    config = tiny_config(world, cache_dir, layout)
-    task = build_task(config.task.path, config.task.args)
-    engine = TrainEngine(config, task, rank=rank, world_size=world, device=torch.device("cpu"))
-    losses = [engine.train_step()[0].loss for _ in range(STEPS)]
+    engine, losses = trained(rank, world, cache_dir, layout)
     return losses, final_weights(engine)
 
 
@@ -109,12 +112,7 @@ def test_compiled_blocks_match_eager(cache_dir, single_process_losses):
 
 def train_weights(rank: int, world: int, cache_dir: str, layout: list[str]
                   ) -> dict[str, torch.Tensor]:
-    config = tiny_config(world, cache_dir, layout)
-    task = build_task(config.task.path, config.task.args)
-    engine = TrainEngine(config, task, rank=rank, world_size=world, device=torch.device("cpu"))
-    for _ in range(STEPS):
-        engine.train_step()
-    return final_weights(engine)
+    return final_weights(trained(rank, world, cache_dir, layout)[0])
 
 
 INVARIANT = ["parallel.dp_replicate=-1", "parallel.dp_shard=1", "parallel.invariant_reduction=true"]
