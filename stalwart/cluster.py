@@ -12,8 +12,12 @@ from stalwart.core.ray_private import AUTH_NOTICE_LOGGER
 
 # Ray settings for the Ray that stalwart starts on this machine (a cluster keeps its own):
 # Ray runs workers at nice 15 by default, so its daemons preempt them; a rank delayed that
-# way stalls every rank at the next collective. And with no dashboard, metrics go nowhere.
-EMBEDDED_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "enable_metrics_collection": False}
+# way stalls every rank at the next collective. With no dashboard, metrics go nowhere. And
+# Ray would start a worker per CPU for the first driver: none of them hosts a rank (each
+# actor gets a process of its own), so they only take CPU from the ranks' start (a 6-step
+# run on 2 cores took 4 s longer with them).
+EMBEDDED_RAY_SYSTEM_CONFIG = {"worker_niceness": 0, "enable_metrics_collection": False,
+                              "prestart_worker_first_driver": False}
 
 
 def connect(address: str | None, *, num_cpus: int, dashboard: bool = False) -> bool:

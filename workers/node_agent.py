@@ -17,10 +17,8 @@ that ended drains nothing from the next one.
 
 from __future__ import annotations
 
-import importlib
 import os
 import select
-import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -103,11 +101,6 @@ class NodeAgent:
         self._stopped_since: dict[int, float] = {}
         self._pidfds: dict[int, int] = {}
         """rank -> a pidfd of its process, readable once the process has exited."""
-        # A world's first poll carries its workers' actor handles, and Ray imports an actor's
-        # class to make a handle: stalwart.workers.actor and torch, seconds on a busy node.
-        # Imported now, while the workers warm up, the agent answers from the first steps.
-        threading.Thread(target=importlib.import_module, args=("stalwart.workers.actor",),
-                         name="stalwart-agent-import", daemon=True).start()
 
     def poll(self, generation: int, wait_s: float,
              members: dict[int, tuple[Any, int]] | None = None) -> NodeReport:

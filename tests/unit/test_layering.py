@@ -217,6 +217,14 @@ def test_stalwart_import_is_light():
     assert loaded == {"stalwart": []}
 
 
+def test_a_worker_handle_does_not_load_torch():
+    """Ray imports an actor's class wherever a handle to it arrives: the node agents, which
+    poll the ranks, must not pay seconds of importing torch for that."""
+    loaded = _loaded_after(["stalwart.workers.actor", "stalwart.workers.node_agent"],
+                           ("torch",))
+    assert loaded == {"stalwart.workers.actor": [], "stalwart.workers.node_agent": []}
+
+
 def test_parallel_does_not_load_ray():
     modules = ["stalwart.parallel"] + [
         f"stalwart.parallel.{p.stem}"

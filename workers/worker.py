@@ -1,0 +1,493 @@
+"""Worker: what one rank's process does. The loop runs on a thread; the actor keeps answering.
+
+One worker lives through many generations of the world. The controller drives it through
+warm_up (once: import and load the task, prepare the data) and then, per generation,
+setup -> restore -> start, polling it meanwhile; a poll drains the step reports (the
+heartbeat), checkpoint commits and injected faults gathered since the last one. After a
+failure or a resize, a surviving worker leaves its process group and joins the next one with
+its process, imports, task and data intact: no restart and no re-import.
+Because training runs on its own thread, the actor answers polls and stop requests even in
+the middle of a long step or a stuck collective. The Ray actor is the shell in
+workers/actor.py, which builds a Worker in its process.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import os
+import signal
+import sys
+import threading
+import traceback
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from stalwart.checkpointing.memory.store import Inventory
+from stalwart.checkpointing.memory.tier import MemoryTier, StateAccess
+from stalwart.checkpointing.snapshot import ShardLayout
+from stalwart.checkpointing.storage.retention import BestRule
+from stalwart.checkpointing.storage.signing import CheckpointTrust
+from stalwart.checkpointing.storage.writer import StorageCheckpointer
+from stalwart.core.config import FaultSpec, JobConfig, config_from_dict
+from stalwart.core.events import WorkerPlace
+from stalwart.core.ray_private import actor_name_log_marker
+from stalwart.core.task import TaskLike, TrainTask, resolve_task
+from stalwart.parallel.distributed import (
+    RendezvousAddress,
+    RendezvousHost,
+    abort_process_groups,
+    destroy_process_group,
+    forget_dtensor_caches,
+    init_process_group,
+    pick_device,
+)
+from stalwart.parallel.world_sockets import cut, tcp_connections
+from stalwart.workers.driver_watch import DriverWatch, end_this_actor
+from stalwart.workers.engine import TrainEngine
+from stalwart.workers.errors import classify_exception
+from stalwart.workers.faults import FaultInjector
+from stalwart.workers.model_warm_up import warm_model
+from stalwart.workers.profiling import StepProfiler, init_profiler_here
+from stalwart.workers.reports import (
+    CommitReport,
+    LeaveReport,
+    MemoryRestoreReport,
+    ProfileReport,
+    StepReport,
+    WorkerStatus,
+)
+
+
+def announce_name(name: str) -> None:
+    """Make the worker's log lines on the driver carry `name` as their prefix from now on.
+
+    Ray's log monitor takes the prefix of a worker's lines from the last `:actor_name:` line
+    in each of its output files (Ray prints one itself, with the actor's repr, when the actor
+    is created), and never shows that line. The marker is a private Ray constant: if it moves,
+    the prefix stays the creation-time name.
+    """
+    import ray
+
+    marker = actor_name_log_marker()
+    if marker is None:
+        return
+    if not ray.is_initialized():  # constructed outside a Ray worker (tests): no log monitor
+        return
+    for stream in (sys.stdout, sys.stderr):
+        print(f"{marker}{name}", file=stream, flush=True)
+
+
+def keep_best_rule(config: JobConfig) -> BestRule | None:
+    ck = config.checkpoint
+    return BestRule(ck.keep_best, ck.best_metric, ck.best_mode) if ck.keep_best else None
+
+
+def step_metrics(report: StepReport) -> dict[str, float]:
+    """What a checkpoint's manifest records of its step: the loss, the validation loss on a
+    validation step, and the task's metrics (what checkpoint.keep_best ranks by)."""
+    val = {} if report.val_loss is None else {"val_loss": report.val_loss}
+    return {"loss": report.loss, **val, **report.metrics}
+
+
+class Worker:
+    def __init__(self, config: dict[str, Any], storage_url: str, number: int = 0, *,
+                 trust: CheckpointTrust, driver_beacon: Any = None,
+                 task: TaskLike | None = None) -> None:
+        """`driver_beacon`: the driver's DriverBeacon when this worker is detached and must
+        outlive a killed driver (workers/driver_watch.py); None when it dies with it.
+        `task`: the task class or instance handed to the Trainer, if it was not named by
+        task.path (Ray ships it by value)."""
+        self.config: JobConfig = config_from_dict(config)
+        self.storage_url = storage_url
+        self.trust = trust  # the checkpoint key, from the driver; only ever in memory
+        self.number = number  # the n-th actor of the run: names it while it has no rank
+        # Never more compute threads than the CPUs Ray reserved for this actor.
+        torch.set_num_threads(max(1, int(self.config.scaling.cpus_per_worker)))
+        self.rank = -1
+        self.generation = -1
+        self.task: TrainTask | None = None
+        self._supplied_task = task
+        self._tied: list[list[str]] = []  # tied parameter names (warm_model), for exporters
+        self.engine: TrainEngine | None = None
+        self.checkpointer: StorageCheckpointer | None = None
+        # The memory tier outlives the worlds this worker joins: after a failure it still
+        # holds this worker's snapshots and its peers' replicas for the next world.
+        self.tier = MemoryTier()
+        self._tiered = False
+        self._steps: deque[StepReport] = deque()
+        # Step reports a poll has taken, kept until the world ends: the answer that carried
+        # them may be dropped then (leave returns those after the controller's last step).
+        self._sent: deque[StepReport] = deque(maxlen=256)
+        self._commits: deque[CommitReport] = deque()
+        # Commits a poll took, until the world ends: that answer may be dropped with it.
+        self._sent_commits: deque[CommitReport] = deque(maxlen=256)
+        self._profiles: deque[ProfileReport] = deque()
+        # The faults armed in this world; it outlives the worlds (a `slow` fault lasts).
+        self.faults = FaultInjector()
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self._done = False
+        self._stopped_early = False
+        self._error: str | None = None
+        self._error_kind: str | None = None
+        self._busy: str | None = None
+        self._preempted = False
+        # The rendezvous this worker hosts for the next world, from rendezvous_address()
+        # until it joins that world as rank 0 (the world holds the store from then on).
+        self._rendezvous: RendezvousHost | None = None
+        # The TCP connections this world's setup opened (parallel/world_sockets.py).
+        self._world_connections: set[int] = set()
+        self._install_sigterm_handler()
+        self._driver_watch = (DriverWatch(driver_beacon, self._on_driver_lost).start()
+                              if driver_beacon is not None else None)
+
+    def __repr__(self) -> str:
+        """What Ray shows for this actor: in its log prefix, as the dashboard's Repr.
+
+        `stalwart-worker-r<rank>-g<generation>` in a world, `stalwart-worker-spare-<n>` when
+        warm and idle (a warm spare, or a survivor between worlds), `stalwart-worker-<n>`
+        while starting. Ray reads it once, when __init__ returns (the dashboard's Repr and
+        task names keep that one: `stalwart-worker-<n>`); announce_name() moves the log
+        prefix along.
+        """
+        if self.rank >= 0:
+            return f"stalwart-worker-r{self.rank}-g{self.generation}"
+        if self.task is not None:
+            return f"stalwart-worker-spare-{self.number}"
+        return f"stalwart-worker-{self.number}"
+
+    def _install_sigterm_handler(self) -> None:
+        """SIGTERM is a preemption notice: tell the controller, which checkpoints and resizes
+        without this worker. (Ray's default handler would exit at once and lose the steps.)"""
+        def on_sigterm(signum: int, frame: Any) -> None:
+            self._preempted = True
+
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_sigterm)
+
+    def _on_driver_lost(self) -> None:
+        """The driver died without stopping the run (on the watch's thread): stop after the
+        step in flight as on a stop request, so that step is committed (rank 0 writes the
+        manifest once every rank saved its shard), then end this actor: nobody else will."""
+        print(f"stalwart: {self!r}: the driver is gone; checkpointing the step in flight, "
+              f"then exiting", file=sys.stderr, flush=True)
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            self._stop.set()
+            thread.join(self.config.failure.stop_timeout_s)  # as a stop is bounded
+        if self.rank == 0 and self._commits:
+            print(f"stalwart: committed step {self._commits[-1].step} for the next driver "
+                  f"(--auto-resume continues from it)", file=sys.stderr, flush=True)
+        end_this_actor()
+
+    # ------------------------------------------------------------------ set-up
+
+    def warm_up(self) -> WorkerPlace:
+        """Once per actor: import the task, prepare its data and build the model once (one
+        training micro-step), so that joining a world costs only the process group and the
+        restore. Warm spares stop here and wait."""
+        if self.task is None:
+            task = resolve_task(self.config.task.path, self.config.task.args,
+                                self._supplied_task)
+            task.prepare_data(self.config)
+            self._tied = warm_model(task, self.config)
+            if self.config.run.profile_window is not None:
+                init_profiler_here()  # on the actor's thread, not the training thread
+            self.task = task
+            announce_name(repr(self))  # warm: a spare until it joins a world
+        return self.describe()
+
+    def rendezvous_address(self) -> RendezvousAddress:
+        """Called on the next rank 0 only: host the next world's store, listening on this
+        node's address at a port the OS picked, and say where it is.
+
+        The port is held from now until the world is left, so nothing else can take it.
+        Asked again (a world that failed while it formed), the last rendezvous closes first.
+        """
+        import ray
+
+        self._close_rendezvous()
+        self._rendezvous = RendezvousHost(ray.util.get_node_ip_address() or None,
+                                          timeout_s=self.config.failure.collective_timeout_s)
+        return self._rendezvous.address
+
+    def _close_rendezvous(self) -> None:
+        if self._rendezvous is not None:
+            self._rendezvous.close()
+            self._rendezvous = None
+
+    def describe(self) -> WorkerPlace:
+        """Where this worker runs, for the event log, fault injection and tests that kill it."""
+        import ray
+
+        return WorkerPlace(rank=self.rank, pid=os.getpid(),
+                           node_ip=ray.util.get_node_ip_address(),
+                           node_id=ray.get_runtime_context().get_node_id())
+
+    def setup(self, rank: int, world_size: int, rdzv: RendezvousAddress, generation: int,
+              faults: Sequence[FaultSpec], nodes: list[str]) -> None:
+        """Join generation `generation`'s process group, then build the model and optimizer.
+
+        `faults` are those this rank carries out in this world. `nodes` is each rank's node
+        id: snapshots are replicated to ranks on other nodes.
+        """
+        self.warm_up()
+        assert self.task is not None
+        self.rank, self.generation = rank, generation
+        announce_name(repr(self))
+        self._reset_run_state()
+        self.faults.arm(rank, faults)
+        device = pick_device(self.config.scaling.gpus_per_worker > 0)
+        host, self._rendezvous = self._rendezvous, None
+        if rank != 0 and host is not None:
+            host.close()  # hosted for a world that never formed; rank 0 hosts this one
+            host = None
+        before = tcp_connections()
+        init_process_group(rdzv, rank=rank, world_size=world_size, device=device,
+                           timeout_s=self.config.failure.collective_timeout_s, host=host)
+        forget_dtensor_caches()  # the last world's meshes must not come back (see there)
+        self.engine = TrainEngine(self.config, self.task, rank=rank, world_size=world_size,
+                                  device=device)
+        self.checkpointer = StorageCheckpointer(
+            self.storage_url, rank=rank, keep_last=self.config.checkpoint.keep_last,
+            async_save=self.config.checkpoint.async_save,
+            manifest_extra={"world_size": world_size, "task": self.config.task.path,
+                            **({"tied": self._tied} if self._tied else {})},
+            trust=self.trust, keep_best=keep_best_rule(self.config),
+            export_files=self.task.export_files(self.config) if rank == 0 else None)
+        ck = self.config.checkpoint
+        self._tiered = ck.snapshot_every > 0
+        if self._tiered:
+            dims = self.engine.dims
+            self.tier.join(self._engine_view(), rank=rank, generation=generation, nodes=nodes,
+                           replicas=ck.replicas, limit_gb=ck.memory_limit_gb,
+                           replica_class=[dims.replica_class(r) for r in range(world_size)])
+        self._world_connections = tcp_connections() - before
+
+    def _engine_view(self) -> StateAccess:
+        assert self.engine is not None
+        return self.engine.tier_view()
+
+    def _reset_run_state(self) -> None:
+        self._steps.clear()
+        self._sent.clear()
+        self._commits.clear()
+        self._sent_commits.clear()
+        self._profiles.clear()
+        self._stop.clear()
+        self._done = self._stopped_early = False
+        self._error = self._error_kind = self._busy = None
+        self._thread = None
+
+    def restore(self, path: str) -> int:
+        """Load a committed checkpoint (resharded to this world); returns its step."""
+        assert self.engine is not None and self.checkpointer is not None
+        state = self.engine.state_dict()
+        self.checkpointer.load(path, state)
+        self.engine.load_state_dict(state)
+        return self.engine.step
+
+    def restore_memory(self, generation: int, step: int, layouts: dict[int, ShardLayout],
+                       sources: dict[int, Any]) -> MemoryRestoreReport:
+        """Load step `step` of generation `generation` from the memory tier, resharded to
+        this world. `sources` maps each source rank to an ObjectRef of its exported shard;
+        only those this worker does not hold itself are fetched. Not collective."""
+        import ray
+
+        assert self.engine is not None
+        fetched = self.tier.restore(self._engine_view(), generation=generation, step=step,
+                                    layouts=layouts, fetch=lambda src: ray.get(sources[src]))
+        return MemoryRestoreReport(step=self.engine.step, fetched=tuple(fetched))
+
+    def memory_inventory(self) -> Inventory:
+        return self.tier.inventory()
+
+    def export_snapshot(self, generation: int, source: int, step: int
+                        ) -> tuple[Any, Any, int | None]:
+        return self.tier.export(generation, source, step)
+
+    def forget_snapshots(self, before_generation: int) -> None:
+        """Drop snapshots of generations older than this one (a newer world holds its own)."""
+        self.tier.store.drop_before(before_generation)
+
+    # ------------------------------------------------------------------ running
+
+    def start(self, *, restored: bool = False) -> None:
+        """Start the training loop. `restored`: this world restored a step (or starts afresh
+        after an earlier world), which the loop first checks and stages (_take_restored)."""
+        self._thread = threading.Thread(target=self._run, args=(restored,),
+                                        name="stalwart-train", daemon=True)
+        self._thread.start()
+
+    def _take_restored(self) -> None:
+        """Collective, on the training thread: every rank restored the same step, which is
+        staged in this world and replicated while the first step runs (not before it: that
+        would add the exchange to the recovery's critical path)."""
+        assert self.engine is not None
+        self.engine.check_restored_step()
+        if self._tiered:
+            self.tier.stage_restored(self.engine.step)
+
+    def _run(self, restored: bool) -> None:
+        engine, ckpt, cfg = self.engine, self.checkpointer, self.config
+        assert engine is not None and ckpt is not None
+        profiler = StepProfiler(cfg.run.profile_window, rank=self.rank,
+                                generation=self.generation, device=engine.device)
+        try:
+            tier = self.tier if self._tiered else None
+            ck = cfg.checkpoint
+            if restored:
+                self._take_restored()
+            older_held = restored and tier is not None
+            while engine.step < cfg.train.steps:
+                self.faults.at_step(engine.step + 1)
+                profiler.begin(engine.step + 1)
+                report, stop = engine.train_step(
+                    stop_requested=self._stop.is_set() or self._preempted,
+                    before_update=tier.wait_copy_done if tier else None,
+                    before_summary=tier.wait_replicated if tier else None,
+                    after_local_work=self.faults.after_local_work)
+                if older_held:  # past the all-reduce: the restored step is on its holders
+                    tier.drop_older()
+                    older_held = False
+                step = engine.step
+                last = step == cfg.train.steps
+                persist = step % ck.persist_every == 0 or last or stop
+                shard = None
+                if tier is not None and (step % ck.snapshot_every == 0 or persist):
+                    shard = tier.snapshot(step, hooks=self.faults)
+                if cfg.data.val_every and (step % cfg.data.val_every == 0 or last):
+                    self._busy = "validating"
+                    validation = engine.validate()
+                    if validation is not None:
+                        val_loss, val_metrics = validation
+                        report = replace(report, val_loss=val_loss,
+                                         metrics={**report.metrics, **val_metrics})
+                self._steps.append(report)
+                if persist:  # from the staged snapshot when there is one
+                    self._busy = "saving a checkpoint"  # waits for the save before it
+                    metrics = step_metrics(report)
+                    self._commits.extend(ckpt.save_snapshot(shard, metrics) if shard is not None
+                                         else ckpt.save(step, engine.state_dict(), metrics))
+                self._busy = None
+                self._commits.extend(ckpt.poll())
+                self._profiles.extend(profiler.end(step, stop=stop))
+                if stop:
+                    self._stopped_early = True
+                    break
+            self._busy = "saving a checkpoint"
+            self._commits.extend(ckpt.wait())
+            self._busy = None
+            self._done = True
+        except BaseException as exc:  # reported to the controller by poll(); the thread ends
+            self._error_kind = classify_exception(exc)
+            self._error = traceback.format_exc()
+        finally:
+            profiler.discard()  # a failure inside the window: no trace (see StepProfiler)
+
+    def ack_faults(self) -> None:
+        """The controller has the poll that reported the faults: carry them out now."""
+        self.faults.ack()
+
+    def request_stop(self) -> None:
+        """Stop after the step in flight (all ranks agree on which) and checkpoint it."""
+        self._stop.set()
+
+    def poll(self, generation: int | None = None) -> WorkerStatus:
+        """What happened since the last poll. A poll for another `generation` (left over from
+        a world that ended) drains nothing: its reports belong to this world's polls."""
+        if generation is not None and generation != self.generation:
+            return WorkerStatus(rank=self.rank, generation=self.generation, steps=[],
+                                commits=[], done=False)
+        # Read the end of the thread before draining: whatever it queued before it ended is
+        # then in this answer (a trace or a commit queued last is never left behind).
+        done, error = self._done, self._error
+        steps = [self._steps.popleft() for _ in range(len(self._steps))]
+        self._sent.extend(steps)  # until the world ends: this answer may be dropped
+        commits = [self._commits.popleft() for _ in range(len(self._commits))]
+        self._sent_commits.extend(commits)
+        faults = self.faults.drain()
+        profiles = [self._profiles.popleft() for _ in range(len(self._profiles))]
+        return WorkerStatus(rank=self.rank, generation=self.generation, steps=steps,
+                            commits=commits, done=done, stopped_early=self._stopped_early,
+                            error=error, error_kind=self._error_kind, faults=faults,
+                            profiles=profiles, preempted=self._preempted,
+                            snapshot_bytes=self.tier.nbytes(), tier_limit=self.tier.limit,
+                            busy=self._busy)
+
+    # ------------------------------------------------------------------ leaving
+
+    def leave(self, timeout_s: float, after_step: int | None = None) -> LeaveReport:
+        """Leave this generation's world and keep the process for the next one.
+
+        The training thread has ended by now or soon will: a failed peer's collectives
+        fail on every rank (the controller kills failed ranks before asking survivors to
+        leave). The report says left=False if the thread is still stuck after `timeout_s`:
+        the process is then not reusable and the controller replaces it. Steps after
+        `after_step` (the controller's last) are returned, so none goes unrecorded.
+        """
+        step = self.engine.step if self.engine is not None else 0
+        if self._thread is not None:
+            self.tier.abandon()  # a snapshot exchange with a lost peer must not hold us
+            if self._thread.is_alive():
+                # Whatever collective the thread waits in fails now: NCCL's abort does it,
+                # gloo's needs its connections cut (a silent peer closes nothing).
+                cut(self._world_connections)
+                abort_process_groups()
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                # Say where it is stuck (the worker's log), before the controller kills us.
+                print(f"stalwart worker rank {self.rank}: the training thread did not end "
+                      f"within {timeout_s:.0f}s of leaving its world; its stacks:",
+                      file=sys.stderr, flush=True)
+                faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                return LeaveReport(left=False, step=step, steps=self._steps_after(after_step))
+            step = self.engine.step if self.engine is not None else step
+        # This world's commits, polled or not (an answer that carried some may have been
+        # dropped as the world ended), and the save in flight if it completes: they are on
+        # storage, so they go on record (rank 0 reports them for everyone; the driver logs
+        # each once).
+        commits = [*self._sent_commits, *self._commits]
+        if self.checkpointer is not None:
+            try:
+                commits.extend(self.checkpointer.wait())
+            except Exception:
+                pass  # a save that failed with its world; the last commit stays valid
+            try:
+                self.checkpointer.close()
+            except Exception:
+                pass
+            self.checkpointer = None
+        self.tier.leave()  # its store stays: the next world may restore from it
+        # No gc.collect(): refcounts free the engine, and a full collection costs 0.2 s
+        # while every peer waits for the next world.
+        self.engine = None
+        destroy_process_group()
+        self._close_rendezvous()  # hosted for a world that never formed
+        late = self._steps_after(after_step)
+        self._reset_run_state()
+        self.rank = -1
+        self.faults.disarm()
+        announce_name(repr(self))
+        return LeaveReport(left=True, step=step, commits=tuple(commits), steps=late)
+
+    def _steps_after(self, after_step: int | None) -> tuple[StepReport, ...]:
+        """This world's step reports after `after_step`, sent or not, once each."""
+        if after_step is None:
+            return ()
+        by_step = {r.step: r for r in (*self._sent, *self._steps) if r.step > after_step}
+        return tuple(by_step[s] for s in sorted(by_step))
+
+    def shutdown(self) -> None:
+        """Leave the world cleanly (the controller kills the actor if this does not return)."""
+        if self._thread is not None:
+            self._thread.join()
+        if self.checkpointer is not None:
+            self.checkpointer.close()
+        self.tier.leave()
+        destroy_process_group()
+        self._close_rendezvous()
