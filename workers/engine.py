@@ -30,7 +30,6 @@ from stalwart.parallel.data_parallel import gradient_sync
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
 from stalwart.parallel.grad_norm import clip_grad_norm
 from stalwart.parallel.invariant_reduce import PairwiseAccumulator
-from stalwart.parallel.pipeline import Pipeline, build_pipeline
 from stalwart.parallel.recipe import parallelize
 from stalwart.workers.errors import RestoredStepMismatch
 from stalwart.workers.local_timer import LocalTimer
@@ -40,6 +39,7 @@ from stalwart.workers.sampler import GlobalSampler, rank_slice
 if TYPE_CHECKING:
     from stalwart.core.config import JobConfig
     from stalwart.core.task import TrainTask
+    from stalwart.parallel.pipeline import Pipeline
 
 # The optimizer's state and param groups keyed by parameter name, not by group index: the
 # stages of a pipeline hold different parameters under the same indices, and DCP would keep
@@ -71,6 +71,9 @@ class TrainEngine:
         self.pipeline: Pipeline | None = None
         if self.dims.pp > 1:
             assert self.mesh is not None, "pipeline parallelism needs a process group"
+            # Imported here: torch's pipelining costs every rank's start half a second.
+            from stalwart.parallel.pipeline import build_pipeline
+
             self.pipeline = build_pipeline(
                 model, task=task, dims=self.dims, mesh=self.mesh, config=config.parallel,
                 device=device, n_microbatches=self.accum, loss_fn=task.output_loss)

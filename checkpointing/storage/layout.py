@@ -17,10 +17,14 @@ is a step directory, so no step has two.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
+from typing import Any
 
 import fsspec
 from fsspec import AbstractFileSystem
+from fsspec.implementations.local import LocalFileSystem
 
 from stalwart.checkpointing.errors import StorageURLError
 
@@ -99,3 +103,29 @@ def sha256_of(fs: AbstractFileSystem, path: str) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
+
+
+def write_manifest_file(fs: AbstractFileSystem, root: str, manifest: dict[str, Any]) -> None:
+    _write_atomically(fs, root, json.dumps(manifest, indent=1, sort_keys=True))
+
+
+def _write_atomically(fs: AbstractFileSystem, root: str, text: str) -> None:
+    """The manifest appears whole or not at all, and is on disk before it appears."""
+    tmp, final = f"{root}/{MANIFEST}.tmp", f"{root}/{MANIFEST}"
+    if isinstance(fs, LocalFileSystem):
+        with open(tmp, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # the data files were synced by DCP before .metadata
+        os.replace(tmp, final)
+        dir_fd = os.open(root, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)  # the rename itself survives a power loss
+        finally:
+            os.close(dir_fd)
+        return
+    # Other filesystems: closing the file is the upload (object stores make it durable
+    # then); mv is a copy+delete of one small object, and readers ignore the .tmp name.
+    with fs.open(tmp, "w") as f:
+        f.write(text)
+    fs.mv(tmp, final)

@@ -9,9 +9,14 @@ workers read, so they only ever need to see the run's own storage.
 from __future__ import annotations
 
 from stalwart.checkpointing.storage.catalog import CheckpointInfo, read_step_dir, verify_files
-from stalwart.checkpointing.storage.layout import MANIFEST, filesystem, join, step_dir_name
+from stalwart.checkpointing.storage.layout import (
+    MANIFEST,
+    filesystem,
+    join,
+    step_dir_name,
+    write_manifest_file,
+)
 from stalwart.checkpointing.storage.signing import SIGNED_FIELDS_EXCLUDE, SigningKey, sign
-from stalwart.checkpointing.storage.writer import write_manifest_file
 
 
 def copy_checkpoint(info: CheckpointInfo, dest: str, *, as_step_dir: bool = True,

@@ -18,9 +18,7 @@ the memory held by staged copies to one checkpoint.
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
-import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -28,8 +26,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from fsspec import AbstractFileSystem
-from fsspec.implementations.local import LocalFileSystem
 from torch.distributed.checkpoint.api import CheckpointException
 
 from stalwart.checkpointing.errors import CheckpointError, describe_load_error
@@ -52,6 +48,7 @@ from stalwart.checkpointing.storage.layout import (
     join,
     sha256_of,
     step_dir_name,
+    write_manifest_file,
 )
 from stalwart.checkpointing.storage.retention import BestRule, apply_retention
 from stalwart.checkpointing.storage.signing import (
@@ -105,32 +102,6 @@ def write_manifest(url: str, step: int, extra: dict[str, Any], *, key: SigningKe
                      "files": files, **extra, "ranks": ranks}, key)
     write_manifest_file(fs, root, manifest)
     return read_back
-
-
-def write_manifest_file(fs: AbstractFileSystem, root: str, manifest: dict[str, Any]) -> None:
-    _write_atomically(fs, root, json.dumps(manifest, indent=1, sort_keys=True))
-
-
-def _write_atomically(fs: AbstractFileSystem, root: str, text: str) -> None:
-    """The manifest appears whole or not at all, and is on disk before it appears."""
-    tmp, final = f"{root}/{MANIFEST}.tmp", f"{root}/{MANIFEST}"
-    if isinstance(fs, LocalFileSystem):
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())  # the data files were synced by DCP before .metadata
-        os.replace(tmp, final)
-        dir_fd = os.open(root, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)  # the rename itself survives a power loss
-        finally:
-            os.close(dir_fd)
-        return
-    # Other filesystems: closing the file is the upload (object stores make it durable
-    # then); mv is a copy+delete of one small object, and readers ignore the .tmp name.
-    with fs.open(tmp, "w") as f:
-        f.write(text)
-    fs.mv(tmp, final)
 
 
 class StorageCheckpointer:

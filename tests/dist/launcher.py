@@ -68,6 +68,7 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_di
 # a second instead of importing torch and stalwart for seconds. The server has run no torch
 # op and holds no thread of torch's, so forking it is as clean as a fresh process.
 PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "stalwart.workers.engine",
+           "stalwart.parallel.pipeline",
            "stalwart.checkpointing.memory.tier", "stalwart.checkpointing.storage.writer",
            "tests.dist.launcher"]
 
