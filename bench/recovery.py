@@ -1,8 +1,7 @@
 """Recovery: how fast stalwart, Ray Train's TorchTrainer and torchrun recover from a fault.
 
-One fault on rank 1 at step 25 of 40 (kill, hang, node, freeze, outside-kill); each row is one
-run of recovery_rows.py, here the medians, targets, tables and chart. The exit code is 1 only
-if a run produced no measurement. The method and last figures: docs/benchmarks.md.
+Each row is one run of recovery_rows.py; here the medians, targets, tables and chart. The exit
+code is 1 only if a run produced no measurement.
 """
 
 from __future__ import annotations
@@ -24,6 +23,7 @@ from bench.common import fmt, ratio
 from bench.harness import OUTSIDE_KILL
 from stalwart.report.summary import median
 
+OUTSIDE_STALWART = "stalwart+spare"  # the stalwart row of the outside-kill table
 
 def parse_args() -> argparse.Namespace:
     p = common.parser(__doc__, __spec__, "recovery.json")
@@ -121,11 +121,10 @@ def _lost_steps_verdict(results: list[dict[str, Any]]) -> dict[str, Any]:
                             for r in stalwart)}
 
 
-def outside_verdicts(side: dict[str, Any], stalwart: str = "stalwart+spare"
-                     ) -> list[dict[str, Any]]:
+def outside_verdicts(side: dict[str, Any]) -> list[dict[str, Any]]:
     """The outside-kill targets on each row's medians: stalwart's kill -> next step within one
     normal step of its own + the slack, and each peer's time at least its ratio over it."""
-    st, normal = side[stalwart]["recovery_s"], side[stalwart]["normal_step_s"]
+    st, normal = side[OUTSIDE_STALWART]["recovery_s"], side[OUTSIDE_STALWART]["normal_step_s"]
     bound = normal + rows.TARGET_NEXT_STEP_SLACK_S if normal is not None else None
     out = [_target(f"{OUTSIDE_KILL}: stalwart kill -> next completed step <= one normal step "
                    f"+ {rows.TARGET_NEXT_STEP_SLACK_S:g} s (medians)", st,
@@ -241,10 +240,9 @@ def print_table(med: dict[str, Any]) -> None:
           f"completed all {rows.STEPS} steps")
 
 
-def print_outside(med: dict[str, Any], stalwart: str = "stalwart+spare") -> None:
+def print_outside(side: dict[str, Any]) -> None:
     """Kill from outside -> next completed step, side by side, each over stalwart's."""
-    side = med[OUTSIDE_KILL]
-    st = side[stalwart]["recovery_s"]
+    st = side[OUTSIDE_STALWART]["recovery_s"]
     head = (f"{'system':<30} | {'kill -> next step s':>19} | {'normal step s':>13} | "
             f"{'lost':>4} | {'from':>4} | {'x stalwart':>10} | {'ok':>5}")
     print(f"\n{OUTSIDE_KILL}: SIGKILL of rank 1's process by the harness after step "
@@ -407,7 +405,7 @@ def main() -> int:
     med = summarise(results, args.faults)
     print_table(med)
     if OUTSIDE_KILL in med:
-        print_outside(med)
+        print_outside(med[OUTSIDE_KILL])
     checks = verdicts(results, med)
     print()
     for v in checks:

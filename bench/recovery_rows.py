@@ -386,7 +386,6 @@ def run_ray_train(result: dict[str, Any], args: argparse.Namespace,
                            checkpoint_every=PERSIST_EVERY, workdir=workdir,
                            timeout_s=args.timeout, hang_wait_s=HANG_WAIT_S, config=args.config,
                            overrides=OUTSIDE_MODEL if fault == OUTSIDE_KILL else common.TINY)
-    raw.pop("step_times", None)
     # Ray Train's own detection: its controller's FailurePolicy decision; restart_s: the
     # first train-loop start of the next attempt (run_raytrain's detection_s, an upper bound).
     detection, restart = raw.get("controller_failure_s"), raw.get("detection_s")

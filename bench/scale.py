@@ -75,7 +75,6 @@ def build(ranks: int, run_dir: Path, *, steps: int, fail_at: dict[int, int] | No
     return controller, group, marks
 
 
-
 def steady(ranks: int, polls: int) -> dict[str, float]:
     """The driver's CPU per second of simulated training over `polls` polls, no failure."""
     with tempfile.TemporaryDirectory() as tmp:

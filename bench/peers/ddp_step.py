@@ -4,6 +4,7 @@ so that the peers differ only in what runs them."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,25 +36,28 @@ class DDPSetup:
     ddp: DistributedDataParallel
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    step: int = 0
+    """Optimizer steps taken (or restored)."""
+    samples_seen: int = 0
 
-    def state_dict(self, step: int, samples_seen: int) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         """What a baseline's checkpoint holds: enough to resume at `step` bit for bit."""
         return {"model": self.model.state_dict(), "optimizer": self.optimizer.state_dict(),
-                "scheduler": self.scheduler.state_dict(), "step": step,
-                "samples_seen": samples_seen}
+                "scheduler": self.scheduler.state_dict(), "step": self.step,
+                "samples_seen": self.samples_seen}
 
-    def load(self, state: dict[str, Any]) -> tuple[int, int]:
-        """Resume from a `state_dict`: (step, samples_seen)."""
+    def load(self, state: dict[str, Any]) -> None:
+        """Resume from a `state_dict`."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
-        return state["step"], state["samples_seen"]
+        self.step, self.samples_seen = state["step"], state["samples_seen"]
 
-    def rank_step(self, samples_seen: int, rank: int, world: int) -> tuple[float, int]:
-        """One step on this rank's share of the global batch that starts at samples_seen, in
-        `accum` micro-batches: (the loss summed over ranks, this rank's tokens)."""
+    def rank_step(self, rank: int, world: int) -> tuple[float, int]:
+        """The next step on this rank's share of the global batch, in `accum` micro-batches:
+        (the loss summed over ranks, this rank's tokens)."""
         ddp, task, data, accum, t = self.ddp, self.task, self.data, self.accum, self.train
-        start, count = rank_slice(samples_seen, t.global_batch_size, rank, world)
+        start, count = rank_slice(self.samples_seen, t.global_batch_size, rank, world)
         items = self.sampler.items(start, count)
         ddp.train()
         loss_sum = torch.zeros(())
@@ -62,11 +66,8 @@ class DDPSetup:
             inputs, targets = data.get_batch(items[i * t.micro_batch_size:
                                                    (i + 1) * t.micro_batch_size])
             tokens += targets.numel()
-            if i < accum - 1:
-                with ddp.no_sync():
-                    loss = task.loss(ddp, inputs, targets) / accum
-                    loss.backward()
-            else:
+            # The gradients are all-reduced once, in the last micro-batch's backward.
+            with ddp.no_sync() if i < accum - 1 else contextlib.nullcontext():
                 loss = task.loss(ddp, inputs, targets) / accum
                 loss.backward()
             loss_sum += loss.detach()
@@ -76,6 +77,8 @@ class DDPSetup:
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         dist.all_reduce(loss_sum)  # the global mean loss, for logging
+        self.step += 1
+        self.samples_seen += t.global_batch_size
         return loss_sum.item(), tokens
 
 

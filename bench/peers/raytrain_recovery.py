@@ -1,10 +1,5 @@
-"""Ray Train's side of the recovery benchmark: the reference task under TorchTrainer, one fault.
-
-`run_raytrain` trains raytrain_worker.py's loop on a local Ray of its own, faults rank 1 at
-`fault_step` (or has the harness kill it from outside) and measures how Ray Train recovers
-(docs/benchmarks.md). A reported checkpoint counts only once the controller's next poll (every
-2 s) takes it from the worker's queue, so rank 0 waits for that before it goes on.
-"""
+"""Ray Train's side of the recovery benchmark: raytrain_worker.py's loop under TorchTrainer on a
+local Ray of its own, one fault on rank 1 (or a kill from outside by the harness), measured."""
 
 from __future__ import annotations
 
@@ -28,8 +23,7 @@ from stalwart.core.events import read_jsonl
 def ray_train(workdir: Path, loop: dict[str, Any], *, name: str, max_failures: int,
               head_cpus: int, worker_nodes: int = 0, torch_config: Any = None
               ) -> Iterator[tuple[Any, threading.Thread, dict[str, Any]]]:
-    """trainer.fit() of raytrain_worker.py's loop (NUM_WORKERS CPU workers, storage in
-    workdir/storage) on a thread of its own, on a local Cluster that ends with the block:
+    """trainer.fit() of the loop on a thread, on a local Cluster that ends with the block:
     (the cluster, the thread, fit_out: "start" when fit began, "error" None or its error).
     RAY_ADDRESS in the job's env pins Ray Train's PlacementGroupCleaner to this cluster: with
     no address it picks "the latest" Ray on the machine and may remove this run's group."""
@@ -187,12 +181,13 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
     if watch.killer is not None:
         result["outside_kill"] = watch.killer.record()
     result["wall_s"] = time.time() - t_start
-    return _measure(result, workdir, fault, steps, watch, hang_wait_s, session_dir)
+    return _measure(result, watch, steps, session_dir)
 
 
-def _measure(result: dict[str, Any], workdir: Path, fault: str, steps: int, watch: _Watch,
-             hang_wait_s: float, session_dir: str | None) -> dict[str, Any]:
+def _measure(result: dict[str, Any], watch: _Watch, steps: int,
+             session_dir: str | None) -> dict[str, Any]:
     """Kill what outlived the run; its measurements from the workers' files and Ray's log."""
+    workdir, fault = watch.workdir, watch.fault
     attempts = read_jsonl(workdir / rw.ATTEMPTS_FILE)
     info = read_fault(workdir)
     pids = {a["pid"] for a in attempts} | set((info or {}).get("other_node_pids", []))
@@ -212,7 +207,7 @@ def _measure(result: dict[str, Any], workdir: Path, fault: str, steps: int, watc
             f"check ({result['worker_health_check_timeout_s']:g} s; the stopped actor cannot "
             f"answer) and the torch process-group timeout ({result['torch_pg_timeout_s']} s, "
             f"rank 0 waits that long in the all-reduce); the harness waited "
-            f"hang_wait_s={hang_wait_s:g} s.")
+            f"hang_wait_s={watch.hang_wait_s:g} s.")
     if fault == "node":
         result["notes"].append(
             "node: rank 1 SIGKILLed its raylet, the raylet's other children and itself; the "
@@ -266,11 +261,10 @@ def analyse(workdir: Path, attempts: list[dict[str, Any]], info: dict[str, Any] 
     readies = [a for a in attempts if a["event"] == "ready"]
     out: dict[str, Any] = {
         "fault_time": None, "detection_s": None, "recovery_s": None, "lost_steps": None,
-        "restored_from_step": None, "completed": False,
-        "final_step": max((r["step"] for r in rows), default=0), "steps_before_fault": None,
+        "restored_from_step": None, "steps_before_fault": None,
+        "final_step": max((r["step"] for r in rows), default=0),
         "attempt_starts": sorted({round(a["time"], 3) for a in starts}),
         "torch_pg_timeout_s": next((a["pg_timeout_s"] for a in readies), None),
-        "step_times": [[r["step"], r["time"]] for r in rows],
         "notes": ["detection_s is an upper bound of detection: fault -> the first train-loop "
                   "start of a new attempt, so it includes tearing down the old worker group "
                   "and starting the new one (actors and process group).",

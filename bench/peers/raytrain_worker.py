@@ -79,22 +79,22 @@ def _maybe_inject(cfg: dict[str, Any], rank: int, step: int, workdir: Path) -> N
     _inject(cfg["fault"], workdir)
 
 
-def _report(run: DDPSetup, cfg: dict[str, Any], rank: int, step: int, samples_seen: int,
-            loss: float, workdir: Path) -> None:
+def _report(run: DDPSetup, rank: int, loss: float, workdir: Path) -> None:
     """ray.train.report on every rank, rank 0 with the checkpoint."""
     import ray.train
     from ray.train import Checkpoint, CheckpointConsistencyMode
 
-    metrics = {"step": step, "loss": loss}
+    metrics = {"step": run.step, "loss": loss}
     if rank != 0:
         ray.train.report(metrics)
         return
     with tempfile.TemporaryDirectory(prefix="raytrain-ckpt-") as tmp:
-        torch.save(run.state_dict(step, samples_seen), Path(tmp) / STATE_FILE)
+        torch.save(run.state_dict(), Path(tmp) / STATE_FILE)
         ray.train.report(metrics, checkpoint=Checkpoint.from_directory(tmp))
-    # Until the controller registers it, a checkpoint dies with its worker (see run_raytrain).
+    # A reported checkpoint counts only once the controller's next poll (every 2 s) takes it
+    # from this worker's queue; until then it dies with the worker.
     ray.train.get_all_reported_checkpoints(consistency_mode=CheckpointConsistencyMode.COMMITTED)
-    append_jsonl(workdir / CHECKPOINTS_FILE, {"step": step, "time": time.time(),
+    append_jsonl(workdir / CHECKPOINTS_FILE, {"step": run.step, "time": time.time(),
                                               "pid": os.getpid()})
 
 
@@ -116,22 +116,19 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     config = load_config(cfg["config"], cfg["overrides"])
     t = config.train
     run = build_ddp(config, world)
-    step, samples_seen = 0, 0
     checkpoint = ray.train.get_checkpoint()
     if checkpoint is not None:
         with checkpoint.as_directory() as d:
-            step, samples_seen = run.load(torch.load(Path(d) / STATE_FILE, weights_only=False))
+            run.load(torch.load(Path(d) / STATE_FILE, weights_only=False))
     append_jsonl(workdir / ATTEMPTS_FILE, {
         "event": "ready", "time": time.time(), "rank": rank, "pid": os.getpid(),
-        "node_id": node_id, "restored_from": step if checkpoint is not None else None,
+        "node_id": node_id, "restored_from": run.step if checkpoint is not None else None,
         "pg_timeout_s": _pg_timeout_s()})
-    while step < t.steps and not (workdir / STOP_FILE).exists():
-        _maybe_inject(cfg, rank, step, workdir)
-        loss_sum, _ = run.rank_step(samples_seen, rank, world)
-        step += 1
-        samples_seen += t.global_batch_size
+    while run.step < t.steps and not (workdir / STOP_FILE).exists():
+        _maybe_inject(cfg, rank, run.step, workdir)
+        loss_sum, _ = run.rank_step(rank, world)
         if rank == 0:
-            append_jsonl(workdir / STEPS_FILE, {"step": step, "time": time.time(),
+            append_jsonl(workdir / STEPS_FILE, {"step": run.step, "time": time.time(),
                                                 "loss": loss_sum / world, "pid": os.getpid()})
-        if step % cfg["checkpoint_every"] == 0 or step == t.steps:
-            _report(run, cfg, rank, step, samples_seen, loss_sum / world, workdir)
+        if run.step % cfg["checkpoint_every"] == 0 or run.step == t.steps:
+            _report(run, rank, loss_sum / world, workdir)

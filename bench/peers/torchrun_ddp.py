@@ -34,35 +34,27 @@ def main() -> None:
     t = run.train
     if not 0 <= args.exclude < t.steps:
         raise SystemExit(f"--exclude={args.exclude} must be in [0, train.steps={t.steps})")
-    samples_seen, tokens_per_step = 0, 0
+    tokens_per_step = 0
     losses: list[float] = []
     dist.barrier()
     ends = [time.time()]  # wall time at the end of each step (index 0: before step 1)
     for _step in range(1, t.steps + 1):
-        loss_sum, tokens = run.rank_step(samples_seen, rank, world)
+        loss_sum, tokens = run.rank_step(rank, world)
         losses.append(loss_sum / world)
-        samples_seen += t.global_batch_size
         tokens_per_step = tokens * world
         ends.append(time.time())
     window_s = ends[-1] - ends[args.exclude]
     measured = t.steps - args.exclude
     if rank == 0:
+        gaps = [b - a for a, b in zip(ends[args.exclude:-1], ends[args.exclude + 1:], strict=True)]
         row = {
-            "runner": "torchrun-ddp",
-            "world_size": world,
-            "steps": t.steps,
-            "excluded_steps": args.exclude,
-            "tokens_per_step": tokens_per_step,
-            "window_s": window_s,
-            "tokens_per_s": measured * tokens_per_step / window_s,
-            "step_time_s_median": sorted(b - a for a, b in zip(ends[args.exclude:-1],
-                                                               ends[args.exclude + 1:],
-                                                               strict=True))[measured // 2],
+            "runner": "torchrun-ddp", "world_size": world, "steps": t.steps,
+            "excluded_steps": args.exclude, "tokens_per_step": tokens_per_step,
+            "window_s": window_s, "tokens_per_s": measured * tokens_per_step / window_s,
+            "step_time_s_median": sorted(gaps)[measured // 2],
             "loss_by_step": {str(i + 1): v for i, v in enumerate(losses)},
-            "grad_accum": run.accum,
-            "threads": torch.get_num_threads(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
-        }
+            "grad_accum": run.accum, "threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         append_jsonl(Path(args.out), row)
         print(f"torchrun DDP: {row['tokens_per_s']:,.0f} tokens/s over steps "

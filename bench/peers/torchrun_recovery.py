@@ -40,7 +40,6 @@ def torchrun_command(workdir: Path, *, nproc: int, steps: int, checkpoint_every:
         max_restarts=MAX_RESTARTS)
 
 
-
 def parse_args() -> argparse.Namespace:
     p = parser(__doc__, __spec__)
     p.add_argument("--workdir", required=True, help="step log, attempts and checkpoints")
@@ -61,19 +60,16 @@ def main() -> None:
     t = run.train
     # Resume from the newest complete checkpoint (a temporary one's name starts with a dot):
     # torchrun stopped the whole old group first, so every rank sees the same files.
-    step, samples_seen = 0, 0
     folder = workdir / CHECKPOINT_DIR
     newest = max(folder.glob("step-*.pt"), default=None)
     if newest is not None:
-        step, samples_seen = run.load(torch.load(newest, weights_only=True))
+        run.load(torch.load(newest, weights_only=True))
     append_jsonl(workdir / ATTEMPTS_FILE, {
         "event": "ready", "time": time.time(), "rank": rank, "attempt": attempt,
-        "pid": os.getpid(), "restored_from": step if newest is not None else None})
-
-    while step < t.steps:
-        loss_sum, _ = run.rank_step(samples_seen, rank, world)
-        step += 1
-        samples_seen += t.global_batch_size
+        "pid": os.getpid(), "restored_from": run.step if newest is not None else None})
+    while run.step < t.steps:
+        loss_sum, _ = run.rank_step(rank, world)
+        step = run.step
         if rank == 0:
             append_jsonl(workdir / STEPS_FILE, {"step": step, "time": time.time(),
                                                 "loss": loss_sum / world, "attempt": attempt,
@@ -81,7 +77,7 @@ def main() -> None:
             if step % args.checkpoint_every == 0 or step == t.steps:
                 folder.mkdir(parents=True, exist_ok=True)
                 write_atomic(folder / f"step-{step:06d}.pt",
-                             partial(torch.save, run.state_dict(step, samples_seen)), "wb")
+                             partial(torch.save, run.state_dict()), "wb")
     dist.destroy_process_group()
 
 
