@@ -1,7 +1,6 @@
 """Chaos soak: the reference task with random faults fired from outside, checked after each run.
 
-Each run gets a random layout and 2 to 4 faults (chaos_faults.py, from one --seed), then
-chaos_checks.py's checks; exit code 0 when every run passed. The method: docs/benchmarks.md.
+Exit code 0 when every run passed chaos_checks.py's checks.
 """
 
 from __future__ import annotations

@@ -22,11 +22,9 @@ from stalwart.core.events import read_events, read_jsonl
 WORKER_SIGNALS = {"kill": signal.SIGKILL, "stop": signal.SIGSTOP, "term": signal.SIGTERM}
 KINDS = (*WORKER_SIGNALS, "driver")
 MIN_FAULTS, MAX_FAULTS = 2, 4
-MIN_GAP = 0.04
-"""Smallest distance between two faults of a run, as a fraction of the training window."""
+MIN_GAP = 0.04  # between two faults of a run, as a fraction of the training window
 POLL_S = 0.1
-DRIVER_DEFER_S = 90.0
-"""How long a driver kill waits for a checkpoint and for earlier faults' records."""
+DRIVER_DEFER_S = 90.0  # how long a driver kill waits for a checkpoint and earlier faults' records
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -1,8 +1,7 @@
 """Commit: rank 0's time from the last shard written to the manifest committed, with each
 file's sha256 read back on rank 0 (the old path) against taken from its writer (the new one).
 
-Target: the commit stays flat as the world grows. Exit code 1 only if a rank failed. The
-method: docs/benchmarks.md.
+Exit code 1 only if a rank failed.
 """
 
 from __future__ import annotations

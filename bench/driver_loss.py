@@ -1,8 +1,4 @@
-"""Steps lost when the driver is SIGKILLed on a cluster, over several kills of one run.
-
-On a `ray start` cluster the driver is SIGKILLed --kills times and resumed with `--auto-resume`;
-target: no step logged before a kill is trained again. The method: docs/benchmarks.md.
-"""
+"""Steps lost when the driver is SIGKILLed on a cluster, over several kills of one run."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Goodput under a kill every minute: stalwart against Ray Train, side by side.
-
-Rank 1 is SIGKILLed every --kill-every s for --duration s; goodput is the time of the final
-trajectory's steps over the wall time. Target: stalwart >= 0.95. The method: docs/benchmarks.md.
-"""
+"""Goodput under a kill every minute: stalwart against Ray Train, side by side."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Hang detection's false positives: the reference run, no fault, for a long time.
-
-Tight hang limits (a 2 s floor, 5 x the median step) for --minutes, then SIGTERM; every
-`failure` event is a false positive (target: none). --nodes N spreads it over a local cluster.
-"""
+"""Hang detection's false positives: the reference run, no fault, for a long time."""
 
 from __future__ import annotations
 
@@ -18,17 +14,27 @@ from bench.harness import Launch, local_cluster
 from stalwart.core.events import read_jsonl
 
 
-def soak(minutes: float, overrides: list[str], run_dir: Path, address: str | None = None
-         ) -> dict:
+def soak(minutes: float, overrides: list[str], run_dir: Path, nodes: int) -> dict:
+    """The run, on this machine's Ray; with `nodes`, spread over a local cluster of that many
+    one-CPU nodes and a 0-CPU head."""
     sets = ["train.steps=1000000", "failure.max_failures=-1", "run.log_every=1",
             "failure.hang_timeout_floor_s=2", "failure.hang_factor=5", *overrides]
+    if nodes:
+        sets[:0] = [f"scaling.num_workers={nodes}", "scaling.spare_workers=0",
+                    "scaling.placement_strategy=SPREAD"]
     cmd = common.stalwart_command(str(common.DEFAULT_CONFIG), sets, run_dir)
     log = run_dir.parent / "soak.log"
-    run = Launch([*cmd, "--address", address] if address else cmd, log, cwd=run_dir.parent)
+    cluster = local_cluster(nodes, num_cpus=0) if nodes else None
     try:
-        code = run.proc.wait(timeout=minutes * 60)
-    except subprocess.TimeoutExpired:  # time is up: a stop, as a preemption notice asks
-        code = run.stop(signal.SIGTERM, timeout=300)
+        run = Launch([*cmd, "--address", cluster.address] if cluster else cmd, log,
+                     cwd=run_dir.parent)
+        try:
+            code = run.proc.wait(timeout=minutes * 60)
+        except subprocess.TimeoutExpired:  # time is up: a stop, as a preemption notice asks
+            code = run.stop(signal.SIGTERM, timeout=300)
+    finally:
+        if cluster:
+            cluster.shutdown()
     events = read_jsonl(run_dir / "events.jsonl")
     rows = read_jsonl(run_dir / "metrics.jsonl")
     times = [r["window_s"] / r["steps_in_window"] for r in rows if r.get("steps_in_window")]
@@ -41,19 +47,8 @@ def soak(minutes: float, overrides: list[str], run_dir: Path, address: str | Non
         "limit_s": max(2.0, 5 * median) if median else None,
         "false_positives": len(failures), "failures": failures,
         "ended": events[-1]["kind"] if events else None, "log": str(log),
+        **({"nodes": nodes} if nodes else {}),
     }
-
-
-def on_nodes(nodes: int, minutes: float, overrides: list[str], run_dir: Path) -> dict:
-    """The soak over a local cluster of `nodes` one-CPU nodes and a 0-CPU head, spread."""
-    cluster = local_cluster(nodes, num_cpus=0)
-    try:
-        spread = [f"scaling.num_workers={nodes}", "scaling.spare_workers=0",
-                  "scaling.placement_strategy=SPREAD"]
-        return {**soak(minutes, [*spread, *overrides], run_dir, cluster.address),
-                "nodes": nodes}
-    finally:
-        cluster.shutdown()
 
 
 def main() -> None:
@@ -65,8 +60,7 @@ def main() -> None:
     args = p.parse_args()
     run_dir = Path(tempfile.mkdtemp(prefix="stalwart-soak-")) / "soak"
     t0 = time.time()
-    result = (on_nodes(args.nodes, args.minutes, args.overrides, run_dir) if args.nodes
-              else soak(args.minutes, args.overrides, run_dir))
+    result = soak(args.minutes, args.overrides, run_dir, args.nodes)
     result["wall_s"] = round(time.time() - t0, 1)
     print(f"{result['steps']} steps in {result['wall_s']:.0f} s; median step "
           f"{result['median_step_s']:.3f} s, slowest {result['max_step_s']:.3f} s; hang limit "

@@ -24,8 +24,7 @@ POLL_S = 0.05  # how often a step log is read: the kill lands within a step or t
 
 class StepRow(NamedTuple):
     step: int
-    time: float
-    """The step's end (time.time(): one machine's clock, comparable across processes)."""
+    time: float  # the step's end: time.time(), one machine's clock, same in every process
     world: Hashable
 
 

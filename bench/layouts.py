@@ -1,7 +1,6 @@
 """Layouts: tokens/s of each parallel layout of the reference task on 4 CPU workers.
 
-One `stalwart run` per layout, one model and batch for every row; the exit code is 1 only if
-no layout was measured. The method: docs/benchmarks.md.
+The exit code is 1 only if no layout was measured.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Memory: measured per-rank bytes of model state under FSDP2 ZeRO-3 against the ZeRO formula.
 
-N gloo processes take one AdamW step of the sharded example GPT and count their local shards.
-Target: within 10% of 16 x params / N. Exit code 1 only if a rank failed. docs/benchmarks.md.
+Exit code 1 only if a rank failed.
 """
 
 from __future__ import annotations

@@ -1,8 +1,4 @@
-"""Overhead: what the in-memory checkpoint tier costs the reference task's tokens/s.
-
-The tier off, staging only, and staged and replicated, in the DDP and FSDP2 layouts. Target:
-snapshots+replication >= 0.95 x no-snapshots in each layout. The method: docs/benchmarks.md.
-"""
+"""Overhead: what the in-memory checkpoint tier costs the reference task's tokens/s."""
 
 from __future__ import annotations
 

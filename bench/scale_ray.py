@@ -1,8 +1,4 @@
-"""bench/scale.py's real-Ray part: the driver's time per polling interval, three ways.
-
-Light actors, 8 to a "node", polled per rank, through a node aggregator and through the
-production NodeAgent. The method: docs/benchmarks.md.
-"""
+"""bench/scale.py's real-Ray part: the driver's time per polling interval, three ways."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Signing: what signed checkpoints cost a commit, and what verifying them costs a load.
 
-Target: signing < 1% of a commit; exit code 1 only if the run failed or committed nothing.
-The method: docs/benchmarks.md.
+Exit code 1 only if the run failed or committed nothing.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """Throughput: the reference task on 2 workers through stalwart against plain torchrun DDP.
 
-Target: median(stalwart-ddp) >= 0.98 x median(torchrun-ddp); the exit code is 1 only if no
-comparison could be made. The method and the last figures: docs/benchmarks.md.
+The exit code is 1 only if no comparison could be made.
 """
 
 from __future__ import annotations

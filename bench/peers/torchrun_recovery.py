@@ -1,8 +1,7 @@
 """torchrun's side of the recovery benchmark: the reference task under `torchrun --max-restarts`,
 checkpointing (an atomic torch.save every --checkpoint-every steps) and resuming by hand.
-
 Rank 0 logs each step to WORKDIR/steps.jsonl; every rank logs its start (timed before torch is
-imported) and its restore to WORKDIR/attempts.jsonl. docs/benchmarks.md has the command line.
+imported) and its restore to WORKDIR/attempts.jsonl.
 """
 
 # The start time is taken before the imports, which take seconds.
