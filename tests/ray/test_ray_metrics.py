@@ -34,7 +34,8 @@ def cluster():
 
     c = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 3, "include_dashboard": False,
-        "_system_config": {"metrics_report_interval_ms": 1000, "worker_niceness": 0}})
+        "_system_config": {"metrics_report_interval_ms": 1000, "worker_niceness": 0,
+                           "prestart_worker_first_driver": False}})
     ray.init(address=c.address, logging_level="WARNING")
     try:
         yield c
