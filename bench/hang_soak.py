@@ -62,9 +62,13 @@ def main() -> None:
     t0 = time.time()
     result = soak(args.minutes, args.overrides, run_dir, args.nodes)
     result["wall_s"] = round(time.time() - t0, 1)
-    print(f"{result['steps']} steps in {result['wall_s']:.0f} s; median step "
-          f"{result['median_step_s']:.3f} s, slowest {result['max_step_s']:.3f} s; hang limit "
-          f"{result['limit_s']:.2f} s; ended: {result['ended']} (exit {result['exit_code']})")
+    if result["median_step_s"] is None:  # stopped before its first step: no step times
+        steps = "no step timed"
+    else:
+        steps = (f"median step {result['median_step_s']:.3f} s, slowest "
+                 f"{result['max_step_s']:.3f} s; hang limit {result['limit_s']:.2f} s")
+    print(f"{result['steps']} steps in {result['wall_s']:.0f} s; {steps}; ended: "
+          f"{result['ended']} (exit {result['exit_code']})")
     for f in result["failures"]:
         print(f"  false positive at step {f['step']}: {f['failure_kind']} {f['message']}")
     met = result["false_positives"] == 0 and result["ended"] == "stopped"
