@@ -288,7 +288,7 @@ class Trainer:
         workers finish committing first (True: the newest checkpoint may be new)."""
         from stalwart.orchestrator.driver_loss import settle_previous_driver
 
-        # The workers' own bound on their stop (workers/actor.py), and a little to exit.
+        # The workers' own bound on their stop (workers/worker.py), and a little to exit.
         return settle_previous_driver(run_id, wait_s=self.config.failure.stop_timeout_s + 10,
                                       log=lambda m: _say(f"stalwart: {m}"))
 

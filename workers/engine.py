@@ -1,6 +1,6 @@
 """TrainEngine: one rank's model, optimizer, data position and step, with no Ray in sight.
 
-The Ray actor (workers/actor.py) drives it from a thread; the dist tests drive it directly
+The worker (workers/worker.py) drives it from a thread; the dist tests drive it directly
 in plain processes. A step reads the rank's slice of the global batch (workers/sampler.py),
 accumulates micro-batches (or hands them to the pipeline schedule), syncs gradients once,
 steps the optimizer and all-reduces a tiny tensor holding the loss and a stop flag, so every
