@@ -1,7 +1,6 @@
 """Chaos soak: the reference task with random faults fired from outside, checked after each run.
 
-Exit code 0 when every run passed chaos_checks.py's checks.
-"""
+Exit code 0 when every run passed chaos_checks.py's checks."""
 
 from __future__ import annotations
 
@@ -38,8 +37,7 @@ LAYOUTS = {
 
 
 def reference(layout: str, steps: int, cache: Path, timeout: float) -> dict[str, Any]:
-    """The layout's failure-free run, once per (layout, overrides): its exported final
-    weights and its training window (seconds from launch to the first step; of training)."""
+    """The layout's failure-free run (cached): its final weights, start-up and training s."""
     ov = [*common.TINY, f"train.steps={steps}", *SOAK, *LAYOUTS[layout]]
     where = cache / f"{layout}-{hashlib.sha256(json.dumps(ov).encode()).hexdigest()[:10]}"
     meta_file = where / "reference.json"
@@ -50,8 +48,8 @@ def reference(layout: str, steps: int, cache: Path, timeout: float) -> dict[str,
     shutil.rmtree(run_dir, ignore_errors=True)
     print(f"reference run of {layout} (failure-free, cached in {where})", flush=True)
     t_launch = time.time()
-    cmd = common.stalwart_command(str(common.DEFAULT_CONFIG), ov, run_dir)
-    code, wall = run_watched(cmd, where / "run.log", timeout)
+    code, wall = run_watched(common.stalwart_command(str(common.DEFAULT_CONFIG), ov, run_dir),
+                             where / "run.log", timeout)
     if code != 0:
         raise SystemExit(f"the reference run of {layout} failed (exit {code}); see "
                          f"{where / 'run.log'}:\n{common.tail(where / 'run.log')}")
@@ -81,15 +79,12 @@ def soak_run(plan: cf.RunPlan, ref: dict[str, Any], steps: int, work: Path,
     out.update(checks.check_faults(run_dir, out["faults"]))
     out.update(checks.check_checkpoints(run_dir, work))
     out["bit_identical"], out["weights"] = False, "not exported"
-    if out["finished"]:
-        final = work / f"run{plan.index}.pt"
-        err = checks.export(run_dir, final)
-        if err is None:
-            out["bit_identical"], out["weights"] = checks.weights_equal(Path(ref["weights"]),
-                                                                        final)
-            final.unlink()
-        else:
-            out["weights"] = f"export failed: {err}"
+    final = work / f"run{plan.index}.pt"
+    if out["finished"] and (err := checks.export(run_dir, final)):
+        out["weights"] = f"export failed: {err}"
+    elif out["finished"]:
+        out["bit_identical"], out["weights"] = checks.weights_equal(Path(ref["weights"]), final)
+        final.unlink()
     out["ok"] = (out["finished"] and out["bit_identical"] and out["checkpoints_ok"]
                  and out["detected"] == out["fired"] and not out["timed_out"])
     out["events"] = [e.kind for e in read_events(run_dir / "events.jsonl")

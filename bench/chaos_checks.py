@@ -1,6 +1,5 @@
-"""The chaos soak's checks of one run, read from its run directory after it ended: it
-finished, its final weights equal the failure-free reference's bit for bit, every committed
-checkpoint verifies and exports, every fault fired was recorded, and the steps lost."""
+"""The chaos soak's checks of a run, from its run directory: it finished, its final weights equal
+the reference's bit for bit, its checkpoints verify and export, every fault fired was recorded."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from stalwart.core.events import read_events, read_jsonl
 
 
 def last_logged_step(run_dir: Path) -> int:
-    """The newest step the driver has seen completed: in metrics.jsonl or committed to storage
-    (a commit can be recorded before the metrics rows of the steps before it)."""
+    """The newest step in metrics.jsonl or committed (a commit may come before those rows)."""
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")]
     steps += [e["step"] for e in read_jsonl(run_dir / "events.jsonl")
               if e["kind"] == "checkpoint_committed"]
@@ -24,10 +22,9 @@ def last_logged_step(run_dir: Path) -> int:
 
 def worker_fault_record(row: dict[str, Any], events: list[ev.Event]
                         ) -> ev.Failure | ev.Resized | None:
-    """The event that records a worker fault: the first `failure` after it that names the
-    rank its process had in the world of that moment (a survivor may have been renumbered by
-    a recovery under way); for a SIGTERM (a preemption notice) also the first `resized` with
-    reason `preempted` of a world that held the process."""
+    """The first `failure` after a worker fault naming its process, or its rank in the world
+    of that moment (a recovery may renumber survivors); for a SIGTERM also a `preempted`
+    `resized` of a world that held the process."""
     world: ev.WorkersStarted | None = None
     for e in events:
         if isinstance(e, ev.WorkersStarted):
@@ -49,11 +46,7 @@ def worker_fault_record(row: dict[str, Any], events: list[ev.Event]
 def check_faults(run_dir: Path, fired: list[dict[str, Any]]) -> dict[str, Any]:
     events = read_events(run_dir / "events.jsonl")
     rows = read_jsonl(run_dir / "metrics.jsonl")
-    detected = driver_lost = 0
-    driver_recovery: list[float] = []
-    for row in fired:
-        if not row.get("fired"):
-            continue
+    for row in (r for r in fired if r.get("fired")):
         if row["kind"] == "driver":
             resumed = next((e for e in events[row["events_before_resume"]:]  # resumed's
                             if isinstance(e, ev.Resumed)), None)
@@ -61,12 +54,9 @@ def check_faults(run_dir: Path, fired: list[dict[str, Any]]) -> dict[str, Any]:
             if resumed is not None:
                 row["resumed_from"] = resumed.from_step
                 row["lost_steps"] = max(0, row["step"] - resumed.from_step)
-                driver_lost += row["lost_steps"]
                 # Recovery: from the kill to the first step the resumed run logged.
-                after = [r["time"] for r in rows if r["time"] > resumed.time]
-                if after:
+                if after := [r["time"] for r in rows if r["time"] > resumed.time]:
                     row["recovery_s"] = round(after[0] - row["time"], 2)
-                    driver_recovery.append(row["recovery_s"])
         else:
             failure = worker_fault_record(row, events)
             row["recorded"] = failure is not None
@@ -75,15 +65,17 @@ def check_faults(run_dir: Path, fired: list[dict[str, Any]]) -> dict[str, Any]:
                                       if isinstance(failure, ev.Failure)
                                       else f"resized {failure.reason}")
                 row["detection_s"] = round(failure.time - row["time"], 2)
-        detected += row["recorded"]
+    drivers = [r for r in fired if r["kind"] == "driver"]
+    driver_recovery = [r["recovery_s"] for r in drivers if "recovery_s" in r]
     recovered = [e for e in events if isinstance(e, ev.Recovered)]
     return {
         "fired": sum(1 for r in fired if r.get("fired")),
         "not_fired": sum(1 for r in fired if r.get("fired") is False),
-        "detected": detected,
+        "detected": sum(bool(r.get("recorded")) for r in fired),
         "failures": sum(isinstance(e, ev.Failure) for e in events),
         "recoveries": len(recovered),
-        "lost_steps": sum(e.lost_steps for e in recovered) + driver_lost,
+        "lost_steps": sum(e.lost_steps for e in recovered)
+        + sum(r.get("lost_steps", 0) for r in drivers),
         "recovery_s": round(sum(e.recovery_s for e in recovered) + sum(driver_recovery), 2),
         "recovery_s_each": [round(e.recovery_s, 2) for e in recovered] + driver_recovery,
         "restored_from": [e.source for e in recovered],
@@ -101,24 +93,22 @@ def check_finished(run_dir: Path, steps: int, exit_codes: list[int]) -> dict[str
 def export(run_dir: Path, out: Path, step: int | None = None) -> str | None:
     """`stalwart export`; None when it worked, else the tail of its output."""
     cmd = [str(common.STALWART), "export", str(run_dir), "--out", str(out)]
-    if step is not None:
-        cmd += ["--step", str(step)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=common.ROOT,
+    proc = subprocess.run(cmd + (["--step", str(step)] if step is not None else []),
+                          capture_output=True, text=True, cwd=common.ROOT,
                           env=common.child_env(), timeout=300)
     lines = (proc.stdout + proc.stderr).strip().splitlines()
     return None if proc.returncode == 0 else lines[-1] if lines else f"exit {proc.returncode}"
 
 
 def weights_equal(a: Path, b: Path) -> tuple[bool, str]:
-    """(bit for bit equal, what differs) of two exported .pt files: every tensor's dtype, shape
-    and bytes (torch.equal would take -0.0 for 0.0, and a NaN for unequal to itself)."""
+    """(bit for bit equal, what differs) of two exported .pt files: dtypes, shapes and bytes
+    (torch.equal would take -0.0 for 0.0, and a NaN for unequal to itself)."""
     import torch
 
     x, y = torch.load(a), torch.load(b)
     if x.keys() != y.keys():
         return False, f"keys differ: {sorted(set(x) ^ set(y))[:4]}"
-    differ = [k for k in x if not _same_bits(x[k], y[k])]
-    if differ:
+    if differ := [k for k in x if not _same_bits(x[k], y[k])]:
         worst = max(differ, key=lambda k: _max_diff(x[k], y[k]))
         return False, (f"{len(differ)}/{len(x)} tensors differ, most in {worst}: "
                        f"{_max_diff(x[worst], y[worst]):.3g}")
@@ -147,8 +137,7 @@ def check_checkpoints(run_dir: Path, scratch: Path) -> dict[str, Any]:
     from stalwart.checkpointing.storage.signing import CheckpointTrust, load_key
 
     url = str((run_dir / "checkpoints").resolve())
-    dirs = list_step_dirs(url)
-    problems = []
+    dirs, problems = list_step_dirs(url), []
     committed = [s for s, done in dirs if done]
     trust = CheckpointTrust(key=load_key(None))  # the key the soak's runs signed with
     for step in committed:

@@ -1,9 +1,7 @@
 """The chaos soak's faults: which ones a run gets (from one seed), and firing them from outside.
 
-One random.Random(seed) draws every run's plan, so run k gets the same faults in any chunk;
-moments are fractions of the layout's failure-free training window. A worker fault signals a
-worker's process; a driver fault SIGKILLs the driver's session, then `--resume`.
-"""
+One random.Random(seed) draws every run's plan, so run k gets the same faults in any chunk. A
+worker fault signals a worker's process; a driver fault SIGKILLs the driver, then `--resume`."""
 
 from __future__ import annotations
 
@@ -47,17 +45,15 @@ def plan_soak(seed: int, runs: int, layouts: list[str]) -> list[RunPlan]:
     plans = []
     for index in range(runs):
         layout = rng.choice(layouts)
-        n = rng.randint(MIN_FAULTS, MAX_FAULTS)
-        kinds = [rng.choice(KINDS) for _ in range(n)]
-        plans.append(RunPlan(index=index, layout=layout,
-                             faults=tuple(PlannedFault(kind=k, at=a, pick=rng.random())
-                                          for k, a in zip(kinds, _moments(rng, n), strict=True))))
+        kinds = [rng.choice(KINDS) for _ in range(rng.randint(MIN_FAULTS, MAX_FAULTS))]
+        plans.append(RunPlan(index=index, layout=layout, faults=tuple(
+            PlannedFault(kind=k, at=a, pick=rng.random())
+            for k, a in zip(kinds, _moments(rng, len(kinds)), strict=True))))
     return plans
 
 
 def _moments(rng: random.Random, n: int) -> list[float]:
-    """n sorted moments in [0, 0.9], at least MIN_GAP apart (the last tenth of the window is
-    left out: a fault there would mostly land after the end)."""
+    """n sorted moments in [0, 0.9] (later ones would mostly land after the end), MIN_GAP apart."""
     while True:
         at = sorted(round(rng.uniform(0.0, 0.9), 4) for _ in range(n))
         if all(b - a >= MIN_GAP for a, b in zip(at, at[1:], strict=False)):
@@ -65,8 +61,7 @@ def _moments(rng: random.Random, n: int) -> list[float]:
 
 
 def live_workers(events: list[ev.Event], exclude: set[int]) -> list[ev.WorkerPlace]:
-    """The newest world's workers whose process is alive, in rank order, without `exclude`
-    (processes already hit: a second SIGSTOP of a stopped process is no fault)."""
+    """The newest world's live workers but `exclude` (already hit: a second SIGSTOP is no fault)."""
     started = [e for e in events if isinstance(e, ev.WorkersStarted)]
     return [w for w in started[-1].workers
             if w.pid not in exclude and pid_alive(w.pid)] if started else []
@@ -82,8 +77,7 @@ class Invocation(Launch):
 
 def run_with_faults(plan: RunPlan, cmd: list[str], run_dir: Path, log: Path, *,
                     train_s: float, timeout: float) -> dict[str, Any]:
-    """Run cmd with plan's faults; train_s: the seconds of training of the layout's
-    failure-free reference. Returns the faults as fired and the driver's exit codes."""
+    """Run cmd with plan's faults (train_s: the failure-free reference's seconds of training)."""
     run = Invocation(cmd, log, run_dir)
     start, deadline = run.time, run.time + timeout
     # The plan's moments are on the training clock, from the run's first step: start-up
@@ -92,7 +86,6 @@ def run_with_faults(plan: RunPlan, cmd: list[str], run_dir: Path, log: Path, *,
     fired: list[dict[str, Any]] = []
     hit: set[int] = set()
     codes: list[int] = []
-    timed_out = False
     for fault in plan.faults:
         row: dict[str, Any] = {"kind": fault.kind, "planned_s": round(fault.at * train_s, 2)}
         fired.append(row)
@@ -104,12 +97,11 @@ def run_with_faults(plan: RunPlan, cmd: list[str], run_dir: Path, log: Path, *,
         else:
             _worker_fault(row, fault, run, run_dir, hit)
         if time.time() > deadline:
-            timed_out = True
             break
     while run.running() and time.time() < deadline:
         time.sleep(POLL_S)
+    timed_out = run.running() or time.time() > deadline
     if run.running():
-        timed_out = True
         fired.append({"kind": "timeout", "left": kill_tree(run.proc.pid)})
     codes.append(run.proc.wait())
     for pid in hit:  # never leave a process we stopped behind (its run is over)
@@ -123,8 +115,7 @@ def _worker_fault(row: dict[str, Any], fault: PlannedFault, run: Invocation, run
                   hit: set[int]) -> None:
     while run.running():
         events = read_events(run_dir / "events.jsonl")[run.skip:]
-        live = live_workers(events, hit)
-        if live:
+        if live := live_workers(events, hit):
             target = live[int(fault.pick * len(live))]
             row["time"] = time.time()
             if signal_pid(target.pid, WORKER_SIGNALS[fault.kind]):
@@ -140,8 +131,7 @@ def _worker_fault(row: dict[str, Any], fault: PlannedFault, run: Invocation, run
 def _driver_fault(row: dict[str, Any], run: Invocation, cmd: list[str], run_dir: Path,
                   log: Path, fired: list[dict[str, Any]], codes: list[int]
                   ) -> tuple[Invocation, float]:
-    """Kill the driver's session, then `--resume`; returns the new invocation and how far the
-    plan's clock moves (the time from the kill to the resumed world's start)."""
+    """Kill the driver, then `--resume`: (the new invocation, the kill -> resumed start s)."""
     give_up = time.time() + DRIVER_DEFER_S
     while run.running() and time.time() < give_up:
         events = read_events(run_dir / "events.jsonl")

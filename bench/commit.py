@@ -1,8 +1,7 @@
 """Commit: rank 0's time from the last shard written to the manifest committed, with each
 file's sha256 read back on rank 0 (the old path) against taken from its writer (the new one).
 
-Exit code 1 only if a rank failed.
-"""
+Exit code 1 only if a rank failed."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ def parse_args() -> argparse.Namespace:
 
 def measure_rank(rank: int, world: int, root: str, shapes: dict[str, int], rounds: int
                  ) -> dict[str, list[dict[str, Any]]]:
-    """For each shape (name -> bytes of float32 state on each rank), each round: a plain save
-    and a read-back commit, then a hashing save and a commit from the writers' digests."""
+    """Per shape and round: a plain save + read-back commit, a hashing save + digest commit."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter

@@ -1,10 +1,10 @@
-"""What the benchmarks share: paths, the tiny model, `stalwart run` as a user types it, the
-steady-state rate of a run, rounds in alternating order, gloo worlds of N processes, the
-machine a figure was measured on and the JSON it is written to."""
+"""What the benchmarks share: paths, the tiny model, `stalwart run` as typed, a run's steady rate,
+rounds in alternating order, gloo worlds, the machine measured on and the JSON written."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import platform
@@ -76,8 +76,7 @@ def window_parser(doc: str, spec: Any, out: str, *, rounds: int,
     p.add_argument("--steps", type=int, default=steps,
                    help=f"optimizer steps per run (default {steps})")
     p.add_argument("--exclude", type=int, default=10,
-                   help="warm-up steps left out of the rate (default 10; a multiple of "
-                        "--log-every)")
+                   help="warm-up steps left out of the rate (default 10; a multiple of --log-every)")
     p.add_argument("--log-every", type=int, default=5, help="stalwart run.log_every (default 5)")
     return p
 
@@ -94,8 +93,7 @@ def parse_window(p: argparse.ArgumentParser) -> argparse.Namespace:
 
 
 def window_overrides(args: argparse.Namespace, workers: int) -> list[str]:
-    """What every run of a rate bench sets: its workers, steps and metrics rows, and nothing
-    else in the window (no validation; only the final checkpoint, after the last row)."""
+    """A rate bench's workers, steps and metrics rows; no validation, only the final checkpoint."""
     return [f"scaling.num_workers={workers}", f"train.steps={args.steps}",
             f"run.log_every={args.log_every}", "data.val_every=0",
             f"checkpoint.persist_every={args.steps + 1}"]
@@ -104,8 +102,7 @@ def window_overrides(args: argparse.Namespace, workers: int) -> list[str]:
 def rate_run(tag: str, cmd: list[str], args: argparse.Namespace, work: Path,
              result: dict[str, Any], measure: Callable[[], dict[str, Any]],
              note: Callable[[dict[str, Any]], str] = lambda r: "") -> dict[str, Any]:
-    """Run cmd with its log in work, then `measure()` its rate into result; a run that failed
-    or left no rate is recorded with its error, and the bench goes on."""
+    """Run cmd, logging in work, then `measure()` its rate into result (or its error)."""
     from bench.harness import run_watched
 
     log, load = work / f"{tag}.log", os.getloadavg()[0]
@@ -140,8 +137,7 @@ def by_round(results: list[dict[str, Any]], key: str) -> dict[tuple[str, int], f
 
 
 def paired(rates: dict[tuple[str, int], float], a: str, b: str, rounds: int) -> list[float]:
-    """a / b in each round that measured both: side-by-side pairs cancel the machine's slow
-    drifts (a shared host), and their spread shows how far one round can be trusted."""
+    """a / b in each round that measured both: pairs cancel a shared host's slow drifts."""
     return [p for rnd in range(rounds)
             if (p := ratio(rates.get((a, rnd)), rates.get((b, rnd)))) is not None]
 
@@ -168,6 +164,13 @@ def stalwart_command(config: str, overrides: list[str], run_dir: Path) -> list[s
     return [*cli, "run", str(config), *set_args(overrides), "--run-dir", str(run_dir)]
 
 
+def torchrun(module: str, nproc: int, args: list[str], *, max_restarts: int = 0) -> list[str]:
+    """`torchrun --standalone` over `python -m module args`, run from the repository root."""
+    restarts = ["--max-restarts", str(max_restarts)] if max_restarts else []
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+            str(nproc), *restarts, "-m", module, *args]
+
+
 def tail(path: Path, n: int = 15, indent: str = "") -> str:
     """The last n lines of a log, each prefixed with indent."""
     lines = path.read_text(errors="replace").splitlines()
@@ -176,15 +179,13 @@ def tail(path: Path, n: int = 15, indent: str = "") -> str:
 
 def stalwart_rate(run_dir: Path, exclude: int, tokens_per_step: int, *,
                   cross_check: bool = False, final: bool = False) -> dict[str, Any]:
-    """Steady-state tokens/s of a run: steps exclude+1.. over the time between those rows;
-    cross_check adds the tokens stalwart itself counted, final the last step and loss."""
+    """Tokens/s of steps exclude+1..; cross_check: the tokens stalwart counted; final: last loss."""
     rows = read_metrics(run_dir / "metrics.jsonl")
     by_step = {r.step: r for r in rows}
     if exclude not in by_step:
         raise ValueError(f"no metrics row at step {exclude} in {run_dir / 'metrics.jsonl'}")
     last, first = rows[-1], by_step[exclude]
-    window = last.time - first.time
-    steps = last.step - first.step
+    window, steps = last.time - first.time, last.step - first.step
     if steps < 1 or window <= 0:
         raise ValueError(f"empty window: steps {first.step}..{last.step}")
     rate: dict[str, Any] = {"tokens_per_s": steps * tokens_per_step / window,
@@ -198,8 +199,7 @@ def stalwart_rate(run_dir: Path, exclude: int, tokens_per_step: int, *,
                 prev = r
         rate["tokens_counted_by_stalwart"] = round(counted)
     if final:
-        rate["last_step"] = last.step
-        rate["final_loss"] = last.loss
+        rate.update(last_step=last.step, final_loss=last.loss)
     rate["world_sizes"] = sorted({r.world_size for r in rows})
     rate["loss_by_step"] = {str(r.step): r.loss for r in rows}
     return rate
@@ -218,9 +218,7 @@ def tokens_per_step(config_path: str, overrides: list[str]) -> tuple[int, Any]:
 
 def run_rounds(names: list[str], rounds: int, run: Callable[[str, int], dict[str, Any]], *,
                work: Path, keep: bool, prune_measured: bool) -> list[dict[str, Any]]:
-    """run(name, round) for every name, every round, the order flipping every round so that a
-    drift in machine load favours no runner. Unless keep, the work folder goes if every run was
-    measured; with prune_measured each measured run's folder and log go anyway."""
+    """run(name, round) for all, the order flipping every round so load drifts favour no one."""
     results: list[dict[str, Any]] = []
     try:
         for rnd in range(rounds):
@@ -264,9 +262,8 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 def fmt(x: float | None, spec: str = "9,.0f") -> str:
     """x formatted by spec; None as "-" right-aligned to spec's width."""
-    if x is not None:
-        return format(x, spec)
-    return "-".rjust(int("".join(c for c in spec.split(",")[0].split(".")[0] if c.isdigit()) or 1))
+    width = int("".join(c for c in spec.split(",")[0].split(".")[0] if c.isdigit()) or 1)
+    return "-".rjust(width) if x is None else format(x, spec)
 
 
 def print_columns(table: list[list[str]]) -> None:
@@ -292,20 +289,13 @@ def machine(*, with_ray: bool = True) -> dict[str, Any]:
 
     out = {"cpus": os.cpu_count(), "platform": platform.platform(),
            "python": platform.python_version(), "torch": torch.__version__}
-    if with_ray:
-        import ray
-
-        out["ray"] = ray.__version__
-    return out
+    return out | ({"ray": importlib.import_module("ray").__version__} if with_ray else {})
 
 
 def append_jsonl(path: Path, row: dict[str, Any]) -> None:
     """One JSON line in one O_APPEND write: lines from several processes never interleave."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    try:
-        os.write(fd, (json.dumps(row) + "\n").encode())
-    finally:
-        os.close(fd)
+    with open(path, "ab", buffering=0) as f:  # unbuffered: one write(2) of the whole line
+        f.write((json.dumps(row) + "\n").encode())
 
 
 def write_atomic(path: Path, write: Callable[[Any], None], mode: str = "w") -> None:
@@ -333,8 +323,7 @@ def write_report(path: str, report: dict[str, Any], results: list[dict[str, Any]
 
 
 def gloo_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    """fn(rank, world, *args) in `world` spawned gloo processes; their results by rank.
-    RuntimeError names a rank that failed, with its traceback."""
+    """fn(rank, world, *args) in `world` gloo processes: results by rank, or RuntimeError."""
     import torch.multiprocessing as mp
 
     from stalwart.parallel.distributed import free_port

@@ -47,8 +47,7 @@ def resumed_events(run_dir: Path) -> list[dict[str, Any]]:
 
 def kill_and_resume(drive: Any, run: Path, launch: Launch, k: int,
                     target: int) -> tuple[Launch, dict[str, Any]]:
-    """Once `target` is logged, SIGKILL the driver (its process only: the workers are
-    detached), wait for the workers' commit, resume; the kill's row and the new driver."""
+    """SIGKILL the driver once `target` is logged, wait for the commit, resume."""
     while (last_logged(run / "metrics.jsonl") or 0) < target:
         if not launch.running():
             raise SystemExit(f"the driver ended before step {target}: see {run.parent}")

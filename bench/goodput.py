@@ -28,12 +28,9 @@ POLL_S = 0.5
 
 def goodput(steps: list[tuple[int, float, Any]], starts: dict[Any, float], t0: float,
             t_stop: float) -> dict[str, Any]:
-    """steps: (step, end time, world) in completion order; starts: when each world was ready
-    to train. Productive time of the final trajectory over t_stop - t0.
-
-    A world's steps without a row (done, but their report was dropped when the world ended;
-    a `workers_started` event counts them as kept_unlogged) share the time from the world's
-    previous row to its next one."""
+    """Productive time of the final trajectory over t_stop - t0. steps: (step, end time, world)
+    in completion order; starts: when each world was ready. A world's steps without a row
+    (their report dropped when it ended) share the time from its previous row to its next."""
     durations: dict[int, float] = {}
     last_end: dict[Any, tuple[int, float]] = {}
     final = trained = 0
@@ -48,8 +45,7 @@ def goodput(steps: list[tuple[int, float, Any]], starts: dict[Any, float], t0: f
         trained += step - first + 1
         last_end[world] = (step, end)
         final = step
-    productive = sum(d for s, d in durations.items() if s <= final)
-    wall = t_stop - t0
+    productive, wall = sum(d for s, d in durations.items() if s <= final), t_stop - t0
     return {"goodput": productive / wall if wall > 0 else None, "productive_s": productive,
             "wall_s": wall, "final_step": final, "steps_trained": trained,
             "steps_redone": trained - final}
@@ -57,8 +53,7 @@ def goodput(steps: list[tuple[int, float, Any]], starts: dict[Any, float], t0: f
 
 def kill_on_schedule(running: Callable[[], bool], rank_pid: Callable[[], int | None],
                      t0: float, args: argparse.Namespace) -> tuple[list[dict[str, Any]], float]:
-    """SIGKILL rank 1's process every --kill-every s until --duration s after t0 (or the run
-    ends); returns the kills and when it stopped."""
+    """SIGKILL rank 1 every --kill-every s until --duration s after t0: (the kills, the stop)."""
     kills: list[dict[str, Any]] = []
     next_kill = t0 + args.kill_every
     while running() and time.time() < t0 + args.duration:

@@ -15,8 +15,7 @@ from stalwart.core.events import read_jsonl
 
 
 def soak(minutes: float, overrides: list[str], run_dir: Path, nodes: int) -> dict:
-    """The run, on this machine's Ray; with `nodes`, spread over a local cluster of that many
-    one-CPU nodes and a 0-CPU head."""
+    """The run; with `nodes`, spread over a local cluster of 1-CPU nodes and a 0-CPU head."""
     sets = ["train.steps=1000000", "failure.max_failures=-1", "run.log_every=1",
             "failure.hang_timeout_floor_s=2", "failure.hang_factor=5", *overrides]
     if nodes:

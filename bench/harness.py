@@ -1,6 +1,5 @@
-"""The fault harness of the recovery, goodput, chaos and driver-loss benchmarks: launch a run
-in a session of its own, watch its step log, signal a process by its PID once a step is logged,
-and time the next completed step of another world (one start of the training)."""
+"""The fault harness of the recovery, goodput, chaos and driver-loss benchmarks: launch a run,
+watch its step log, signal a process once a step is logged, time the next world's first step."""
 
 from __future__ import annotations
 
@@ -29,8 +28,7 @@ class StepRow(NamedTuple):
 
 
 class Launch:
-    """A command started in a session of its own (a kill of its group reaches everything it
-    started there), its output appended to log."""
+    """A command in a session of its own (a group kill reaches all it started), output to log."""
 
     def __init__(self, cmd: list[str], log: Path, *, env: dict[str, str] | None = None,
                  cwd: Path = ROOT) -> None:
@@ -50,9 +48,8 @@ class Launch:
             os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
-    def stop(self, sig: int = signal.SIGINT, timeout: float = 120.0) -> int:
-        """Ask the run to stop with sig (SIGINT: Ctrl-C, SIGTERM: a preemption notice), SIGKILL
-        it past timeout; its exit code."""
+    def stop(self, sig: int, timeout: float = 120.0) -> int:
+        """Stop with sig (SIGINT: Ctrl-C, SIGTERM: preemption), SIGKILL past timeout."""
         self.proc.send_signal(sig)
         try:
             return self.proc.wait(timeout=timeout)
@@ -62,17 +59,14 @@ class Launch:
 
 
 def run_watched(cmd: list[str], log: Path, timeout: float,
-                tick: Callable[[], None] | None = None, poll_s: float = 0.2
+                tick: Callable[[], None] = lambda: None, poll_s: float = 0.2
                 ) -> tuple[int, float]:
-    """Run cmd with output to log, calling tick() every poll_s; (exit code, wall s). Past the
-    timeout the run gets Ctrl-C twice (stop, then abandon the checkpoint), 30 s apart, then
-    SIGKILL; the exit code is then -1."""
+    """Run cmd, tick() every poll_s: (exit code, wall s); past timeout Ctrl-C x2, SIGKILL: -1."""
     t0 = time.perf_counter()
     run = Launch(cmd, log)
     deadline, stage = t0 + timeout, 0
     while run.running():
-        if tick is not None:
-            tick()
+        tick()
         if time.perf_counter() > deadline:
             with log.open("a") as f:
                 f.write(f"\n[bench] timed out after {timeout:.0f}s (stage {stage})\n")
@@ -87,13 +81,12 @@ def run_watched(cmd: list[str], log: Path, timeout: float,
 
 
 class SignalAtStep:
-    """Signals once: call tick() every poll. Once `logged_step()` reaches `after_step` and
-    `pid()` names a process, it sends `sig` to it and records when (the clock read just
-    before the signal), the pid and the step that was logged."""
+    """tick() every poll: once `logged_step()` reaches `after_step`, SIGKILL `pid()` once and
+    record when (the clock read just before the signal), the pid and the step logged."""
 
     def __init__(self, *, after_step: int, logged_step: Callable[[], int | None],
-                 pid: Callable[[], int | None], sig: int = signal.SIGKILL) -> None:
-        self.after_step, self.logged_step, self.pid, self.sig = after_step, logged_step, pid, sig
+                 pid: Callable[[], int | None]) -> None:
+        self.after_step, self.logged_step, self.pid = after_step, logged_step, pid
         self.time: float | None = None
         self.sent_to: int | None = None
         self.step_logged: int | None = None
@@ -109,7 +102,7 @@ class SignalAtStep:
         if (pid := self.pid()) is None:
             return
         now = time.time()
-        if not signal_pid(pid, self.sig):
+        if not signal_pid(pid, signal.SIGKILL):
             self.error = f"process {pid} was gone when step {step} was logged"
             return
         self.time, self.sent_to, self.step_logged = now, pid, step
@@ -120,10 +113,9 @@ class SignalAtStep:
 
 
 def measure_kill(rows: list[StepRow], kill_time: float | None) -> dict[str, Any]:
-    """kill -> the next completed step: the first step of another world than the one that
-    completed the last step before the kill (whose step in flight may end just after it);
-    lost_steps: the killed world's last step - the step resumed from; normal_step_s: the
-    median gap between consecutive steps of the killed world before the kill."""
+    """kill -> the first step of another world than the one of the last step before the kill
+    (its step in flight may end just after); lost_steps: its last step - the step resumed from;
+    normal_step_s: the median gap of its consecutive steps before the kill."""
     out: dict[str, Any] = {"steps_before_kill": None, "last_step_of_killed_world": None,
                            "first_step_after": None, "recovery_s": None,
                            "resumed_from": None, "lost_steps": None, "normal_step_s": None,
@@ -138,8 +130,7 @@ def measure_kill(rows: list[StepRow], kill_time: float | None) -> dict[str, Any]
     own = [r for r in before if r.world == killed]
     gaps = [b.time - a.time for a, b in zip(own, own[1:], strict=False) if b.step == a.step + 1]
     out["normal_step_s"] = statistics.median(gaps) if gaps else None
-    after = [r for r in rows if r.world != killed and r.time > kill_time]
-    if after:
+    if after := [r for r in rows if r.world != killed and r.time > kill_time]:
         first = min(after, key=lambda r: r.time)
         out.update(first_step_after=first.step, recovery_s=first.time - kill_time,
                    resumed_from=first.step - 1,
@@ -148,10 +139,8 @@ def measure_kill(rows: list[StepRow], kill_time: float | None) -> dict[str, Any]
 
 
 def split_worlds(rows: list[tuple[int, float]], world_starts: list[float]) -> list[StepRow]:
-    """Rows of a log without a world id (stalwart's metrics.jsonl), each given the number of
-    worlds started at or before its end: world_starts are the launch times of the worlds."""
-    starts = sorted(world_starts)
-    return [StepRow(step, t, sum(1 for s in starts if s <= t)) for step, t in rows]
+    """Rows without a world id, each given as world the count of world_starts before it."""
+    return [StepRow(step, t, sum(1 for s in world_starts if s <= t)) for step, t in rows]
 
 
 def stalwart_steps(run_dir: Path) -> list[StepRow]:
@@ -167,8 +156,7 @@ def last_logged(path: Path) -> int | None:
 
 
 def attempts_pid(path: Path, rank: int, event: str = "start") -> int | None:
-    """The pid of `rank` in the newest attempt that has logged `event` in a peer's attempt
-    log (a start in a run being stopped is left out)."""
+    """The pid of `rank` in a peer's newest attempt that logged `event` (not while stopping)."""
     rows = [a for a in read_jsonl(path) if a["event"] == event and a["rank"] == rank
             and not a.get("stopping")]
     return rows[-1]["pid"] if rows else None
@@ -182,7 +170,7 @@ def stalwart_rank_pid(run_dir: Path, rank: int) -> int | None:
 
 
 def local_cluster(nodes: int, **head: Any) -> Any:
-    """A local ray.cluster_utils.Cluster, up: a head (`head`: its args) and `nodes` 1-CPU nodes."""
+    """A local ray.cluster_utils.Cluster: a head (`head`: its args) and `nodes` 1-CPU nodes."""
     from ray.cluster_utils import Cluster
 
     cluster = Cluster(initialize_head=True, head_node_args={"include_dashboard": False, **head})
@@ -194,8 +182,7 @@ def local_cluster(nodes: int, **head: Any) -> Any:
 
 
 def replace_dead_node(cluster: Any, node_id: str, record: dict[str, Any]) -> None:
-    """Once Ray's GCS reports node_id dead, add a 1-CPU node in its place, once (what an
-    autoscaler could do at the earliest); record when (dead_time, replacement_added)."""
+    """Once the GCS reports node_id dead, add one 1-CPU node; record dead/added times."""
     import ray
 
     if "replacement_added" not in record and any(
@@ -231,16 +218,11 @@ def pid_alive(pid: int) -> bool:
 def _proc_table() -> dict[int, tuple[int, int, str, str]]:
     """pid -> (parent pid, start time in clock ticks, command name, state) of every process."""
     out = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()  # the name may hold spaces or ")"
-        out[int(entry)] = (int(fields[1]), int(fields[19]), stat[stat.index("(") + 1:
-                                                                 stat.rindex(")")], fields[0])
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        with contextlib.suppress(OSError):
+            name, rest = Path(f"/proc/{entry}/stat").read_text().split("(", 1)[1].rsplit(")", 1)
+            fields = rest.split()  # the name may hold spaces or ")"
+            out[int(entry)] = (int(fields[1]), int(fields[19]), name, fields[0])
     return out
 
 
@@ -260,28 +242,26 @@ def descendants(root: int) -> dict[int, tuple[int, str]]:
 
 
 def survivors(tree: dict[int, tuple[int, str]]) -> list[int]:
-    """The processes of a `descendants` tree still alive: the same pid and start time (a
-    reused pid is another process), not a zombie."""
+    """The tree's processes still alive (same pid and start time) and not zombies."""
     table = _proc_table()
     return [pid for pid, (start, _) in tree.items()
             if pid in table and table[pid][1] == start and table[pid][3] != "Z"]
 
 
 def kill_tree(pgid: int, wait_s: float = 10.0) -> list[str]:
-    """SIGKILL a process group; then SIGKILL every process its leader had started (its
-    descendants just before the kill) that is still alive `wait_s` later: a daemon that left
-    the group. Returns those, as 'name:pid'."""
+    """SIGKILL a process group, then whatever its leader had started (a daemon that left the
+    group) that is alive `wait_s` later; returns those, as 'name:pid'."""
     tree = descendants(pgid)
     with contextlib.suppress(ProcessLookupError):
         os.killpg(pgid, signal.SIGKILL)
-    deadline = time.monotonic() + wait_s
-    while survivors(tree) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    left = survivors(tree)
-    for pid in left:
-        signal_pid(pid, signal.SIGKILL)
-    # A SIGKILL lands asynchronously: gone before the caller goes on, not a moment after.
-    deadline = time.monotonic() + 5.0
-    while survivors(tree) and time.monotonic() < deadline:
-        time.sleep(0.05)
+    left: list[int] = []
+    # A SIGKILL lands asynchronously: the leftovers are gone before the caller goes on.
+    for wait, poll in ((wait_s, 0.2), (5.0, 0.05)):
+        deadline = time.monotonic() + wait
+        while survivors(tree) and time.monotonic() < deadline:
+            time.sleep(poll)
+        if not left:
+            left = survivors(tree)
+            for pid in left:
+                signal_pid(pid, signal.SIGKILL)
     return [f"{tree[pid][1]}:{pid}" for pid in left]

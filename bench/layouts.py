@@ -1,7 +1,6 @@
 """Layouts: tokens/s of each parallel layout of the reference task on 4 CPU workers.
 
-The exit code is 1 only if no layout was measured.
-"""
+The exit code is 1 only if no layout was measured."""
 
 from __future__ import annotations
 
@@ -77,8 +76,7 @@ def one_run(name: str, args: argparse.Namespace, work: Path, rnd: int,
 
 
 def summarise(results: list[dict[str, Any]], names: list[str]) -> dict[str, dict[str, Any]]:
-    """Per layout: the median over rounds of the rate and the wall time; the losses of its
-    first measured round (every round trains the same model on the same samples)."""
+    """Per layout: medians of rate and wall time; the first measured round's losses."""
     summary: dict[str, dict[str, Any]] = {}
     for name in names:
         runs = [r for r in results if r["layout"] == name]
@@ -114,8 +112,7 @@ def print_table(summary: dict[str, dict[str, Any]], results: list[dict[str, Any]
               f" | {fmt(s['wall_s'], '6.1f')}" + ("  FAILED" if s["failed_rounds"] else ""))
     print("(max |dloss|: the largest loss difference to ddp4 over the logged steps; wall s: "
           "the whole `stalwart run`, Ray start-up and final checkpoint included)")
-    failed = [r for r in results if "tokens_per_s" not in r]
-    if failed:
+    if failed := [r for r in results if "tokens_per_s" not in r]:
         print("\nfailed runs:")
         for r in failed:
             print(f"  round {r['round'] + 1} {r['layout']}: {r['error']}"

@@ -1,7 +1,6 @@
 """Memory: measured per-rank bytes of model state under FSDP2 ZeRO-3 against the ZeRO formula.
 
-Exit code 1 only if a rank failed.
-"""
+Exit code 1 only if a rank failed."""
 
 from __future__ import annotations
 

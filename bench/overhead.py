@@ -108,9 +108,8 @@ def tier_sizes(measured: list[dict[str, Any]]) -> dict[str, dict[str, Any] | Non
 
 
 def loss_diffs(measured: list[dict[str, Any]]) -> tuple[dict[str, float | None], float | None]:
-    """Snapshots must not change training: every run's losses agree exactly, step by step,
-    with its baseline's, and any two runs of a layout's (DDP and FSDP sum gradients in
-    different orders, so not across layouts)."""
+    """Snapshots must not change training: losses agree exactly with the baseline's and between
+    any two runs of a layout (DDP and FSDP sum gradients in different orders)."""
     loss_diff = {n: common.worst_loss_diff((a, c) for a in measured for c in measured
                                           if a["runner"] == n and c["runner"] == base)
                  for n, base in COMPARED}

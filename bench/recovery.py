@@ -1,8 +1,6 @@
 """Recovery: how fast stalwart, Ray Train's TorchTrainer and torchrun recover from a fault.
 
-Each row is one run of recovery_rows.py; here the medians, targets, tables and chart. The exit
-code is 1 only if a run produced no measurement.
-"""
+Each row is one run of recovery_rows.py; exit code 1 only if a run produced no measurement."""
 
 from __future__ import annotations
 
@@ -39,23 +37,20 @@ def parse_args() -> argparse.Namespace:
 
 def summarise(results: list[dict[str, Any]], faults: list[str]) -> dict[str, Any]:
     """Medians per fault and runner."""
-    out: dict[str, Any] = {}
-    for fault in faults:
-        out[fault] = {}
-        for runner, label in rows.RUNNERS[fault]:
-            rs = [r for r in results if r["fault"] == fault and r["runner"] == runner]
-            out[fault][runner] = {
-                "label": label, "runs": len(rs),
-                "detected": sum(bool(r.get("detected")) for r in rs),
-                "completed": sum(bool(r.get("completed")) for r in rs),
-                **{k: median([r.get(k) for r in rs])
-                   for k in ("detection_s", "restart_s", "recovery_s", "restore_s", "lost_steps",
-                             "restored_from_step", "lost_steps_bound", "normal_step_s")},
-                "sources": sorted({str(r.get("source")) for r in rs}),
-                "max_detection_s": max((r["detection_s"] for r in rs
-                                        if r.get("detection_s") is not None), default=None),
-            }
-    return out
+    return {fault: {runner: _side(label, [r for r in results
+                                          if r["fault"] == fault and r["runner"] == runner])
+                    for runner, label in rows.RUNNERS[fault]} for fault in faults}
+
+
+def _side(label: str, rs: list[dict[str, Any]]) -> dict[str, Any]:
+    return {"label": label, "runs": len(rs), **{k: sum(bool(r.get(k)) for r in rs)
+                                                for k in ("detected", "completed")},
+            **{k: median([r.get(k) for r in rs])
+               for k in ("detection_s", "restart_s", "recovery_s", "restore_s", "lost_steps",
+                         "restored_from_step", "lost_steps_bound", "normal_step_s")},
+            "sources": sorted({str(r.get("source")) for r in rs}),
+            "max_detection_s": max((r["detection_s"] for r in rs
+                                    if r.get("detection_s") is not None), default=None)}
 
 
 def _detection_target(results: list[dict[str, Any]], fault: str, runner: str | None,
@@ -107,23 +102,20 @@ def _lost_steps_verdict(results: list[dict[str, Any]]) -> dict[str, Any]:
     stalwart = [r for r in results if r["system"] == "stalwart"]
     bad = [r for r in stalwart if r.get("lost_steps") is None or r.get("lost_steps_bound") is None
            or r["lost_steps"] > r["lost_steps_bound"]]
-    return {
-        "target": "lost steps: 0 with the memory tier, <= steps since the last storage "
-                  f"checkpoint due (checkpoint.persist_every={rows.PERSIST_EVERY}) without; every "
-                  "stalwart run",
-        "value": max((r["lost_steps"] for r in stalwart if r.get("lost_steps") is not None),
-                     default=None),
-        "met": bool(stalwart) and not bad,
-        "detail": "; ".join(f"r{r['round']}-{r['fault']}-{r['runner']}: lost "
-                            f"{r.get('lost_steps')} > bound {r.get('lost_steps_bound')}"
-                            for r in bad) or
-                  ", ".join(f"{r['fault']}/{r['runner']} {r['lost_steps']}<={r['lost_steps_bound']}"
-                            for r in stalwart)}
+    # No stalwart run leaves the value None: not met.
+    return _target(
+        "lost steps: 0 with the memory tier, <= steps since the last storage checkpoint due "
+        f"(checkpoint.persist_every={rows.PERSIST_EVERY}) without; every stalwart run",
+        max((r["lost_steps"] for r in stalwart if r.get("lost_steps") is not None), default=None),
+        lambda v: not bad,
+        "; ".join(f"r{r['round']}-{r['fault']}-{r['runner']}: lost {r.get('lost_steps')} > bound "
+                  f"{r.get('lost_steps_bound')}" for r in bad) or
+        ", ".join(f"{r['fault']}/{r['runner']} {r['lost_steps']}<={r['lost_steps_bound']}"
+                  for r in stalwart))
 
 
 def outside_verdicts(side: dict[str, Any]) -> list[dict[str, Any]]:
-    """The outside-kill targets on each row's medians: stalwart's kill -> next step within one
-    normal step of its own + the slack, and each peer's time at least its ratio over it."""
+    """Outside-kill targets: stalwart within a normal step + slack, peers a ratio over it."""
     st, normal = side[OUTSIDE_STALWART]["recovery_s"], side[OUTSIDE_STALWART]["normal_step_s"]
     bound = normal + rows.TARGET_NEXT_STEP_SLACK_S if normal is not None else None
     out = [_target(f"{OUTSIDE_KILL}: stalwart kill -> next completed step <= one normal step "
@@ -259,15 +251,14 @@ def print_outside(side: dict[str, Any]) -> None:
           "resumed from")
 
 
-COLORS = {"stalwart": "#1f77b4", "stalwart+spare": "#6baed6",
-          "stalwart+spare/storage": "#9e9ac8", "stalwart-elastic": "#08519c",
-          "stalwart-elastic/storage": "#756bb1", "ray-train": "#ff7f0e", "torchrun": "#2ca02c"}
-LABELS = {"stalwart": "stalwart (memory tier)",
-          "stalwart+spare": "stalwart + warm spare (memory tier)",
-          "stalwart+spare/storage": "stalwart + warm spare, storage only",
-          "stalwart-elastic": "stalwart, shrinks on node loss (memory tier)",
-          "stalwart-elastic/storage": "stalwart, shrinks, storage only",
-          "ray-train": "Ray Train TorchTrainer", "torchrun": "torchrun --max-restarts"}
+# runner -> (its bars' colour, its legend label)
+STYLES = {"stalwart": ("#1f77b4", "stalwart (memory tier)"),
+          "stalwart+spare": ("#6baed6", "stalwart + warm spare (memory tier)"),
+          "stalwart+spare/storage": ("#9e9ac8", "stalwart + warm spare, storage only"),
+          "stalwart-elastic": ("#08519c", "stalwart, shrinks on node loss (memory tier)"),
+          "stalwart-elastic/storage": ("#756bb1", "stalwart, shrinks, storage only"),
+          "ray-train": ("#ff7f0e", "Ray Train TorchTrainer"),
+          "torchrun": ("#2ca02c", "torchrun --max-restarts")}
 FAULT_NAMES = {"kill": "kill (SIGKILL)", "hang": "hang (SIGSTOP)", "node": "node loss",
                "freeze": "frozen node", OUTSIDE_KILL: "SIGKILL from outside"}
 
@@ -276,11 +267,10 @@ def _bars(ax: Any, med: dict[str, Any], key: str, title: str) -> None:
     """One panel: a bar per row and fault, log scale."""
     faults = list(med)
     width = 0.8 / max(len(med[f]) for f in faults)
-    labelled: set[str] = set()
     for j, fault in enumerate(faults):
         for i, (runner, m) in enumerate(med[fault].items()):
-            x, color, value = j - width * len(med[fault]) / 2 + width * (i + 0.5), \
-                COLORS[runner], m[key]
+            (color, label), value = STYLES[runner], m[key]
+            x = j - width * len(med[fault]) / 2 + width * (i + 0.5)
             if value is None and fault != "hang":
                 continue  # not measured for this row (torchrun has no detection event)
             if value is None:
@@ -290,9 +280,7 @@ def _bars(ax: Any, med: dict[str, Any], key: str, title: str) -> None:
                 ax.text(x, rows.HANG_WAIT_S * 1.1, f"not {what}\nwithin {rows.HANG_WAIT_S:g} s",
                         ha="center", va="bottom", fontsize=7)
                 continue
-            ax.bar(x, max(value, 1e-3), width, color=color,
-                   label=None if runner in labelled else LABELS[runner])
-            labelled.add(runner)
+            ax.bar(x, max(value, 1e-3), width, color=color, label=label)  # one per label: plot()
             ax.text(x, max(value, 1e-3) * 1.1, f"{value:.2g}", ha="center", va="bottom",
                     fontsize=7)
     ax.set_yscale("log")
@@ -326,7 +314,7 @@ def plot(png: str, med: dict[str, Any]) -> str | None:
         j = faults.index("hang")
         axes[0].hlines(rows.TARGET_HANG_DETECTION_S, j - 0.45, j + 0.45, color="black", ls="--",
                        lw=1.2, label=f"hang target: {rows.TARGET_HANG_DETECTION_S:g} s")
-    legend: dict[str, Any] = {}  # one legend for both panels, below them
+    legend: dict[str, Any] = {}  # one legend for both panels, below them, each label once
     for ax in axes:
         for handle, label in zip(*ax.get_legend_handles_labels(), strict=True):
             legend.setdefault(label, handle)
@@ -384,13 +372,11 @@ def ray_health_checks() -> dict[str, Any]:
 
 def changed_note(start: dict[str, Any], end: dict[str, Any]) -> str | None:
     """Someone committed or edited files while the benchmark ran."""
-    if end == start:
-        return None
     changed = sorted(set(start["modified"]) ^ set(end["modified"]))
-    return ("the checkout changed during the benchmark: " + "; ".join(filter(None, [
-        f"commit {start['commit']} -> {end['commit']}" if start["commit"] != end["commit"]
-        else "", f"files modified or reverted: {', '.join(changed)}" if changed else ""]))
-        + " (runs after the change may have used different code)")
+    what = [f"commit {start['commit']} -> {end['commit']}"] * (start["commit"] != end["commit"])
+    what += [f"files modified or reverted: {', '.join(changed)}"] * bool(changed)
+    return (f"the checkout changed during the benchmark: {'; '.join(what)} (runs after the "
+            "change may have used different code)") if what else None
 
 
 def main() -> int:

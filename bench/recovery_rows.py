@@ -1,6 +1,5 @@
-"""The recovery benchmark's scenario and its rows (bench/recovery.py): each row is one run on
-its own Ray (stalwart as a user types it, Ray Train through bench/peers/raytrain_recovery.py,
-torchrun through bench/peers/torchrun_recovery.py), measured from the run's own records."""
+"""The recovery benchmark's scenario and rows (bench/recovery.py): each row is one run on its own
+Ray (stalwart's CLI, Ray Train and torchrun through bench/peers/), measured from its records."""
 
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ import shutil
 import signal
 import sys
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -117,47 +116,55 @@ def run_row(runner: str, fault: str, args: argparse.Namespace, work: Path,
 
 def run_stalwart(result: dict[str, Any], args: argparse.Namespace,
                  run_dir: Path) -> dict[str, Any]:
-    """`stalwart run` as a user types it: with --inject FAULT, or for outside-kill killed by
-    the harness once step FAULT_STEP is in metrics.jsonl."""
-    fault, log = result["fault"], Path(result["log"])
+    """`stalwart run` with --inject FAULT, or killed by the harness for outside-kill."""
+    fault = result["fault"]
     result["run_dir"] = str(run_dir)
     if fault == OUTSIDE_KILL:
         cmd = common.stalwart_command(args.config, OUTSIDE_STALWART, run_dir)
-        killer = SignalAtStep(after_step=FAULT_STEP,
-                              logged_step=lambda: harness.last_logged(run_dir / "metrics.jsonl"),
-                              pid=lambda: harness.stalwart_rank_pid(run_dir, 1))
-        result["command"] = cmd
-        code, wall = harness.run_watched(cmd, log, args.timeout, killer.tick, poll_s=POLL_S)
-        result.update(exit_code=code, wall_s=wall, **killer.record())
-        result.update(analyse_stalwart_outside(run_dir, killer.time))
+        kill_time = _run_killed(result, cmd, args.timeout, run_dir / "metrics.jsonl",
+                                lambda: harness.stalwart_rank_pid(run_dir, 1))
+        result.update(analyse_stalwart_outside(run_dir, kill_time))
     else:
         cmd = [*common.stalwart_command(args.config, stalwart_overrides(result["runner"]),
                                         run_dir), "--inject", INJECT[fault]]
         if fault in NODE_FAULTS:
-            code, wall = run_stalwart_node(cmd, run_dir, log, args.timeout, result)
+            run_stalwart_node(cmd, run_dir, args.timeout, result)
         else:
-            result["command"] = cmd
-            code, wall = harness.run_watched(cmd, log, args.timeout)
-        result.update(exit_code=code, wall_s=wall)
+            _run(result, cmd, args.timeout)
         result.update(analyse_stalwart(run_dir, fault,
                                        memory_tier=not result["runner"].endswith("/storage")))
-    result["completed"] = code == 0 and result["finished"]
-    if code != 0 or result["missing_events"]:
-        result["log_tail"] = common.tail(log, 25)
+    result["completed"] = result["exit_code"] == 0 and result["finished"]
+    if result["exit_code"] != 0 or result["missing_events"]:
+        result["log_tail"] = common.tail(Path(result["log"]), 25)
     return result
 
 
-def run_stalwart_node(cmd: list[str], run_dir: Path, log: Path, timeout: float,
-                      result: dict[str, Any]) -> tuple[int, float]:
-    """The node faults: the CLI on a 0-CPU head and a 1-CPU node per worker; a replacement is
-    added once the GCS reports the lost node dead, as for Ray Train. A frozen node is killed."""
+def _run(result: dict[str, Any], cmd: list[str], timeout: float,
+         tick: Callable[[], None] = lambda: None, poll_s: float = 0.2) -> None:
+    result["command"] = cmd
+    code, wall = harness.run_watched(cmd, Path(result["log"]), timeout, tick, poll_s)
+    result.update(exit_code=code, wall_s=wall)
+
+
+def _run_killed(result: dict[str, Any], cmd: list[str], timeout: float, step_log: Path,
+                pid: Callable[[], int | None]) -> float | None:
+    """_run, SIGKILLing pid() once FAULT_STEP is in step_log; the kill's time."""
+    killer = SignalAtStep(after_step=FAULT_STEP, logged_step=lambda: harness.last_logged(step_log),
+                          pid=pid)
+    _run(result, cmd, timeout, killer.tick, POLL_S)
+    result.update(killer.record())
+    return killer.time
+
+
+def run_stalwart_node(cmd: list[str], run_dir: Path, timeout: float,
+                      result: dict[str, Any]) -> None:
+    """Node faults on a local cluster; a dead node is replaced, a frozen one killed."""
     import ray
 
     cluster = harness.local_cluster(WORKERS, **NODE_HEAD_ARGS)
     node: dict[str, Any] = {}
     try:
         ray.init(address=cluster.address, logging_level="WARNING")  # to watch the GCS
-        result["command"] = cmd = [*cmd, "--address", cluster.address]
 
         def tick() -> None:
             if "killed_node_id" not in node:
@@ -170,7 +177,7 @@ def run_stalwart_node(cmd: list[str], run_dir: Path, log: Path, timeout: float,
                 node["killed_node_id"] = started.workers[fired.rank].node_id
             harness.replace_dead_node(cluster, node["killed_node_id"], node)
 
-        code, wall = harness.run_watched(cmd, log, timeout, tick)
+        _run(result, [*cmd, "--address", cluster.address], timeout, tick)
     finally:
         try:
             ray.shutdown()
@@ -180,7 +187,6 @@ def run_stalwart_node(cmd: list[str], run_dir: Path, log: Path, timeout: float,
             cluster.shutdown()
     result.update(harness.node_times(node, node.get("fault_time", 0.0)),
                   cluster={"head": NODE_HEAD_ARGS, "worker_nodes": WORKERS, "cpus_per_node": 1})
-    return code, wall
 
 
 def kill_frozen_nodes(cluster: Any) -> None:
@@ -203,11 +209,10 @@ def _first(events: list[ev.Event], cls: type[E], after: float = float("-inf")) -
     return next((e for e in events if isinstance(e, cls) and e.time > after), None)
 
 
-def _finished(kinds: list[str]) -> tuple[bool, list[str]]:
-    """Whether the run's last event is `finished`; else the missing event, named."""
-    if kinds and kinds[-1] == "finished":
-        return True, []
-    return False, [f"finished (last event: {kinds[-1] if kinds else 'none'})"]
+def _unfinished(kinds: list[str]) -> list[str]:
+    """[] when the run's last event is `finished`; else that event, named as missing."""
+    last = kinds[-1] if kinds else "none"
+    return [] if last == "finished" else [f"finished (last event: {last})"]
 
 
 def analyse_stalwart(run_dir: Path, fault: str, memory_tier: bool) -> dict[str, Any]:
@@ -217,24 +222,22 @@ def analyse_stalwart(run_dir: Path, fault: str, memory_tier: bool) -> dict[str, 
     kinds = [e.kind for e in events]
     injected, failure = _first(events, ev.FaultInjected), _first(events, ev.Failure)
     recovered = _first(events, ev.Recovered)
-    finished, not_finished = _finished(kinds)
+    not_finished = _unfinished(kinds)
+    resized = [{"old_world_size": e.old_world_size, "new_world_size": e.new_world_size,
+                "reason": e.reason, "step": e.step, "time": e.time}
+               for e in events if isinstance(e, ev.Resized)]
     out: dict[str, Any] = {
         "events": [e.to_row() for e in events], "event_kinds": kinds,
         "fault_time": None, "detected": failure is not None, "failure_kind": None,
         "detection_s": None, "restart_s": None, "recovery_s": None,
         "recovery_s_from_metrics": None, "lost_steps": None, "restored_from_step": None,
         "source": None, "phases": None, "steps_before_fault": None,
-        "last_checkpoint_before_fault": None, "lost_steps_bound": None,
-        "resized": [{"old_world_size": e.old_world_size, "new_world_size": e.new_world_size,
-                     "reason": e.reason, "step": e.step, "time": e.time}
-                    for e in events if isinstance(e, ev.Resized)],
+        "last_checkpoint_before_fault": None, "lost_steps_bound": None, "resized": resized,
         "world_sizes": sorted({r.world_size for r in rows}),
-        "final_step": max((r.step for r in rows), default=0), "finished": finished,
+        "final_step": max((r.step for r in rows), default=0), "finished": not not_finished,
         "missing_events": [k for k, e in (("fault_injected", injected), ("failure", failure),
-                                          ("recovered", recovered)) if e is None]}
-    if fault in NODE_FAULTS and not out["resized"]:
-        out["missing_events"].append("resized")
-    out["missing_events"] += not_finished
+                                          ("recovered", recovered)) if e is None]
+        + (["resized"] if fault in NODE_FAULTS and not resized else []) + not_finished}
     if injected is None:
         return out
     ft = out["fault_time"] = injected.time
@@ -255,10 +258,9 @@ def analyse_stalwart(run_dir: Path, fault: str, memory_tier: bool) -> dict[str, 
                    steps_before_fault=failure.step,
                    lost_steps_bound=0 if memory_tier else failure.step % PERSIST_EVERY,
                    failure={k: v for k, v in failure.to_row().items() if k != "message"})
-    if finished:
+    if not not_finished:
         out["finished_s"] = events[-1].time - ft
-    later_starts = [e.time for e in started if e.time > ft]
-    if later_starts:
+    if later_starts := [e.time for e in started if e.time > ft]:
         out["restart_s"] = min(later_starts) - ft
     if recovered is not None:
         out.update(recovery_s=recovered.recovery_s, lost_steps=recovered.lost_steps,
@@ -266,22 +268,20 @@ def analyse_stalwart(run_dir: Path, fault: str, memory_tier: bool) -> dict[str, 
                    phases=recovered.phases, restore_s=recovered.phases.get("restore"),
                    world_size_after=recovered.world_size)
         # The same from metrics.jsonl: fault -> the first row of the restored step + 1.
-        again = [r.time for r in rows if r.time > ft and r.step == recovered.from_step + 1]
-        if again:
+        if again := [r.time for r in rows if r.time > ft and r.step == recovered.from_step + 1]:
             out["recovery_s_from_metrics"] = min(again) - ft
     return out
 
 
 def analyse_stalwart_outside(run_dir: Path, kill_time: float | None) -> dict[str, Any]:
-    """The outside-kill measure from metrics.jsonl, and stalwart's own account of the same
-    recovery from events.jsonl (the `failure` and `recovered` events after the kill)."""
+    """The outside-kill measure, and stalwart's own account from its events after the kill."""
     events = read_events(run_dir / "events.jsonl")
     out = measure_kill(harness.stalwart_steps(run_dir), kill_time)
     kinds = [e.kind for e in events]
-    finished, not_finished = _finished(kinds)
+    not_finished = _unfinished(kinds)
     out.update(fault_time=kill_time, event_kinds=kinds, detected=False, detection_s=None,
                restart_s=None, restored_from_step=out["resumed_from"], lost_steps_bound=0,
-               finished=finished, missing_events=[])
+               finished=not not_finished, missing_events=[])
     if kill_time is None:
         out["missing_events"].append("no kill")
         return out
@@ -307,21 +307,17 @@ def analyse_stalwart_outside(run_dir: Path, kill_time: float | None) -> dict[str
 def run_torchrun_outside(result: dict[str, Any], args: argparse.Namespace,
                          workdir: Path) -> dict[str, Any]:
     """`torchrun --max-restarts 3` of torchrun_recovery.py, killed once FAULT_STEP is logged."""
-    log = Path(result["log"])
     workdir.mkdir(parents=True)
-    result["command"] = cmd = torchrun_recovery.torchrun_command(
+    cmd = torchrun_recovery.torchrun_command(
         workdir, nproc=WORKERS, steps=STEPS, checkpoint_every=PERSIST_EVERY,
         config=args.config, overrides=list(OUTSIDE_MODEL))
-    killer = SignalAtStep(
-        after_step=FAULT_STEP,
-        logged_step=lambda: harness.last_logged(workdir / torchrun_recovery.STEPS_FILE),
-        pid=lambda: harness.attempts_pid(workdir / torchrun_recovery.ATTEMPTS_FILE, 1))
-    code, wall = harness.run_watched(cmd, log, args.timeout, killer.tick, poll_s=POLL_S)
-    result.update(exit_code=code, wall_s=wall, **killer.record())
-    result.update(analyse_torchrun(workdir, killer.time))
-    result["completed"] = code == 0 and result["final_step"] == STEPS
+    kill_time = _run_killed(
+        result, cmd, args.timeout, workdir / torchrun_recovery.STEPS_FILE,
+        lambda: harness.attempts_pid(workdir / torchrun_recovery.ATTEMPTS_FILE, 1))
+    result.update(analyse_torchrun(workdir, kill_time))
+    result["completed"] = result["exit_code"] == 0 and result["final_step"] == STEPS
     if not result["completed"] or result["recovery_s"] is None:
-        result["log_tail"] = common.tail(log, 25)
+        result["log_tail"] = common.tail(Path(result["log"]), 25)
     _drop_or_keep(result, workdir, args.keep)
     return result
 
@@ -334,8 +330,7 @@ def _drop_or_keep(result: dict[str, Any], workdir: Path, keep: bool) -> None:
 
 
 def analyse_torchrun(workdir: Path, kill_time: float | None) -> dict[str, Any]:
-    """The outside-kill measure from steps.jsonl (worlds: torchrun's restart count), and when
-    the restarted processes started and were ready (attempts.jsonl)."""
+    """The outside-kill measure (worlds: torchrun's restarts) and the restarts' times."""
     steps = read_jsonl(workdir / torchrun_recovery.STEPS_FILE)
     attempts = read_jsonl(workdir / torchrun_recovery.ATTEMPTS_FILE)
     out = measure_kill([StepRow(r["step"], r["time"], r["attempt"]) for r in steps], kill_time)
@@ -361,8 +356,7 @@ def analyse_torchrun(workdir: Path, kill_time: float | None) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def output_to(log: Path) -> Iterator[None]:
-    """This process's stdout and stderr (file descriptors 1 and 2) go to log: Ray's driver
-    prints every worker's and the controller's log lines there."""
+    """This process's fds 1 and 2 go to log (Ray's driver prints the workers' logs there)."""
     saved = []
     try:
         with log.open("a") as f:

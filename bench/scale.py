@@ -108,11 +108,10 @@ def recoveries(ranks: int, failures: int) -> dict[str, Any]:
     plan_wall = [(b[0] - a[0]) - (b[2] - a[2]) for a, b in planned]
     plan_cpu = [(b[1] - a[1]) - (b[3] - a[3]) for a, b in planned]
     ms = lambda xs: [round(1000 * x, 3) for x in xs]  # noqa: E731
+    med = lambda xs: round(1000 * statistics.median(xs), 3)  # noqa: E731
     return {"failures": failures, "generations": group.stats.generations,
-            "decision_wall_ms": round(1000 * statistics.median(decision_wall), 3),
-            "decision_cpu_ms": round(1000 * statistics.median(decision_cpu), 3),
-            "plan_wall_ms": round(1000 * statistics.median(plan_wall), 3),
-            "plan_cpu_ms": round(1000 * statistics.median(plan_cpu), 3),
+            "decision_wall_ms": med(decision_wall), "decision_cpu_ms": med(decision_cpu),
+            "plan_wall_ms": med(plan_wall), "plan_cpu_ms": med(plan_cpu),
             "all_decision_wall_ms": ms(decision_wall), "all_plan_wall_ms": ms(plan_wall)}
 
 
@@ -157,14 +156,14 @@ def main() -> None:
     result: dict[str, Any] = {"poll_interval_s": POLL_S, "sizes": rows,
                               "goal": {"decision_ms_below": 1000 * GOAL_DECISION_S,
                                        "at_ranks": 4096}}
-    at_goal = [r for r in rows if r["ranks"] == 4096]
-    if at_goal:
+    if at_goal := [r for r in rows if r["ranks"] == 4096]:
         met = at_goal[0]["decision_wall_ms"] < 1000 * GOAL_DECISION_S
         result["goal"]["met"] = met
         print(f"goal: decision under 100 ms at 4,096 ranks: "
               f"{at_goal[0]['decision_wall_ms']:.1f} ms: {'MET' if met else 'NOT MET'}")
     if args.ray_actors:
         from bench.scale_ray import ray_polling
+
         result["ray"] = ray_polling(args.ray_actors, intervals=args.ray_intervals)
     common.write_json(args.out, result)
 

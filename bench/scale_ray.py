@@ -88,8 +88,7 @@ def time_polling(nodes: list[Node], poll_node: Callable[[Node], list[Any]], *,
         counts.append(sum(answers(g) for g in got))
     # An agent may answer before a member has: that answer goes into its next report, and
     # this interval counts one fewer.
-    return {"answers_per_interval": round(statistics.median(counts)),
-            "answers_min": min(counts),
+    return {"answers_per_interval": round(statistics.median(counts)), "answers_min": min(counts),
             "driver_wall_ms": round(1000 * statistics.median(walls), 2),
             "driver_cpu_ms": round(1000 * statistics.median(cpus), 2)}
 

@@ -1,7 +1,6 @@
 """Signing: what signed checkpoints cost a commit, and what verifying them costs a load.
 
-Exit code 1 only if the run failed or committed nothing.
-"""
+Exit code 1 only if the run failed or committed nothing."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Throughput: the reference task on 2 workers through stalwart against plain torchrun DDP.
 
-The exit code is 1 only if no comparison could be made.
-"""
+The exit code is 1 only if no comparison could be made."""
 
 from __future__ import annotations
 
@@ -14,8 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import common
-from bench.common import DDP_LAYOUT, FSDP_LAYOUT, fmt, ratio
-from bench.peers import torchrun
+from bench.common import DDP_LAYOUT, FSDP_LAYOUT, fmt, ratio, torchrun
 
 TARGET = 0.98
 WORKERS = 2
@@ -100,8 +98,7 @@ def main() -> int:
     rates = common.by_round(results, "runner")
     ratio_ddp, ratio_fsdp = print_table(rates, medians, runners, args.rounds)
     losses = loss_check(results, runners)
-    paired = common.paired(rates, "stalwart-ddp", "torchrun-ddp", args.rounds)
-    if paired:
+    if paired := common.paired(rates, "stalwart-ddp", "torchrun-ddp", args.rounds):
         print(f"paired ratios (stalwart DDP / torchrun DDP, same round): {common.spread(paired)}")
     met = ratio_ddp is not None and ratio_ddp >= TARGET
     if ratio_ddp is None:

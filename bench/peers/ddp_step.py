@@ -54,8 +54,7 @@ class DDPSetup:
         self.step, self.samples_seen = state["step"], state["samples_seen"]
 
     def rank_step(self, rank: int, world: int) -> tuple[float, int]:
-        """The next step on this rank's share of the global batch, in `accum` micro-batches:
-        (the loss summed over ranks, this rank's tokens)."""
+        """The next step on this rank's share: (the loss summed over ranks, this rank's tokens)."""
         ddp, task, data, accum, t = self.ddp, self.task, self.data, self.accum, self.train
         start, count = rank_slice(self.samples_seen, t.global_batch_size, rank, world)
         items = self.sampler.items(start, count)
@@ -83,8 +82,7 @@ class DDPSetup:
 
 
 def build_ddp(config: JobConfig, world: int) -> DDPSetup:
-    """The baseline's task, data (stalwart's token files: build_token_files takes a file lock,
-    so every rank may call it at once) and DDP model for a world of `world` ranks."""
+    """The baseline's task, data (file-locked: every rank may build it) and DDP model."""
     t = config.train
     task = build_task(config.task.path, config.task.args)
     files = build_token_files((Path(config.data.cache_dir) / "gpt-stdlib").expanduser(),
@@ -103,8 +101,7 @@ def build_ddp(config: JobConfig, world: int) -> DDPSetup:
 
 def torchrun_setup(config: str, overrides: list[str], steps: int | None
                    ) -> tuple[int, int, DDPSetup]:
-    """A torchrun process's (rank, world, baseline): gloo, and one compute thread, since the
-    ranks share the machine's cores."""
+    """(rank, world, baseline) of a torchrun process: gloo, one thread per rank."""
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     world = dist.get_world_size()

@@ -23,10 +23,9 @@ from stalwart.core.events import read_jsonl
 def ray_train(workdir: Path, loop: dict[str, Any], *, name: str, max_failures: int,
               head_cpus: int, worker_nodes: int = 0, torch_config: Any = None
               ) -> Iterator[tuple[Any, threading.Thread, dict[str, Any]]]:
-    """trainer.fit() of the loop on a thread, on a local Cluster that ends with the block:
-    (the cluster, the thread, fit_out: "start" when fit began, "error" None or its error).
-    RAY_ADDRESS in the job's env pins Ray Train's PlacementGroupCleaner to this cluster: with
-    no address it picks "the latest" Ray on the machine and may remove this run's group."""
+    """trainer.fit() on a thread, on a local Cluster that ends with the block: (the cluster, the
+    thread, fit_out: "start" when fit began, "error" None or its error). RAY_ADDRESS pins Ray
+    Train's PlacementGroupCleaner here: else it picks "the latest" Ray and may remove our group."""
     import ray
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
@@ -83,8 +82,7 @@ def read_fault(workdir: Path) -> dict[str, Any] | None:
 
 
 class _Watch:
-    """The harness's side of one run while it trains: the outside kill, the replacement node,
-    giving up on a hang Ray Train does not notice, and the timeout."""
+    """The harness during a run: the outside kill, a replacement node, giving up on a hang."""
 
     def __init__(self, workdir: Path, fault: str, fault_step: int, *, deadline: float,
                  timeout_s: float, hang_wait_s: float) -> None:
@@ -120,26 +118,22 @@ class _Watch:
         if self.aborted is not None and not (self.workdir / rw.STOP_FILE).exists():
             # Every train loop that sees the stop file returns; the stopped (or stuck) rank
             # gets SIGKILLed so that Ray Train tears the group down.
+            from stalwart.workers.node_agent import process_state
+
             self.abort_time = time.time()
             (self.workdir / rw.STOP_FILE).write_text(json.dumps({"time": self.abort_time,
                                                                  "reason": self.aborted}))
-            from stalwart.workers.node_agent import process_state
-
-            if info is not None and process_state(info["pid"]) == "T":
-                if harness.signal_pid(info["pid"], signal.SIGKILL):
-                    self.killed_pids.append(info["pid"])
+            if (info is not None and process_state(info["pid"]) == "T"
+                    and harness.signal_pid(info["pid"], signal.SIGKILL)):
+                self.killed_pids.append(info["pid"])
             self.deadline = time.time() + 120  # for the teardown itself
-        elif self.aborted is not None and now > self.deadline:
-            return False
-        return True
+        return self.aborted is None or now <= self.deadline
 
 
 def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: int,
                  workdir: Path, timeout_s: float, hang_wait_s: float, config: str | Path,
                  overrides: list[str]) -> dict[str, Any]:
-    """One Ray Train run of `steps` steps with one fault on rank 1 at the start of `fault_step`
-    (kill, hang, node or outside-kill); workdir (new) holds Ray Train's storage and the
-    workers' files; overrides: `--set` overrides of config."""
+    """One Ray Train run with one fault on rank 1 at the start of `fault_step`, measured."""
     import ray
     from ray.train.torch import TorchConfig
     from ray.train.v2._internal.constants import is_v2_enabled
@@ -168,10 +162,8 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
                    head_cpus=0 if node else rw.NUM_WORKERS,
                    worker_nodes=rw.NUM_WORKERS if node else 0,
                    torch_config=torch_config) as (watch.cluster, thread, fit_out):
-        while thread.is_alive():
+        while thread.is_alive() and watch.poll():
             thread.join(0.2 if watch.killer is None else harness.POLL_S)
-            if not watch.poll():
-                break
         try:  # Ray's session folder: its controller's log is there
             session_dir = ray._private.worker._global_node.get_session_dir_path()
         except Exception:
@@ -212,9 +204,8 @@ def _measure(result: dict[str, Any], watch: _Watch, steps: int,
         result["notes"].append(
             "node: rank 1 SIGKILLed its raylet, the raylet's other children and itself; the "
             "driver added a replacement 1-CPU node once the GCS reported the node dead.")
-    lost_ckpt = result.get("last_checkpoint_before_fault")
-    if (result["restored_from_step"] is not None and lost_ckpt is not None
-            and result["restored_from_step"] < lost_ckpt):
+    lost_ckpt, restored = result.get("last_checkpoint_before_fault"), result["restored_from_step"]
+    if None not in (restored, lost_ckpt) and restored < lost_ckpt:
         result["notes"].append(
             f"the checkpoint of step {lost_ckpt} was reported (and written to storage) before "
             f"the fault but never registered: the controller had not yet polled it from the "
@@ -228,8 +219,7 @@ def _measure(result: dict[str, Any], watch: _Watch, steps: int,
 
 def controller_events(session_dir: str | None, fault_time: float | None,
                       abort_time: float | None) -> dict[str, Any]:
-    """From Ray Train's controller log: when it decided on the failure (its FailurePolicy,
-    before the harness aborted the run: Ray Train's own detection), and what came after."""
+    """Ray Train's own detection (its FailurePolicy decision) and later controller lines."""
     out: dict[str, Any] = {"controller_failure_s": None, "controller_events": []}
     if session_dir is None or fault_time is None:
         return out
@@ -242,8 +232,7 @@ def controller_events(session_dir: str | None, fault_time: float | None,
                 continue
             if t < fault_time:
                 continue
-            msg = row.get("message", "").splitlines()
-            first = " ".join(m.strip() for m in msg[:2]) if msg else ""
+            first = " ".join(m.strip() for m in row.get("message", "").splitlines()[:2])
             out["controller_events"].append([round(t - fault_time, 3), first[:140]])
             if (out["controller_failure_s"] is None and first.startswith("[FailurePolicy]")
                     and (abort_time is None or t < abort_time)):
@@ -254,8 +243,7 @@ def controller_events(session_dir: str | None, fault_time: float | None,
 
 def analyse(workdir: Path, attempts: list[dict[str, Any]], info: dict[str, Any] | None,
             fault: str, node_info: dict[str, Any]) -> dict[str, Any]:
-    """From the workers' files: detection_s (fault -> the first train-loop start of a new
-    attempt), recovery_s (fault -> the first step completed after it) and lost_steps."""
+    """detection_s, recovery_s and lost_steps from the workers' files."""
     rows = read_jsonl(workdir / rw.STEPS_FILE)
     starts = [a for a in attempts if a["event"] == "start" and not a["stopping"]]
     readies = [a for a in attempts if a["event"] == "ready"]
@@ -283,15 +271,12 @@ def analyse(workdir: Path, attempts: list[dict[str, Any]], info: dict[str, Any] 
     out["last_checkpoint_before_fault"] = max(
         (c["step"] for c in read_jsonl(workdir / rw.CHECKPOINTS_FILE) if c["pid"] in old),
         default=None)
-    later = [a for a in starts if a["pid"] not in old]
-    if later:
+    if later := [a for a in starts if a["pid"] not in old]:
         out["detection_s"] = min(a["time"] for a in later) - ft
-    restored = [a for a in readies if a["pid"] not in old and a["rank"] == 0]
-    if restored:
+    if restored := [a for a in readies if a["pid"] not in old and a["rank"] == 0]:
         out["restored_from_step"] = min(restored, key=lambda a: a["time"])["restored_from"] or 0
         out["lost_steps"] = out["steps_before_fault"] - out["restored_from_step"]
-    after = [r for r in rows if r["pid"] not in old]
-    if after:
+    if after := [r for r in rows if r["pid"] not in old]:
         first_row = min(after, key=lambda r: r["time"])
         out.update(recovery_s=first_row["time"] - ft, first_step_after_fault=first_row["step"])
     if fault == "node":

@@ -64,9 +64,8 @@ def _inject(fault: str, workdir: Path) -> None:
     if fault == "hang":
         os.kill(me, signal.SIGSTOP)
         return
-    for pid in [row.get("raylet_pid"), *row.get("other_node_pids", []), me]:
-        if pid is not None:
-            signal_pid(pid, signal.SIGKILL)
+    for pid in filter(None, [row.get("raylet_pid"), *row.get("other_node_pids", []), me]):
+        signal_pid(pid, signal.SIGKILL)
 
 
 def _maybe_inject(cfg: dict[str, Any], rank: int, step: int, workdir: Path) -> None:

@@ -1,8 +1,7 @@
 """The baseline of bench/throughput.py: the reference task trained by hand with torch DDP.
 
 One process per rank under torchrun (ddp_step.py); rank 0 appends one JSON line to --out with
-the steady-state tokens/s (steps after --exclude) and the loss at every step.
-"""
+the steady-state tokens/s (steps after --exclude) and the loss at every step."""
 
 from __future__ import annotations
 

@@ -1,8 +1,7 @@
 """torchrun's side of the recovery benchmark: the reference task under `torchrun --max-restarts`,
 checkpointing (an atomic torch.save every --checkpoint-every steps) and resuming by hand.
 Rank 0 logs each step to WORKDIR/steps.jsonl; every rank logs its start (timed before torch is
-imported) and its restore to WORKDIR/attempts.jsonl.
-"""
+imported) and its restore to WORKDIR/attempts.jsonl."""
 
 # The start time is taken before the imports, which take seconds.
 # ruff: noqa: E402
@@ -20,8 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench.common import add_config_args, append_jsonl, parser, set_args, write_atomic
-from bench.peers import torchrun
+from bench.common import add_config_args, append_jsonl, parser, set_args, torchrun, write_atomic
 from bench.peers.ddp_step import torchrun_setup
 
 STEPS_FILE = "steps.jsonl"
