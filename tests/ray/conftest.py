@@ -1,10 +1,13 @@
-"""A failure-free reference run, shared by the ray-tier tests that compare against it."""
+"""What the ray-tier tests share: a Ray per test module for the runs made in the test's own
+process (tests.cli_helpers.stalwart_here), and a failure-free reference run to compare with."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
 
@@ -17,11 +20,33 @@ RUN = [*TINY, f"train.steps={STEPS}", "checkpoint.persist_every=10", "checkpoint
 NO_SPARE = "scaling.spare_workers=0"
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """A Ray as `stalwart run` starts its own on this machine (stalwart.cluster: its system
+    config, its cores plus one for the example's warm spare), shared by a module's runs."""
+    import ray
+
+    from stalwart.cluster import connect
+
+    started = connect(None, num_cpus=(os.cpu_count() or 1) + 1)
+    yield
+    if started:
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def straight_run(tmp_path_factory) -> Path:
     """Run dir of an uninterrupted run of RUN (same seed as every test's run). No warm spare:
-    nothing fails, and a spare never trains."""
-    cwd = tmp_path_factory.mktemp("straight")
-    stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN, NO_SPARE), "--run-dir", "straight",
-             cwd=cwd)
+    nothing fails, and a spare never trains. Made once for all of pytest-xdist's workers:
+    the first to need it runs it under a lock in their shared temp root."""
+    root = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        root = root.parent  # this session's root, above each worker's own
+    cwd, done = root / "straight", root / "straight.done"
+    with FileLock(str(root / "straight.lock")):
+        if not done.exists():
+            cwd.mkdir(exist_ok=True)
+            stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN, NO_SPARE), "--run-dir",
+                     "straight", cwd=cwd)
+            done.touch()
     return cwd / "straight"

@@ -14,10 +14,10 @@ import pytest
 from stalwart.checkpointing.storage.layout import step_dir_name
 from stalwart.checkpointing.storage.writer import write_manifest
 from stalwart.core.events import read_jsonl
-from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
+from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart_here
 from tests.keys import signing_key
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("local_ray")]
 
 RUN = [*TINY, "scaling.num_workers=2", "checkpoint.persist_every=2", "checkpoint.keep_last=3",
        "checkpoint.async_save=false", "run.log_every=1", "data.val_every=100",
@@ -25,11 +25,11 @@ RUN = [*TINY, "scaling.num_workers=2", "checkpoint.persist_every=2", "checkpoint
 
 
 @pytest.fixture(scope="module")
-def six_steps(tmp_path_factory) -> Path:
+def six_steps(tmp_path_factory, local_ray) -> Path:
     """One 6-step run, committed at steps 2, 4 and 6, that each test damages a copy of."""
     cwd = tmp_path_factory.mktemp("six")
-    stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN, "train.steps=6"), "--run-dir", "run",
-             cwd=cwd)
+    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*RUN, "train.steps=6"), "--run-dir", "run",
+                  cwd=cwd)
     return cwd / "run"
 
 
@@ -58,8 +58,8 @@ def test_resume_skips_a_checkpoint_that_fails_to_load(run, tmp_path) -> None:
     assert owner["run_id"] == (run / "run_id").read_text().strip()
     _garble_and_recommit(storage, 6)
 
-    stalwart("run", config, *sets(*RUN, "train.steps=8"), "--run-dir", "run", "--resume",
-             cwd=tmp_path)
+    stalwart_here("run", config, *sets(*RUN, "train.steps=8"), "--run-dir", "run", "--resume",
+                  cwd=tmp_path)
     events = read_jsonl(run / "events.jsonl")
     skipped = [e for e in events if e["kind"] == "checkpoint_skipped"]
     assert [e["step"] for e in skipped] == [6]
@@ -76,8 +76,8 @@ def test_resume_with_every_checkpoint_damaged_names_each(run, tmp_path) -> None:
     for step in (2, 4, 6):
         shard = storage / step_dir_name(step) / "__1_0.distcp"
         shard.write_bytes(shard.read_bytes()[:-1])
-    proc = stalwart("run", config, *sets(*RUN, "train.steps=8"), "--run-dir", "run",
-                    "--resume", cwd=tmp_path, check=2)
+    proc = stalwart_here("run", config, *sets(*RUN, "train.steps=8"), "--run-dir", "run",
+                         "--resume", cwd=tmp_path, check=2)
     (line,) = proc.stderr.strip().splitlines()
     assert line.startswith("stalwart: error: --resume: checkpoints were committed under ")
     assert "but none verifies" in line
@@ -95,14 +95,14 @@ def test_resume_from_unsigned_checkpoints_needs_trust_unsigned(run, tmp_path) ->
         path.write_text(json.dumps(manifest))
     before = (run / "events.jsonl").read_bytes()
 
-    refused = stalwart("run", config, *sets(*RUN, "train.steps=8"), "--run-dir", "run",
-                       "--resume", cwd=tmp_path, check=2)
+    refused = stalwart_here("run", config, *sets(*RUN, "train.steps=8"), "--run-dir", "run",
+                            "--resume", cwd=tmp_path, check=2)
     assert "none verifies" in refused.stderr and "step_000000006" in refused.stderr
     assert "it is not signed; --trust-unsigned accepts it" in refused.stderr
     assert (run / "events.jsonl").read_bytes() == before
 
-    stalwart("run", config, *sets(*RUN, "train.steps=8"), "--run-dir", "run", "--resume",
-             "--trust-unsigned", cwd=tmp_path)
+    stalwart_here("run", config, *sets(*RUN, "train.steps=8"), "--run-dir", "run", "--resume",
+                  "--trust-unsigned", cwd=tmp_path)
     events = read_jsonl(run / "events.jsonl")
     accepted = [e for e in events if e["kind"] == "unsigned_checkpoint_accepted"]
     assert [(e["step"], e["why"]) for e in accepted] == [(6, "it is not signed")]

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from stalwart.core.events import read_jsonl
-from tests.cli_helpers import sets, stalwart
+from tests.cli_helpers import sets, stalwart_here
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300), pytest.mark.usefixtures("local_ray")]
 
 pytest.importorskip("sklearn")
 
@@ -25,8 +25,8 @@ DIGITS_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "digits" / "c
 ])
 def test_digits_example_trains_to_a_low_val_loss(tmp_path, layout) -> None:
     run_dir = tmp_path / "run"
-    stalwart("run", str(DIGITS_CONFIG), *sets(*layout), "--run-dir", str(run_dir),
-             cwd=tmp_path)
+    stalwart_here("run", str(DIGITS_CONFIG), *sets(*layout), "--run-dir", str(run_dir),
+                  cwd=tmp_path)
 
     events = read_jsonl(run_dir / "events.jsonl")
     assert events[-1]["kind"] == "finished" and events[-1]["step"] == 300, events[-1]
@@ -50,7 +50,7 @@ def test_keep_best_keeps_the_checkpoint_of_the_best_val_accuracy(tmp_path) -> No
     """checkpoint.keep_best by the task's own metric: the newest checkpoint, and the one whose
     step had the highest val_accuracy, whatever its age; the manifests record the metrics."""
     run_dir = tmp_path / "run"
-    stalwart("run", str(DIGITS_CONFIG), *sets(
+    stalwart_here("run", str(DIGITS_CONFIG), *sets(
         "train.steps=200", "checkpoint.persist_every=25", "data.val_every=25",
         "checkpoint.keep_last=1", "checkpoint.keep_best=1",
         "checkpoint.best_metric=val_accuracy", "checkpoint.best_mode=max"),

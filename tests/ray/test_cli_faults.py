@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import textwrap
 
 import pytest
@@ -15,16 +14,15 @@ from stalwart.checkpointing.storage.catalog import committed_checkpoints, verify
 from stalwart.core.events import read_jsonl
 from tests.cli_helpers import (
     REFERENCE_CONFIG,
-    STALWART,
     sets,
-    stalwart,
+    stalwart_here,
     wait_for_step,
 )
 from tests.keys import trust
 from tests.ray.conftest import RUN, STEPS
 from tests.ray.helpers import assert_same_weights, events_of, only
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("local_ray")]
 
 FAST_HANG = ["failure.hang_timeout_floor_s=3"]
 
@@ -40,18 +38,14 @@ def survivors_kept(events, replaced_rank):
 
 def test_sigstopped_worker_is_detected_as_hung_and_replaced(tmp_path, straight_run):
     run_dir = tmp_path / "stopped"
-    proc = subprocess.Popen([STALWART, "run", str(REFERENCE_CONFIG),
-                             *sets(*RUN, *FAST_HANG, "failure.max_failures=1"),
-                             "--run-dir", "stopped"], cwd=tmp_path, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_step(run_dir / "metrics.jsonl", 15, proc)
+
+    def stop_rank_1() -> None:
+        wait_for_step(run_dir / "metrics.jsonl", 15, None)
         (workers,) = [e["workers"] for e in events_of(run_dir) if e["kind"] == "workers_started"]
         os.kill(workers[1]["pid"], signal.SIGSTOP)  # alive, silent, holding its peer
-        out, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, f"{out}\n{err}"
+
+    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*RUN, *FAST_HANG, "failure.max_failures=1"),
+                  "--run-dir", "stopped", cwd=tmp_path, during=stop_rank_1)
     events = events_of(run_dir)
     failure = only(events, "failure")
     assert failure["failure_kind"] == "hang" and failure["ranks"] == [1] and failure["retry"]
@@ -65,8 +59,8 @@ def test_sigstopped_worker_is_detected_as_hung_and_replaced(tmp_path, straight_r
 
 
 def test_injected_kill_recovers_in_place_from_memory_bit_identical(tmp_path, straight_run):
-    stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN, "failure.max_failures=1"),
-             "--inject", "kill:rank=1,step=25", "--run-dir", "killed", cwd=tmp_path)
+    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*RUN, "failure.max_failures=1"),
+                  "--inject", "kill:rank=1,step=25", "--run-dir", "killed", cwd=tmp_path)
     events = events_of(tmp_path / "killed")
     fault = only(events, "fault_injected")
     assert fault == {**fault, "fault": "kill:rank=1,step=25", "rank": 1, "step": 25}
@@ -90,10 +84,10 @@ def test_injected_kill_recovers_in_place_from_memory_bit_identical(tmp_path, str
 
 def test_raise_is_retried_when_configured(tmp_path, straight_run):
     # With the memory tier off: the recovery restores the newest storage checkpoint.
-    stalwart("run", str(REFERENCE_CONFIG),
-             *sets(*RUN, "failure.max_failures=1", "failure.retry_user_errors=true",
+    stalwart_here("run", str(REFERENCE_CONFIG),
+                  *sets(*RUN, "failure.max_failures=1", "failure.retry_user_errors=true",
                    "checkpoint.snapshot_every=0"),
-             "--inject", "raise:rank=1,step=25", "--run-dir", "raised", cwd=tmp_path)
+                  "--inject", "raise:rank=1,step=25", "--run-dir", "raised", cwd=tmp_path)
     events = events_of(tmp_path / "raised")
     failure = only(events, "failure")
     assert failure["failure_kind"] == "user_error" and failure["retry"]
@@ -106,17 +100,17 @@ def test_raise_is_retried_when_configured(tmp_path, straight_run):
 
 
 def test_raise_is_not_retried_by_default(tmp_path):
-    proc = stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN, "failure.max_failures=3"),
-                    "--inject", "raise:rank=0,step=12", "--run-dir", "raised", cwd=tmp_path,
-                    check=1)
+    proc = stalwart_here("run", str(REFERENCE_CONFIG), *sets(*RUN, "failure.max_failures=3"),
+                         "--inject", "raise:rank=0,step=12", "--run-dir", "raised", cwd=tmp_path,
+                         check=1)
     assert "InjectedFault: injected fault raise:rank=0,step=12" in proc.stdout
     events = events_of(tmp_path / "raised")
     assert only(events, "failure")["retry"] is False and events[-1]["kind"] == "failed"
 
 
 def test_preemption_checkpoints_then_resizes_without_losing_a_step(tmp_path, straight_run):
-    stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN), "--inject", "term:rank=1,step=33",
-             "--run-dir", "preempted", cwd=tmp_path)
+    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*RUN), "--inject", "term:rank=1,step=33",
+                  "--run-dir", "preempted", cwd=tmp_path)
     run_dir = tmp_path / "preempted"
     events = events_of(run_dir)
     assert not [e for e in events if e["kind"] == "failure"]  # planned, not a failure
@@ -133,9 +127,9 @@ def test_preemption_checkpoints_then_resizes_without_losing_a_step(tmp_path, str
 
 
 def test_failures_past_the_budget_fail_with_checkpoints_intact(tmp_path):
-    proc = stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN, "failure.max_failures=1"),
-                    "--inject", "kill:rank=1,step=15", "--inject", "kill:rank=0,step=35",
-                    "--run-dir", "budget", cwd=tmp_path, check=1)
+    proc = stalwart_here("run", str(REFERENCE_CONFIG), *sets(*RUN, "failure.max_failures=1"),
+                         "--inject", "kill:rank=1,step=15", "--inject", "kill:rank=0,step=35",
+                         "--run-dir", "budget", cwd=tmp_path, check=1)
     events = events_of(tmp_path / "budget")
     failures = [e for e in events if e["kind"] == "failure"]
     assert [f["retry"] for f in failures] == [True, False]
@@ -186,10 +180,10 @@ def test_kill_during_a_storage_write_keeps_the_last_commit(tmp_path):
     storage = f"slowfile://{tmp_path / 'ckpt'}"
     # Step 20's shards take 4 s to write in the background; step 22 starts at once and
     # kills rank 1 mid-write.
-    stalwart("run", str(REFERENCE_CONFIG),
-             *sets(*RUN, "train.steps=40", "task.path=slow_storage:SlowStorageTask",
+    stalwart_here("run", str(REFERENCE_CONFIG),
+                  *sets(*RUN, "train.steps=40", "task.path=slow_storage:SlowStorageTask",
                    f'checkpoint.storage="{storage}"', "failure.max_failures=1"),
-             "--inject", "kill:rank=1,step=22", "--run-dir", "slow", cwd=tmp_path)
+                  "--inject", "kill:rank=1,step=22", "--run-dir", "slow", cwd=tmp_path)
     events = events_of(tmp_path / "slow")
     failure = only(events, "failure")
     committed_before = [e["step"] for e in events[:events.index(failure)]

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from stalwart.core.events import read_jsonl
-from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
+from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart_here
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("local_ray")]
 
 # Four workers on two cores; an untied GPT with four blocks can take every layout.
 FOUR = [*TINY, "scaling.num_workers=4", "scaling.cpus_per_worker=0.5",
@@ -19,13 +19,13 @@ FOUR = [*TINY, "scaling.num_workers=4", "scaling.cpus_per_worker=0.5",
 def test_resume_a_fsdp_run_as_tensor_x_pipeline_parallel(tmp_path):
     config = str(REFERENCE_CONFIG)
     fsdp = ["parallel.dp_replicate=1", "parallel.dp_shard=4"]
-    stalwart("run", config, *sets(*FOUR, *fsdp, "train.steps=6"), "--run-dir", "run",
-             cwd=tmp_path)
+    stalwart_here("run", config, *sets(*FOUR, *fsdp, "train.steps=6"), "--run-dir", "run",
+                  cwd=tmp_path)
 
     tp_pp = ["parallel.dp_replicate=1", "parallel.dp_shard=1", "parallel.tp=2", "parallel.pp=2",
              "parallel.pp_schedule=interleaved_1f1b"]
-    stalwart("run", config, *sets(*FOUR, *tp_pp, "train.steps=12"), "--run-dir", "run",
-             "--resume", cwd=tmp_path)
+    stalwart_here("run", config, *sets(*FOUR, *tp_pp, "train.steps=12"), "--run-dir", "run",
+                  "--resume", cwd=tmp_path)
 
     events = read_jsonl(tmp_path / "run" / "events.jsonl")
     (resumed,) = [e for e in events if e["kind"] == "resumed"]

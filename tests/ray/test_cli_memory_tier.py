@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 
 from stalwart.core.events import read_jsonl
-from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
+from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart_here
 from tests.ray.helpers import assert_same_weights, only
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("local_ray")]
 
 SHARDED = [*TINY, "train.steps=40", "checkpoint.persist_every=10", "checkpoint.keep_last=0",
            "run.log_every=1", "data.val_every=0", "parallel.dp_replicate=1",
@@ -21,16 +21,16 @@ SHARDED = [*TINY, "train.steps=40", "checkpoint.persist_every=10", "checkpoint.k
 
 
 @pytest.fixture(scope="module")
-def sharded_run(tmp_path_factory):
+def sharded_run(tmp_path_factory, local_ray):
     """A failure-free run of SHARDED: what every recovered run must end up equal to."""
     cwd = tmp_path_factory.mktemp("sharded")
-    stalwart("run", str(REFERENCE_CONFIG), *sets(*SHARDED), "--run-dir", "straight", cwd=cwd)
+    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*SHARDED), "--run-dir", "straight", cwd=cwd)
     return cwd / "straight"
 
 
 def run_with(tmp_path, fault: str, name: str) -> list[dict]:
-    stalwart("run", str(REFERENCE_CONFIG), *sets(*SHARDED), "--inject", fault,
-             "--run-dir", name, cwd=tmp_path)
+    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*SHARDED), "--inject", fault,
+                  "--run-dir", name, cwd=tmp_path)
     return read_jsonl(tmp_path / name / "events.jsonl")
 
 
@@ -79,9 +79,9 @@ def test_a_kill_during_a_snapshot_restores_the_previous_step(tmp_path, sharded_r
 def test_replicas_are_made_again_after_a_recovery(tmp_path, sharded_run):
     # The second kill takes the rank that holds, since the first recovery, the replica of
     # the other's shard: the new world must have replicated its snapshots anew.
-    stalwart("run", str(REFERENCE_CONFIG), *sets(*SHARDED, "failure.max_failures=2"),
-             "--inject", "kill:rank=1,step=15", "--inject", "kill:rank=0,step=32",
-             "--run-dir", "twice", cwd=tmp_path)
+    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*SHARDED, "failure.max_failures=2"),
+                  "--inject", "kill:rank=1,step=15", "--inject", "kill:rank=0,step=32",
+                  "--run-dir", "twice", cwd=tmp_path)
     events = read_jsonl(tmp_path / "twice" / "events.jsonl")
     recovered = [e for e in events if e["kind"] == "recovered"]
     assert [(e["source"], e["from_step"], e["lost_steps"]) for e in recovered] == [
@@ -90,9 +90,9 @@ def test_replicas_are_made_again_after_a_recovery(tmp_path, sharded_run):
 
 
 def test_a_tier_that_cannot_fit_fails_with_the_setting_named(tmp_path):
-    proc = stalwart("run", str(REFERENCE_CONFIG),
-                    *sets(*SHARDED, "checkpoint.memory_limit_gb=0.0001"),
-                    "--run-dir", "too-big", cwd=tmp_path, check=1)
+    proc = stalwart_here("run", str(REFERENCE_CONFIG),
+                         *sets(*SHARDED, "checkpoint.memory_limit_gb=0.0001"),
+                         "--run-dir", "too-big", cwd=tmp_path, check=1)
     assert "the in-memory checkpoint tier needs about" in proc.stdout
     assert "more than checkpoint.memory_limit_gb allows (0.00 GiB)" in proc.stdout
     events = read_jsonl(tmp_path / "too-big" / "events.jsonl")

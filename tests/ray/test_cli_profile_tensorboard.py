@@ -11,17 +11,17 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from stalwart.core.events import read_jsonl
-from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
+from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart_here
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(180), pytest.mark.usefixtures("local_ray")]
 
 
 def test_profile_and_tensorboard(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    stalwart("run", str(REFERENCE_CONFIG),
-             *sets(*TINY, "train.steps=12", "scaling.spare_workers=0", "run.log_every=2",
+    stalwart_here("run", str(REFERENCE_CONFIG),
+                  *sets(*TINY, "train.steps=12", "scaling.spare_workers=0", "run.log_every=2",
                    "run.tensorboard=true"),
-             "--profile", "5-6", "--run-dir", str(run_dir), cwd=tmp_path)
+                  "--profile", "5-6", "--run-dir", str(run_dir), cwd=tmp_path)
 
     events = read_jsonl(run_dir / "events.jsonl")
     assert events[-1]["kind"] == "finished", events[-1]
@@ -59,11 +59,11 @@ def test_a_failure_inside_the_window_is_traced_again_by_the_recovered_world(
     """Rank 1 is killed at the start of step 6: generation 0's trace (step 5 and a broken
     step 6) is dropped, generation 1 restores step 5 from memory and traces steps 6-7."""
     run_dir = tmp_path / "run"
-    stalwart("run", str(REFERENCE_CONFIG),
-             *sets(*TINY, "train.steps=9", "scaling.spare_workers=1", "failure.max_failures=1",
+    stalwart_here("run", str(REFERENCE_CONFIG),
+                  *sets(*TINY, "train.steps=9", "scaling.spare_workers=1", "failure.max_failures=1",
                    "data.val_every=0"),
-             "--inject", "kill:rank=1,step=6", "--profile", "5-7", "--run-dir", str(run_dir),
-             cwd=tmp_path)
+                  "--inject", "kill:rank=1,step=6", "--profile", "5-7", "--run-dir", str(run_dir),
+                  cwd=tmp_path)
 
     events = read_jsonl(run_dir / "events.jsonl")
     assert events[-1]["kind"] == "finished", events[-1]

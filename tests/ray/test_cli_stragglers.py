@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
+from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart_here
 from tests.ray.helpers import events_of, only
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300), pytest.mark.usefixtures("local_ray")]
 
 # DDP on 2 workers (the layout whose local time is exact), a row every step.
 RUN = [*TINY, "train.steps=40", "run.log_every=1", "data.val_every=0",
@@ -16,8 +16,8 @@ RUN = [*TINY, "train.steps=40", "run.log_every=1", "data.val_every=0",
 
 
 def test_a_slow_rank_is_reported(tmp_path) -> None:
-    stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN, "scaling.spare_workers=0"),
-             "--inject", "slow:rank=1,step=10", "--run-dir", "slow", cwd=tmp_path)
+    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*RUN, "scaling.spare_workers=0"),
+                  "--inject", "slow:rank=1,step=10", "--run-dir", "slow", cwd=tmp_path)
     events = events_of(tmp_path / "slow")
     straggler = only(events, "straggler")  # reported once, not on every later step
     assert straggler["rank"] == 1 and straggler["replaced"] is False
@@ -28,10 +28,10 @@ def test_a_slow_rank_is_reported(tmp_path) -> None:
 
 
 def test_a_straggler_is_replaced_when_configured(tmp_path) -> None:
-    stalwart("run", str(REFERENCE_CONFIG),
-             *sets(*RUN, "scaling.spare_workers=1", "failure.replace_stragglers=true",
+    stalwart_here("run", str(REFERENCE_CONFIG),
+                  *sets(*RUN, "scaling.spare_workers=1", "failure.replace_stragglers=true",
                    "failure.max_failures=1"),
-             "--inject", "slow:rank=1,step=10", "--run-dir", "replaced", cwd=tmp_path)
+                  "--inject", "slow:rank=1,step=10", "--run-dir", "replaced", cwd=tmp_path)
     events = events_of(tmp_path / "replaced")
     assert only(events, "straggler")["replaced"] is True
     failure = only(events, "failure")

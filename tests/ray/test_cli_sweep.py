@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from stalwart.core.events import read_jsonl
-from tests.cli_helpers import REFERENCE_CONFIG, TINY, stalwart
+from tests.cli_helpers import REFERENCE_CONFIG, TINY, stalwart_here
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(400)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(400), pytest.mark.usefixtures("local_ray")]
 
 # One worker per trial, a metrics row and a checkpoint every 5 steps.
 JOB = [*TINY, "scaling.num_workers=1", "scaling.spare_workers=0", "data.val_every=0",
@@ -48,7 +48,7 @@ type = "asha"
 grace_period = 5
 reduction_factor = 2
 ''', steps=20)
-    out = stalwart("sweep", str(sweep), cwd=tmp_path, timeout=300).stdout
+    out = stalwart_here("sweep", str(sweep), cwd=tmp_path).stdout
     results = _results(tmp_path, "asha")
     by_lr = {t["params"]["train.lr"]: t for t in results["trials"]}
     assert by_lr[1e-2]["state"] == "finished" and by_lr[1e-2]["step"] == 20
@@ -69,9 +69,9 @@ reduction_factor = 2
             assert registered[-1] == 20 and set(registered) <= {5, 10, 15, 20}
             assert len(list(trial.glob("checkpoint_*/manifest.json"))) == len(registered)
 
-    again = stalwart("sweep", str(sweep), cwd=tmp_path, check=2)
+    again = stalwart_here("sweep", str(sweep), cwd=tmp_path, check=2)
     assert "already holds a sweep; pass --resume" in again.stderr
-    resumed = stalwart("sweep", str(sweep), "--resume", cwd=tmp_path, timeout=300).stdout
+    resumed = stalwart_here("sweep", str(sweep), "--resume", cwd=tmp_path).stdout
     assert "--set train.lr=0.01" in resumed
 
 
@@ -92,7 +92,7 @@ synch = true
 [scheduler.mutations]
 "train.lr" = { loguniform = [1e-3, 1e-2] }
 ''', steps=15)
-    stalwart("sweep", str(sweep), cwd=tmp_path, timeout=300)
+    stalwart_here("sweep", str(sweep), cwd=tmp_path)
     exploits = [json.loads(line) for line in
                 (tmp_path / "sweeps" / "pbt" / "pbt_global.txt").read_text().splitlines()]
     assert exploits, "PBT never exploited"
