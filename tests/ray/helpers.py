@@ -3,6 +3,7 @@ samples a run's final weights were trained on."""
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import time
 from pathlib import Path
@@ -21,14 +22,15 @@ ELASTIC = [*TINY, "train.steps=60", "checkpoint.persist_every=10", "checkpoint.k
            "failure.hang_timeout_floor_s=3", "scaling.spare_workers=0"]
 
 
-def wait_for_event(events: Path, kind: str, proc: subprocess.Popen,
+def wait_for_event(events: Path, kind: str, proc: subprocess.Popen | None,
                    timeout: float = 180) -> dict[str, Any]:
+    """The first `kind` event of the run `proc` (None: a run in this process) is making."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         found = [e for e in read_jsonl(events) if e["kind"] == kind] if events.exists() else []
         if found:
             return found[0]
-        if proc.poll() is not None:
+        if proc is not None and proc.poll() is not None:
             raise AssertionError(f"the run ended before a {kind} event:\n"
                                  f"{proc.stdout.read() if proc.stdout else ''}")
         time.sleep(0.1)
@@ -84,3 +86,18 @@ def local_cluster(worker_nodes: int, cpus: int = 2):
         c.add_node(num_cpus=cpus)
     c.wait_for_nodes()
     return c
+
+
+@contextlib.contextmanager
+def driving(cluster):
+    """This process joined to `cluster` as `stalwart run --address` joins it: the driver of
+    the runs a test makes here (tests.cli_helpers.stalwart_here)."""
+    import ray
+
+    from stalwart.cluster import connect
+
+    connect(cluster.address, num_cpus=0)
+    try:
+        yield cluster
+    finally:
+        ray.shutdown()

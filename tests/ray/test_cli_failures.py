@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 import textwrap
 
 import pytest
@@ -14,36 +13,31 @@ import torch
 from stalwart.core.events import read_jsonl
 from tests.cli_helpers import (
     REFERENCE_CONFIG,
-    STALWART,
     exported_weights,
     sets,
-    stalwart,
+    stalwart_here,
     wait_for_commit,
     wait_for_step,
 )
 from tests.ray.conftest import RUN
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("local_ray")]
 
 
 def test_killed_worker_restarts_from_checkpoint_with_identical_result(tmp_path, straight_run):
     run_dir = tmp_path / "killed"
-    # The storage tier alone (memory tier off): the kill costs the steps since its last save.
-    proc = subprocess.Popen([STALWART, "run", str(REFERENCE_CONFIG),
-                             *sets(*RUN, "failure.max_failures=1", "checkpoint.snapshot_every=0"),
-                             "--run-dir", "killed"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        wait_for_step(run_dir / "metrics.jsonl", 15, proc)
-        wait_for_commit(run_dir, proc)  # the kill must find a checkpoint to restore
+
+    def kill_rank_1() -> None:
+        wait_for_step(run_dir / "metrics.jsonl", 15, None)
+        wait_for_commit(run_dir, None)  # the kill must find a checkpoint to restore
         (workers,) = [e["workers"] for e in read_jsonl(run_dir / "events.jsonl")
                       if e["kind"] == "workers_started"]
         os.kill(workers[1]["pid"], signal.SIGKILL)  # a real process death, by its own PID
-        out, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, f"{out}\n{err}"
+
+    # The storage tier alone (memory tier off): the kill costs the steps since its last save.
+    stalwart_here("run", str(REFERENCE_CONFIG),
+                  *sets(*RUN, "failure.max_failures=1", "checkpoint.snapshot_every=0"),
+                  "--run-dir", "killed", cwd=tmp_path, during=kill_rank_1)
 
     events = read_jsonl(run_dir / "events.jsonl")
     kinds = [e["kind"] for e in events]
@@ -87,9 +81,9 @@ EXPLODING_TASK = textwrap.dedent('''
 def test_user_exception_fails_fast_with_traceback(tmp_path):
     # The task lives next to the user, not in an installed package: workers must find it too.
     (tmp_path / "my_tasks.py").write_text(EXPLODING_TASK)
-    proc = stalwart("run", str(REFERENCE_CONFIG),
-                    *sets(*RUN, "task.path=my_tasks:ExplodingTask", "failure.max_failures=3"),
-                    "--run-dir", "exploding", cwd=tmp_path, check=1)
+    proc = stalwart_here("run", str(REFERENCE_CONFIG),
+                         *sets(*RUN, "task.path=my_tasks:ExplodingTask", "failure.max_failures=3"),
+                         "--run-dir", "exploding", cwd=tmp_path, check=1)
     assert "ValueError: user bug after 6 micro-batches" in proc.stdout
     assert "my_tasks.py" in proc.stdout  # the user's own frame is in the traceback
     events = read_jsonl(tmp_path / "exploding" / "events.jsonl")

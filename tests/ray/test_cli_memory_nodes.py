@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
 
 import pytest
 
@@ -17,14 +16,13 @@ from stalwart.core.events import read_jsonl
 from stalwart.workers.faults import children_of
 from tests.cli_helpers import (
     REFERENCE_CONFIG,
-    STALWART,
     TINY,
     sets,
-    stalwart,
+    stalwart_here,
     wait_for_commit,
     wait_for_step,
 )
-from tests.ray.helpers import events_of, local_cluster, only
+from tests.ray.helpers import driving, events_of, local_cluster, only
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -41,16 +39,17 @@ def cluster():
     """A driver-only head node and three worker nodes of 2 CPUs each."""
     c = local_cluster(3)
     try:
-        yield c
+        with driving(c):
+            yield c
     finally:
         c.shutdown()
 
 
 def test_a_lost_node_is_restored_from_replicas_resharded(tmp_path, cluster):
     run_dir = tmp_path / "node-lost"
-    stalwart("run", str(REFERENCE_CONFIG), *sets(*SHARDED4), "--address", cluster.address,
-             "--inject", "kill-node:node=2,step=15", "--run-dir", "node-lost", cwd=tmp_path,
-             timeout=600)
+    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*SHARDED4), "--address",
+                  cluster.address, "--inject", "kill-node:node=2,step=15", "--run-dir",
+                  "node-lost", cwd=tmp_path)
     events = events_of(run_dir)
     print(*[{k: v for k, v in e.items() if k not in ("workers", "message")} for e in events],
           sep="\n")  # shown when the test fails
@@ -109,14 +108,10 @@ def _three_live_nodes(cluster) -> None:
 def test_two_adjacent_nodes_lost_falls_back_to_storage(tmp_path, cluster):
     _three_live_nodes(cluster)  # whatever an earlier test left
     run_dir = tmp_path / "two-lost"
-    proc = subprocess.Popen(
-        [STALWART, "run", str(REFERENCE_CONFIG), *sets(*SHARDED4, "scaling.wait_for_workers_s=60"),
-         "--address",
-         cluster.address, "--run-dir", "two-lost"], cwd=tmp_path, stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE, text=True)
-    try:
-        wait_for_step(run_dir / "metrics.jsonl", 15, proc)
-        wait_for_commit(run_dir, proc)  # storage must hold a step for the fallback to load
+
+    def kill_rank_0_and_its_replica() -> None:
+        wait_for_step(run_dir / "metrics.jsonl", 15, None)
+        wait_for_commit(run_dir, None)  # storage must hold a step for the fallback to load
         (workers,) = [e["workers"] for e in events_of(run_dir) if e["kind"] == "workers_started"]
         nodes = [w["node_id"] for w in workers]
         # Rank 0's node and the node holding its replica: both go, and rank 0's shard with
@@ -125,10 +120,10 @@ def test_two_adjacent_nodes_lost_falls_back_to_storage(tmp_path, cluster):
         lost = {nodes[0], nodes[holder]}
         assert len(lost) == 2, f"rank 0's replica should be on another node: {nodes}"
         _kill_nodes_at_once(cluster, lost)
-        out, err = proc.communicate(timeout=600)
-    finally:
-        proc.kill()
-    assert proc.returncode == 0, f"{out}\n{err}"
+
+    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*SHARDED4, "scaling.wait_for_workers_s=60"),
+                  "--address", cluster.address, "--run-dir", "two-lost", cwd=tmp_path,
+                  during=kill_rank_0_and_its_replica)
     events = events_of(run_dir)
     print(*[{k: v for k, v in e.items() if k not in ("workers", "message")} for e in events],
           sep="\n")  # shown when the test fails
@@ -164,9 +159,9 @@ def test_a_frozen_node_is_noticed_within_a_second_and_restored_from_replicas(tmp
     _three_live_nodes(cluster)  # whatever an earlier test left
     run_dir = tmp_path / "node-frozen"
     try:
-        stalwart("run", str(REFERENCE_CONFIG), *sets(*SHARDED4), "--address", cluster.address,
-                 "--inject", "freeze-node:node=2,step=25", "--run-dir", "node-frozen",
-                 cwd=tmp_path, timeout=600)
+        stalwart_here("run", str(REFERENCE_CONFIG), *sets(*SHARDED4), "--address",
+                      cluster.address, "--inject", "freeze-node:node=2,step=25", "--run-dir",
+                      "node-frozen", cwd=tmp_path)
     finally:
         _thaw_and_forget_frozen(cluster)
     events = events_of(run_dir)

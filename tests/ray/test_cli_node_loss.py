@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from stalwart.core.events import read_jsonl
-from tests.cli_helpers import REFERENCE_CONFIG, STALWART, exported_weights, sets, stalwart
-from tests.ray.helpers import ELASTIC, consumed_samples, local_cluster, wait_for_event
+from tests.cli_helpers import REFERENCE_CONFIG, STALWART, exported_weights, sets, stalwart_here
+from tests.ray.helpers import ELASTIC, consumed_samples, driving, local_cluster, wait_for_event
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -40,7 +40,8 @@ def cluster():
     """A driver-only head node and two worker nodes of 2 CPUs each."""
     c = local_cluster(2)
     try:
-        yield c
+        with driving(c):
+            yield c
     finally:
         c.shutdown()
 
@@ -48,9 +49,12 @@ def cluster():
 def test_node_loss_shrinks_then_grows_back_bit_identical(tmp_path, cluster):
     (tmp_path / "patient_task.py").write_text(PATIENT_TASK)
     reference = tmp_path / "reference"
-    stalwart("run", str(REFERENCE_CONFIG), *sets(*REFERENCE4, "scaling.cpus_per_worker=0.5"),
-             "--run-dir", "reference", cwd=tmp_path, timeout=300)
+    stalwart_here("run", str(REFERENCE_CONFIG),
+                  *sets(*REFERENCE4, "scaling.cpus_per_worker=0.5"), "--address",
+                  cluster.address, "--run-dir", "reference", cwd=tmp_path)
 
+    # A process of its own: Ray adds a node from the main thread only, and the test's is
+    # free to do so while this run trains.
     run_dir = tmp_path / "node-loss"
     proc = subprocess.Popen(
         [STALWART, "run", str(REFERENCE_CONFIG), *sets(*WORLD4, "failure.max_failures=2",
@@ -103,12 +107,12 @@ def test_drained_node_is_left_at_a_checkpoint_without_losing_a_step(tmp_path, cl
     # flight: about 2.5 s here, 50 of these tiny steps, more on a busy machine. 300 steps
     # leave room for it.
     run_dir = tmp_path / "drained"
-    stalwart("run", str(REFERENCE_CONFIG),
-             *sets(*ELASTIC, "train.steps=300", "scaling.num_workers=2",
-                   "scaling.min_workers=1", "scaling.placement_strategy=SPREAD",
-                   "scaling.resize_check_s=1"),
-             "--address", cluster.address, "--inject", "drain:node=2,step=15",
-             "--run-dir", "drained", cwd=tmp_path, timeout=400)
+    stalwart_here("run", str(REFERENCE_CONFIG),
+                  *sets(*ELASTIC, "train.steps=300", "scaling.num_workers=2",
+                        "scaling.min_workers=1", "scaling.placement_strategy=SPREAD",
+                        "scaling.resize_check_s=1"),
+                  "--address", cluster.address, "--inject", "drain:node=2,step=15",
+                  "--run-dir", "drained", cwd=tmp_path)
     events = read_jsonl(run_dir / "events.jsonl")
     assert not [e for e in events if e["kind"] == "failure"]
     # The shrink first; the world may grow back once the drain's deadline has passed.

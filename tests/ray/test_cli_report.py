@@ -9,8 +9,8 @@ import re
 
 import pytest
 
-from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
-from tests.ray.helpers import events_of, local_cluster
+from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart, stalwart_here
+from tests.ray.helpers import driving, events_of, local_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
@@ -30,10 +30,11 @@ TOKENS_PER_STEP = 8 * 64  # global batch x seq_len (TINY)
 def test_report_of_a_run_with_a_node_loss_and_a_kill(tmp_path):
     cluster = local_cluster(2, cpus=1)
     try:
-        run = stalwart("run", str(REFERENCE_CONFIG), *sets(*RUN), "--address",
-                       cluster.address, "--inject", "kill-node:node=2,step=13",
-                       "--inject", "kill:rank=0,step=28", "--run-dir", "faulty",
-                       cwd=tmp_path, timeout=240)
+        with driving(cluster):
+            run = stalwart_here("run", str(REFERENCE_CONFIG), *sets(*RUN), "--address",
+                                cluster.address, "--inject", "kill-node:node=2,step=13",
+                                "--inject", "kill:rank=0,step=28", "--run-dir", "faulty",
+                                cwd=tmp_path)
     finally:
         cluster.shutdown()
     run_dir = tmp_path / "faulty"

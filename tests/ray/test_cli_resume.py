@@ -16,12 +16,12 @@ from tests.cli_helpers import (
     STALWART,
     exported_weights,
     sets,
-    stalwart,
+    stalwart_here,
     wait_for_step,
 )
 from tests.ray.conftest import NO_SPARE, RUN, STEPS
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("local_ray")]
 
 UNFAILED = sets(*RUN, NO_SPARE)  # stopped and resumed, never failed: no warm spare
 
@@ -47,12 +47,14 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, straight_run):
 
     # Without --resume the run dir is refused and left as it is.
     before = (interrupted / "events.jsonl").read_bytes()
-    refused = stalwart("run", config, *UNFAILED, "--run-dir", "interrupted", cwd=tmp_path,
-                       check=2)
+    refused = stalwart_here("run", config, *UNFAILED, "--run-dir", "interrupted", cwd=tmp_path,
+                            check=2)
     assert "--resume" in refused.stderr
     assert (interrupted / "events.jsonl").read_bytes() == before
 
-    stalwart("run", config, *UNFAILED, "--run-dir", "interrupted", "--resume", cwd=tmp_path)
+    # Resumed in this test's process (the stop above needed a process of its own to signal).
+    stalwart_here("run", config, *UNFAILED, "--run-dir", "interrupted", "--resume",
+                  cwd=tmp_path)
     events = read_jsonl(interrupted / "events.jsonl")
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert [e["from_step"] for e in resumed] == [stopped_at]
