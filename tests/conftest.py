@@ -11,6 +11,12 @@ import pytest
 from stalwart.checkpointing.storage.signing import KEY_FILE_ENV
 
 
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: a worker per core, at most 4. Every Ray-tier module starts a Ray of its own
+    and its runs' workers; more at once would only queue for the same cores and memory."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
+
+
 @pytest.fixture(scope="session", autouse=True)
 def checkpoint_key_file(tmp_path_factory: pytest.TempPathFactory):
     path = tmp_path_factory.mktemp("key") / "checkpoint.key"

@@ -33,8 +33,9 @@ def collected_per_folder() -> tuple[Counter[str], subprocess.CompletedProcess[st
     PYTEST_ADDOPTS and PYTEST_PLUGINS from this run are not passed on)."""
     env = {k: v for k, v in os.environ.items()
            if k not in ("PYTEST_ADDOPTS", "PYTEST_PLUGINS", "PYTEST_CURRENT_TEST")}
-    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q"], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=220)
+    # -n 0: collected here, where -q lists every test (pytest-xdist's workers would not).
+    proc = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-n", "0"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=220)
     counts: Counter[str] = Counter()
     for line in proc.stdout.splitlines():
         if "::" in line:

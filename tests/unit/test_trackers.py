@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -128,7 +129,15 @@ def test_wandb_offline_run_holds_the_config_metrics_and_events(tmp_path: Path,
     _feed(logger)
 
     (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
-    records = _wandb_records(run_file)
+    # W&B's own process writes the file; on a loaded machine it may still be writing when
+    # the run has finished here.
+    deadline = time.monotonic() + 60
+    while True:
+        records = _wandb_records(run_file)
+        kinds = {r.WhichOneof("record_type") for r in records}
+        if {"run", "summary"} <= kinds or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run.project == "trackers-test" and run.display_name == "run"
     config = {i.key: json.loads(i.value_json) for i in run.config.update}
