@@ -73,8 +73,7 @@ def soak_run(plan: cf.RunPlan, ref: dict[str, Any], steps: int, work: Path,
     print(f"run {plan.index}: {plan.layout}, faults {moments}", flush=True)
     out: dict[str, Any] = {"run": plan.index, "layout": plan.layout, "run_dir": str(run_dir),
                            "log": str(log)}
-    out.update(cf.run_with_faults(plan, cmd, run_dir, log, train_s=ref["train_s"],
-                                  timeout=timeout))
+    out.update(cf.run_with_faults(plan, cmd, run_dir, log, train_s=ref["train_s"], timeout=timeout))
     out.update(checks.check_finished(run_dir, steps, out["exit_codes"]))
     out.update(checks.check_faults(run_dir, out["faults"]))
     out.update(checks.check_checkpoints(run_dir, work))
@@ -151,8 +150,7 @@ def main() -> int:
     results = []
     try:
         for plan in plans:
-            r = soak_run(plan, refs[plan.layout], args.steps, work, args.timeout)
-            results.append(r)
+            results.append(r := soak_run(plan, refs[plan.layout], args.steps, work, args.timeout))
             print(f"  -> {'ok' if r['ok'] else 'FAILED'}: fired {r['fired']}, recorded "
                   f"{r['detected']}, lost steps {r['lost_steps']}, {r['weights']}", flush=True)
             if r["ok"] and not args.keep:

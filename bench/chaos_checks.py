@@ -33,8 +33,7 @@ def worker_fault_record(row: dict[str, Any], events: list[ev.Event]
             continue
         if isinstance(e, ev.Failure) and row["pid"] in e.pids:
             return e  # named by its process: also a world that failed while forming
-        rank = next((w.rank for w in world.workers if w.pid == row["pid"]), None)
-        if rank is None:
+        if (rank := next((w.rank for w in world.workers if w.pid == row["pid"]), None)) is None:
             continue
         if isinstance(e, ev.Failure) and rank in e.ranks:
             return e
@@ -83,8 +82,7 @@ def check_faults(run_dir: Path, fired: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def check_finished(run_dir: Path, steps: int, exit_codes: list[int]) -> dict[str, Any]:
-    events = read_events(run_dir / "events.jsonl")
-    finished = [e for e in events if isinstance(e, ev.Finished)]
+    finished = [e for e in read_events(run_dir / "events.jsonl") if isinstance(e, ev.Finished)]
     ok = bool(finished) and finished[-1].step == steps and exit_codes[-1] == 0
     return {"finished": ok, "final_step": finished[-1].step if finished else None,
             "exit_codes": exit_codes}
@@ -118,10 +116,8 @@ def weights_equal(a: Path, b: Path) -> tuple[bool, str]:
 def _same_bits(s: Any, t: Any) -> bool:
     import torch
 
-    def raw(u: Any) -> Any:
-        return u.detach().contiguous().reshape(-1).view(torch.uint8)
-
-    return s.dtype == t.dtype and s.shape == t.shape and torch.equal(raw(s), raw(t))
+    return s.dtype == t.dtype and s.shape == t.shape and torch.equal(
+        *(u.detach().contiguous().reshape(-1).view(torch.uint8) for u in (s, t)))
 
 
 def _max_diff(s: Any, t: Any) -> float:

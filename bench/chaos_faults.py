@@ -128,9 +128,8 @@ def _worker_fault(row: dict[str, Any], fault: PlannedFault, run: Invocation, run
     row.update(fired=False, why="the run had ended")
 
 
-def _driver_fault(row: dict[str, Any], run: Invocation, cmd: list[str], run_dir: Path,
-                  log: Path, fired: list[dict[str, Any]], codes: list[int]
-                  ) -> tuple[Invocation, float]:
+def _driver_fault(row: dict[str, Any], run: Invocation, cmd: list[str], run_dir: Path, log: Path,
+                  fired: list[dict[str, Any]], codes: list[int]) -> tuple[Invocation, float]:
     """Kill the driver, then `--resume`: (the new invocation, the kill -> resumed start s)."""
     give_up = time.time() + DRIVER_DEFER_S
     while run.running() and time.time() < give_up:

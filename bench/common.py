@@ -125,8 +125,7 @@ def rate_run(tag: str, cmd: list[str], args: argparse.Namespace, work: Path,
     return result
 
 
-def medians(results: list[dict[str, Any]], key: str, names: list[str]
-            ) -> dict[str, float | None]:
+def medians(results: list[dict[str, Any]], key: str, names: list[str]) -> dict[str, float | None]:
     """The median tokens/s of each runner over its measured rounds (None if none was)."""
     return {n: median(r.get("tokens_per_s") for r in results if r[key] == n) for n in names}
 
@@ -323,7 +322,7 @@ def write_report(path: str, report: dict[str, Any], results: list[dict[str, Any]
 
 
 def gloo_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
-    """fn(rank, world, *args) in `world` gloo processes: results by rank, or RuntimeError."""
+    """fn(rank, world, *args) in `world` gloo processes: results by rank; a failed rank exits."""
     import torch.multiprocessing as mp
 
     from stalwart.parallel.distributed import free_port
@@ -334,7 +333,7 @@ def gloo_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
         results = [json.loads(Path(out_dir, f"{r}.json").read_text()) for r in range(world)]
     for rank, result in enumerate(results):
         if "error" in result:
-            raise RuntimeError(f"world {world}, rank {rank} failed:\n{result['error']}")
+            raise SystemExit(f"world {world}, rank {rank} failed:\n{result['error']}")
     return [r["ok"] for r in results]
 
 

@@ -97,8 +97,7 @@ def soak(args: Any, scratch: Path, address: str, env: dict[str, str]
         launch, row = kill_and_resume(drive, run, launch, k,
                                       30 + k * span + rng.randrange(span // 2))
         kills.append(row)
-    code = launch.proc.wait(timeout=1800)
-    if code != 0:
+    if (code := launch.proc.wait(timeout=1800)) != 0:
         return kills, False, f"the last driver exited {code}"
     a, b = scratch / "straight.pt", scratch / "killed.pt"
     if problem := chaos_checks.export(straight, a) or chaos_checks.export(run, b):

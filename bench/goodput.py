@@ -59,8 +59,7 @@ def kill_on_schedule(running: Callable[[], bool], rank_pid: Callable[[], int | N
     while running() and time.time() < t0 + args.duration:
         if time.time() >= next_kill:
             next_kill += args.kill_every
-            pid = rank_pid()
-            if pid is not None and signal_pid(pid, signal.SIGKILL):
+            if (pid := rank_pid()) is not None and signal_pid(pid, signal.SIGKILL):
                 kills.append({"time": time.time(), "pid": pid})
     return kills, time.time()
 
@@ -74,8 +73,7 @@ def run_stalwart(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         time.sleep(POLL_S)
         return run.running()
 
-    kills, t_stop = kill_on_schedule(running, lambda: stalwart_rank_pid(run_dir, 1), run.time,
-                                     args)
+    kills, t_stop = kill_on_schedule(running, lambda: stalwart_rank_pid(run_dir, 1), run.time, args)
     code = run.stop(signal.SIGINT)  # stop after the step in flight, checkpoint it
     events, rows = read_events(run_dir / "events.jsonl"), stalwart_steps(run_dir)
     # A world is ready when its first step starts: that row's window_s is the step's own time.
@@ -147,9 +145,8 @@ def main() -> int:
                 own = r["stalwart_report"]
                 print(f"  `stalwart report` of that run: goodput {own['goodput']:.3f} (wall "
                       f"{own['wall_s']:.1f} s from its first event: Ray's start-up excluded)")
-        report = {"duration_s": args.duration, "kill_every_s": args.kill_every,
-                  "target": {"stalwart_goodput": 0.95}}
-        common.write_report(args.out, report, results)
+        common.write_report(args.out, {"duration_s": args.duration, "kill_every_s": args.kill_every,
+                                       "target": {"stalwart_goodput": 0.95}}, results)
     return 0
 
 

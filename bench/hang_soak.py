@@ -40,14 +40,11 @@ def soak(minutes: float, overrides: list[str], run_dir: Path, nodes: int) -> dic
     median = statistics.median(times) if times else None
     failures = [{k: e.get(k) for k in ("failure_kind", "ranks", "step", "message")}
                 for e in events if e["kind"] == "failure"]
-    return {
-        "minutes": minutes, "exit_code": code, "steps": rows[-1]["step"] if rows else 0,
-        "median_step_s": median, "max_step_s": max(times) if times else None,
-        "limit_s": max(2.0, 5 * median) if median else None,
-        "false_positives": len(failures), "failures": failures,
-        "ended": events[-1]["kind"] if events else None, "log": str(log),
-        **({"nodes": nodes} if nodes else {}),
-    }
+    return {"minutes": minutes, "exit_code": code, "steps": rows[-1]["step"] if rows else 0,
+            "median_step_s": median, "max_step_s": max(times) if times else None,
+            "limit_s": max(2.0, 5 * median) if median else None, "false_positives": len(failures),
+            "failures": failures, "ended": events[-1]["kind"] if events else None, "log": str(log),
+            **({"nodes": nodes} if nodes else {})}
 
 
 def main() -> None:
@@ -61,18 +58,16 @@ def main() -> None:
     t0 = time.time()
     result = soak(args.minutes, args.overrides, run_dir, args.nodes)
     result["wall_s"] = round(time.time() - t0, 1)
-    if result["median_step_s"] is None:  # stopped before its first step: no step times
-        steps = "no step timed"
-    else:
-        steps = (f"median step {result['median_step_s']:.3f} s, slowest "
-                 f"{result['max_step_s']:.3f} s; hang limit {result['limit_s']:.2f} s")
+    # Stopped before its first step: no step times.
+    steps = ("no step timed" if result["median_step_s"] is None
+             else f"median step {result['median_step_s']:.3f} s, slowest "
+             f"{result['max_step_s']:.3f} s; hang limit {result['limit_s']:.2f} s")
     print(f"{result['steps']} steps in {result['wall_s']:.0f} s; {steps}; ended: "
           f"{result['ended']} (exit {result['exit_code']})")
     for f in result["failures"]:
         print(f"  false positive at step {f['step']}: {f['failure_kind']} {f['message']}")
     met = result["false_positives"] == 0 and result["ended"] == "stopped"
-    print(f"false positives: {result['false_positives']}  target 0: "
-          f"{'MET' if met else 'NOT MET'}")
+    print(f"false positives: {result['false_positives']}  target 0: {'MET' if met else 'NOT MET'}")
     common.write_json(args.out, result)
 
 

@@ -58,9 +58,8 @@ class Launch:
             return self.proc.returncode
 
 
-def run_watched(cmd: list[str], log: Path, timeout: float,
-                tick: Callable[[], None] = lambda: None, poll_s: float = 0.2
-                ) -> tuple[int, float]:
+def run_watched(cmd: list[str], log: Path, timeout: float, tick: Callable[[], None] = lambda: None,
+                poll_s: float = 0.2) -> tuple[int, float]:
     """Run cmd, tick() every poll_s: (exit code, wall s); past timeout Ctrl-C x2, SIGKILL: -1."""
     t0 = time.perf_counter()
     run = Launch(cmd, log)
@@ -97,9 +96,8 @@ class SignalAtStep:
         return self.time is not None or self.error is not None
 
     def tick(self) -> None:
-        if self.done or (step := self.logged_step()) is None or step < self.after_step:
-            return
-        if (pid := self.pid()) is None:
+        if (self.done or (step := self.logged_step()) is None or step < self.after_step
+                or (pid := self.pid()) is None):
             return
         now = time.time()
         if not signal_pid(pid, signal.SIGKILL):
@@ -194,10 +192,9 @@ def replace_dead_node(cluster: Any, node_id: str, record: dict[str, Any]) -> Non
 
 def node_times(record: dict[str, Any], fault_time: float) -> dict[str, Any]:
     """A replace_dead_node record in seconds after the fault."""
-    return {"replace_node_after": "dead",
-            "node_dead_s": record["dead_time"] - fault_time if "dead_time" in record else None,
-            "replacement_added_s": (record["replacement_added"] - fault_time
-                                    if "replacement_added" in record else None)}
+    at = {k: record[k] - fault_time for k in ("dead_time", "replacement_added") if k in record}
+    return {"replace_node_after": "dead", "node_dead_s": at.get("dead_time"),
+            "replacement_added_s": at.get("replacement_added")}
 
 
 def signal_pid(pid: int, sig: int) -> bool:

@@ -42,11 +42,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-def common_overrides(args: argparse.Namespace) -> list[str]:
-    return [*common.window_overrides(args, WORKERS), "scaling.cpus_per_worker=0.5", *MODEL,
-            "train.warmup_steps=2"]
-
-
 def layout_overrides(name: str) -> list[str]:
     """A layout's --set overrides: both data-parallel degrees, tp and pp when above 1."""
     _, dims, extra = LAYOUTS[name]
@@ -54,8 +49,8 @@ def layout_overrides(name: str) -> list[str]:
     return [f"parallel.{k}={v}" for k, v in degrees if k.startswith("dp") or v != "1"] + extra
 
 
-def one_run(name: str, args: argparse.Namespace, work: Path, rnd: int,
-            tps: int) -> dict[str, Any]:
+def one_run(name: str, args: argparse.Namespace, work: Path, rnd: int, tps: int,
+            every_run: list[str]) -> dict[str, Any]:
     tag, overrides = f"r{rnd}-{name}", layout_overrides(name)
     run_dir = work / tag
 
@@ -66,7 +61,7 @@ def one_run(name: str, args: argparse.Namespace, work: Path, rnd: int,
         return out
 
     result = common.rate_run(
-        tag, common.stalwart_command(args.config, common_overrides(args) + overrides, run_dir),
+        tag, common.stalwart_command(args.config, every_run + overrides, run_dir),
         args, work, {"layout": name, "dims": LAYOUTS[name][1], "round": rnd,
                      "overrides": overrides, "run_dir": str(run_dir)}, measure,
         lambda r: f", final loss {r['final_loss']:.4f}")
@@ -121,7 +116,9 @@ def print_table(summary: dict[str, dict[str, Any]], results: list[dict[str, Any]
 
 def main() -> int:
     args = parse_args()
-    tps, config = common.tokens_per_step(args.config, common_overrides(args))
+    every_run = [*common.window_overrides(args, WORKERS), "scaling.cpus_per_worker=0.5", *MODEL,
+                 "train.warmup_steps=2"]
+    tps, config = common.tokens_per_step(args.config, every_run)
     work = Path(tempfile.mkdtemp(prefix="stalwart-bench-layouts-"))
     print(f"layouts: {args.rounds} round(s) x {args.layouts}, {args.steps} steps each "
           f"(first {args.exclude} excluded), {tps} tokens/step, {WORKERS} workers x 0.5 CPU, "
@@ -130,7 +127,7 @@ def main() -> int:
           f"{config.train.global_batch_size}, micro-batch {config.train.micro_batch_size})",
           flush=True)
     results = common.run_rounds(args.layouts, args.rounds,
-                                lambda name, rnd: one_run(name, args, work, rnd, tps),
+                                lambda name, rnd: one_run(name, args, work, rnd, tps, every_run),
                                 work=work, keep=args.keep, prune_measured=True)
     summary = summarise(results, args.layouts)
     print_table(summary, results, args)
@@ -139,9 +136,8 @@ def main() -> int:
         "summary": {k: {kk: vv for kk, vv in v.items() if kk != "loss_by_step"}
                     for k, v in summary.items()},
         "loss_by_step": {k: v["loss_by_step"] for k, v in summary.items()},
-        "settings": common.window_settings(
-            args, WORKERS, tps, common_overrides(args), config,
-            layouts={k: layout_overrides(k) for k in args.layouts})}, results)
+        "settings": common.window_settings(args, WORKERS, tps, every_run, config, layouts={
+            k: layout_overrides(k) for k in args.layouts})}, results)
     return 0 if any("tokens_per_s" in r for r in results) else 1
 
 

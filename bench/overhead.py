@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -16,6 +15,7 @@ from typing import Any
 from bench import common
 from bench.common import DDP_LAYOUT, FSDP_LAYOUT, fmt, ratio
 from stalwart.core.events import MemoryTier, read_events
+from stalwart.report.summary import median
 
 TARGET = 0.95
 WORKERS = 2
@@ -38,16 +38,10 @@ COMPARED = [("snapshots", BASELINE), (TARGET_RUNNER, BASELINE),
 TARGETS = [TARGET_RUNNER, f"fsdp {TARGET_RUNNER}"]
 
 
-def common_overrides(args: argparse.Namespace) -> list[str]:
-    # No idle spare: both workers' CPUs, nothing else.
-    return [*common.window_overrides(args, WORKERS), "scaling.spare_workers=0"]
-
-
-def one_run(runner: str, rnd: int, *, args: argparse.Namespace, work: Path,
-            tps: int) -> dict[str, Any]:
+def one_run(runner: str, rnd: int, *, args: argparse.Namespace, work: Path, tps: int,
+            overrides: list[str]) -> dict[str, Any]:
     run_dir = work / f"r{rnd}-{runner}"
-    cmd = common.stalwart_command(args.config, common_overrides(args) + RUNNERS[runner],
-                                  run_dir)
+    cmd = common.stalwart_command(args.config, overrides + RUNNERS[runner], run_dir)
 
     def measure() -> dict[str, Any]:
         out = common.stalwart_rate(run_dir, args.exclude, tps, final=True)
@@ -65,9 +59,8 @@ def one_run(runner: str, rnd: int, *, args: argparse.Namespace, work: Path,
         mib = r.get("memory_tier", {}).get("bytes_per_worker")
         return f", tier {mib / 2**20:.2f} MiB/worker" if mib else ""
 
-    return common.rate_run(f"r{rnd}-{runner}", cmd, args, work,
-                           {"runner": runner, "round": rnd, "run_dir": str(run_dir)},
-                           measure, note)
+    return common.rate_run(run_dir.name, cmd, args, work, {
+        "runner": runner, "round": rnd, "run_dir": str(run_dir)}, measure, note)
 
 
 def print_rates(rates: dict[tuple[str, int], float], medians: dict[str, float | None],
@@ -130,8 +123,7 @@ def verdicts(ratios: dict[str, float | None], paired_median: dict[str, float | N
     out, base_of = {}, dict(COMPARED)
     print()
     for n in TARGETS:
-        r = ratios[n]
-        out[n] = r is not None and r >= TARGET
+        out[n] = (r := ratios[n]) is not None and r >= TARGET
         if r is None:
             print(f"{n}: no comparison (a runner produced no measurement; see the logs above)")
             continue
@@ -146,7 +138,8 @@ def verdicts(ratios: dict[str, float | None], paired_median: dict[str, float | N
 def main() -> int:
     args = common.parse_window(common.window_parser(__doc__, __spec__, "overhead.json",
                                                     rounds=3, steps=60))
-    overrides = common_overrides(args)
+    # No idle spare: both workers' CPUs, nothing else.
+    overrides = [*common.window_overrides(args, WORKERS), "scaling.spare_workers=0"]
     tps, config = common.tokens_per_step(args.config, overrides)
     work = Path(tempfile.mkdtemp(prefix="stalwart-bench-overhead-"))
     print(f"overhead: {args.rounds} round(s) x {len(RUNNERS)} runners on {os.cpu_count()} "
@@ -155,14 +148,15 @@ def main() -> int:
     for name, sets in RUNNERS.items():
         print(f"  {name}: {' '.join(sets)}", flush=True)
     results = common.run_rounds(list(RUNNERS), args.rounds,
-                                partial(one_run, args=args, work=work, tps=tps),
+                                partial(one_run, args=args, work=work, tps=tps,
+                                        overrides=overrides),
                                 work=work, keep=args.keep, prune_measured=True)
     measured = [r for r in results if "tokens_per_s" in r]
     rates = common.by_round(results, "runner")
     medians = common.medians(results, "runner", list(RUNNERS))
     ratios = {n: ratio(medians[n], medians[b]) for n, b in COMPARED}
     paired = {n: common.paired(rates, n, b, args.rounds) for n, b in COMPARED}
-    paired_median = {n: statistics.median(v) if v else None for n, v in paired.items()}
+    paired_median = {n: median(v) for n, v in paired.items()}
     print_rates(rates, medians, ratios, paired, args)
     tier = tier_sizes(measured)
     loss_diff, loss_diff_all = loss_diffs(measured)

@@ -59,8 +59,7 @@ def _detection_target(results: list[dict[str, Any]], fault: str, runner: str | N
     rs = [r for r in results if r["fault"] == fault and runner in (None, r["runner"])]
     worst = (None if not rs or any(r.get("detection_s") is None for r in rs)
              else max(r["detection_s"] for r in rs))
-    return _target(f"{fault}: {what} within {limit:g} s (every round)", worst,
-                   lambda v: v <= limit,
+    return _target(f"{fault}: {what} within {limit:g} s (every round)", worst, lambda v: v <= limit,
                    f"worst detection {fmt(worst, '.2f')} s over {len(rs)} round(s); {detail}")
 
 
@@ -170,11 +169,10 @@ def notes(results: list[dict[str, Any]], health: dict[str, Any]) -> list[str]:
                    f"though a replacement node was added {r['replacement_added_s']:.1f} s "
                    "after the fault")
             out.append(
-                f"round {r['round'] + 1}, node: stalwart detected the loss by probing the "
-                f"raylet, shrank to 1 worker and finished the run "
-                f"{fmt(r.get('finished_s'), '.1f')} s after the fault on the surviving "
-                f"worker, {why}: it did not grow back (the grow path is what "
-                "tests/ray/test_cli_node_loss.py covers, on a longer run).")
+                f"round {r['round'] + 1}, node: stalwart detected the loss by probing the raylet, "
+                f"shrank to 1 worker and finished the run {fmt(r.get('finished_s'), '.1f')} s "
+                f"after the fault on the surviving worker, {why}: it did not grow back (the grow "
+                "path is what tests/ray/test_cli_node_loss.py covers, on a longer run).")
     return out
 
 
@@ -223,13 +221,12 @@ def print_table(med: dict[str, Any]) -> None:
                   f"{fmt(m['lost_steps_bound'], '5.0f')} | {source:<8} | "
                   f"{m['completed']}/{m['runs']:<3}")
     print("-" * len(head))
-    print("detect: fault -> the controller decides it is a failure (n/d: not detected); "
-          "restart: fault -> the new world is up;\nrestore: the load of the checkpoint "
-          "(memory or storage); recover: fault -> the first step completed after it;\n"
-          "lost: steps trained again; from: step restored from; bound: the most lost steps "
-          f"allowed (0 with the memory tier, else steps since the last storage checkpoint due, "
-          f"every {rows.PERSIST_EVERY});\nsource: where the restore came from; ok: runs that "
-          f"completed all {rows.STEPS} steps")
+    print("detect: fault -> the controller decides it is a failure (n/d: not detected); restart: "
+          "fault -> the new world is up;\nrestore: the load of the checkpoint (memory or storage); "
+          "recover: fault -> the first step completed after it;\nlost: steps trained again; from: "
+          "step restored from; bound: the most lost steps allowed (0 with the memory tier, else "
+          f"steps since the last storage checkpoint due, every {rows.PERSIST_EVERY});\nsource: "
+          f"where the restore came from; ok: runs that completed all {rows.STEPS} steps")
 
 
 def print_outside(side: dict[str, Any]) -> None:
@@ -245,10 +242,9 @@ def print_outside(side: dict[str, Any]) -> None:
               f"{fmt(m['restored_from_step'], '4.0f')} | "
               f"{fmt(ratio(m['recovery_s'], st), '10.1f')} | {m['completed']}/{m['runs']:<3}")
     print("-" * len(head))
-    print("kill -> next step: from the harness's SIGKILL to the end of the first step completed "
-          "by the restarted world (each system's own step log);\nnormal step: median step "
-          "time of the same run before the kill; lost: the killed world's last step - the step "
-          "resumed from")
+    print("kill -> next step: from the harness's SIGKILL to the end of the first step completed by "
+          "the restarted world (each system's own step log);\nnormal step: median step time of the "
+          "same run before the kill; lost: the killed world's last step - the step resumed from")
 
 
 # runner -> (its bars' colour, its legend label)
@@ -281,8 +277,7 @@ def _bars(ax: Any, med: dict[str, Any], key: str, title: str) -> None:
                         ha="center", va="bottom", fontsize=7)
                 continue
             ax.bar(x, max(value, 1e-3), width, color=color, label=label)  # one per label: plot()
-            ax.text(x, max(value, 1e-3) * 1.1, f"{value:.2g}", ha="center", va="bottom",
-                    fontsize=7)
+            ax.text(x, max(value, 1e-3) * 1.1, f"{value:.2g}", ha="center", va="bottom", fontsize=7)
     ax.set_yscale("log")
     ax.set_ylim(1e-2, rows.HANG_WAIT_S * 8)
     ax.set_xticks(range(len(faults)), [FAULT_NAMES[f] for f in faults])
@@ -336,12 +331,10 @@ def plot(png: str, med: dict[str, Any]) -> str | None:
 def git_revision() -> dict[str, Any]:
     """The commit the runs used (stalwart is installed in editable mode) and tracked changes."""
     def git(*a: str) -> str:
-        return subprocess.run(["git", *a], cwd=common.ROOT, capture_output=True,
-                              text=True).stdout.rstrip("\n")
+        return subprocess.run(["git", *a], cwd=common.ROOT, capture_output=True, text=True).stdout
 
-    return {"commit": git("rev-parse", "HEAD").strip() or None,
-            "modified": sorted(line[3:] for line in git(
-                "status", "--porcelain", "--untracked-files=no").splitlines())}
+    return {"commit": git("rev-parse", "HEAD").strip() or None, "modified": sorted(
+        line[3:] for line in git("status", "--porcelain", "--untracked-files=no").splitlines())}
 
 
 def run_all(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
@@ -353,8 +346,7 @@ def run_all(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
             order = runners if rnd % 2 == 0 else runners[::-1]
             print(f"round {rnd + 1}/{args.rounds}, {fault}: {' -> '.join(order)}", flush=True)
             for runner in order:
-                r = rows.run_row(runner, fault, args, work, rnd)
-                results.append(r)
+                results.append(r := rows.run_row(runner, fault, args, work, rnd))
                 print(one_line(r), flush=True)
                 if r.get("log_tail"):
                     print(f"    last lines of {r['log']}:\n" + "\n".join(
@@ -398,9 +390,7 @@ def main() -> int:
         print(f"target {v['target']}: {'MET' if v['met'] else 'NOT MET'} "
               f"(value {common.fmt(v['value'], '.2f')}; {v['detail']})")
     health, end_revision = ray_health_checks(), git_revision()
-    run_notes = notes(results, health)
-    if note := changed_note(revision, end_revision):
-        run_notes.append(note)
+    run_notes = notes(results, health) + [n for n in [changed_note(revision, end_revision)] if n]
     print("\nnotes:\n" + "\n".join(f"- {n}" for n in run_notes))
     png = plot(args.png, med)
     # Runs that went wrong (Ray Train not noticing the hang is the measurement, not a failure).
@@ -408,14 +398,12 @@ def main() -> int:
         not r.get("completed") and not (r["system"] == "ray-train" and r["fault"] == "hang"
                                         and not r.get("detected")))]
     wall = time.time() - t_start
-    out = {
-        "bench": "recovery", "time": t_start, "wall_s": wall, "targets": checks,
-        "all_targets_met": all(v["met"] for v in checks), "medians": med,
-        "notes": run_notes, "settings": rows.settings(args, tps, health),
-        "git": {"at_start": revision, "at_end": end_revision},
-        "versions": {name: importlib.metadata.version(name)
-                     for name in ("stalwart", "torch", "ray", "matplotlib")},
-        "png": png}
+    out = {"bench": "recovery", "time": t_start, "wall_s": wall, "targets": checks,
+           "all_targets_met": all(v["met"] for v in checks), "medians": med, "notes": run_notes,
+           "settings": rows.settings(args, tps, health),
+           "git": {"at_start": revision, "at_end": end_revision},
+           "versions": {name: importlib.metadata.version(name)
+                        for name in ("stalwart", "torch", "ray", "matplotlib")}, "png": png}
     if not args.keep and not failed:
         common.drop_work(work, results)
     elif failed:

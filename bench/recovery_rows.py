@@ -114,8 +114,7 @@ def run_row(runner: str, fault: str, args: argparse.Namespace, work: Path,
             "recovery_s": None, "lost_steps": None, "fault_time": None}
 
 
-def run_stalwart(result: dict[str, Any], args: argparse.Namespace,
-                 run_dir: Path) -> dict[str, Any]:
+def run_stalwart(result: dict[str, Any], args: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
     """`stalwart run` with --inject FAULT, or killed by the harness for outside-kill."""
     fault = result["fault"]
     result["run_dir"] = str(run_dir)
@@ -285,9 +284,8 @@ def analyse_stalwart_outside(run_dir: Path, kill_time: float | None) -> dict[str
     if kill_time is None:
         out["missing_events"].append("no kill")
         return out
-    failure, recovered = _first(events, ev.Failure, kill_time), _first(events, ev.Recovered,
-                                                                        kill_time)
-    start = _first(events, ev.WorkersStarted, kill_time)
+    failure, recovered, start = (_first(events, cls, kill_time)
+                                 for cls in (ev.Failure, ev.Recovered, ev.WorkersStarted))
     if failure is not None:  # kill -> the controller decides it is a failure, from outside
         out.update(detected=True, detection_s=failure.time - kill_time,
                    failure={k: v for k, v in failure.to_row().items() if k != "message"})
@@ -296,8 +294,7 @@ def analyse_stalwart_outside(run_dir: Path, kill_time: float | None) -> dict[str
     if recovered is not None:
         out.update(source=recovered.source, phases=recovered.phases,
                    restore_s=recovered.phases.get("restore"),
-                   stalwart_recovery_s=recovered.recovery_s,
-                   stalwart_from_step=recovered.from_step,
+                   stalwart_recovery_s=recovered.recovery_s, stalwart_from_step=recovered.from_step,
                    stalwart_lost_steps=recovered.lost_steps)
     out["missing_events"] = [k for k, e in (("failure", failure), ("recovered", recovered))
                              if e is None] + not_finished

@@ -93,8 +93,7 @@ def recoveries(ranks: int, failures: int) -> dict[str, Any]:
     # One rank dies every 10 steps, a different one each time (never rank 0).
     fail_at = {10 * (i + 1): 1 + (i * 7919) % (ranks - 1) for i in range(failures)}
     with tempfile.TemporaryDirectory() as tmp:
-        controller, group, marks = build(ranks, Path(tmp), steps=max(fail_at) + 5,
-                                         fail_at=fail_at)
+        controller, group, marks = build(ranks, Path(tmp), steps=max(fail_at) + 5, fail_at=fail_at)
         state = controller.run()
     assert isinstance(state, Finished), state
     reported = group.stats.failures_reported
@@ -148,17 +147,15 @@ def main() -> None:
                **recoveries(ranks, args.failures)}
         row["bench_s"] = round(time.perf_counter() - t, 1)
         rows.append(row)
-        print(f"{ranks:>5} ranks / {ranks // 8:>3} nodes: driver CPU "
-              f"{row['cpu_per_train_s']:.4f} s per s of training "
-              f"({row['cpu_per_train_s_with_group']:.4f} with the simulated group), "
-              f"decision {row['decision_wall_ms']:.1f} ms, plan {row['plan_wall_ms']:.1f} ms "
-              f"wall / {row['plan_cpu_ms']:.1f} ms CPU", flush=True)
+        print(f"{ranks:>5} ranks / {ranks // 8:>3} nodes: driver CPU {row['cpu_per_train_s']:.4f} "
+              f"s per s of training ({row['cpu_per_train_s_with_group']:.4f} with the simulated "
+              f"group), decision {row['decision_wall_ms']:.1f} ms, plan {row['plan_wall_ms']:.1f} "
+              f"ms wall / {row['plan_cpu_ms']:.1f} ms CPU", flush=True)
     result: dict[str, Any] = {"poll_interval_s": POLL_S, "sizes": rows,
                               "goal": {"decision_ms_below": 1000 * GOAL_DECISION_S,
                                        "at_ranks": 4096}}
     if at_goal := [r for r in rows if r["ranks"] == 4096]:
-        met = at_goal[0]["decision_wall_ms"] < 1000 * GOAL_DECISION_S
-        result["goal"]["met"] = met
+        result["goal"]["met"] = met = at_goal[0]["decision_wall_ms"] < 1000 * GOAL_DECISION_S
         print(f"goal: decision under 100 ms at 4,096 ranks: "
               f"{at_goal[0]['decision_wall_ms']:.1f} ms: {'MET' if met else 'NOT MET'}")
     if args.ray_actors:

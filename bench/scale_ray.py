@@ -108,8 +108,7 @@ def ray_polling(actors: int, *, intervals: int = 30) -> dict[str, Any]:
         agent_class = ray.remote(NodeAgent).options(num_cpus=0)
         nodes = [Node(members=workers[i:i + PER_NODE],
                       aggregator=NodeAggregator.remote(workers[i:i + PER_NODE]),
-                      agent=agent_class.remote())
-                 for i in range(0, actors, PER_NODE)]
+                      agent=agent_class.remote()) for i in range(0, actors, PER_NODE)]
         ray.get([n.aggregator.poll.remote() for n in nodes])
         # The generation's first poll sends each agent its members, rank -> (actor, pid).
         ray.get([n.agent.poll.remote(GENERATION, AGENT_WAIT_S,
@@ -119,8 +118,7 @@ def ray_polling(actors: int, *, intervals: int = 30) -> dict[str, Any]:
         started_s = time.perf_counter() - t
         print(f"ray: {actors} light actors, {nodes_n} aggregators and {nodes_n} node agents "
               f"up in {started_s:.0f}s", flush=True)
-        out: dict[str, Any] = {"actors": actors, "nodes": nodes_n,
-                               "start_s": round(started_s, 1),
+        out: dict[str, Any] = {"actors": actors, "nodes": nodes_n, "start_s": round(started_s, 1),
                                "agent_wait_ms": round(1000 * AGENT_WAIT_S)}
         for name, how in WAYS.items():
             out[name] = r = time_polling(nodes, how, intervals=intervals)

@@ -42,15 +42,13 @@ def measure(run_dir: Path, repeat: int) -> list[dict]:
         manifest = info.manifest
         reader = VerifiedReader(info.path, metadata_sha256=manifest["files"][METADATA]["sha256"])
         rows.append({
-            "step": step, "commit_s": commit.save_s,
-            "files": len(manifest["files"]),
+            "step": step, "commit_s": commit.save_s, "files": len(manifest["files"]),
             "bytes": sum(m["size"] for m in manifest["files"].values()),
             "sign_s": _median_time(lambda m=manifest: signing.sign(m, trust.key), repeat),
             "check_s": _median_time(lambda m=manifest: signing.check_signature(m, trust, "x"),
                                     repeat),
             "metadata_s": _median_time(reader.read_metadata, max(1, repeat // 20)),
-            "verify_s": _median_time(lambda i=info: verify(i, trust), 3),
-        })
+            "verify_s": _median_time(lambda i=info: verify(i, trust), 3)})
     return rows
 
 
@@ -63,19 +61,16 @@ def main() -> int:
     args = p.parse_args()
 
     with tempfile.TemporaryDirectory(prefix="stalwart-bench-signing-") as tmp:
-        run_dir = Path(tmp) / "run"
-        overrides = [f"train.steps={args.steps}",
-                     f"checkpoint.persist_every={args.persist_every}",
+        run_dir, log = Path(tmp) / "run", Path(tmp) / "run.log"
+        overrides = [f"train.steps={args.steps}", f"checkpoint.persist_every={args.persist_every}",
                      "checkpoint.keep_last=0", "run.log_every=10"]
         cmd = common.stalwart_command(str(common.DEFAULT_CONFIG), overrides, run_dir)
-        code, wall = run_watched(cmd, Path(tmp) / "run.log", args.timeout)
+        code, wall = run_watched(cmd, log, args.timeout)
         if code != 0:
-            print(common.tail(Path(tmp) / "run.log"), file=sys.stderr)
-            return 1
+            raise SystemExit(common.tail(log))
         rows = measure(run_dir, args.repeat)
     if not rows:
-        print("the run committed no checkpoint", file=sys.stderr)
-        return 1
+        raise SystemExit("the run committed no checkpoint")
 
     summary: dict[str, Any] = {"commits": len(rows), **{
         f"median_{k}": statistics.median(r[k] for r in rows)
@@ -87,9 +82,8 @@ def main() -> int:
           f"{'check us':>9} {'.metadata ms':>12} {'verify ms':>10}")
     for r in rows:
         print(f"{r['step']:>6} {r['files']:>5} {r['bytes'] / 1e6:>6.2f} "
-              f"{r['commit_s'] * 1e3:>10.1f} {r['sign_s'] * 1e6:>8.1f} "
-              f"{r['check_s'] * 1e6:>9.1f} {r['metadata_s'] * 1e3:>12.2f} "
-              f"{r['verify_s'] * 1e3:>10.1f}")
+              f"{r['commit_s'] * 1e3:>10.1f} {r['sign_s'] * 1e6:>8.1f} {r['check_s'] * 1e6:>9.1f} "
+              f"{r['metadata_s'] * 1e3:>12.2f} {r['verify_s'] * 1e3:>10.1f}")
     print(f"signing is {summary['sign_share_of_commit']:.4%} of a commit's time "
           f"(median {sign_s * 1e6:.0f} us of {commit * 1e3:.0f} ms); target < {TARGET:.0%}: "
           f"{'met' if summary['met'] else 'NOT met'}")

@@ -64,8 +64,7 @@ def print_table(rates: dict[tuple[str, int], float], medians: dict[str, float | 
     t = medians["torchrun-ddp"]
     print("-" * len(head) + "\n" + line("median", medians["stalwart-ddp"], t,
                                           medians.get("stalwart-fsdp")))
-    return ratio(medians["stalwart-ddp"], t), (ratio(medians["stalwart-fsdp"], t) if fsdp
-                                                 else None)
+    return ratio(medians["stalwart-ddp"], t), (ratio(medians["stalwart-fsdp"], t) if fsdp else None)
 
 
 def loss_check(results: list[dict[str, Any]], runners: list[str]) -> dict[str, float | None]:

@@ -59,8 +59,7 @@ class DDPSetup:
         start, count = rank_slice(self.samples_seen, t.global_batch_size, rank, world)
         items = self.sampler.items(start, count)
         ddp.train()
-        loss_sum = torch.zeros(())
-        tokens = 0
+        loss_sum, tokens = torch.zeros(()), 0
         for i in range(accum):
             inputs, targets = data.get_batch(items[i * t.micro_batch_size:
                                                    (i + 1) * t.micro_batch_size])
@@ -94,9 +93,8 @@ def build_ddp(config: JobConfig, world: int) -> DDPSetup:
     ddp = DistributedDataParallel(model)
     optimizer = task.build_optimizer(ddp, config)
     return DDPSetup(train=t, task=task, accum=t.global_batch_size // (t.micro_batch_size * world),
-                    data=data, sampler=GlobalSampler(len(data), seed=t.seed), model=model,
-                    ddp=ddp, optimizer=optimizer,
-                    scheduler=task.build_lr_scheduler(optimizer, config))
+                    data=data, sampler=GlobalSampler(len(data), seed=t.seed), model=model, ddp=ddp,
+                    optimizer=optimizer, scheduler=task.build_lr_scheduler(optimizer, config))
 
 
 def torchrun_setup(config: str, overrides: list[str], steps: int | None

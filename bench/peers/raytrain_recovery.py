@@ -66,8 +66,7 @@ def ray_train(workdir: Path, loop: dict[str, Any], *, name: str, max_failures: i
 def _health_settings() -> dict[str, Any]:
     from ray.train.v2._internal import constants as c
 
-    return {key: float(os.environ.get(getattr(c, f"{name}_ENV_VAR"),
-                                      getattr(c, f"DEFAULT_{name}")))
+    return {key: float(os.environ.get(getattr(c, f"{name}_ENV_VAR"), getattr(c, f"DEFAULT_{name}")))
             for key, name in (("health_check_interval_s", "HEALTH_CHECK_INTERVAL_S"),
                               ("worker_health_check_timeout_s", "WORKER_HEALTH_CHECK_TIMEOUT_S"),
                               ("worker_group_start_timeout_s", "WORKER_GROUP_START_TIMEOUT_S"))}
@@ -189,17 +188,15 @@ def _measure(result: dict[str, Any], watch: _Watch, steps: int,
         harness.signal_pid(p, signal.SIGKILL)
     result["leftover_pids_killed"] = leftover
     result.update(analyse(workdir, attempts, info, fault, watch.node_info))
-    result.update(controller_events(session_dir, info["time"] if info else None,
-                                    watch.abort_time))
+    result.update(controller_events(session_dir, info["time"] if info else None, watch.abort_time))
     result["abort_s"] = (None if watch.abort_time is None or info is None
                          else watch.abort_time - info["time"])
     if fault == "hang":
         result["notes"].append(
-            f"hang: Ray Train has no hang detection besides its controller's worker health "
-            f"check ({result['worker_health_check_timeout_s']:g} s; the stopped actor cannot "
-            f"answer) and the torch process-group timeout ({result['torch_pg_timeout_s']} s, "
-            f"rank 0 waits that long in the all-reduce); the harness waited "
-            f"hang_wait_s={watch.hang_wait_s:g} s.")
+            "hang: Ray Train has no hang detection besides its controller's worker health check "
+            f"({result['worker_health_check_timeout_s']:g} s; the stopped actor cannot answer) and "
+            f"the torch process-group timeout ({result['torch_pg_timeout_s']} s, rank 0 waits that "
+            f"long in the all-reduce); the harness waited hang_wait_s={watch.hang_wait_s:g} s.")
     if fault == "node":
         result["notes"].append(
             "node: rank 1 SIGKILLed its raylet, the raylet's other children and itself; the "

@@ -57,8 +57,7 @@ def _inject(fault: str, workdir: Path) -> None:
     if fault == "node":  # the whole node at once, as when a machine dies
         raylet = raylet_pid()  # the worker's parent, checked by name
         # Listed now: once the raylet is gone they are reparented.
-        row.update(raylet_pid=raylet, other_node_pids=[p for p in children_of(raylet)
-                                                       if p != me])
+        row.update(raylet_pid=raylet, other_node_pids=[p for p in children_of(raylet) if p != me])
     row["time"] = time.time()
     write_json_atomic(workdir / FAULT_FILE, row)
     if fault == "hang":
@@ -115,8 +114,7 @@ def train_loop_per_worker(cfg: dict[str, Any]) -> None:
     config = load_config(cfg["config"], cfg["overrides"])
     t = config.train
     run = build_ddp(config, world)
-    checkpoint = ray.train.get_checkpoint()
-    if checkpoint is not None:
+    if (checkpoint := ray.train.get_checkpoint()) is not None:
         with checkpoint.as_directory() as d:
             run.load(torch.load(Path(d) / STATE_FILE, weights_only=False))
     append_jsonl(workdir / ATTEMPTS_FILE, {

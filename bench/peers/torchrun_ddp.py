@@ -46,14 +46,13 @@ def main() -> None:
     measured = t.steps - args.exclude
     if rank == 0:
         gaps = [b - a for a, b in zip(ends[args.exclude:-1], ends[args.exclude + 1:], strict=True)]
-        row = {
-            "runner": "torchrun-ddp", "world_size": world, "steps": t.steps,
-            "excluded_steps": args.exclude, "tokens_per_step": tokens_per_step,
-            "window_s": window_s, "tokens_per_s": measured * tokens_per_step / window_s,
-            "step_time_s_median": sorted(gaps)[measured // 2],
-            "loss_by_step": {str(i + 1): v for i, v in enumerate(losses)},
-            "grad_accum": run.accum, "threads": torch.get_num_threads(),
-            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+        row = {"runner": "torchrun-ddp", "world_size": world, "steps": t.steps,
+               "excluded_steps": args.exclude, "tokens_per_step": tokens_per_step,
+               "window_s": window_s, "tokens_per_s": measured * tokens_per_step / window_s,
+               "step_time_s_median": sorted(gaps)[measured // 2],
+               "loss_by_step": {str(i + 1): v for i, v in enumerate(losses)},
+               "grad_accum": run.accum, "threads": torch.get_num_threads(),
+               "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         append_jsonl(Path(args.out), row)
         print(f"torchrun DDP: {row['tokens_per_s']:,.0f} tokens/s over steps "

@@ -58,8 +58,7 @@ def main() -> None:
     # Resume from the newest complete checkpoint (a temporary one's name starts with a dot):
     # torchrun stopped the whole old group first, so every rank sees the same files.
     folder = workdir / CHECKPOINT_DIR
-    newest = max(folder.glob("step-*.pt"), default=None)
-    if newest is not None:
+    if (newest := max(folder.glob("step-*.pt"), default=None)) is not None:
         run.load(torch.load(newest, weights_only=True))
     append_jsonl(workdir / ATTEMPTS_FILE, {
         "event": "ready", "time": time.time(), "rank": rank, "attempt": attempt,
