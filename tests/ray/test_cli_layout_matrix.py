@@ -6,19 +6,18 @@ be refused there and by `run` alike, never listed. At 2 workers every listed lay
 from the CLI: each parallel degree on its own through plan, Ray and the engine. At 4 workers
 the CLI trains the compositions no dist test checks; the others are checked for exactness
 without Ray, by the test named beside each in DIST_CHECKED (same engine, same layouts).
-One local Ray serves every run of the module (`--address`); two runs go at a time.
+One local Ray serves every run of the module (`--address`), each made in the test's process.
 """
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
 from stalwart.core.events import read_jsonl
-from tests.cli_helpers import REFERENCE_CONFIG, STALWART, TINY, run_from_thread, sets, stalwart
-from tests.ray.helpers import local_cluster
+from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart_here
+from tests.ray.helpers import driving, local_cluster
 
 DIST = Path(__file__).resolve().parents[1] / "dist"
 
@@ -54,9 +53,10 @@ DIST_CHECKED = {
 
 @pytest.fixture(scope="module")
 def address():
-    cluster = local_cluster(1, cpus=4)  # two runs of four 0.5-CPU workers at a time
+    cluster = local_cluster(1, cpus=2)  # four 0.5-CPU workers
     try:
-        yield cluster.address
+        with driving(cluster):
+            yield cluster.address
     finally:
         cluster.shutdown()
 
@@ -64,14 +64,14 @@ def address():
 @pytest.fixture(scope="module")
 def one_worker(address, tmp_path_factory) -> list[float]:
     cwd = tmp_path_factory.mktemp("one")
-    stalwart("run", str(REFERENCE_CONFIG), *sets(*MATRIX, "scaling.num_workers=1"),
-             "--address", address, "--run-dir", "run", cwd=cwd)
+    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*MATRIX, "scaling.num_workers=1"),
+                  "--address", address, "--run-dir", "run", cwd=cwd)
     return [r["loss"] for r in read_jsonl(cwd / "run" / "metrics.jsonl")]
 
 
 def listed_layouts(workers: int, cwd: Path) -> set[tuple[int, ...]]:
-    proc = stalwart("plan", str(REFERENCE_CONFIG), *sets(*MATRIX), "--devices", str(workers),
-                    cwd=cwd)
+    proc = stalwart_here("plan", str(REFERENCE_CONFIG), *sets(*MATRIX), "--devices",
+                         str(workers), cwd=cwd)
     rows = [line.split() for line in proc.stdout.splitlines()]
     return {tuple(int(c) for c in r[:4]) for r in rows
             if len(r) > 4 and all(c.isdigit() for c in r[:5])}
@@ -82,8 +82,8 @@ def train(layout: tuple[int, ...], workers: int, address: str, cwd: Path
     name = "x".join(map(str, layout))
     overrides = [f"scaling.num_workers={workers}",
                  *(f"parallel.{k}={v}" for k, v in zip(DEGREES, layout, strict=True))]
-    proc = run_from_thread([STALWART, "run", str(REFERENCE_CONFIG), *sets(*MATRIX, *overrides),
-                            "--address", address, "--run-dir", name], timeout=240, cwd=cwd)
+    proc = stalwart_here("run", str(REFERENCE_CONFIG), *sets(*MATRIX, *overrides), "--address",
+                         address, "--run-dir", name, cwd=cwd, check=None)
     metrics = cwd / name / "metrics.jsonl"
     losses = [r["loss"] for r in read_jsonl(metrics)] if metrics.exists() else []
     return layout, losses, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
@@ -99,8 +99,7 @@ def test_every_layout_plan_lists_trains_like_one_worker(workers, address, one_wo
         from_cli = sorted(layouts - set(DIST_CHECKED))
         for file, case in DIST_CHECKED.values():  # a twin that goes puts its layout back
             assert f'id="{case}"' in (DIST / file).read_text(), f"{file}: no case {case}"
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda lo: train(lo, workers, address, tmp_path), from_cli))
+    results = [train(layout, workers, address, tmp_path) for layout in from_cli]
     assert len(one_worker) == 4
     for layout, losses, output in results:
         described = " x ".join(f"{k}={v}" for k, v in zip(DEGREES, layout, strict=True))
