@@ -12,11 +12,9 @@ from stalwart.checkpointing.storage.signing import KEY_FILE_ENV
 
 
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
-    """`-n auto`: one worker more than the cores, at most 4. A test spends part of its time
-    waiting (Ray's daemons starting, a run's processes importing torch, a hang being timed),
-    and the extra worker fills those waits; every Ray-tier module starts a Ray of its own,
-    so more would only queue for the same cores and memory."""
-    return max(1, min(4, len(os.sched_getaffinity(0)) + 1))
+    """`-n auto`: a worker per core, at most 4. Every Ray-tier module starts a Ray of its own
+    and its runs' workers; more at once would only queue for the same cores and memory."""
+    return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
 @pytest.fixture(scope="session", autouse=True)
