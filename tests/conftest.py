@@ -1,12 +1,16 @@
 """Every test signs and verifies checkpoints with one key of its own, never the user's:
-$STALWART_CHECKPOINT_KEY_FILE names it, for this process and every process it starts."""
+$STALWART_CHECKPOINT_KEY_FILE names it, for this process and every process it starts. The
+key is one for the whole session, shared by pytest-xdist's workers: a run one worker made
+(the shared reference run) verifies in another."""
 
 from __future__ import annotations
 
 import os
 import secrets
+from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 from stalwart.checkpointing.storage.signing import KEY_FILE_ENV
 
@@ -17,11 +21,21 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
+def session_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This session's temp root, the same for all of pytest-xdist's workers (each has its own
+    base temp below it)."""
+    root = tmp_path_factory.getbasetemp()
+    return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
 @pytest.fixture(scope="session", autouse=True)
 def checkpoint_key_file(tmp_path_factory: pytest.TempPathFactory):
-    path = tmp_path_factory.mktemp("key") / "checkpoint.key"
-    path.write_text(secrets.token_hex(32) + "\n")
-    path.chmod(0o600)
+    root = session_root(tmp_path_factory)
+    path = root / "checkpoint.key"
+    with FileLock(str(root / "checkpoint.key.lock")):
+        if not path.exists():
+            path.write_text(secrets.token_hex(32) + "\n")
+            path.chmod(0o600)
     before = os.environ.get(KEY_FILE_ENV)
     os.environ[KEY_FILE_ENV] = str(path)
     yield path

@@ -10,6 +10,7 @@ import pytest
 from filelock import FileLock
 
 from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
+from tests.conftest import session_root
 
 # 80 tiny steps, a checkpoint every 10, a metrics row every step. The faults land by step 35;
 # the steps after them show the run goes on as the straight one did.
@@ -39,9 +40,7 @@ def straight_run(tmp_path_factory) -> Path:
     """Run dir of an uninterrupted run of RUN (same seed as every test's run). No warm spare:
     nothing fails, and a spare never trains. Made once for all of pytest-xdist's workers:
     the first to need it runs it under a lock in their shared temp root."""
-    root = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        root = root.parent  # this session's root, above each worker's own
+    root = session_root(tmp_path_factory)
     cwd, done = root / "straight", root / "straight.done"
     with FileLock(str(root / "straight.lock")):
         if not done.exists():
