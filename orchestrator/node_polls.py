@@ -71,9 +71,8 @@ class NodePolls:
     # for this long, so one interval is one pass of the controller.
     GATHER_S = 0.05
 
-    def __init__(self, runtime_env: dict[str, Any] | None, nodes: NodeHealth, *,
-                 stopped_for_s: float, silent_for_s: float = 0.4) -> None:
-        self.runtime_env = runtime_env
+    def __init__(self, nodes: NodeHealth, *, stopped_for_s: float,
+                 silent_for_s: float = 0.4) -> None:
         self.stopped_for_s = stopped_for_s  # failure.stopped_timeout_s
         self.silent_for_s = silent_for_s  # failure.node_silent_timeout_s
         # The group's node health: it says whether a node is up; the silent nodes found
@@ -90,8 +89,6 @@ class NodePolls:
             options: dict[str, Any] = dict(
                 num_cpus=0, max_restarts=0,
                 scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
-            if self.runtime_env:
-                options["runtime_env"] = self.runtime_env
             self._agents[node_id] = _Agent(
                 actor=self._actor_class.options(**options).remote(self.stopped_for_s))
 

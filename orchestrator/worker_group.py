@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import ray
+from ray import cloudpickle
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -116,18 +117,20 @@ class ElasticGroup(WorkerGroup):
     LEAVE_TIMEOUT_S = 10.0
 
     def __init__(self, config: JobConfig, storage_url: str, *, trust: CheckpointTrust,
-                 runtime_env: dict[str, Any] | None = None,
+                 import_paths: Sequence[str] = (),
                  outlive_driver: bool = False, task: TaskLike | None = None) -> None:
         """`trust`: the checkpoint key and what a load accepts, handed to every worker at
-        its start (the key is never written to storage or the run dir). `outlive_driver`:
+        its start (the key is never written to storage or the run dir). `import_paths`:
+        put on each worker's sys.path before it imports the task. `outlive_driver`:
         detached workers that commit the step in flight if this driver is killed
         (workers/driver_watch.py); for a cluster that outlives the driver. `task`: a task
-        class or instance handed to the Trainer, shipped to every worker by value."""
+        class or instance handed to the Trainer, shipped to every worker by value (pickled
+        here, so a worker loads it once `import_paths` can find its modules)."""
         self.config = config
         self.storage_url = storage_url
         self.trust = trust
-        self.runtime_env = runtime_env
-        self.task = task
+        self.import_paths = list(import_paths)
+        self.task = None if task is None else cloudpickle.dumps(task)
         self.driver_node_id = ray.get_runtime_context().get_node_id()
         self.members: list[Worker] = []
         self.idle: list[Worker] = []
@@ -142,7 +145,7 @@ class ElasticGroup(WorkerGroup):
         # The beacon of a driver whose workers outlive it (orchestrator/driver_loss.py).
         self._beacon = start_beacon(trust.run_id, self.driver_node_id) if outlive_driver else None
         self.nodes = NodeHealth()  # the one place that asks whether a node is up
-        self.polls = NodePolls(runtime_env, self.nodes,
+        self.polls = NodePolls(self.nodes,
                                stopped_for_s=config.failure.stopped_timeout_s,
                                silent_for_s=config.failure.node_silent_timeout_s)
         # Agents first, on every node that can hold a worker: each starts (half a second of
@@ -168,13 +171,11 @@ class ElasticGroup(WorkerGroup):
             name=name,
             scheduling_strategy="SPREAD" if sc.placement_strategy == "SPREAD" else "DEFAULT",
         )
-        if self.runtime_env:
-            options["runtime_env"] = self.runtime_env
         if self._beacon is not None:  # found again by the run's next driver
             options.update(lifetime="detached", namespace=run_namespace(self.trust.run_id))
         actor = self._actor_class.options(**options).remote(
             self._config_dict, self.storage_url, self._created, trust=self.trust,
-            driver_beacon=self._beacon, task=self.task)
+            driver_beacon=self._beacon, task=self.task, import_paths=self.import_paths)
         return Worker(key=name, actor=actor, warm=actor.warm_up.remote())
 
     def refresh(self, timeout: float = 0.0) -> None:

@@ -261,17 +261,17 @@ class Trainer:
 
     # ------------------------------------------------------------------ Ray
 
-    def _connect(self) -> tuple[bool, dict[str, Any]]:
-        """Join or start Ray; returns (whether we started it, the workers' runtime_env)."""
-
-        # Workers import the task by module path: let them find modules next to the user,
-        # as the driver does (a cluster of other machines ships code with `stalwart submit`).
-        paths = [self.workdir, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-        runtime_env = {"env_vars": {"PYTHONPATH": os.pathsep.join(paths),
-                                    "OMP_NUM_THREADS": str(max(1, int(
-                                        self.config.scaling.cpus_per_worker)))}}
+    def _connect(self) -> bool:
+        """Join or start Ray; returns whether we started it."""
         return connect(self.address, num_cpus=self._embedded_cpus(),
-                       dashboard=self.config.run.dashboard), runtime_env
+                       dashboard=self.config.run.dashboard)
+
+    def _import_paths(self) -> list[str]:
+        """Where workers find the task's modules: next to the user, as the driver does (a
+        cluster of other machines ships code with `stalwart submit`). Handed to each worker
+        rather than set in a runtime_env, which would make Ray start every worker through a
+        second Python (its setup_worker) and bar it from Ray's idle, pre-started workers."""
+        return [self.workdir, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
 
     def _embedded_cpus(self) -> int:
         """The Ray on this machine has its cores, plus room for the warm spares.
@@ -327,7 +327,7 @@ class Trainer:
         owner = self._check_owner(storage_url, trust.run_id)  # before its checkpoints are read
         resume_from, changes, skipped = self._check_run_dir(storage_url, trust)
         origin = self._check_start_from(trust)
-        started_ray, runtime_env = self._connect()
+        started_ray = self._connect()
         display = None
         try:
             if self.address is not None and self._settle_previous_driver(trust.run_id):
@@ -361,7 +361,7 @@ class Trainer:
                 live=self.live_progress if self.config.run.progress else False)
             controller = Controller(
                 self.config, storage_url=storage_url,
-                group=ElasticGroup(self.config, storage_url, runtime_env=runtime_env,
+                group=ElasticGroup(self.config, storage_url, import_paths=self._import_paths(),
                                    trust=trust, outlive_driver=self.address is not None,
                                    task=self.task),
                 group_error=GroupFailed, trust=trust, events=self.run_dir.events,

@@ -26,11 +26,13 @@ if TYPE_CHECKING:
 class TrainWorker:
     def __init__(self, config: dict[str, Any], storage_url: str, number: int = 0, *,
                  trust: CheckpointTrust, driver_beacon: Any = None,
-                 task: TaskLike | None = None) -> None:
+                 task: TaskLike | bytes | None = None, import_paths: Sequence[str] = ()
+                 ) -> None:
         from stalwart.workers.worker import Worker
 
         self.worker = Worker(config, storage_url, number, trust=trust,
-                             driver_beacon=driver_beacon, task=task)
+                             driver_beacon=driver_beacon, task=task,
+                             import_paths=import_paths)
 
     def __repr__(self) -> str:
         """Ray shows the Worker's name (its log prefix, the dashboard's Repr)."""

@@ -52,8 +52,10 @@ STRIKES_AT = {
     FaultKind.KILL_STAGING: "mid_copy",            # half of the snapshot's tensors are staged
     FaultKind.KILL_REPLICATING: "before_payload",  # the snapshot's headers are on its holders
 }
-# How long a fault waits for the controller to hear of it before it is carried out.
-FAULT_NOTICE_TIMEOUT_S = 5.0
+# How long a fault waits for the controller to hear of it before it is carried out. Long:
+# a fault done unheard is armed again in the next world and strikes twice, and a busy
+# machine can hold the controller's poll back for seconds.
+FAULT_NOTICE_TIMEOUT_S = 30.0
 # A `slow` fault: the rank sleeps this x its local work each step (3x as long in all).
 SLOWDOWN = 2.0
 

@@ -25,6 +25,7 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from ray import cloudpickle
 
 from stalwart.checkpointing.memory.store import Inventory
 from stalwart.checkpointing.memory.tier import MemoryTier, StateAccess
@@ -96,11 +97,18 @@ def step_metrics(report: StepReport) -> dict[str, float]:
 class Worker:
     def __init__(self, config: dict[str, Any], storage_url: str, number: int = 0, *,
                  trust: CheckpointTrust, driver_beacon: Any = None,
-                 task: TaskLike | None = None) -> None:
+                 task: TaskLike | bytes | None = None, import_paths: Sequence[str] = ()
+                 ) -> None:
         """`driver_beacon`: the driver's DriverBeacon when this worker is detached and must
         outlive a killed driver (workers/driver_watch.py); None when it dies with it.
         `task`: the task class or instance handed to the Trainer, if it was not named by
-        task.path (Ray ships it by value)."""
+        task.path; pickled (bytes) when the group ships it, loaded here once
+        `import_paths` (where the driver finds the task's modules) are on sys.path."""
+        for path in reversed(import_paths):
+            if path not in sys.path:
+                sys.path.insert(0, path)
+        if isinstance(task, bytes):
+            task = cloudpickle.loads(task)
         self.config: JobConfig = config_from_dict(config)
         self.storage_url = storage_url
         self.trust = trust  # the checkpoint key, from the driver; only ever in memory

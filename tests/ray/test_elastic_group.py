@@ -31,7 +31,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 
 ROOT = Path(__file__).resolve().parents[2]
 # What the Trainer gives the workers (tests.* importable, one compute thread each).
-RUNTIME_ENV = {"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}}
 # Generous: two cores are shared by every test process of the machine.
 DEADLINE_S = 150.0
 # A world of 2 and a warm spare; it trains until stopped, a checkpoint every 3 steps.
@@ -83,7 +82,7 @@ def group(local_ray, tmp_path: Path):
     build_task(config.task.path, config.task.args).prepare_data(config)
     storage = tmp_path / "checkpoints"
     storage.mkdir()
-    g = ElasticGroup(config, str(storage), runtime_env=RUNTIME_ENV, trust=trust())
+    g = ElasticGroup(config, str(storage), import_paths=[str(ROOT)], trust=trust())
     yield g
     g.shutdown(graceful=False)
 

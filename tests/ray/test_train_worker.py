@@ -29,7 +29,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(240)]
 
 ROOT = Path(__file__).resolve().parents[2]
 # Workers import the test tasks (tests.ray.*) by path, as the Trainer lets them find the user's.
-RUNTIME_ENV = {"env_vars": {"PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}}
 # Generous: two cores are shared by every test process of the machine.
 DEADLINE_S = 120.0
 RUN = [*TINY, "train.steps=100000", "checkpoint.persist_every=2", "checkpoint.keep_last=0",
@@ -92,8 +91,9 @@ def make_actor(local_ray, tmp_path: Path):
         storage = tmp_path / "checkpoints"
         storage.mkdir(exist_ok=True)
         actor = ray.remote(TrainWorker).options(
-            num_cpus=1, max_restarts=0, runtime_env=RUNTIME_ENV,
-        ).remote(config.to_dict(), str(storage), len(actors) + 1, trust=trust())
+            num_cpus=1, max_restarts=0,
+        ).remote(config.to_dict(), str(storage), len(actors) + 1, trust=trust(),
+                 import_paths=[str(ROOT)])
         actors.append(actor)
         return actor, str(storage)
 
