@@ -14,7 +14,7 @@ from typing import Any
 
 import torch.multiprocessing as mp
 
-from stalwart.parallel.distributed import destroy_process_group, free_port
+from stalwart.parallel.distributed import destroy_process_group
 
 # The threads of a process group (gloo's workers and event loops) and of the store it was
 # formed through: none may outlive the world. One alive when the process exits runs on
@@ -37,7 +37,7 @@ def group_threads() -> list[str]:
     return sorted(names)
 
 
-def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_dir: str,
+def _entry(rank: int, fn: Callable[..., Any], world_size: int, out_dir: str,
            args: tuple[Any, ...]) -> None:
     import torch
     import torch._dynamo  # noqa: F401 (before the world: see below)
@@ -47,7 +47,9 @@ def _entry(rank: int, fn: Callable[..., Any], world_size: int, port: int, out_di
     # destroy_process_group (torch 2.13; an optimizer's first step imports it). A worker has
     # it, through the engine, before it joins a world; so do these ranks.
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    # A file store in this call's own directory: no port to pick, so none another test's
+    # world can take between the pick and the bind.
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank,
                             world_size=world_size)
     try:
         result: Any = fn(rank, world_size, *args)
@@ -77,7 +79,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """fn(rank, world_size, *args) on each rank; returns results by rank, raising rank errors."""
     mp.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_entry, args=(fn, world_size, free_port(), out_dir, args),
+        mp.start_processes(_entry, args=(fn, world_size, out_dir, args),
                            nprocs=world_size, join=True, start_method="forkserver")
         results = []
         for rank in range(world_size):

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -257,14 +258,18 @@ def test_stop_checkpoints_the_run_and_a_resumed_submit_continues_it(cluster):
 
 
 def _driver_pid(cluster: Cluster, job_id: str) -> int:
-    """The PID of a job's driver (`stalwart run`), from the cluster's job API."""
-    proc = subprocess.run(
-        [sys.executable, "-c", "import sys; from stalwart.cli.jobs import find, job_client; "
-         "print(find(job_client(sys.argv[1]), sys.argv[2]).driver_info.pid)",
-         cluster.dashboard, job_id],
-        env=cluster.env, capture_output=True, text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    return int(proc.stdout)
+    """The PID of a job's driver (`stalwart run`), from the cluster's job API. Asked here,
+    not by a Python of its own that imports Ray's job SDK: on a busy machine that start
+    took longer than the rest of the run."""
+    request = urllib.request.Request(
+        f"{cluster.dashboard}/api/jobs/{job_id}",
+        headers={"Authorization": f"Bearer {cluster.env['RAY_AUTH_TOKEN']}"})
+    deadline = time.monotonic() + 60
+    while not (driver := json.load(urllib.request.urlopen(request, timeout=30)
+                                   ).get("driver_info")):
+        assert time.monotonic() < deadline, f"job {job_id} has no driver"
+        time.sleep(0.1)
+    return int(driver["pid"])
 
 
 def _wait_for_step(run_dir: Path, step: int) -> None:
@@ -287,8 +292,8 @@ def test_a_killed_then_terminated_driver_loses_no_step_and_auto_resume_ends_bit_
     run_dir = cluster.project / "runs" / "driver-lost"
     cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(run_dir), "--auto-resume",
                      "--job-id", "stalwart-driver-kill")
-    # Each driver's pid is looked up before the step it is killed at: the lookup (a Python
-    # that imports Ray's job SDK) can take longer than the rest of the run on a busy machine.
+    # Each driver's pid is looked up before the step it is killed at, which must leave
+    # room for the steps after it.
     _wait_for_step(run_dir, 1)
     killed = _driver_pid(cluster, "stalwart-driver-kill")
     _wait_for_step(run_dir, 60)
