@@ -19,11 +19,13 @@ from stalwart.core.events import read_jsonl
 STALWART = str(Path(sys.executable).with_name("stalwart"))
 REFERENCE_CONFIG = Path(__file__).resolve().parents[1] / "examples" / "gpt" / "config.toml"
 
-# A tiny GPT on the reference task: seconds per run on 2 CPU cores.
+# A tiny GPT on the reference task: seconds per run on 2 CPU cores. No warm spare: one
+# costs a process that imports torch and builds the model, wasted in a run nothing fails
+# (the tests of spares ask for one).
 TINY = [
     "task.args.seq_len=64", "task.args.d_model=64", "task.args.n_layers=2",
     "task.args.n_heads=2", "train.global_batch_size=8", "train.micro_batch_size=2",
-    "train.warmup_steps=5", "data.val_batches=1",
+    "train.warmup_steps=5", "data.val_batches=1", "scaling.spare_workers=0",
 ]
 
 

@@ -14,7 +14,7 @@ from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
 
 SHORT = [*TINY, "train.steps=6", "train.warmup_steps=1", "checkpoint.persist_every=3",
-         "checkpoint.keep_last=0", "data.val_every=0", "scaling.spare_workers=0"]
+         "checkpoint.keep_last=0", "data.val_every=0"]
 
 
 def test_status_of_a_real_run_dir(tmp_path: Path) -> None:

@@ -351,7 +351,7 @@ def test_ray_job_submit_runs_stalwart_as_well(cluster):
 def test_a_sweep_runs_on_the_cluster(cluster):
     """`stalwart sweep --address`: two trials of 1 worker each, side by side on the cluster."""
     sweep = cluster.project / "sweep.toml"
-    overrides = [*TINY, "train.steps=10", "scaling.num_workers=1", "scaling.spare_workers=0"]
+    overrides = [*TINY, "train.steps=10", "scaling.num_workers=1"]
     sweep.write_text(f'config = "{CONFIG}"\nset = {json.dumps(overrides)}\n'
                      'metric = "loss"\n[search]\n"train.lr" = { grid = [1e-3, 1e-2] }\n')
     proc = cluster.stalwart("sweep", "sweep.toml", "--address", cluster.env["RAY_ADDRESS"],

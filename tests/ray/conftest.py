@@ -16,7 +16,7 @@ from tests.conftest import session_root
 # the steps after them show the run goes on as the straight one did.
 STEPS = 80
 RUN = [*TINY, f"train.steps={STEPS}", "checkpoint.persist_every=10", "checkpoint.keep_last=2",
-       "run.log_every=1", "data.val_every=50"]
+       "run.log_every=1", "data.val_every=50", "scaling.spare_workers=1"]
 # For runs that nothing fails: the example's warm spare would only start and wait.
 NO_SPARE = "scaling.spare_workers=0"
 

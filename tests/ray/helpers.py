@@ -19,7 +19,7 @@ from tests.cli_helpers import TINY, exported_weights
 ELASTIC = [*TINY, "train.steps=60", "checkpoint.persist_every=10", "checkpoint.keep_last=0",
            "run.log_every=1", "data.val_every=0", "parallel.dp_replicate=-1",
            "parallel.dp_shard=1", "parallel.invariant_reduction=true",
-           "failure.hang_timeout_floor_s=3", "scaling.spare_workers=0"]
+           "failure.hang_timeout_floor_s=3"]
 
 
 def wait_for_event(events: Path, kind: str, proc: subprocess.Popen | None,

@@ -21,7 +21,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures
 
 RUN = [*TINY, "scaling.num_workers=2", "checkpoint.persist_every=2", "checkpoint.keep_last=3",
        "checkpoint.async_save=false", "run.log_every=1", "data.val_every=100",
-       "train.warmup_steps=1", "scaling.spare_workers=0"]
+       "train.warmup_steps=1"]
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 # The tiny GPT untied (so it can be pipelined), 4 steps, a storage checkpoint at 2 and 4 (every
 # layout's state dicts are staged in memory each step and written by DCP twice).
 MATRIX = [*TINY, "task.args.tie_embeddings=false", "train.steps=4", "run.log_every=1",
-          "train.warmup_steps=2", "data.val_every=0", "scaling.spare_workers=0",
+          "train.warmup_steps=2", "data.val_every=0",
           "scaling.cpus_per_worker=0.5",
           "checkpoint.persist_every=2"]
 

@@ -12,8 +12,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures
 # Four workers on two cores; an untied GPT with four blocks can take every layout.
 FOUR = [*TINY, "scaling.num_workers=4", "scaling.cpus_per_worker=0.5",
         "train.global_batch_size=16", "task.args.n_layers=4",
-        "task.args.tie_embeddings=false", "data.val_every=5", "run.log_every=1",
-        "scaling.spare_workers=0"]
+        "task.args.tie_embeddings=false", "data.val_every=5", "run.log_every=1"]
 
 
 def test_resume_a_fsdp_run_as_tensor_x_pipeline_parallel(tmp_path):

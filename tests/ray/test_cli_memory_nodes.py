@@ -30,7 +30,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 SHARDED4 = [*TINY, "train.steps=50", "checkpoint.persist_every=10", "checkpoint.keep_last=0",
             "run.log_every=1", "data.val_every=0", "parallel.dp_replicate=1",
             "parallel.dp_shard=-1", "scaling.num_workers=4", "scaling.min_workers=1",
-            "scaling.spare_workers=0", "scaling.placement_strategy=SPREAD",
+            "scaling.placement_strategy=SPREAD",
             "failure.max_failures=3"]
 
 

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(180), pytest.mark.usefixtures
 def test_profile_and_tensorboard(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     stalwart_here("run", str(REFERENCE_CONFIG),
-                  *sets(*TINY, "train.steps=12", "scaling.spare_workers=0", "run.log_every=2",
+                  *sets(*TINY, "train.steps=12", "run.log_every=2",
                    "run.tensorboard=true"),
                   "--profile", "5-6", "--run-dir", str(run_dir), cwd=tmp_path)
 

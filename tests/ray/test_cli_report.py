@@ -22,7 +22,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
 # machine); then it is step 10, and the run says so in checkpoint_chosen.
 RUN = [*TINY, "train.steps=40", "run.log_every=5", "checkpoint.persist_every=10",
        "data.val_every=20", "scaling.num_workers=2", "scaling.min_workers=1",
-       "scaling.spare_workers=0", "scaling.placement_strategy=SPREAD",
+       "scaling.placement_strategy=SPREAD",
        "failure.max_failures=2"]
 TOKENS_PER_STEP = 8 * 64  # global batch x seq_len (TINY)
 

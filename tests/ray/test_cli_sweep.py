@@ -16,7 +16,7 @@ from tests.cli_helpers import REFERENCE_CONFIG, TINY, stalwart_here
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(400), pytest.mark.usefixtures("local_ray")]
 
 # One worker per trial, a metrics row and a checkpoint every 5 steps.
-JOB = [*TINY, "scaling.num_workers=1", "scaling.spare_workers=0", "data.val_every=0",
+JOB = [*TINY, "scaling.num_workers=1", "data.val_every=0",
        "run.log_every=5", "checkpoint.persist_every=5"]
 
 
