@@ -193,12 +193,12 @@ def check_trial(job: JobConfig) -> None:
 
 
 def _check_values(sweep_path: Path, job_with: JobWith, where: str, key: str, spec: Any,
-                  values: list[Any]) -> None:
-    """The job's and the task's own validation on each edge value: a bad key or value fails
-    as in `--set`, and here rather than in every trial."""
+                  values: list[Any], check: Callable[[JobConfig], None] = check_trial) -> None:
+    """The job's validation on each edge value, then `check` (by default the task's own): a
+    bad key or value fails as in `--set`, and here rather than in every trial."""
     for value in values:
         try:
-            check_trial(job_with(as_overrides({key: value})))
+            check(job_with(as_overrides({key: value})))
         except StalwartError as exc:
             hint = ""
             if isinstance(value, float) and value.is_integer():
@@ -265,6 +265,9 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
                                      "\"train.lr\" = { loguniform = [1e-4, 1e-2] }")
     name = _check_name(p, data.get("name", p.stem))
     storage = _check_storage(p, data.get("storage", "sweeps"))
+    edges = {key: _check_rule(f"{p} [search] {key}", spec) for key, spec in search.items()}
+    for key, spec in search.items():  # the config's own checks: nothing imported yet
+        _check_values(p, job_with, "[search]", key, spec, edges[key], check=lambda job: None)
     # The checks that import the task (and torch) or Tune come last: the file's own
     # mistakes are named in a second.
     try:  # unknown task.args would fail every trial
@@ -272,8 +275,7 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     except StalwartError as exc:
         raise _fail(str(p), f"every trial would be refused: {exc}") from None
     for key, spec in search.items():
-        _check_values(p, job_with, "[search]", key, spec,
-                      _check_rule(f"{p} [search] {key}", spec))
+        _check_values(p, job_with, "[search]", key, spec, edges[key])
     scheduler = _check_scheduler(p, data.get("scheduler", {}), job_with, job)
     return Sweep(path=p, name=name, config=config,
                  overrides=tuple(all_overrides), metric=metric, mode=mode, trials=trials,
