@@ -11,6 +11,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -59,9 +60,16 @@ def stalwart(*args: str, cwd: Path, timeout: float = 240,
              check: int | None = 0) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run([STALWART, *args], cwd=cwd, capture_output=True, text=True,
                           timeout=timeout)
+    return _checked(proc, check)
+
+
+def _checked(proc: subprocess.CompletedProcess[str], check: int | None
+             ) -> subprocess.CompletedProcess[str]:
+    """`proc`, if it exited `check` (None: any code); else an error showing its output."""
     if check is not None and proc.returncode != check:
-        raise AssertionError(f"stalwart {' '.join(args)} exited {proc.returncode}, expected "
-                             f"{check}\n--- stdout\n{proc.stdout}\n--- stderr\n{proc.stderr}")
+        raise AssertionError(f"stalwart {' '.join(proc.args[1:])} exited {proc.returncode}, "
+                             f"expected {check}\n--- stdout\n{proc.stdout}\n--- stderr\n"
+                             f"{proc.stderr}")
     return proc
 
 
@@ -95,17 +103,17 @@ def stalwart_here(*args: str, cwd: Path, check: int | None = 0,
             code = main(list(args))
         if thread:
             thread.join(timeout=60)
+            if thread.is_alive():
+                errors.append(AssertionError("what the test did during the run had not "
+                                             "ended 60 s after the run"))
     finally:
         os.chdir(before_cwd)
         sys.path[:] = before_path  # main() adds the cwd for a task, or drops it for export
         _forget_modules_under(cwd)
     if errors:
         raise errors[0]
-    if check is not None and code != check:
-        raise AssertionError(f"stalwart {' '.join(args)} exited {code}, expected {check}\n"
-                             f"--- stdout\n{out.getvalue()}\n--- stderr\n{err.getvalue()}")
-    return subprocess.CompletedProcess(["stalwart", *args], code, out.getvalue(),
-                                       err.getvalue())
+    return _checked(subprocess.CompletedProcess(["stalwart", *args], code, out.getvalue(),
+                                                err.getvalue()), check)
 
 
 def _forget_modules_under(folder: Path) -> None:
@@ -125,15 +133,31 @@ def exported_weights(run_dir: Path, cwd: Path, name: str) -> dict[str, torch.Ten
     return torch.load(out)
 
 
-def _wait_until(done, what: str, proc: subprocess.Popen | None, timeout: float) -> None:
-    """`proc`: the run's process, or None for a run in this process (stalwart_here)."""
+def wait_until(done: Callable[[], bool], what: str, proc: subprocess.Popen | None,
+               timeout: float) -> None:
+    """Block until done(). `proc`: the run's process, or None for a run in this process
+    (stalwart_here); one that ends first fails the wait, with its output when piped."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        assert proc is None or proc.poll() is None, f"the run ended before {what}"
         if done():
             return
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"the run ended before {what}:\n"
+                                 f"{proc.stdout.read() if proc.stdout else ''}")
         time.sleep(0.05)
     raise AssertionError(f"{what} not reached in {timeout}s")
+
+
+def wait_for_event(events: Path, kind: str, proc: subprocess.Popen | None,
+                   timeout: float = 180) -> dict[str, Any]:
+    """The first `kind` event in `events` (events.jsonl) of the run `proc` is making."""
+    found: list[dict[str, Any]] = []
+
+    def done() -> bool:
+        found[:] = [e for e in read_jsonl(events) if e["kind"] == kind] if events.exists() else []
+        return bool(found)
+    wait_until(done, f"a {kind} event", proc, timeout)
+    return found[0]
 
 
 def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen | None,
@@ -142,7 +166,7 @@ def wait_for_step(metrics: Path, step: int, proc: subprocess.Popen | None,
     def done() -> bool:
         rows = read_jsonl(metrics) if metrics.exists() else []
         return bool(rows) and rows[-1]["step"] >= step
-    _wait_until(done, f"step {step}", proc, timeout)
+    wait_until(done, f"step {step}", proc, timeout)
 
 
 def wait_for_commit(run_dir: Path, proc: subprocess.Popen | None,
@@ -151,6 +175,6 @@ def wait_for_commit(run_dir: Path, proc: subprocess.Popen | None,
     writes are asynchronous: on a loaded machine training runs steps past a save before it
     commits, so a test that needs a committed checkpoint must wait for it, not for a step."""
     events = run_dir / "events.jsonl"
-    _wait_until(lambda: events.exists() and any(
+    wait_until(lambda: events.exists() and any(
         e["kind"] == "checkpoint_committed" for e in read_jsonl(events)),
         "a committed checkpoint", proc, timeout)

@@ -32,6 +32,7 @@ from tests.cli_helpers import (
     TINY,
     exported_weights,
     sets,
+    wait_for_event,
     wait_for_step,
 )
 
@@ -273,11 +274,7 @@ def _driver_pid(cluster: Cluster, job_id: str) -> int:
 
 
 def _wait_for_step(run_dir: Path, step: int) -> None:
-    deadline = time.monotonic() + 120
-    while not (run_dir / "metrics.jsonl").exists() or read_jsonl(
-            run_dir / "metrics.jsonl")[-1]["step"] < step:
-        assert time.monotonic() < deadline, f"step {step} not reached"
-        time.sleep(0.05)
+    wait_for_step(run_dir / "metrics.jsonl", step, None, timeout=120)
 
 
 def test_a_killed_then_terminated_driver_loses_no_step_and_auto_resume_ends_bit_identical(
@@ -328,12 +325,7 @@ def test_a_killed_then_terminated_driver_loses_no_step_and_auto_resume_ends_bit_
 
 
 def _wait_for_event(run_dir: Path, kind: str) -> dict:
-    deadline = time.monotonic() + 120
-    while not (found := [e for e in (_events(run_dir) if (run_dir / "events.jsonl").exists()
-                                     else []) if e["kind"] == kind]):
-        assert time.monotonic() < deadline, f"no {kind} event"
-        time.sleep(0.1)
-    return found[-1]
+    return wait_for_event(run_dir / "events.jsonl", kind, None, timeout=120)
 
 
 def test_ray_job_submit_runs_stalwart_as_well(cluster):

@@ -4,8 +4,6 @@ samples a run's final weights were trained on."""
 from __future__ import annotations
 
 import contextlib
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
@@ -20,21 +18,6 @@ ELASTIC = [*TINY, "train.steps=60", "checkpoint.persist_every=10", "checkpoint.k
            "run.log_every=1", "data.val_every=0", "parallel.dp_replicate=-1",
            "parallel.dp_shard=1", "parallel.invariant_reduction=true",
            "failure.hang_timeout_floor_s=3"]
-
-
-def wait_for_event(events: Path, kind: str, proc: subprocess.Popen | None,
-                   timeout: float = 180) -> dict[str, Any]:
-    """The first `kind` event of the run `proc` (None: a run in this process) is making."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        found = [e for e in read_jsonl(events) if e["kind"] == kind] if events.exists() else []
-        if found:
-            return found[0]
-        if proc is not None and proc.poll() is not None:
-            raise AssertionError(f"the run ended before a {kind} event:\n"
-                                 f"{proc.stdout.read() if proc.stdout else ''}")
-        time.sleep(0.1)
-    raise AssertionError(f"no {kind} event within {timeout}s")
 
 
 def consumed_samples(run_dir: Path) -> set[int]:

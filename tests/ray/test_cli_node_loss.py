@@ -11,8 +11,15 @@ import pytest
 import torch
 
 from stalwart.core.events import read_jsonl
-from tests.cli_helpers import REFERENCE_CONFIG, STALWART, exported_weights, sets, stalwart_here
-from tests.ray.helpers import ELASTIC, consumed_samples, driving, local_cluster, wait_for_event
+from tests.cli_helpers import (
+    REFERENCE_CONFIG,
+    STALWART,
+    exported_weights,
+    sets,
+    stalwart_here,
+    wait_for_event,
+)
+from tests.ray.helpers import ELASTIC, consumed_samples, driving, local_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
