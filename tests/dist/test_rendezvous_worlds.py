@@ -2,8 +2,9 @@
 generation has a new rank 0 (a survivor that changes rank), which hosts a new store; the
 last one's store is gone once its world is left, and no process gains descriptors.
 
-The processes are spawned here, not by the launcher: the launcher forms its world through
-torch's own tcp:// rendezvous, and these tests are about stalwart's.
+The processes are started here, not by the launcher: the launcher forms its world through
+torch's own rendezvous, and these tests are about stalwart's. They come from the
+launcher's fork server all the same, with torch imported once.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from stalwart.parallel.distributed import (
     destroy_process_group,
     init_process_group,
 )
+from tests.dist.launcher import PRELOAD
 from tests.unit.test_rendezvous import listening_on, open_fds
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
@@ -95,8 +97,9 @@ def _entry(process: int, world: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_worlds_form_at_rank_0s_store_and_form_again(world, tmp_path):
+    mp.set_forkserver_preload(PRELOAD)
     mp.start_processes(_entry, args=(world, str(tmp_path)), nprocs=world, join=True,
-                       start_method="spawn")
+                       start_method="forkserver")
     for process in range(world):
         status, result = pickle.loads(Path(tmp_path, f"{process}.pkl").read_bytes())
         assert status == "ok", f"process {process} failed:\n{result}"
