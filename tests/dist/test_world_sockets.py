@@ -1,8 +1,9 @@
 """A survivor stuck in a gloo collective with a stopped peer (a frozen node closes nothing,
 and gloo's abort wakes nothing) gets out by cutting the connections its world's setup opened.
 
-The processes are spawned here, not by the launcher: one of them stops itself (SIGSTOP)
-and never returns, and the test kills it (a process it started).
+The processes are started here, not by the launcher: one of them stops itself (SIGSTOP)
+and never returns, and the test kills it (a process it started). They come from the
+launcher's fork server all the same, with torch imported once.
 """
 
 from __future__ import annotations
@@ -19,8 +20,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from stalwart.parallel.distributed import free_port
 from stalwart.parallel.world_sockets import cut, tcp_connections
+from tests.dist.launcher import PRELOAD
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120),
               pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs /proc")]
@@ -29,9 +30,9 @@ WORLD = 3
 STOPPED = 2
 
 
-def _rank(rank: int, port: int, out_dir: str) -> None:
+def _rank(rank: int, out_dir: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank,
                             world_size=WORLD)
     before = tcp_connections()
     group = dist.new_group(backend="gloo")  # a world's groups, opened during its setup
@@ -64,8 +65,9 @@ def _rank(rank: int, port: int, out_dir: str) -> None:
 
 
 def test_cutting_its_world_connections_frees_a_rank_stuck_with_a_stopped_peer(tmp_path):
-    context = mp.start_processes(_rank, args=(free_port(), str(tmp_path)), nprocs=WORLD,
-                                 join=False, start_method="spawn")
+    mp.set_forkserver_preload(PRELOAD)
+    context = mp.start_processes(_rank, args=(str(tmp_path),), nprocs=WORLD, join=False,
+                                 start_method="forkserver")
     try:
         deadline = time.monotonic() + 90
         while not all((tmp_path / f"{r}.json").exists() for r in range(WORLD) if r != STOPPED):
