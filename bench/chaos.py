@@ -1,6 +1,4 @@
-"""Chaos soak: the reference task with random faults fired from outside, checked after each run.
-
-Exit code 0 when every run passed chaos_checks.py's checks."""
+"""Chaos soak: the reference task with random faults fired from outside, checked after each run."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
 """Commit: rank 0's time from the last shard written to the manifest committed, with each
-file's sha256 read back on rank 0 (the old path) against taken from its writer (the new one).
-
-Exit code 1 only if a rank failed."""
+file's sha256 read back on rank 0 (the old path) against taken from its writer (the new one)."""
 
 from __future__ import annotations
 

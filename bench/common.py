@@ -113,7 +113,6 @@ def rate_run(tag: str, cmd: list[str], args: argparse.Namespace, work: Path,
             raise RuntimeError(f"exit code {code}")
         result.update(measure())
     except (RuntimeError, OSError, ValueError, KeyError, IndexError) as exc:
-        result.pop("tokens_per_s", None)
         result["error"] = (str(exc) if isinstance(exc, RuntimeError)
                            else f"{type(exc).__name__}: {exc}")
         print(f"  {tag}: FAILED ({result['error']}, {wall:.1f}s); last lines of {log}:\n"

@@ -1,6 +1,4 @@
-"""Memory: measured per-rank bytes of model state under FSDP2 ZeRO-3 against the ZeRO formula.
-
-Exit code 1 only if a rank failed."""
+"""Memory: measured per-rank bytes of model state under FSDP2 ZeRO-3 against the ZeRO formula."""
 
 from __future__ import annotations
 

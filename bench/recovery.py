@@ -1,6 +1,4 @@
-"""Recovery: how fast stalwart, Ray Train's TorchTrainer and torchrun recover from a fault.
-
-Each row is one run of recovery_rows.py; exit code 1 only if a run produced no measurement."""
+"""Recovery: how fast stalwart, Ray Train's TorchTrainer and torchrun recover from a fault."""
 
 from __future__ import annotations
 

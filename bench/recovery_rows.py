@@ -28,13 +28,9 @@ HANG_WAIT_S = 60.0
 TARGET_KILL_RATIO = 10.0
 TARGET_HANG_DETECTION_S = 10.0
 TARGET_FREEZE_DETECTION_S = 1.0
-# outside-kill: stalwart's kill -> next completed step <= a normal step + this; and the peers'
-# times over stalwart's at least these ratios.
 TARGET_NEXT_STEP_SLACK_S = 0.5
 TARGET_OUTSIDE_RATIOS = {"ray-train": 20.0, "torchrun": 10.0}
 
-# Every run: a storage checkpoint every 10 steps, a metrics row (the step log) every step, up to
-# 3 recoveries; the tiny model, but outside-kill runs the reference config's own on every side.
 RUN = [f"train.steps={STEPS}", f"checkpoint.persist_every={PERSIST_EVERY}", "run.log_every=1",
        "data.val_every=0", "run.progress=false", "failure.max_failures=3",
        f"scaling.num_workers={WORKERS}"]
@@ -43,8 +39,7 @@ SPARE = ["scaling.spare_workers=1"]
 NO_SPARE = ["scaling.spare_workers=0"]  # whatever the config says
 ELASTIC = ["scaling.min_workers=1", "scaling.resize_check_s=2", "scaling.spare_workers=0"]
 STORAGE_ONLY = ["checkpoint.snapshot_every=0"]  # the in-memory tier off
-OUTSIDE_MODEL: list[str] = []
-OUTSIDE_STALWART = [*OUTSIDE_MODEL, *RUN, *SPARE]
+OUTSIDE_STALWART = [*RUN, *SPARE]  # outside-kill: the reference config's own model, every side
 INJECT = {"kill": f"kill:rank=1,step={FAULT_STEP}", "hang": f"hang:rank=1,step={FAULT_STEP}",
           "node": f"kill-node:node=2,step={FAULT_STEP}",
           "freeze": f"freeze-node:node=2,step={FAULT_STEP}"}
@@ -82,7 +77,7 @@ def settings(args: argparse.Namespace, tps: int, health: dict[str, Any]) -> dict
         "config": args.config, "stalwart_overrides": STALWART_OVERRIDES, "stalwart_spare": SPARE,
         "stalwart_elastic": ELASTIC, "inject": INJECT, "hang_wait_s": HANG_WAIT_S,
         OUTSIDE_KILL: {"kill_after_step_logged": FAULT_STEP, "poll_s": POLL_S,
-                       "stalwart_overrides": OUTSIDE_STALWART, "model_overrides": OUTSIDE_MODEL,
+                       "stalwart_overrides": OUTSIDE_STALWART, "model_overrides": [],
                        "torchrun": {"max_restarts": torchrun_recovery.MAX_RESTARTS,
                                     "checkpoint_every": PERSIST_EVERY},
                        "targets": {"next_step_slack_s": TARGET_NEXT_STEP_SLACK_S,
@@ -138,10 +133,9 @@ def run_stalwart(result: dict[str, Any], args: argparse.Namespace, run_dir: Path
     return result
 
 
-def _run(result: dict[str, Any], cmd: list[str], timeout: float,
-         tick: Callable[[], None] = lambda: None, poll_s: float = 0.2) -> None:
+def _run(result: dict[str, Any], cmd: list[str], timeout: float, *watch: Any) -> None:
     result["command"] = cmd
-    code, wall = harness.run_watched(cmd, Path(result["log"]), timeout, tick, poll_s)
+    code, wall = harness.run_watched(cmd, Path(result["log"]), timeout, *watch)
     result.update(exit_code=code, wall_s=wall)
 
 
@@ -307,7 +301,7 @@ def run_torchrun_outside(result: dict[str, Any], args: argparse.Namespace,
     workdir.mkdir(parents=True)
     cmd = torchrun_recovery.torchrun_command(
         workdir, nproc=WORKERS, steps=STEPS, checkpoint_every=PERSIST_EVERY,
-        config=args.config, overrides=list(OUTSIDE_MODEL))
+        config=args.config, overrides=[])
     kill_time = _run_killed(
         result, cmd, args.timeout, workdir / torchrun_recovery.STEPS_FILE,
         lambda: harness.attempts_pid(workdir / torchrun_recovery.ATTEMPTS_FILE, 1))
@@ -376,9 +370,7 @@ def run_ray_train(result: dict[str, Any], args: argparse.Namespace,
         raw = run_raytrain(fault, steps=STEPS, fault_step=FAULT_STEP,
                            checkpoint_every=PERSIST_EVERY, workdir=workdir,
                            timeout_s=args.timeout, hang_wait_s=HANG_WAIT_S, config=args.config,
-                           overrides=OUTSIDE_MODEL if fault == OUTSIDE_KILL else common.TINY)
-    # Ray Train's own detection: its controller's FailurePolicy decision; restart_s: the
-    # first train-loop start of the next attempt (run_raytrain's detection_s, an upper bound).
+                           overrides=[] if fault == OUTSIDE_KILL else common.TINY)
     detection, restart = raw.get("controller_failure_s"), raw.get("detection_s")
     result.update(
         raw=raw, restart_s=restart, completed=raw.get("completed", False),

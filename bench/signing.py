@@ -1,6 +1,4 @@
-"""Signing: what signed checkpoints cost a commit, and what verifying them costs a load.
-
-Exit code 1 only if the run failed or committed nothing."""
+"""Signing: what signed checkpoints cost a commit, and what verifying them costs a load."""
 
 from __future__ import annotations
 

@@ -1,6 +1,4 @@
-"""Throughput: the reference task on 2 workers through stalwart against plain torchrun DDP.
-
-The exit code is 1 only if no comparison could be made."""
+"""Throughput: the reference task on 2 workers through stalwart against plain torchrun DDP."""
 
 from __future__ import annotations
 

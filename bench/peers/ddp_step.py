@@ -47,7 +47,6 @@ class DDPSetup:
                 "samples_seen": self.samples_seen}
 
     def load(self, state: dict[str, Any]) -> None:
-        """Resume from a `state_dict`."""
         self.model.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])

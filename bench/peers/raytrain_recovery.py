@@ -21,7 +21,7 @@ from stalwart.core.events import read_jsonl
 
 @contextlib.contextmanager
 def ray_train(workdir: Path, loop: dict[str, Any], *, name: str, max_failures: int,
-              head_cpus: int, worker_nodes: int = 0, torch_config: Any = None
+              head_cpus: int, worker_nodes: int = 0
               ) -> Iterator[tuple[Any, threading.Thread, dict[str, Any]]]:
     """trainer.fit() on a thread, on a local Cluster that ends with the block: (the cluster, the
     thread, fit_out: "start" when fit began, "error" None or its error). RAY_ADDRESS pins Ray
@@ -38,7 +38,6 @@ def ray_train(workdir: Path, loop: dict[str, Any], *, name: str, max_failures: i
         ray.cloudpickle.register_pickle_by_value(bench)
         trainer = TorchTrainer(
             rw.train_loop_per_worker, train_loop_config={"workdir": str(workdir), **loop},
-            torch_config=torch_config,
             scaling_config=ScalingConfig(num_workers=rw.NUM_WORKERS, use_gpu=False,
                                          resources_per_worker={"CPU": 1}),
             run_config=RunConfig(name=name, storage_path=str(workdir / "storage"),
@@ -83,9 +82,9 @@ def read_fault(workdir: Path) -> dict[str, Any] | None:
 class _Watch:
     """The harness during a run: the outside kill, a replacement node, giving up on a hang."""
 
-    def __init__(self, workdir: Path, fault: str, fault_step: int, *, deadline: float,
-                 timeout_s: float, hang_wait_s: float) -> None:
-        self.workdir, self.fault, self.deadline = workdir, fault, deadline
+    def __init__(self, workdir: Path, fault: str, fault_step: int, *, timeout_s: float,
+                 hang_wait_s: float) -> None:
+        self.workdir, self.fault, self.deadline = workdir, fault, time.time() + timeout_s
         self.timeout_s, self.hang_wait_s = timeout_s, hang_wait_s
         self.cluster: Any = None
         self.node_info: dict[str, Any] = {}  # a lost node's replacement (harness)
@@ -141,26 +140,23 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
     workdir.mkdir(parents=True, exist_ok=True)
     overrides = [*overrides, f"train.steps={steps}", f"scaling.num_workers={rw.NUM_WORKERS}"]
     common.tokens_per_step(str(config), overrides)  # tokenizes the data outside the clock
-    torch_config = TorchConfig()  # Ray Train's defaults: gloo on CPU, timeout_s=1800
     result: dict[str, Any] = {
         "fault": fault, "ray_train_version": ray.__version__, "v2": is_v2_enabled(),
         "ray_train_v2_enabled_env": os.environ.get("RAY_TRAIN_V2_ENABLED"),  # None: default
         "steps": steps, "fault_step": fault_step, "checkpoint_every": checkpoint_every,
         "num_workers": rw.NUM_WORKERS, "overrides": overrides, "commit_checkpoints": True,
-        "torch_config_timeout_s": torch_config.timeout_s, "torch_backend": "gloo",
+        "torch_config_timeout_s": TorchConfig().timeout_s, "torch_backend": "gloo",  # defaults
         **_health_settings()}
     loop = {"config": str(config), "overrides": overrides, "fault": fault,
             # outside-kill: the workers inject nothing (no step is step 0)
             "fault_step": 0 if fault == harness.OUTSIDE_KILL else fault_step,
             "checkpoint_every": checkpoint_every}
     t_start = time.time()
-    watch = _Watch(workdir, fault, fault_step, deadline=t_start + timeout_s,
-                   timeout_s=timeout_s, hang_wait_s=hang_wait_s)
+    watch = _Watch(workdir, fault, fault_step, timeout_s=timeout_s, hang_wait_s=hang_wait_s)
     node = fault == "node"
     with ray_train(workdir, loop, name=f"raytrain-{fault}", max_failures=3,
                    head_cpus=0 if node else rw.NUM_WORKERS,
-                   worker_nodes=rw.NUM_WORKERS if node else 0,
-                   torch_config=torch_config) as (watch.cluster, thread, fit_out):
+                   worker_nodes=rw.NUM_WORKERS if node else 0) as (watch.cluster, thread, fit_out):
         while thread.is_alive() and watch.poll():
             thread.join(0.2 if watch.killer is None else harness.POLL_S)
         try:  # Ray's session folder: its controller's log is there

@@ -1,7 +1,4 @@
-"""The baseline of bench/throughput.py: the reference task trained by hand with torch DDP.
-
-One process per rank under torchrun (ddp_step.py); rank 0 appends one JSON line to --out with
-the steady-state tokens/s (steps after --exclude) and the loss at every step."""
+"""The baseline of bench/throughput.py: the reference task trained by hand with torch DDP."""
 
 from __future__ import annotations
 
@@ -33,7 +30,6 @@ def main() -> None:
     t = run.train
     if not 0 <= args.exclude < t.steps:
         raise SystemExit(f"--exclude={args.exclude} must be in [0, train.steps={t.steps})")
-    tokens_per_step = 0
     losses: list[float] = []
     dist.barrier()
     ends = [time.time()]  # wall time at the end of each step (index 0: before step 1)

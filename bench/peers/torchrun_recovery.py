@@ -1,7 +1,5 @@
 """torchrun's side of the recovery benchmark: the reference task under `torchrun --max-restarts`,
-checkpointing (an atomic torch.save every --checkpoint-every steps) and resuming by hand.
-Rank 0 logs each step to WORKDIR/steps.jsonl; every rank logs its start (timed before torch is
-imported) and its restore to WORKDIR/attempts.jsonl."""
+checkpointing (an atomic torch.save every --checkpoint-every steps) and resuming by hand."""
 
 # The start time is taken before the imports, which take seconds.
 # ruff: noqa: E402
