@@ -283,8 +283,8 @@ def test_a_killed_then_terminated_driver_loses_no_step_and_auto_resume_ends_bit_
     submitted again with --auto-resume continues from there. SIGTERM of that one's driver
     checkpoints the step in flight and stops; a third submit finishes, with the weights of a
     failure-free run."""
-    run = sets(*TINY, "train.steps=200", "checkpoint.persist_every=50", "run.log_every=1")
-    straight = cluster.project / "runs" / "straight-200"
+    run = sets(*TINY, "train.steps=120", "checkpoint.persist_every=30", "run.log_every=1")
+    straight = cluster.project / "runs" / "straight-120"
     cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(straight), "--follow")
     run_dir = cluster.project / "runs" / "driver-lost"
     cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(run_dir), "--auto-resume",
@@ -293,7 +293,7 @@ def test_a_killed_then_terminated_driver_loses_no_step_and_auto_resume_ends_bit_
     # room for the steps after it.
     _wait_for_step(run_dir, 1)
     killed = _driver_pid(cluster, "stalwart-driver-kill")
-    _wait_for_step(run_dir, 60)
+    _wait_for_step(run_dir, 40)
     os.kill(killed, signal.SIGKILL)
     logged = read_jsonl(run_dir / "metrics.jsonl")[-1]["step"]
 
@@ -301,7 +301,7 @@ def test_a_killed_then_terminated_driver_loses_no_step_and_auto_resume_ends_bit_
                      "--job-id", "stalwart-driver-term")
     resumed = _wait_for_event(run_dir, "resumed")
     # at most one step behind the last step the killed driver logged (the last periodic
-    # commit, step 50, is at least 10 behind)
+    # commit, step 30, is at least 10 behind)
     assert resumed["from_step"] >= logged - 1
     terminated = _driver_pid(cluster, "stalwart-driver-term")
     _wait_for_step(run_dir, resumed["from_step"] + 20)
@@ -318,7 +318,7 @@ def test_a_killed_then_terminated_driver_loses_no_step_and_auto_resume_ends_bit_
     events = _events(run_dir)
     assert [e["from_step"] for e in events if e["kind"] == "resumed"] == [
         resumed["from_step"], stopped[0]["step"]]
-    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 200
+    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 120
     a = exported_weights(straight, tmp_path, "straight")
     b = exported_weights(run_dir, tmp_path, "lost")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
