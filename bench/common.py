@@ -324,10 +324,8 @@ def gloo_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     """fn(rank, world, *args) in `world` gloo processes: results by rank; a failed rank exits."""
     import torch.multiprocessing as mp
 
-    from stalwart.parallel.distributed import free_port
-
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_gloo_rank, args=(world, free_port(), out_dir, fn, args),
+        mp.start_processes(_gloo_rank, args=(world, out_dir, fn, args),
                            nprocs=world, join=True, start_method="spawn")
         results = [json.loads(Path(out_dir, f"{r}.json").read_text()) for r in range(world)]
     for rank, result in enumerate(results):
@@ -336,13 +334,14 @@ def gloo_world(fn: Callable[..., Any], world: int, *args: Any) -> list[Any]:
     return [r["ok"] for r in results]
 
 
-def _gloo_rank(rank: int, world: int, port: int, out_dir: str, fn: Callable[..., Any],
+def _gloo_rank(rank: int, world: int, out_dir: str, fn: Callable[..., Any],
                args: tuple[Any, ...]) -> None:
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(1)  # N processes share the machine's cores
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+    # A file store in the call's own folder: no port to pick, none to lose to another process.
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank,
                             world_size=world)
     try:
         result: Any = {"ok": fn(rank, world, *args)}
