@@ -13,6 +13,7 @@ import sys
 import tempfile
 import traceback
 from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -214,6 +215,31 @@ def tokens_per_step(config_path: str, overrides: list[str]) -> tuple[int, Any]:
     return config.train.global_batch_size * task.model_config.seq_len, config
 
 
+def window_rounds(bench: str, args: argparse.Namespace, names: list[str], workers: int,
+                  overrides: list[str], run: Callable[..., dict[str, Any]], *,
+                  notes: Iterable[str] = (),
+                  prune_measured: bool = True) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """A rate bench's runs: prints what runs (and each of `notes`), then run_rounds of
+    run(name, round, args=, work=, tps=, overrides=). (results, the report's settings)."""
+    tps, config = tokens_per_step(args.config, overrides)
+    work = Path(tempfile.mkdtemp(prefix=f"stalwart-bench-{bench}-"))
+    settings = {"rounds": args.rounds, "steps": args.steps, "excluded_steps": args.exclude,
+                "log_every": args.log_every, "workers": workers, "tokens_per_step": tps,
+                "config": args.config, "overrides": overrides,
+                "global_batch_size": config.train.global_batch_size,
+                "micro_batch_size": config.train.micro_batch_size,
+                "grad_accum": config.grad_accum_steps}
+    print(f"{bench}: {args.rounds} round(s) x {names}, {args.steps} steps each (first "
+          f"{args.exclude} excluded), {tps} tokens/step (global batch "
+          f"{config.train.global_batch_size}, micro-batch {config.train.micro_batch_size}), "
+          f"{workers} workers, {os.cpu_count()} CPUs; logs in {work}",
+          f"  every run: {' '.join(overrides)}", *notes, sep="\n", flush=True)
+    results = run_rounds(names, args.rounds, partial(run, args=args, work=work, tps=tps,
+                                                     overrides=overrides),
+                         work=work, keep=args.keep, prune_measured=prune_measured)
+    return results, settings
+
+
 def run_rounds(names: list[str], rounds: int, run: Callable[[str, int], dict[str, Any]], *,
                work: Path, keep: bool, prune_measured: bool) -> list[dict[str, Any]]:
     """run(name, round) for all, the order flipping every round so load drifts favour no one."""
@@ -269,16 +295,6 @@ def print_columns(table: list[list[str]]) -> None:
     widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
     for row in table:
         print("  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)))
-
-
-def window_settings(args: argparse.Namespace, workers: int, tps: int, overrides: list[str],
-                    config: Any, **extra: Any) -> dict[str, Any]:
-    """A rate report's settings: the window and the runs, `extra`, then the batch."""
-    return {"rounds": args.rounds, "steps": args.steps, "excluded_steps": args.exclude,
-            "log_every": args.log_every, "workers": workers, "tokens_per_step": tps,
-            "config": args.config, "overrides": overrides, **extra,
-            "global_batch_size": config.train.global_batch_size,
-            "micro_batch_size": config.train.micro_batch_size}
 
 
 def machine(*, with_ray: bool = True) -> dict[str, Any]:

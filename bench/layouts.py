@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -47,9 +45,9 @@ def layout_overrides(name: str) -> list[str]:
     return [f"parallel.{k}={v}" for k, v in degrees if k.startswith("dp") or v != "1"] + extra
 
 
-def one_run(name: str, args: argparse.Namespace, work: Path, rnd: int, tps: int,
-            every_run: list[str]) -> dict[str, Any]:
-    tag, overrides = f"r{rnd}-{name}", layout_overrides(name)
+def one_run(name: str, rnd: int, *, args: argparse.Namespace, work: Path, tps: int,
+            overrides: list[str]) -> dict[str, Any]:
+    tag, layout = f"r{rnd}-{name}", layout_overrides(name)
     run_dir = work / tag
 
     def measure() -> dict[str, Any]:
@@ -59,9 +57,9 @@ def one_run(name: str, args: argparse.Namespace, work: Path, rnd: int, tps: int,
         return out
 
     result = common.rate_run(
-        tag, common.stalwart_command(args.config, every_run + overrides, run_dir),
+        tag, common.stalwart_command(args.config, overrides + layout, run_dir),
         args, work, {"layout": name, "dims": LAYOUTS[name][1], "round": rnd,
-                     "overrides": overrides, "run_dir": str(run_dir)}, measure,
+                     "overrides": layout, "run_dir": str(run_dir)}, measure,
         lambda r: f", final loss {r['final_loss']:.4f}")
     if "error" in result:
         result["log_tail"] = common.tail(work / f"{tag}.log")
@@ -116,17 +114,8 @@ def main() -> int:
     args = parse_args()
     every_run = [*common.window_overrides(args, WORKERS), "scaling.cpus_per_worker=0.5", *MODEL,
                  "train.warmup_steps=2"]
-    tps, config = common.tokens_per_step(args.config, every_run)
-    work = Path(tempfile.mkdtemp(prefix="stalwart-bench-layouts-"))
-    print(f"layouts: {args.rounds} round(s) x {args.layouts}, {args.steps} steps each "
-          f"(first {args.exclude} excluded), {tps} tokens/step, {WORKERS} workers x 0.5 CPU, "
-          f"{os.cpu_count()} CPUs; logs in {work}", flush=True)
-    print(f"one model for every layout: {' '.join(MODEL)} (global batch "
-          f"{config.train.global_batch_size}, micro-batch {config.train.micro_batch_size})",
-          flush=True)
-    results = common.run_rounds(args.layouts, args.rounds,
-                                lambda name, rnd: one_run(name, args, work, rnd, tps, every_run),
-                                work=work, keep=args.keep, prune_measured=True)
+    results, settings = common.window_rounds("layouts", args, args.layouts, WORKERS, every_run,
+                                             one_run)
     summary = summarise(results, args.layouts)
     print_table(summary, results, args)
     common.write_report(args.out, {
@@ -134,8 +123,8 @@ def main() -> int:
         "summary": {k: {kk: vv for kk, vv in v.items() if kk != "loss_by_step"}
                     for k, v in summary.items()},
         "loss_by_step": {k: v["loss_by_step"] for k, v in summary.items()},
-        "settings": common.window_settings(args, WORKERS, tps, every_run, config, layouts={
-            k: layout_overrides(k) for k in args.layouts})}, results)
+        "settings": {**settings, "layouts": {k: layout_overrides(k) for k in args.layouts}}},
+        results)
     return 0 if any("tokens_per_s" in r for r in results) else 1
 
 

@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 import sys
-import tempfile
 import time
-from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -140,17 +137,9 @@ def main() -> int:
                                                     rounds=3, steps=60))
     # No idle spare: both workers' CPUs, nothing else.
     overrides = [*common.window_overrides(args, WORKERS), "scaling.spare_workers=0"]
-    tps, config = common.tokens_per_step(args.config, overrides)
-    work = Path(tempfile.mkdtemp(prefix="stalwart-bench-overhead-"))
-    print(f"overhead: {args.rounds} round(s) x {len(RUNNERS)} runners on {os.cpu_count()} "
-          f"CPUs, {args.steps} steps each (first {args.exclude} excluded), {tps} tokens/step; "
-          f"logs in {work}\n  every run: {' '.join(overrides)}", flush=True)
-    for name, sets in RUNNERS.items():
-        print(f"  {name}: {' '.join(sets)}", flush=True)
-    results = common.run_rounds(list(RUNNERS), args.rounds,
-                                partial(one_run, args=args, work=work, tps=tps,
-                                        overrides=overrides),
-                                work=work, keep=args.keep, prune_measured=True)
+    results, settings = common.window_rounds(
+        "overhead", args, list(RUNNERS), WORKERS, overrides, one_run,
+        notes=[f"  {name}: {' '.join(sets)}" for name, sets in RUNNERS.items()])
     measured = [r for r in results if "tokens_per_s" in r]
     rates = common.by_round(results, "runner")
     medians = common.medians(results, "runner", list(RUNNERS))
@@ -167,8 +156,7 @@ def main() -> int:
         "median_tokens_per_s": medians, "memory_tier": tier,
         "loss_max_abs_diff_vs_no_snapshots": loss_diff,
         "loss_max_abs_diff_any_two_runs": loss_diff_all,
-        "settings": common.window_settings(args, WORKERS, tps, overrides, config,
-                                           runners=RUNNERS)}, results)
+        "settings": {**settings, "runners": RUNNERS}}, results)
     return 0 if all(medians[n] is not None for n in RUNNERS) else 1
 
 

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -18,9 +16,9 @@ WORKERS = 2
 RUNNERS = ("stalwart-ddp", "torchrun-ddp", "stalwart-fsdp")
 
 
-def one_run(runner: str, args: Any, work: Path, rnd: int, tps: int) -> dict[str, Any]:
+def one_run(runner: str, rnd: int, *, args: Any, work: Path, tps: int,
+            overrides: list[str]) -> dict[str, Any]:
     tag = f"r{rnd}-{runner}"
-    overrides = common.window_overrides(args, WORKERS)
     result: dict[str, Any] = {"runner": runner, "round": rnd}
     if runner != "torchrun-ddp":
         run_dir = work / tag
@@ -82,15 +80,9 @@ def main() -> int:
     p.add_argument("--no-fsdp", action="store_true", help="skip the informational FSDP2 runs")
     args = common.parse_window(p)
     runners = [r for r in RUNNERS if not (args.no_fsdp and r == "stalwart-fsdp")]
-    overrides = common.window_overrides(args, WORKERS)
-    tps, config = common.tokens_per_step(args.config, overrides)
-    work = Path(tempfile.mkdtemp(prefix="stalwart-bench-"))
-    print(f"throughput: {args.rounds} round(s) x {runners}, {args.steps} steps each "
-          f"(first {args.exclude} excluded), {tps} tokens/step, {WORKERS} workers, "
-          f"{os.cpu_count()} CPUs; logs in {work}", flush=True)
-    results = common.run_rounds(runners, args.rounds,
-                                lambda runner, rnd: one_run(runner, args, work, rnd, tps),
-                                work=work, keep=args.keep, prune_measured=False)
+    results, settings = common.window_rounds("throughput", args, runners, WORKERS,
+                                             common.window_overrides(args, WORKERS), one_run,
+                                             prune_measured=False)
     medians = common.medians(results, "runner", runners)
     rates = common.by_round(results, "runner")
     ratio_ddp, ratio_fsdp = print_table(rates, medians, runners, args.rounds)
@@ -111,9 +103,7 @@ def main() -> int:
         "ratio_stalwart_fsdp_over_torchrun": ratio_fsdp,
         "paired_ratios_stalwart_ddp_over_torchrun": paired, "median_tokens_per_s": medians,
         "loss_max_abs_diff_vs_torchrun": losses,
-        "settings": {**common.window_settings(args, WORKERS, tps, overrides, config,
-                                              ddp_layout=DDP_LAYOUT),
-                     "grad_accum": config.grad_accum_steps}}, results)
+        "settings": {**settings, "ddp_layout": DDP_LAYOUT}}, results)
     return 0 if ratio_ddp is not None else 1
 
 
