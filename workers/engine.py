@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
+import torch._dynamo  # noqa: F401 (at the rank's start, not in a world: see below)
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -40,6 +41,10 @@ if TYPE_CHECKING:
     from stalwart.core.config import JobConfig
     from stalwart.core.task import TrainTask
     from stalwart.parallel.pipeline import Pipeline
+
+# torch._dynamo is imported with the engine, when the rank starts. DDP's constructor and an
+# optimizer's first step import it otherwise: inside a world, which it then keeps alive past
+# destroy_process_group (torch 2.13), and on the recovery path (0.9 s of a warm spare's join).
 
 # The optimizer's state and param groups keyed by parameter name, not by group index: the
 # stages of a pipeline hold different parameters under the same indices, and DCP would keep
