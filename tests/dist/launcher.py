@@ -75,12 +75,18 @@ PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "stalwart.workers.engi
            "tests.dist.launcher"]
 
 
+def start_forked(entry: Callable[..., Any], args: tuple[Any, ...], nprocs: int, *,
+                 join: bool = True) -> Any:
+    """mp.start_processes from the fork server: entry(i, *args) in each of nprocs processes."""
+    mp.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call
+    return mp.start_processes(entry, args=args, nprocs=nprocs, join=join,
+                              start_method="forkserver")
+
+
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """fn(rank, world_size, *args) on each rank; returns results by rank, raising rank errors."""
-    mp.set_forkserver_preload(PRELOAD)  # read when the server starts: the first call
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(_entry, args=(fn, world_size, out_dir, args),
-                           nprocs=world_size, join=True, start_method="forkserver")
+        start_forked(_entry, (fn, world_size, out_dir, args), world_size)
         results = []
         for rank in range(world_size):
             status, value = pickle.loads(Path(out_dir, f"{rank}.pkl").read_bytes())

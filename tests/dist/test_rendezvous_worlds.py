@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from stalwart.parallel.distributed import (
     RendezvousAddress,
@@ -29,7 +28,7 @@ from stalwart.parallel.distributed import (
     destroy_process_group,
     init_process_group,
 )
-from tests.dist.launcher import PRELOAD
+from tests.dist.launcher import start_forked
 from tests.unit.test_rendezvous import listening_on, open_fds
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
@@ -97,9 +96,7 @@ def _entry(process: int, world: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 3])
 def test_worlds_form_at_rank_0s_store_and_form_again(world, tmp_path):
-    mp.set_forkserver_preload(PRELOAD)
-    mp.start_processes(_entry, args=(world, str(tmp_path)), nprocs=world, join=True,
-                       start_method="forkserver")
+    start_forked(_entry, (world, str(tmp_path)), world)
     for process in range(world):
         status, result = pickle.loads(Path(tmp_path, f"{process}.pkl").read_bytes())
         assert status == "ok", f"process {process} failed:\n{result}"

@@ -18,10 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from stalwart.parallel.world_sockets import cut, tcp_connections
-from tests.dist.launcher import PRELOAD
+from tests.dist.launcher import start_forked
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(120),
               pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs /proc")]
@@ -65,9 +64,7 @@ def _rank(rank: int, out_dir: str) -> None:
 
 
 def test_cutting_its_world_connections_frees_a_rank_stuck_with_a_stopped_peer(tmp_path):
-    mp.set_forkserver_preload(PRELOAD)
-    context = mp.start_processes(_rank, args=(str(tmp_path),), nprocs=WORLD, join=False,
-                                 start_method="forkserver")
+    context = start_forked(_rank, (str(tmp_path),), WORLD, join=False)
     try:
         deadline = time.monotonic() + 90
         while not all((tmp_path / f"{r}.json").exists() for r in range(WORLD) if r != STOPPED):
