@@ -25,7 +25,6 @@ from dataclasses import replace
 from typing import Any
 
 import torch
-from ray import cloudpickle
 
 from stalwart.checkpointing.memory.store import Inventory
 from stalwart.checkpointing.memory.tier import MemoryTier, StateAccess
@@ -36,7 +35,7 @@ from stalwart.checkpointing.storage.writer import StorageCheckpointer
 from stalwart.core.config import FaultSpec, JobConfig, config_from_dict
 from stalwart.core.events import WorkerPlace
 from stalwart.core.ray_private import actor_name_log_marker
-from stalwart.core.task import TaskLike, TrainTask, resolve_task
+from stalwart.core.task import TaskLike, TrainTask, resolve_task, shipped_task
 from stalwart.parallel.distributed import (
     RendezvousAddress,
     RendezvousHost,
@@ -104,11 +103,6 @@ class Worker:
         `task`: the task class or instance handed to the Trainer, if it was not named by
         task.path; pickled (bytes) when the group ships it, loaded here once
         `import_paths` (where the driver finds the task's modules) are on sys.path."""
-        for path in reversed(import_paths):
-            if path not in sys.path:
-                sys.path.insert(0, path)
-        if isinstance(task, bytes):
-            task = cloudpickle.loads(task)
         self.config: JobConfig = config_from_dict(config)
         self.storage_url = storage_url
         self.trust = trust  # the checkpoint key, from the driver; only ever in memory
@@ -118,7 +112,7 @@ class Worker:
         self.rank = -1
         self.generation = -1
         self.task: TrainTask | None = None
-        self._supplied_task = task
+        self._supplied_task = shipped_task(task, import_paths)
         self._tied: list[list[str]] = []  # tied parameter names (warm_model), for exporters
         self.engine: TrainEngine | None = None
         self.checkpointer: StorageCheckpointer | None = None

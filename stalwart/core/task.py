@@ -18,6 +18,9 @@ from __future__ import annotations
 import importlib
 import inspect
 import math
+import pickle
+import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -243,8 +246,8 @@ def resolve_task(path: str, args: dict[str, Any], supplied: TaskLike | None = No
     """The run's task: built from `path` and `args`, or from a handed-over class (constructed
     with `args`) or instance (used as it is, so `args` must be empty).
 
-    A handed-over task reaches the workers by value: Ray pickles it with cloudpickle, which
-    copies a class defined in `__main__` or a notebook whole, as it does a train function."""
+    A handed-over task reaches the workers by value (shipped_task): pickled with cloudpickle,
+    which copies a class defined in `__main__` or a notebook whole, as Ray does a function."""
     if supplied is None:
         return build_task(path, args)
     if isinstance(supplied, TrainTask):
@@ -266,3 +269,13 @@ def _construct(cls: type[TrainTask], args: dict[str, Any], path: str) -> TrainTa
         raise
     except (TypeError, ValueError) as exc:
         raise TaskError(f"task.args for {path!r} are invalid: {exc}") from exc
+
+
+def shipped_task(task: TaskLike | bytes | None, import_paths: Sequence[str]
+                 ) -> TaskLike | None:
+    """A handed-over task as a worker receives it: pickled by the worker group, and loaded
+    here once `import_paths` (where the driver finds the task's modules) are on sys.path."""
+    for path in reversed(import_paths):
+        if path not in sys.path:
+            sys.path.insert(0, path)
+    return pickle.loads(task) if isinstance(task, bytes) else task
