@@ -149,8 +149,13 @@ class TokenDataset:
             column = reader.get_batch(0).column("tokens")
             if column.type != pa.uint8():
                 raise ValueError(f"{self.path}: column 'tokens' must be uint8, got {column.type}")
+            if column.null_count:
+                raise ValueError(f"{self.path}: column 'tokens' has {column.null_count} nulls")
             # [n_tokens] uint8, a view of the mapped file: no copy, no RAM per process.
-            self._tokens = column.to_numpy(zero_copy_only=True)
+            # Read from the data buffer directly: Array.to_numpy imports pandas (about a
+            # second of CPU in every worker) to check for extension types.
+            self._tokens = np.frombuffer(column.buffers()[1], dtype=np.uint8,
+                                         count=len(column), offset=column.offset)
         return self._tokens
 
     @property
