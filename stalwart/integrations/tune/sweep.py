@@ -39,14 +39,15 @@ def experiment_dir(sweep: Sweep) -> Path:
 
 def check_experiment_dir(sweep: Sweep, resume: bool) -> None:
     """A sweep never writes into another sweep's directory unless told to resume it."""
-    from ray import tune
-
     path = experiment_dir(sweep)
     if path.exists() and not path.is_dir():
         raise RunDirError(f"{path} (storage/name of {sweep.path}) is a file, not a sweep's "
                           f"directory; change name or storage")
-    if resume and not tune.Tuner.can_restore(str(path)):
-        raise RunDirError(f"--resume: {path} holds no Tune experiment to resume")
+    if resume:
+        from ray import tune  # seconds to import: only a resume asks it
+
+        if not tune.Tuner.can_restore(str(path)):
+            raise RunDirError(f"--resume: {path} holds no Tune experiment to resume")
     if not resume and path.exists() and any(path.iterdir()):
         raise RunDirError(f"{path} already holds a sweep; pass --resume to continue it, or "
                           f"change name or storage in {sweep.path}")
