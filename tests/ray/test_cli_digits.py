@@ -1,6 +1,6 @@
 """The digits example end to end, run exactly as a user would: `stalwart run` on its config,
 with DDP as shipped and with FSDP2 (each block of model.layers sharded over both workers),
-its accuracy metric reaching metrics.jsonl."""
+its accuracy metric reaching metrics.jsonl and choosing the best checkpoint to keep."""
 
 from __future__ import annotations
 
@@ -19,15 +19,26 @@ pytest.importorskip("sklearn")
 DIGITS_CONFIG = Path(__file__).resolve().parents[2] / "examples" / "digits" / "config.toml"
 
 
-@pytest.mark.parametrize("layout", [
-    pytest.param([], id="ddp"),
-    pytest.param(["parallel.dp_shard=2", "parallel.dp_replicate=1"], id="fsdp"),
-])
-def test_digits_example_trains_to_a_low_val_loss(tmp_path, layout) -> None:
-    run_dir = tmp_path / "run"
-    stalwart_here("run", str(DIGITS_CONFIG), *sets(*layout), "--run-dir", str(run_dir),
-                  cwd=tmp_path)
+# The FSDP2 run also keeps its best checkpoint by the task's own metric: a checkpoint at
+# every validation step, the newest one kept, and the best.
+KEEP_BEST = ["checkpoint.persist_every=50", "checkpoint.keep_last=1", "checkpoint.keep_best=1",
+             "checkpoint.best_metric=val_accuracy", "checkpoint.best_mode=max"]
+LAYOUTS = {"ddp": [], "fsdp": ["parallel.dp_shard=2", "parallel.dp_replicate=1", *KEEP_BEST]}
 
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for name, overrides in LAYOUTS.items():
+        cwd = tmp_path_factory.mktemp(name)
+        stalwart_here("run", str(DIGITS_CONFIG), *sets(*overrides), "--run-dir", "run", cwd=cwd)
+        out[name] = cwd / "run"
+    return out
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_digits_example_trains_to_a_low_val_loss(runs, layout) -> None:
+    run_dir = runs[layout]
     events = read_jsonl(run_dir / "events.jsonl")
     assert events[-1]["kind"] == "finished" and events[-1]["step"] == 300, events[-1]
     assert not [e for e in events if e["kind"] == "failure"]
@@ -46,22 +57,16 @@ def test_digits_example_trains_to_a_low_val_loss(tmp_path, layout) -> None:
     assert not [r for r in rows if "val_accuracy" in r and "val_loss" not in r]
 
 
-def test_keep_best_keeps_the_checkpoint_of_the_best_val_accuracy(tmp_path) -> None:
+def test_keep_best_keeps_the_checkpoint_of_the_best_val_accuracy(runs) -> None:
     """checkpoint.keep_best by the task's own metric: the newest checkpoint, and the one whose
     step had the highest val_accuracy, whatever its age; the manifests record the metrics."""
-    run_dir = tmp_path / "run"
-    stalwart_here("run", str(DIGITS_CONFIG), *sets(
-        "train.steps=200", "checkpoint.persist_every=25", "data.val_every=25",
-        "checkpoint.keep_last=1", "checkpoint.keep_best=1",
-        "checkpoint.best_metric=val_accuracy", "checkpoint.best_mode=max"),
-        "--run-dir", str(run_dir), cwd=tmp_path)
-
+    run_dir = runs["fsdp"]
     rows = read_jsonl(run_dir / "metrics.jsonl")
     scores = {r["step"]: r["val_accuracy"] for r in rows if "val_accuracy" in r}
-    assert sorted(scores) == list(range(25, 201, 25))
+    assert sorted(scores) == list(range(50, 301, 50))
     best = max(sorted(scores, reverse=True), key=lambda s: scores[s])  # a tie: the newer
     kept = sorted(int(p.name.split("_")[1]) for p in (run_dir / "checkpoints").glob("step_*"))
-    assert kept == sorted({best, 200}), (kept, scores)
+    assert kept == sorted({best, 300}), (kept, scores)
     manifest = json.loads((run_dir / "checkpoints" / f"step_{best:09d}" / "manifest.json")
                           .read_text())
     assert manifest["metrics"]["val_accuracy"] == scores[best]
