@@ -8,6 +8,7 @@ The last test runs `down.sh` and looks for any process left in the nodes' sessio
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -181,8 +182,8 @@ def test_up_refuses_a_running_cluster_and_taken_ports(cluster, tmp_path):
     assert not (tmp_path / "other" / "pids").exists()
 
 
-@pytest.fixture()
-def another_ray_started_later():
+@contextlib.contextmanager
+def another_ray_started_later() -> Iterator[None]:
     """A Ray of its own started after the cluster, as a `stalwart run` without --address
     does: it becomes /tmp/ray's "current cluster", which must not capture the jobs' drivers."""
     proc = subprocess.Popen(
@@ -198,18 +199,40 @@ def another_ray_started_later():
         proc.wait(timeout=60)
 
 
-def test_submit_then_logs_follow_to_success(cluster, another_ray_started_later):
-    submit = cluster.stalwart("submit", CONFIG, "--address", cluster.dashboard,
-                              *sets(*TINY, "train.steps=30"), "--run-dir", "runs/ok",
-                              "--job-id", "stalwart-ok")
-    run_dir = cluster.project / "runs" / "ok"  # relative to the submitter, made absolute
-    assert "submitted job stalwart-ok" in submit.stdout and str(run_dir) in submit.stdout
-    logs = cluster.stalwart("logs", "stalwart-ok", "--follow")
-    assert "FINISHED at step 30" in logs.stdout and "job stalwart-ok: SUCCEEDED" in logs.stdout
+# The driver-loss test's run; submitted once, without a failure, it is also the reference
+# that test's weights must equal.
+STRAIGHT = sets(*TINY, "train.steps=120", "checkpoint.persist_every=30", "run.log_every=1")
+
+
+@dataclass(frozen=True)
+class Submitted:
+    run_dir: Path
+    submit: str
+    logs: str
+    status: str
+
+
+@pytest.fixture(scope="module")
+def straight(cluster) -> Submitted:
+    """`submit`, then `logs --follow` to its end, then `status`: a job without a failure."""
+    with another_ray_started_later():
+        submit = cluster.stalwart("submit", CONFIG, "--address", cluster.dashboard, *STRAIGHT,
+                                  "--run-dir", "runs/ok", "--job-id", "stalwart-ok")
+        logs = cluster.stalwart("logs", "stalwart-ok", "--follow")
     status = cluster.stalwart("status", "stalwart-ok", "--address", cluster.dashboard)
-    assert status.stdout.startswith("job stalwart-ok: SUCCEEDED") and str(run_dir) in status.stdout
+    # relative to the submitter, made absolute
+    return Submitted(cluster.project / "runs" / "ok", submit.stdout, logs.stdout, status.stdout)
+
+
+def test_submit_then_logs_follow_to_success(straight):
+    run_dir = straight.run_dir
+    assert "submitted job stalwart-ok" in straight.submit and str(run_dir) in straight.submit
+    assert "FINISHED at step 120" in straight.logs
+    assert "job stalwart-ok: SUCCEEDED" in straight.logs
+    assert straight.status.startswith("job stalwart-ok: SUCCEEDED")
+    assert str(run_dir) in straight.status
     events = _events(run_dir)
-    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 30
+    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 120
 
 
 def test_a_killed_worker_is_recovered_and_the_job_succeeds(cluster):
@@ -278,14 +301,12 @@ def _wait_for_step(run_dir: Path, step: int) -> None:
 
 
 def test_a_killed_then_terminated_driver_loses_no_step_and_auto_resume_ends_bit_identical(
-        cluster, tmp_path):
+        cluster, straight, tmp_path):
     """SIGKILL of a job's driver: its workers commit the step in flight and exit. The job
     submitted again with --auto-resume continues from there. SIGTERM of that one's driver
-    checkpoints the step in flight and stops; a third submit finishes, with the weights of a
+    checkpoints the step in flight and stops; a third submit finishes, with the weights of the
     failure-free run."""
-    run = sets(*TINY, "train.steps=120", "checkpoint.persist_every=30", "run.log_every=1")
-    straight = cluster.project / "runs" / "straight-120"
-    cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(straight), "--follow")
+    run = STRAIGHT
     run_dir = cluster.project / "runs" / "driver-lost"
     cluster.stalwart("submit", CONFIG, *run, "--run-dir", str(run_dir), "--auto-resume",
                      "--job-id", "stalwart-driver-kill")
@@ -319,7 +340,7 @@ def test_a_killed_then_terminated_driver_loses_no_step_and_auto_resume_ends_bit_
     assert [e["from_step"] for e in events if e["kind"] == "resumed"] == [
         resumed["from_step"], stopped[0]["step"]]
     assert events[-1]["kind"] == "finished" and events[-1]["step"] == 120
-    a = exported_weights(straight, tmp_path, "straight")
+    a = exported_weights(straight.run_dir, tmp_path, "straight")
     b = exported_weights(run_dir, tmp_path, "lost")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
