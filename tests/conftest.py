@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import secrets
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,15 @@ def session_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     base temp below it)."""
     root = tmp_path_factory.getbasetemp()
     return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
+
+
+@pytest.fixture(scope="module", autouse=True)
+def no_ray_of_another_module(request: pytest.FixtureRequest):
+    """A module that does not share tests/ray's local Ray starts without it: it joins a
+    cluster of its own, or checks that a command leaves Ray down."""
+    ray = sys.modules.get("ray")
+    if ray is not None and ray.is_initialized() and "local_ray" not in request.fixturenames:
+        ray.shutdown()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,9 +1,10 @@
-"""What the ray-tier tests share: a Ray per test module for the runs made in the test's own
-process (tests.cli_helpers.stalwart_here), and a failure-free reference run to compare with."""
+"""What the ray-tier tests share: a local Ray for the runs made in the test's own process
+(tests.cli_helpers.stalwart_here), and a failure-free reference run to compare with."""
 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -21,18 +22,43 @@ RUN = [*TINY, f"train.steps={STEPS}", "checkpoint.persist_every=10", "checkpoint
 NO_SPARE = "scaling.spare_workers=0"
 
 
+@pytest.fixture(scope="session")
+def _shared_ray_stops_at_the_end():
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+def _all_cpus_free(wait_s: float = 10.0) -> bool:
+    """Whether the Ray this process joined holds no CPU for anything (Ray frees a finished
+    run's CPUs a moment after its actors exit)."""
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    while True:
+        if ray.available_resources().get("CPU") == ray.cluster_resources().get("CPU"):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+
+
 @pytest.fixture(scope="module")
-def local_ray():
+def local_ray(_shared_ray_stops_at_the_end):
     """A Ray as `stalwart run` starts its own on this machine (stalwart.cluster: its system
-    config, its cores plus one for the example's warm spare), shared by a module's runs."""
+    config, its cores plus one for the example's warm spare), for the runs made in this
+    process. One serves every module of the process that asks for it: a start costs seconds
+    of CPU. Another module stops it first (tests/conftest.py), and a module that finds CPUs
+    still held in it (a run that did not end) starts a fresh one."""
     import ray
 
     from stalwart.cluster import connect
 
-    started = connect(None, num_cpus=(os.cpu_count() or 1) + 1)
-    yield
-    if started:
+    if ray.is_initialized() and not _all_cpus_free():
         ray.shutdown()
+    connect(None, num_cpus=(os.cpu_count() or 1) + 1)
+    yield
 
 
 @pytest.fixture(scope="session")
