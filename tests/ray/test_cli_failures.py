@@ -19,7 +19,7 @@ from tests.cli_helpers import (
     wait_for_commit,
     wait_for_step,
 )
-from tests.ray.conftest import RUN
+from tests.ray.conftest import NO_SPARE, RUN
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("local_ray")]
 
@@ -82,7 +82,8 @@ def test_user_exception_fails_fast_with_traceback(tmp_path):
     # The task lives next to the user, not in an installed package: workers must find it too.
     (tmp_path / "my_tasks.py").write_text(EXPLODING_TASK)
     proc = stalwart_here("run", str(REFERENCE_CONFIG),
-                         *sets(*RUN, "task.path=my_tasks:ExplodingTask", "failure.max_failures=3"),
+                         *sets(*RUN, NO_SPARE, "task.path=my_tasks:ExplodingTask",
+                               "failure.max_failures=3"),  # not retried: no spare needed
                          "--run-dir", "exploding", cwd=tmp_path, check=1)
     assert "ValueError: user bug after 6 micro-batches" in proc.stdout
     assert "my_tasks.py" in proc.stdout  # the user's own frame is in the traceback
