@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module", autouse=True)
-def local_ray():
+def own_ray():
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     yield
     ray.shutdown()

@@ -65,7 +65,7 @@ def restore_from_memory(group: ElasticGroup, choice: MemoryChoice
 # ------------------------------------------------------------------ helpers
 
 @pytest.fixture(scope="module")
-def local_ray():
+def own_ray():
     """One Ray for the module (no dashboard): a world of 2, a spare, a replacement."""
     assert connect(None, num_cpus=3), "a Ray was already running in this process"
     try:
@@ -75,7 +75,7 @@ def local_ray():
 
 
 @pytest.fixture
-def group(local_ray, tmp_path: Path):
+def group(own_ray, tmp_path: Path):
     """A fresh group on the reference task; its actors are killed when the test ends."""
     config = load_config(REFERENCE_CONFIG, RUN)
     # Tokenize once here, before the workers race for the cache (a no-op when it exists).

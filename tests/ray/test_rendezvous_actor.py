@@ -12,8 +12,8 @@ from tests.ray.test_train_worker import (  # noqa: F401 (fixtures)
     DEADLINE_S,
     config_of,
     leave,
-    local_ray,
     make_actor,
+    own_ray,
     poll_until,
     steps_in,
 )

@@ -66,7 +66,7 @@ def leave(actor: Any) -> tuple[bool, int, list[CommitReport]]:
 # ------------------------------------------------------------------ helpers
 
 @pytest.fixture(scope="module")
-def local_ray():
+def own_ray():
     """One Ray for the module (no dashboard): the actors here need one CPU each."""
     assert connect(None, num_cpus=2), "a Ray was already running in this process"
     try:
@@ -83,7 +83,7 @@ def config_of(*overrides: str) -> JobConfig:
 
 
 @pytest.fixture
-def make_actor(local_ray, tmp_path: Path):
+def make_actor(own_ray, tmp_path: Path):
     """Start TrainWorker actors as ElasticGroup does; each is killed when the test ends."""
     actors = []
 
