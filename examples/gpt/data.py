@@ -152,8 +152,8 @@ class TokenDataset:
             if column.null_count:
                 raise ValueError(f"{self.path}: column 'tokens' has {column.null_count} nulls")
             # [n_tokens] uint8, a view of the mapped file: no copy, no RAM per process.
-            # Read from the data buffer directly: Array.to_numpy imports pandas (about a
-            # second of CPU in every worker) to check for extension types.
+            # Read from the data buffer directly: Array.to_numpy imports pandas (about half
+            # a second of CPU in every worker) to check for extension types.
             self._tokens = np.frombuffer(column.buffers()[1], dtype=np.uint8,
                                          count=len(column), offset=column.offset)
         return self._tokens

@@ -223,10 +223,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     from stalwart.integrations.tune.sweep_file import load_sweep
 
     sweep = load_sweep(args.sweep, args.overrides)
-    from stalwart.cluster import check_reachable, connect
-
-    if args.address:
-        check_reachable(args.address)  # before Tune's import: seconds
     from stalwart.integrations.tune.sweep import (
         check_experiment_dir,
         embedded_cpus,
@@ -238,6 +234,8 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     check_experiment_dir(sweep, args.resume)
     import ray
+
+    from stalwart.cluster import connect
 
     started = connect(args.address, num_cpus=embedded_cpus(sweep))
     try:
