@@ -27,7 +27,7 @@ LAYOUTS = {"ddp": [], "fsdp": ["parallel.dp_shard=2", "parallel.dp_replicate=1",
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
+def runs(tmp_path_factory, local_ray) -> dict[str, Path]:
     out = {}
     for name, overrides in LAYOUTS.items():
         cwd = tmp_path_factory.mktemp(name)
