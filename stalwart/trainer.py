@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from stalwart.callbacks import Callback
 from stalwart.checkpointing.errors import CheckpointError, StorageURLError
@@ -34,17 +34,19 @@ from stalwart.cluster import connect
 from stalwart.core import events as ev
 from stalwart.core.config import JobConfig, config_from_dict, flatten, load_config
 from stalwart.core.errors import ClusterError, ConfigError, RunDirError
-from stalwart.core.task import TaskLike, resolve_task, task_path_of
 from stalwart.integrations.loggers import logger_callbacks
 from stalwart.integrations.ray_metrics import RayMetrics
-from stalwart.orchestrator.controller import Controller
 from stalwart.orchestrator.outcome import Outcome
-from stalwart.orchestrator.policies import default_policies
-from stalwart.orchestrator.states import Failed, Finished, State, Stopped
 from stalwart.parallel.dims import ParallelDims
 from stalwart.places import absolute_storage, probe_run_dir, probe_storage
 from stalwart.progress import ProgressDisplay
 from stalwart.run_dir import RunDir
+
+# The task contract and the controller load torch: Trainer.fit imports them once the run dir
+# and the storage are checked, so that a wrong place fails in a fraction of a second.
+if TYPE_CHECKING:
+    from stalwart.core.task import TaskLike
+    from stalwart.orchestrator.states import State
 
 # Keys that define what is being trained: changing them on --resume would silently mix two
 # different runs (another model, another data order), so it is refused.
@@ -111,6 +113,8 @@ class Trainer:
                  trust_unsigned: bool = False) -> None:
         config = as_job_config(config)
         if task is not None:  # recorded by name in config.toml, manifests and events
+            from stalwart.core.task import task_path_of
+
             config = dataclasses.replace(config, task=dataclasses.replace(
                 config.task, path=task_path_of(task)))
         self.task = task
@@ -313,13 +317,8 @@ class Trainer:
     # ------------------------------------------------------------------ run
 
     def fit(self) -> RunResult:
-        from stalwart.orchestrator.worker_group import ElasticGroup, GroupFailed
-
         # Every check first, keeping nothing written (the write probes remove what they
         # make): a refused run leaves the run dir and the storage as they were.
-        task = resolve_task(self.config.task.path, self.config.task.args, self.task)
-        task.check_layout(ParallelDims.from_config(self.config.parallel,
-                                                   self.config.scaling.num_workers))
         storage_url = self.run_dir.storage_url(self.config)
         self._check_storage(storage_url)
         trust = self._trust()
@@ -327,6 +326,15 @@ class Trainer:
         owner = self._check_owner(storage_url, trust.run_id)  # before its checkpoints are read
         resume_from, changes, skipped = self._check_run_dir(storage_url, trust)
         origin = self._check_start_from(trust)
+        # The task last: importing it loads torch.
+        from stalwart.core.task import resolve_task
+        from stalwart.orchestrator.controller import Controller
+        from stalwart.orchestrator.policies import default_policies
+        from stalwart.orchestrator.worker_group import ElasticGroup, GroupFailed
+
+        task = resolve_task(self.config.task.path, self.config.task.args, self.task)
+        task.check_layout(ParallelDims.from_config(self.config.parallel,
+                                                   self.config.scaling.num_workers))
         started_ray = self._connect()
         display = None
         try:
@@ -392,6 +400,8 @@ class Trainer:
 
     def _result(self, final: State, outcome: Outcome, wall_s: float,
                 storage_url: str) -> RunResult:
+        from stalwart.orchestrator.states import Failed, Finished, Stopped
+
         reason = None
         if isinstance(final, Failed):
             reason = final.reason

@@ -128,8 +128,7 @@ def _cmd_run(args: argparse.Namespace) -> int:
                 config.run, profile_steps=steps))
         except ConfigError as exc:  # steps past train.steps
             raise ConfigError(f"--profile {args.profile!r}: {exc}") from None
-    # Imported once the config is good: the trainer loads torch and Ray, seconds that a
-    # config error need not wait for.
+    # Imported once the config is good; Trainer.fit loads torch and Ray after its own checks.
     from stalwart.orchestrator.interrupt import StopAbandoned
     from stalwart.trainer import Trainer
 
