@@ -43,7 +43,7 @@ from stalwart.progress import ProgressDisplay
 from stalwart.run_dir import RunDir
 
 # The task contract and the controller load torch: Trainer.fit imports them once the run dir
-# and the storage are checked, so that a wrong place fails in a fraction of a second.
+# is checked, so that a wrong run dir fails in a fraction of a second.
 if TYPE_CHECKING:
     from stalwart.core.task import TaskLike
     from stalwart.orchestrator.states import State
@@ -150,12 +150,6 @@ class Trainer:
                 f"stalwart's workers are separate processes; use a path or a shared "
                 f"filesystem URL (file://, s3://, gs://, ...)")
         filesystem(url)
-
-    def _check_writable(self, storage_url: str) -> None:
-        """Write a probe into the run dir and the storage and remove it (and any directory
-        made for it): a place that cannot be written is refused before Ray starts."""
-        probe_run_dir(self.run_dir.path)
-        probe_storage(storage_url)
 
     def _make_storage(self, url: str) -> None:
         fs, path = filesystem(url)
@@ -319,14 +313,11 @@ class Trainer:
     def fit(self) -> RunResult:
         # Every check first, keeping nothing written (the write probes remove what they
         # make): a refused run leaves the run dir and the storage as they were.
-        storage_url = self.run_dir.storage_url(self.config)
-        self._check_storage(storage_url)
-        trust = self._trust()
-        self._check_writable(storage_url)  # first: owner.json is read only where it can be
-        owner = self._check_owner(storage_url, trust.run_id)  # before its checkpoints are read
-        resume_from, changes, skipped = self._check_run_dir(storage_url, trust)
-        origin = self._check_start_from(trust)
-        # The task last: importing it loads torch.
+        # The run dir's own checks come before the task, which loads torch (seconds).
+        probe_run_dir(self.run_dir.path)
+        if self.resume:
+            self.run_dir.check_resumable()
+        # The task before the storage: its module may register the filesystem the URL names.
         from stalwart.core.task import resolve_task
         from stalwart.orchestrator.controller import Controller
         from stalwart.orchestrator.policies import default_policies
@@ -335,6 +326,13 @@ class Trainer:
         task = resolve_task(self.config.task.path, self.config.task.args, self.task)
         task.check_layout(ParallelDims.from_config(self.config.parallel,
                                                    self.config.scaling.num_workers))
+        storage_url = self.run_dir.storage_url(self.config)
+        self._check_storage(storage_url)
+        trust = self._trust()
+        probe_storage(storage_url)  # first: owner.json is read only where it can be
+        owner = self._check_owner(storage_url, trust.run_id)  # before its checkpoints are read
+        resume_from, changes, skipped = self._check_run_dir(storage_url, trust)
+        origin = self._check_start_from(trust)
         started_ray = self._connect()
         display = None
         try:
