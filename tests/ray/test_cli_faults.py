@@ -19,7 +19,7 @@ from tests.cli_helpers import (
     wait_for_step,
 )
 from tests.keys import trust
-from tests.ray.conftest import NO_SPARE, RUN, STEPS
+from tests.ray.conftest import RUN, STEPS
 from tests.ray.helpers import assert_same_weights, events_of, only
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("local_ray")]
@@ -97,17 +97,6 @@ def test_raise_is_retried_when_configured(tmp_path, straight_run):
     assert recovered["lost_steps"] == 4
     assert not [e for e in events if e["kind"] in ("checkpoint_chosen", "memory_tier")]
     assert_same_weights(tmp_path, straight_run, tmp_path / "raised")
-
-
-def test_raise_is_not_retried_by_default(tmp_path):
-    # Nothing is retried: a warm spare would only start and wait.
-    proc = stalwart_here("run", str(REFERENCE_CONFIG),
-                         *sets(*RUN, NO_SPARE, "failure.max_failures=3"),
-                         "--inject", "raise:rank=0,step=12", "--run-dir", "raised", cwd=tmp_path,
-                         check=1)
-    assert "InjectedFault: injected fault raise:rank=0,step=12" in proc.stdout
-    events = events_of(tmp_path / "raised")
-    assert only(events, "failure")["retry"] is False and events[-1]["kind"] == "failed"
 
 
 def test_preemption_checkpoints_then_resizes_without_losing_a_step(tmp_path, straight_run):

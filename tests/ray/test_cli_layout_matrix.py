@@ -6,7 +6,7 @@ be refused there and by `run` alike, never listed. At 2 workers every listed lay
 from the CLI: each parallel degree on its own through plan, Ray and the engine. At 4 workers
 each listed composition is checked for exactness without Ray, by the test named beside it in
 DIST_CHECKED (same engine, same layouts): four ranks cost a tenth there of a CLI run here.
-One local Ray serves every run of the module (`--address`), each made in the test's process.
+The runs are made in the test's process, on the local Ray that the ray tier shares.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ import pytest
 
 from stalwart.core.events import read_jsonl
 from tests.cli_helpers import REFERENCE_CONFIG, TINY, sets, stalwart_here
-from tests.ray.helpers import driving, local_cluster
 
 DIST = Path(__file__).resolve().parents[1] / "dist"
 
@@ -54,20 +53,10 @@ DIST_CHECKED = {
 
 
 @pytest.fixture(scope="module")
-def address():
-    cluster = local_cluster(1, cpus=2)  # four 0.5-CPU workers
-    try:
-        with driving(cluster):
-            yield cluster.address
-    finally:
-        cluster.shutdown()
-
-
-@pytest.fixture(scope="module")
-def one_worker(address, tmp_path_factory) -> list[float]:
+def one_worker(local_ray, tmp_path_factory) -> list[float]:
     cwd = tmp_path_factory.mktemp("one")
     stalwart_here("run", str(REFERENCE_CONFIG), *sets(*MATRIX, "scaling.num_workers=1"),
-                  "--address", address, "--run-dir", "run", cwd=cwd)
+                  "--run-dir", "run", cwd=cwd)
     return [r["loss"] for r in read_jsonl(cwd / "run" / "metrics.jsonl")]
 
 
@@ -79,23 +68,22 @@ def listed_layouts(workers: int, cwd: Path) -> set[tuple[int, ...]]:
             if len(r) > 4 and all(c.isdigit() for c in r[:5])}
 
 
-def train(layout: tuple[int, ...], workers: int, address: str, cwd: Path
+def train(layout: tuple[int, ...], workers: int, cwd: Path
           ) -> tuple[tuple[int, ...], list[float], str]:
     name = "x".join(map(str, layout))
     overrides = [f"scaling.num_workers={workers}",
                  *(f"parallel.{k}={v}" for k, v in zip(DEGREES, layout, strict=True))]
-    proc = stalwart_here("run", str(REFERENCE_CONFIG), *sets(*MATRIX, *overrides), "--address",
-                         address, "--run-dir", name, cwd=cwd, check=None)
+    proc = stalwart_here("run", str(REFERENCE_CONFIG), *sets(*MATRIX, *overrides),
+                         "--run-dir", name, cwd=cwd, check=None)
     metrics = cwd / name / "metrics.jsonl"
     losses = [r["loss"] for r in read_jsonl(metrics)] if metrics.exists() else []
     return layout, losses, f"exit {proc.returncode}\n{proc.stdout}\n{proc.stderr}"
 
 
-def test_every_layout_plan_lists_at_2_workers_trains_like_one_worker(address, one_worker,
-                                                                    tmp_path):
+def test_every_layout_plan_lists_at_2_workers_trains_like_one_worker(one_worker, tmp_path):
     layouts = listed_layouts(2, tmp_path)
     assert layouts == EXPECTED[2]
-    results = [train(layout, 2, address, tmp_path) for layout in sorted(layouts)]
+    results = [train(layout, 2, tmp_path) for layout in sorted(layouts)]
     assert len(one_worker) == 4
     for layout, losses, output in results:
         described = " x ".join(f"{k}={v}" for k, v in zip(DEGREES, layout, strict=True))

@@ -47,22 +47,6 @@ def test_the_memory_tier_reports_its_size(sharded_run):
     assert tier["limit_bytes"] == int(0.4 * tier["limit_bound_bytes"] / 2)
 
 
-def test_a_kill_restores_the_step_before_it_from_memory(tmp_path, sharded_run):
-    events = run_with(tmp_path, "kill:rank=1,step=25", "killed")
-    failure = only(events, "failure")
-    assert failure["failure_kind"] == "worker_died" and failure["step"] == 24
-    recovered = only(events, "recovered")
-    assert recovered == {**recovered, "source": "memory", "from_step": 24, "lost_steps": 0,
-                         "world_size": 2}
-    # The new rank 1 holds nothing: its shard came from its replica on rank 0.
-    assert recovered["peer_fetches"] >= 1
-    chosen = only(events, "checkpoint_chosen")
-    assert (chosen["source"], chosen["memory_step"]) == ("memory", 24)
-    # Saves are asynchronous: on a loaded machine step 20 may not be committed by step 24.
-    assert chosen["storage_step"] in (10, 20)
-    assert_same_weights(tmp_path, sharded_run, tmp_path / "killed")
-
-
 @pytest.mark.parametrize("kind", ["kill-staging", "kill-replicating"])
 def test_a_kill_during_a_snapshot_restores_the_previous_step(tmp_path, sharded_run, kind):
     # Rank 1 dies after completing step 25, while its snapshot of step 25 is half staged (or
@@ -76,16 +60,25 @@ def test_a_kill_during_a_snapshot_restores_the_previous_step(tmp_path, sharded_r
     assert_same_weights(tmp_path, sharded_run, tmp_path / kind)
 
 
-def test_replicas_are_made_again_after_a_recovery(tmp_path, sharded_run):
-    # The second kill takes the rank that holds, since the first recovery, the replica of
-    # the other's shard: the new world must have replicated its snapshots anew.
+def test_a_kill_restores_the_step_before_it_from_memory_and_replicas_are_made_again(
+        tmp_path, sharded_run):
+    # Rank 1 dies as step 25 starts; then rank 0, which holds since that recovery the
+    # replica of the other's shard: the new world must have replicated its snapshots anew.
     stalwart_here("run", str(REFERENCE_CONFIG), *sets(*SHARDED, "failure.max_failures=2"),
-                  "--inject", "kill:rank=1,step=15", "--inject", "kill:rank=0,step=32",
+                  "--inject", "kill:rank=1,step=25", "--inject", "kill:rank=0,step=32",
                   "--run-dir", "twice", cwd=tmp_path)
     events = read_jsonl(tmp_path / "twice" / "events.jsonl")
+    first_failure = [e for e in events if e["kind"] == "failure"][0]
+    assert first_failure["failure_kind"] == "worker_died" and first_failure["step"] == 24
     recovered = [e for e in events if e["kind"] == "recovered"]
-    assert [(e["source"], e["from_step"], e["lost_steps"]) for e in recovered] == [
-        ("memory", 14, 0), ("memory", 31, 0)]
+    assert [(e["source"], e["from_step"], e["lost_steps"], e["world_size"])
+            for e in recovered] == [("memory", 24, 0, 2), ("memory", 31, 0, 2)]
+    # The new rank 1 holds nothing: its shard came from its replica on rank 0.
+    assert recovered[0]["peer_fetches"] >= 1
+    chosen = [e for e in events if e["kind"] == "checkpoint_chosen"][0]
+    assert (chosen["source"], chosen["memory_step"]) == ("memory", 24)
+    # Saves are asynchronous: on a loaded machine step 20 may not be committed by step 24.
+    assert chosen["storage_step"] in (10, 20)
     assert_same_weights(tmp_path, sharded_run, tmp_path / "twice")
 
 
