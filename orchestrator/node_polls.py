@@ -10,6 +10,9 @@ Until a node's agent has answered once (its process may take seconds to start on
 node), the driver polls that node's ranks itself, one call per rank, as it would without
 agents: no heartbeat waits for an agent.
 
+When every rank is on the driver's own node (one machine, the common case), the driver
+watches them itself: it runs the agent's poll in its own process, and no agent actor starts.
+
 A node whose agent stops answering while the other nodes' agents answer is silent: frozen
 (every process stopped), powered off or cut off. Its raylet may still accept connections
 (a stopped process's socket does) and Ray's health check takes tens of seconds, so its
@@ -80,11 +83,18 @@ class NodePolls:
         self.nodes = nodes
         self._agents: dict[str, _Agent] = {}
         self._actor_class = ray.remote(NodeAgent)
+        # The driver's own node, and the agent that runs here for it.
+        self._here = ray.get_runtime_context().get_node_id()
+        self._local: NodeAgent | None = None
+        self._local_broken = False
         # Ranks polled directly (their agent is not up yet): each one's poll in flight.
         self._direct: dict[int, Any] = {}
 
     def start(self, node_ids: set[str]) -> None:
-        """Start an agent on each of these nodes that has none."""
+        """Start an agent on each of these nodes that has none. The driver's node alone needs
+        none: the driver watches its ranks itself."""
+        if node_ids == {self._here} and not self._local_broken:
+            return
         for node_id in node_ids - self._agents.keys():
             options: dict[str, Any] = dict(
                 num_cpus=0, max_restarts=0,
@@ -99,6 +109,9 @@ class NodePolls:
         by_node: dict[str, dict[int, tuple[Any, int]]] = {}
         for rank, (actor, place) in enumerate(members):
             by_node.setdefault(place.node_id, {})[rank] = (actor, place.pid)
+        if set(by_node) == {self._here} and not self._local_broken:
+            self._look_at_silent()
+            return self._poll_here(by_node[self._here], generation, wait_s)
         self.start(set(by_node))
         self._look_at_silent()
         for node_id, ranks in by_node.items():
@@ -149,6 +162,20 @@ class NodePolls:
         found += self._silent_ranks(by_node)
         self._collect_direct(answered, found, generation)
         return answered, found
+
+    def _poll_here(self, ranks: dict[int, tuple[Any, int]], generation: int, wait_s: float
+                   ) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
+        """Every rank is on the driver's node: the agent's poll, run in this process."""
+        if self._local is None:
+            self._local = NodeAgent(self.stopped_for_s)
+        try:
+            report = self._local.poll(generation, wait_s, ranks)
+        except Exception as exc:  # a bug in the agent: an agent actor takes over
+            print(f"stalwart: watching this node's ranks failed ({exc}); a node agent "
+                  f"polls them from now on", file=sys.stderr, flush=True)
+            self._local_broken = True
+            return {}, []
+        return dict(report.statuses), _failures(report, ranks)
 
     def _until_silent(self, agents: dict[str, _Agent]) -> float:
         """Seconds until the next agent in flight would be late enough to be silent."""
@@ -222,6 +249,9 @@ class NodePolls:
         for agent in self._agents.values():
             ray.kill(agent.actor, no_restart=True)
         self._agents = {}
+        if self._local is not None:
+            self._local.close()
+            self._local = None
 
 
 def silent_nodes(agents: dict[str, _Agent], now: float, silent_for_s: float

@@ -132,11 +132,15 @@ class NodeAgent:
                 return NodeReport(statuses=statuses, errors=errors, exited=exited,
                                   stopped=stopped)
 
-    def _open_pidfds(self) -> None:
-        """A pidfd for each member's process (closing the last world's)."""
+    def close(self) -> None:
+        """Close the pidfds (an agent that runs in the driver outlives its runs' worlds)."""
         for fd in self._pidfds.values():
             os.close(fd)
         self._pidfds = {}
+
+    def _open_pidfds(self) -> None:
+        """A pidfd for each member's process (closing the last world's)."""
+        self.close()
         if not hasattr(os, "pidfd_open"):
             return
         for rank, (_, pid) in self.members.items():
