@@ -100,7 +100,9 @@ def test_failures_recoveries_and_goodput_reach_prometheus(cluster, tmp_path: Pat
 
 def test_run_dashboard_serves_rays_dashboard_while_the_run_trains(tmp_path: Path) -> None:
     proc = subprocess.Popen(
-        [STALWART, "run", str(DIGITS_CONFIG), *sets("run.dashboard=true", "train.steps=300",
+        # The dashboard's address is printed as Ray starts, seconds before the first step:
+        # 60 steps keep the run going well past the request.
+        [STALWART, "run", str(DIGITS_CONFIG), *sets("run.dashboard=true", "train.steps=60",
                                                     "run.progress=false"),
          "--run-dir", str(tmp_path / "run")],
         cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
