@@ -20,14 +20,7 @@ from stalwart.orchestrator.driver_loss import (
 )
 from stalwart.workers.driver_watch import DriverBeacon, DriverWatch
 
-pytestmark = [pytest.mark.ray, pytest.mark.timeout(120)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def own_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
-    yield
-    ray.shutdown()
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(120), pytest.mark.usefixtures("local_ray")]
 
 
 def test_the_watch_reports_a_dead_beacon_once_and_only_then():

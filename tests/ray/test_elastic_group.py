@@ -18,7 +18,6 @@ import ray
 
 from stalwart.checkpointing.memory.catalog import MemoryChoice, newest_complete
 from stalwart.checkpointing.storage.catalog import newest_valid
-from stalwart.cluster import connect
 from stalwart.core.config import load_config
 from stalwart.core.task import build_task
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
@@ -64,18 +63,8 @@ def restore_from_memory(group: ElasticGroup, choice: MemoryChoice
 
 # ------------------------------------------------------------------ helpers
 
-@pytest.fixture(scope="module")
-def own_ray():
-    """One Ray for the module (no dashboard): a world of 2, a spare, a replacement."""
-    assert connect(None, num_cpus=3), "a Ray was already running in this process"
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 @pytest.fixture
-def group(own_ray, tmp_path: Path):
+def group(local_ray, tmp_path: Path):
     """A fresh group on the reference task; its actors are killed when the test ends."""
     config = load_config(REFERENCE_CONFIG, RUN)
     # Tokenize once here, before the workers race for the cache (a no-op when it exists).

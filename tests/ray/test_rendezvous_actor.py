@@ -13,7 +13,6 @@ from tests.ray.test_train_worker import (  # noqa: F401 (fixtures)
     config_of,
     leave,
     make_actor,
-    own_ray,
     poll_until,
     steps_in,
 )

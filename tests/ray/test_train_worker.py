@@ -16,7 +16,6 @@ import pytest
 import ray
 
 from stalwart.checkpointing.storage.catalog import newest_valid
-from stalwart.cluster import connect
 from stalwart.core.config import JobConfig, load_config
 from stalwart.core.events import WorkerPlace
 from stalwart.core.task import build_task
@@ -65,16 +64,6 @@ def leave(actor: Any) -> tuple[bool, int, list[CommitReport]]:
 
 # ------------------------------------------------------------------ helpers
 
-@pytest.fixture(scope="module")
-def own_ray():
-    """One Ray for the module (no dashboard): the actors here need one CPU each."""
-    assert connect(None, num_cpus=2), "a Ray was already running in this process"
-    try:
-        yield
-    finally:
-        ray.shutdown()
-
-
 def config_of(*overrides: str) -> JobConfig:
     config = load_config(REFERENCE_CONFIG, [*RUN, *overrides])
     # Tokenize once here, before the worker looks for the cache (a no-op when it exists).
@@ -83,7 +72,7 @@ def config_of(*overrides: str) -> JobConfig:
 
 
 @pytest.fixture
-def make_actor(own_ray, tmp_path: Path):
+def make_actor(local_ray, tmp_path: Path):
     """Start TrainWorker actors as ElasticGroup does; each is killed when the test ends."""
     actors = []
 
