@@ -93,7 +93,7 @@ class NodePolls:
     def start(self, node_ids: set[str]) -> None:
         """Start an agent on each of these nodes that has none. The driver's node alone needs
         none: the driver watches its ranks itself."""
-        if node_ids == {self._here} and not self._local_broken:
+        if self._watched_here(node_ids):
             return
         for node_id in node_ids - self._agents.keys():
             options: dict[str, Any] = dict(
@@ -109,7 +109,7 @@ class NodePolls:
         by_node: dict[str, dict[int, tuple[Any, int]]] = {}
         for rank, (actor, place) in enumerate(members):
             by_node.setdefault(place.node_id, {})[rank] = (actor, place.pid)
-        if set(by_node) == {self._here} and not self._local_broken:
+        if self._watched_here(set(by_node)):
             self._look_at_silent()
             return self._poll_here(by_node[self._here], generation, wait_s)
         self.start(set(by_node))
@@ -162,6 +162,10 @@ class NodePolls:
         found += self._silent_ranks(by_node)
         self._collect_direct(answered, found, generation)
         return answered, found
+
+    def _watched_here(self, node_ids: set[str]) -> bool:
+        """These nodes' ranks are watched by the driver itself: the driver's node alone."""
+        return node_ids == {self._here} and not self._local_broken
 
     def _poll_here(self, ranks: dict[int, tuple[Any, int]], generation: int, wait_s: float
                    ) -> tuple[dict[int, WorkerStatus], list[WorkerFailure]]:
