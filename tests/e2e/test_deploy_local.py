@@ -350,9 +350,9 @@ def test_ray_job_submit_runs_stalwart_and_a_killed_worker_is_recovered(cluster):
         cwd=cluster.project, env=cluster.env, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "succeeded" in proc.stdout
-    kinds = [e["kind"] for e in _events(run_dir)]
-    assert "recovered" in kinds and kinds[-1] == "finished"
-    assert _events(run_dir)[-1]["step"] == 30
+    events = _events(run_dir)
+    assert "recovered" in [e["kind"] for e in events]
+    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 30
 
 
 def test_a_sweep_runs_on_the_cluster(cluster):

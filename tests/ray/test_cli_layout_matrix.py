@@ -26,7 +26,6 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600)]
 # layout's state dicts are staged in memory each step and written by DCP twice).
 MATRIX = [*TINY, "task.args.tie_embeddings=false", "train.steps=4", "run.log_every=1",
           "train.warmup_steps=2", "data.val_every=0",
-          "scaling.cpus_per_worker=0.5",
           "checkpoint.persist_every=2"]
 
 # What plan lists for the tiny GPT (2 heads, 2 blocks): tp <= 2, pp <= 2, every data split.
