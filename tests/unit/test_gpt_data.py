@@ -5,7 +5,6 @@ from __future__ import annotations
 import multiprocessing
 import pickle
 import sysconfig
-import time
 import zlib
 from pathlib import Path
 
@@ -53,9 +52,7 @@ def test_second_call_returns_cached_files_without_reading(
         raise AssertionError("cache hit must not re-read the stdlib")
 
     monkeypatch.setattr(data, "_read_tokens", fail)
-    start = time.perf_counter()
     again = build_token_files(token_files.train.parent.parent)
-    assert time.perf_counter() - start < 2.0
     assert again == token_files
     assert token_files.train.stat().st_mtime_ns == mtime
 
