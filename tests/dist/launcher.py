@@ -97,3 +97,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
 
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# torch.compile's kernels are built in this rank's own process: inductor's default, a pool
+# of compile processes, has each of them import torch, which on 2 cores costs more CPU than
+# the pool saves (a compiled 2-rank run: 51 CPU-s instead of 65).
+os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
