@@ -30,6 +30,7 @@ from pathlib import Path
 
 import pytest
 
+from stalwart.parallel.distributed import free_port
 from tests.cli_helpers import run_from_thread
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(300)]
@@ -107,6 +108,8 @@ CASES: dict[str, Case] = {
     "s3_storage": Case(("run", "config.toml", *_sets('checkpoint.storage="s3://bucket/x"'))),
     "hdfs_storage": Case(("run", "config.toml",
                           *_sets('checkpoint.storage="hdfs://namenode/x"'))),
+    "address_unreachable": Case(("run", "config.toml", "--address", f"127.0.0.1:{free_port()}",
+                                 "--run-dir", "nowhere"), expect="nothing answers there"),
     "resume_no_run_dir": Case(("run", "config.toml", "--resume")),
     "resume_no_run": Case(("run", "config.toml", "--resume", "--run-dir", "no-such-run")),
     "fresh_into_checkpoints": Case(("run", "config.toml", "--run-dir", "old"),

@@ -370,6 +370,16 @@ def test_a_sweep_runs_on_the_cluster(cluster):
     assert {(t["state"], t["step"]) for t in results["trials"]} == {("finished", 10)}
 
 
+def test_run_joins_the_cluster_at_its_address(cluster):
+    """`stalwart run --address HOST:PORT` from the user's shell: the driver here, on the
+    cluster's Ray (token authentication from the sourced env)."""
+    run_dir = cluster.project / "runs" / "joined"
+    cluster.stalwart("run", CONFIG, *sets(*TINY, "train.steps=20"), "--run-dir", str(run_dir),
+                     "--address", cluster.env["RAY_ADDRESS"])
+    events = _events(run_dir)
+    assert events[-1]["kind"] == "finished" and events[-1]["step"] == 20
+
+
 def test_unknown_job_is_one_clear_error(cluster):
     proc = cluster.stalwart("status", "raysubmit_nosuchjob", check=2)
     assert proc.stderr == (f"stalwart: error: the cluster at {cluster.dashboard} has no job "
