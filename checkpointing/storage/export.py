@@ -19,17 +19,15 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-
-import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from typing import TYPE_CHECKING
 
 from stalwart.checkpointing.errors import CheckpointError, describe_load_error
-from stalwart.checkpointing.safe_load import SafeLoadPlanner, VerifiedReader
 from stalwart.checkpointing.storage.catalog import CheckpointInfo, find_step, newest_valid
 from stalwart.checkpointing.storage.layout import METADATA
 from stalwart.checkpointing.storage.signing import CheckpointTrust
+
+if TYPE_CHECKING:
+    import torch
 
 SUFFIXES = (".safetensors", ".pt", ".pth", ".bin")
 
@@ -62,6 +60,15 @@ MODEL_PREFIX = "model."  # the model's entries in a checkpoint: state_dict()["mo
 
 def load_weights(checkpoint: CheckpointInfo) -> dict[str, torch.Tensor]:
     """The full model tensors of a verified checkpoint, by the model's own names."""
+    # torch and DCP load here, once a checkpoint is found: a wrong path, an output that
+    # exists or no checkpoint at all fails in a fraction of a second.
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from stalwart.checkpointing.safe_load import SafeLoadPlanner, VerifiedReader
+
     expected = checkpoint.manifest["files"][METADATA]["sha256"]
     reader = VerifiedReader(checkpoint.path, metadata_sha256=expected)
     metadata = reader.read_metadata()  # checked against the manifest, then unpickled safely
@@ -101,6 +108,8 @@ def write_weights(weights: dict[str, torch.Tensor], step: int, out: Path) -> Pat
 
             save_file(weights, str(tmp), metadata={"step": str(step)})
         else:
+            import torch
+
             torch.save(weights, tmp)
         tmp.replace(out)
     except OSError as exc:
@@ -123,7 +132,7 @@ def candidates(storage_url: str, step: int | None, trust: CheckpointTrust, on_sk
         below = info.step
 
 
-Write = Callable[[CheckpointInfo, dict[str, torch.Tensor], Path], Path]
+Write = Callable[[CheckpointInfo, dict[str, "torch.Tensor"], Path], Path]
 
 
 def write_file(checkpoint: CheckpointInfo, weights: dict[str, torch.Tensor], out: Path) -> Path:

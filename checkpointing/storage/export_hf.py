@@ -20,13 +20,15 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.checkpointing.storage.export import check_new_path
 from stalwart.checkpointing.storage.layout import EXPORT_PREFIX, check_file_name, filesystem
+
+if TYPE_CHECKING:
+    import torch
 
 DEFAULT_SHARD = "5GB"
 UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,

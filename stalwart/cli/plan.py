@@ -99,7 +99,6 @@ def parse_count(text: str) -> int:
 def _plan_model(args: argparse.Namespace, config: JobConfig | None) -> tuple[ModelShape, str]:
     """The model's shape, and where it came from: the task's model (and its
     `TrainTask.model_dims` hook), or a bare --params count with its shape flags."""
-    from stalwart.core.task import build_task
     from stalwart.plan.estimate import ModelShape, PlanError
 
     shape_flags = {"n_layers": args.layers, "n_heads": args.heads, "d_model": args.d_model,
@@ -110,6 +109,8 @@ def _plan_model(args: argparse.Namespace, config: JobConfig | None) -> tuple[Mod
     if args.params is not None or any(v is not None for v in shape_flags.values()):
         raise PlanError("give CONFIG or --params (with shape flags), not both: change the "
                         "config's model with --set task.args.KEY=VALUE")
+    from stalwart.core.task import build_task  # torch: only for a config's model
+
     task = build_task(config.task.path, config.task.args)
     return ModelShape.from_task(task, config), f"task {config.task.path}"
 

@@ -225,6 +225,15 @@ def test_a_worker_handle_does_not_load_torch():
     assert loaded == {"stalwart.workers.actor": [], "stalwart.workers.node_agent": []}
 
 
+def test_export_and_plan_check_their_input_without_torch():
+    """`stalwart export` checks --out and finds its checkpoint, and `stalwart plan --params`
+    plans, before torch loads: a mistake there is told in a fraction of a second."""
+    modules = ["stalwart.checkpointing.storage.export", "stalwart.checkpointing.storage.export_hf",
+               "stalwart.cli.plan", "stalwart.plan.estimate", "stalwart.plan.search"]
+    loaded = _loaded_after(modules, ("torch",))
+    assert loaded == {m: [] for m in modules}
+
+
 def test_parallel_does_not_load_ray():
     modules = ["stalwart.parallel"] + [
         f"stalwart.parallel.{p.stem}"
