@@ -218,9 +218,13 @@ def _cmd_export(args: argparse.Namespace) -> int:
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    # The sweep file is checked before Ray, Tune and torch load: a bad one fails in a second.
+    # The sweep file and --address are checked before Ray, Tune and torch load: a bad one
+    # fails in a second.
+    from stalwart.cluster import check_reachable, connect
     from stalwart.integrations.tune.sweep_file import load_sweep
 
+    if args.address:
+        check_reachable(args.address)
     sweep = load_sweep(args.sweep, args.overrides)
     from stalwart.integrations.tune.sweep import (
         check_experiment_dir,
@@ -233,8 +237,6 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     check_experiment_dir(sweep, args.resume)
     import ray
-
-    from stalwart.cluster import connect
 
     started = connect(args.address, num_cpus=embedded_cpus(sweep))
     try:
