@@ -28,7 +28,7 @@ from stalwart.checkpointing.storage.catalog import (
 )
 from stalwart.checkpointing.storage.layout import filesystem
 from stalwart.checkpointing.storage.owner import Owner, claim, read_owner
-from stalwart.checkpointing.storage.signing import CheckpointTrust, load_key
+from stalwart.checkpointing.storage.signing import CheckpointTrust, load_trust_keys
 from stalwart.checkpointing.storage.transfer import copy_checkpoint
 from stalwart.cluster import connect
 from stalwart.core import events as ev
@@ -98,7 +98,9 @@ class Trainer:
     apply from there on. `workdir`: where the task's modules are imported from (default: the
     current directory), on the driver and on every worker. `callbacks` see every metrics row
     and event as it is written (see stalwart.callbacks). `trust_unsigned`: also accept
-    checkpoints that are not signed with this run's key (see docs/security.md).
+    checkpoints that are not signed with this run's key (see docs/security.md). `key_file`:
+    the key that signs and verifies (default: $STALWART_CHECKPOINT_KEY_FILE, else
+    ~/.config/stalwart/checkpoint.key); `trusted_key_files`: previous keys that still verify.
 
     `config`: a JobConfig, a TOML file's path, a dict of its tables, or None for the
     defaults. `task`: a TrainTask subclass (constructed with task.args) or instance, used
@@ -110,7 +112,8 @@ class Trainer:
                  address: str | None = None, resume: bool = False,
                  live_progress: bool | None = None, start_from: str | None = None,
                  workdir: str | Path | None = None, callbacks: Sequence[Callback] = (),
-                 trust_unsigned: bool = False) -> None:
+                 trust_unsigned: bool = False, key_file: str | Path | None = None,
+                 trusted_key_files: Sequence[str | Path] = ()) -> None:
         config = as_job_config(config)
         if task is not None:  # recorded by name in config.toml, manifests and events
             from stalwart.core.task import task_path_of
@@ -134,6 +137,7 @@ class Trainer:
         self.live_progress = live_progress
         self.start_from = start_from
         self.trust_unsigned = trust_unsigned
+        self.key_file, self.trusted_key_files = key_file, tuple(trusted_key_files)
         self.workdir = str(Path(workdir).resolve()) if workdir else os.getcwd()
         # run.loggers: each tracker is one more callback (a missing package fails here).
         self.callbacks = [*callbacks, *logger_callbacks(config, self.run_dir.path)]
@@ -240,8 +244,8 @@ class Trainer:
         keeps = self.resume or (self.auto_resume and self.run_dir.config_file.exists())
         if keeps and self.run_dir.run_id_file.exists():
             run_id = self.run_dir.run_id_file.read_text().strip() or None
-        return CheckpointTrust(key=load_key(self.config.checkpoint.key_file),
-                               accept_unsigned=self.trust_unsigned,
+        key, previous = load_trust_keys(self.key_file, self.trusted_key_files)
+        return CheckpointTrust(key=key, previous=previous, accept_unsigned=self.trust_unsigned,
                                run_id=run_id or uuid.uuid4().hex)
 
     def _check_owner(self, storage_url: str, run_id: str) -> Owner:
@@ -254,7 +258,7 @@ class Trainer:
     def _claim_storage(self, storage_url: str, me: Owner) -> None:
         """Record this run in its run dir and as the storage's owner, before any worker."""
         if not self.run_dir.run_id_file.exists():
-            self.run_dir.run_id_file.write_text(me.run_id + "\n")
+            self.run_dir.write_run_id(me.run_id)
         _refuse_other_owner(storage_url, me, claim(storage_url, me))
 
     # ------------------------------------------------------------------ Ray
@@ -315,6 +319,7 @@ class Trainer:
         # make): a refused run leaves the run dir and the storage as they were.
         # The run dir's own checks come before the task, which loads torch (seconds).
         probe_run_dir(self.run_dir.path)
+        self.run_dir.check_no_links()
         if self.resume:
             self.run_dir.check_resumable()
         # The task before the storage: its module may register the filesystem the URL names.

@@ -97,6 +97,22 @@ def filesystem(url: str) -> tuple[AbstractFileSystem, str]:
     return fs, path
 
 
+# Where a run directory read as data (export, status) may point its checkpoint storage: local
+# disk and the storage services a run can write. A URL of another kind (http://, ftp://, ...)
+# would have a copied run directory make this machine send requests where it says.
+DATA_STORAGE_PROTOCOLS = ("file", "local", "s3", "s3a", "gs", "gcs", "az", "abfs", "abfss",
+                          "adl", "hdfs", "oci", "oss")
+
+
+def check_remote_readable(url: str) -> None:
+    """Refuse a run directory's storage URL that export or status must not contact."""
+    protocol = url.split("://", 1)[0].lower() if "://" in url else "file"
+    if protocol not in DATA_STORAGE_PROTOCOLS:
+        raise StorageURLError(f"checkpoint.storage {url!r}: {protocol}:// is not read from a "
+                              f"run directory's config; allowed: a local path or "
+                              f"{', '.join(p + '://' for p in DATA_STORAGE_PROTOCOLS)}")
+
+
 def sha256_of(fs: AbstractFileSystem, path: str) -> str:
     digest = hashlib.sha256()
     with fs.open(path, "rb") as f:

@@ -3,12 +3,13 @@ it did not write.
 
 A manifest lists every file's size and sha256; its HMAC-SHA256 under a key that never
 lives in checkpoint storage makes the list itself unforgeable. A checkpoint verifies when
-its signature matches and every file matches the list (checked before anything of it is
-deserialised).
+its signature matches and every file matches the list (checked as the file is read).
 
-The key comes from `checkpoint.key_file`, else the file named by
-$STALWART_CHECKPOINT_KEY_FILE, else ~/.config/stalwart/checkpoint.key, created on first
-use with mode 0600. The driver reads it; workers get it from the driver.
+The key comes from `--key-file`, else the file named by $STALWART_CHECKPOINT_KEY_FILE, else
+~/.config/stalwart/checkpoint.key, created on first use with mode 0600. Never from a config
+or a run directory: those travel, and whoever hands one over must not choose the key.
+Previous keys (`--trusted-key-file`, $STALWART_CHECKPOINT_TRUSTED_KEY_FILES) verify, never
+sign: a key is rotated without trusting unsigned checkpoints.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import hmac
 import json
 import os
 import secrets
+import stat
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -25,8 +28,11 @@ from typing import Any
 from stalwart.checkpointing.errors import CheckpointError, CheckpointKeyError
 
 KEY_FILE_ENV = "STALWART_CHECKPOINT_KEY_FILE"
+TRUSTED_KEYS_ENV = "STALWART_CHECKPOINT_TRUSTED_KEY_FILES"
+"""Previous keys, for verification only: paths separated by os.pathsep."""
 DEFAULT_KEY_FILE = "~/.config/stalwart/checkpoint.key"
 MIN_KEY_CHARS = 32
+MAX_KEY_BYTES = 4096  # a key is a line of hex; anything larger is the wrong file
 _DOMAIN = b"stalwart checkpoint manifest v1\n"  # a signature of nothing else verifies here
 SIGNED_FIELDS_EXCLUDE = ("signature",)
 
@@ -54,38 +60,85 @@ class CheckpointTrust:
     key: SigningKey
     accept_unsigned: bool = False
     run_id: str | None = None
+    previous: tuple[SigningKey, ...] = ()
+    """Keys that signed before a rotation: they verify, but nothing is signed with them."""
 
     def for_any_run(self) -> CheckpointTrust:
-        return CheckpointTrust(key=self.key, accept_unsigned=self.accept_unsigned)
+        return dataclasses.replace(self, run_id=None)
+
+    def verifying_keys(self) -> tuple[SigningKey, ...]:
+        return (self.key, *self.previous)
 
 
-def key_file_path(configured: str | None) -> tuple[Path, str]:
-    """The key file and what named it: the config, the environment, or the default."""
-    if configured:
-        return Path(configured).expanduser(), "checkpoint.key_file"
+def key_file_path(flag: str | Path | None) -> tuple[Path, str]:
+    """The key file and what named it: `--key-file`, the environment, or the default."""
+    if flag:
+        return Path(flag).expanduser(), "--key-file"
     if os.environ.get(KEY_FILE_ENV):
         return Path(os.environ[KEY_FILE_ENV]).expanduser(), f"${KEY_FILE_ENV}"
     return Path(DEFAULT_KEY_FILE).expanduser(), "the default key file"
 
 
-def load_key(configured: str | None) -> SigningKey:
+def load_key(flag: str | Path | None = None) -> SigningKey:
     """Read the signing key; the default key file is created (0600) if there is none."""
-    path, named_by = key_file_path(configured)
+    path, named_by = key_file_path(flag)
     where = f"{named_by} {str(path)!r}"
     if named_by == "the default key file" and not path.exists():
         _create_key_file(path, where)
+    return read_key_file(path, where)
+
+
+def load_trust_keys(flag: str | Path | None = None, trusted: tuple[str | Path, ...] = ()
+                    ) -> tuple[SigningKey, tuple[SigningKey, ...]]:
+    """The signing key and the previous keys trusted for verification: `trusted` (each
+    `--trusted-key-file`) and those $STALWART_CHECKPOINT_TRUSTED_KEY_FILES names."""
+    env = [p for p in os.environ.get(TRUSTED_KEYS_ENV, "").split(os.pathsep) if p]
+    previous = [read_key_file(Path(p).expanduser(), f"--trusted-key-file {str(p)!r}")
+                for p in trusted]
+    previous += [read_key_file(Path(p).expanduser(), f"${TRUSTED_KEYS_ENV} entry {p!r}")
+                 for p in env]
+    key = load_key(flag)
+    return key, tuple(k for k in previous if k.key_id != key.key_id)
+
+
+def read_key_file(path: Path, where: str) -> SigningKey:
+    """A key file's secret, once the file is shown to be a key: a regular file (a FIFO or
+    a device would hang or never end), small, and writable by its owner alone, who is this
+    user or root (anyone else who can write it can swap the key)."""
     try:
-        secret = path.read_bytes().strip()
+        # O_NONBLOCK: opening a FIFO returns at once instead of waiting for a writer.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise CheckpointKeyError(f"{where} does not exist; create one with `python -c "
                                  f"\"import secrets; print(secrets.token_hex(32))\" > FILE` "
                                  f"and chmod 600 FILE") from None
     except OSError as exc:
         raise CheckpointKeyError(f"{where} cannot be read: {exc.strerror or exc}") from None
+    try:
+        check_key_file_stat(os.fstat(fd), where)
+        secret = os.read(fd, MAX_KEY_BYTES + 1).strip()
+    except OSError as exc:
+        raise CheckpointKeyError(f"{where} cannot be read: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
+    if len(secret) > MAX_KEY_BYTES:
+        raise CheckpointKeyError(f"{where} is larger than {MAX_KEY_BYTES} bytes: not a key file")
     if len(secret) < MIN_KEY_CHARS:
         raise CheckpointKeyError(f"{where} holds {len(secret)} characters; a key needs at "
                                  f"least {MIN_KEY_CHARS} (e.g. secrets.token_hex(32))")
     return SigningKey(secret=secret, source=where)
+
+
+def check_key_file_stat(st: os.stat_result, where: str) -> None:
+    if not stat.S_ISREG(st.st_mode):
+        raise CheckpointKeyError(f"{where} is not a regular file; a key file holds one line "
+                                 f"of hex")
+    if st.st_uid not in (os.getuid(), 0):
+        raise CheckpointKeyError(f"{where} is owned by uid {st.st_uid}, not by this user "
+                                 f"({os.getuid()}) or root: whoever owns it can change the key")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise CheckpointKeyError(f"{where} is writable by its group or by others (mode "
+                                 f"{stat.S_IMODE(st.st_mode):o}); chmod 600 it")
 
 
 def _create_key_file(path: Path, where: str) -> None:
@@ -95,8 +148,8 @@ def _create_key_file(path: Path, where: str) -> None:
     except FileExistsError:
         return  # another process created it just now: read theirs
     except OSError as exc:
-        raise CheckpointKeyError(f"{where} cannot be created: {exc.strerror or exc}; set "
-                                 f"checkpoint.key_file or ${KEY_FILE_ENV}") from None
+        raise CheckpointKeyError(f"{where} cannot be created: {exc.strerror or exc}; pass "
+                                 f"--key-file or set ${KEY_FILE_ENV}") from None
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_hex(32) + "\n")
         f.flush()
@@ -119,29 +172,40 @@ def sign(manifest: dict[str, Any], key: SigningKey) -> dict[str, Any]:
 
 def check_signature(manifest: dict[str, Any], trust: CheckpointTrust, where: str
                     ) -> str | None:
-    """None when `manifest` is signed with the trusted key (and names the trusted run);
-    else why not, when `trust` accepts that; else raise naming the checkpoint and why."""
+    """None when `manifest` is signed with a trusted key (and names the trusted run);
+    else why not, when `trust` accepts that; else raise naming the checkpoint and why.
+
+    Refused even with --trust-unsigned: a manifest that claims a trusted key's id but does
+    not verify (altered), and on a restore one that names this run but no trusted key signed
+    (this run signs all it writes). Renaming the run does not pass either: a restore refuses
+    a manifest naming another run, signed or not."""
+    run = manifest.get("run_id")
+    if trust.run_id is not None and run is not None and run != trust.run_id:
+        raise CheckpointError(f"{where} belongs to run {run!r}, not to this run "
+                              f"({trust.run_id}); a run loads only its own checkpoints from "
+                              f"its storage")
     signature = manifest.get("signature")
-    altered = False
-    if not isinstance(signature, str):
-        why = "it is not signed"
-    else:
-        expected = hmac.new(trust.key.secret, _signed_bytes(manifest), hashlib.sha256)
-        if hmac.compare_digest(expected.hexdigest(), signature):
-            run = manifest.get("run_id")
-            if trust.run_id is not None and run != trust.run_id:
-                raise CheckpointError(f"{where} belongs to run {run!r}, not to this run "
-                                      f"({trust.run_id}); a run loads only its own "
-                                      f"checkpoints from its storage")
-            return None
-        signer = manifest.get("key_id")
-        # Signed with this key's id but not matching: altered after signing. Refused even
-        # with --trust-unsigned, which is for checkpoints made elsewhere.
-        altered = signer == trust.key.key_id
-        why = ("its signature does not match its content (the manifest was altered)"
-               if altered else f"it is signed with another key (key id {signer}; this "
-                               f"key is {trust.key.key_id}, from {trust.key.source})")
-    if trust.accept_unsigned and not altered:
+    if isinstance(signature, str) and any(_verifies(manifest, signature, key)
+                                          for key in trust.verifying_keys()):
+        return None
+    signer = manifest.get("key_id")
+    if isinstance(signature, str) and signer in {k.key_id for k in trust.verifying_keys()}:
+        raise CheckpointError(f"{where} is refused: its signature does not match its content "
+                              f"(the manifest was altered)")
+    why = ("it is not signed" if not isinstance(signature, str) else
+           f"it is signed with another key (key id {signer}; this key is "
+           f"{trust.key.key_id}, from {trust.key.source})")
+    if trust.run_id is not None and run == trust.run_id:
+        raise CheckpointError(f"{where} is refused: it names this run, but {why}; this run "
+                              f"signs what it writes (after a key rotation, name the old key "
+                              f"with --trusted-key-file)")
+    if trust.accept_unsigned:
         return why
-    hint = "" if altered else "; --trust-unsigned accepts it if you know where it comes from"
-    raise CheckpointError(f"{where} is refused: {why}{hint}")
+    raise CheckpointError(f"{where} is refused: {why}; --trust-unsigned accepts it if you "
+                          f"know where it comes from, and --trusted-key-file accepts a key "
+                          f"you rotated away from")
+
+
+def _verifies(manifest: dict[str, Any], signature: str, key: SigningKey) -> bool:
+    expected = hmac.new(key.secret, _signed_bytes(manifest), hashlib.sha256).hexdigest()
+    return hmac.compare_digest(expected, signature)

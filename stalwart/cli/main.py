@@ -22,8 +22,10 @@ from stalwart.cli.plan import add_plan_parser, cmd_plan
 from stalwart.cli.run_options import (
     TRUST_UNSIGNED_HELP,
     add_inject_option,
+    add_key_options,
     add_resume_options,
     add_set_option,
+    key_args,
     run_config,
 )
 from stalwart.core.errors import StalwartError
@@ -79,6 +81,7 @@ def _parser() -> argparse.ArgumentParser:
                            "(repeatable; adds to the config's [[faults]])")
     add_resume_options(run)
     run.add_argument("--trust-unsigned", action="store_true", help=TRUST_UNSIGNED_HELP)
+    add_key_options(run)
     run.add_argument("--profile", metavar="STEPS",
                      help="trace these steps with the PyTorch profiler on every rank: 20 or "
                           "20-22 (inclusive); traces go to RUN_DIR/profile/ (sets "
@@ -98,6 +101,7 @@ def _parser() -> argparse.ArgumentParser:
                      help="with --format hf: split the weights into files of at most this "
                           "size, with an index (default 5GB)")
     exp.add_argument("--trust-unsigned", action="store_true", help=TRUST_UNSIGNED_HELP)
+    add_key_options(exp)
     add_plan_parser(sub)
 
     sw = sub.add_parser("sweep", help="sweep hyperparameters with Ray Tune, as SWEEP.toml says")
@@ -106,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--address", help="Ray cluster to join (default: start Ray on this machine)")
     sw.add_argument("--resume", action="store_true",
                     help="continue the sweep's Tune experiment (Tune's own restore)")
+    add_key_options(sw)
     add_job_commands(sub)
 
     rep = sub.add_parser("report", help="where a run's time went: goodput, failures, a figure")
@@ -133,7 +138,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
     from stalwart.trainer import Trainer
 
     trainer = Trainer(config, run_dir=args.run_dir, address=args.address,
-                      resume=args.resume, trust_unsigned=args.trust_unsigned)
+                      resume=args.resume, trust_unsigned=args.trust_unsigned,
+                      key_file=args.key_file, trusted_key_files=args.trusted_key_files)
     try:
         result = trainer.fit()
     except StopAbandoned as exc:  # a second stop signal, or failure.stop_timeout_s passed
@@ -152,6 +158,7 @@ def _resume_line(args: argparse.Namespace, config: JobConfig, run_dir: Path) -> 
     """The command that continues a stopped run (its faults are not injected again)."""
     again = [a for o in args.overrides for a in ("--set", o)]
     again += ["--trust-unsigned"] if args.trust_unsigned else []
+    again += key_args(args)
     again += ["--auto-resume" if config.run.auto_resume else "--resume"]
     return (f"resume with: stalwart run {shlex.join([args.config, *again[:-1]])} --run-dir "
             f"{shlex.quote(str(run_dir))} {again[-1]}")
@@ -190,7 +197,8 @@ def _cmd_export(args: argparse.Namespace) -> int:
     config = load_config(rd.config_file)
     from stalwart.checkpointing.storage.export import check_out, export_newest, write_file
     from stalwart.checkpointing.storage.export_hf import check_out_dir, parse_size, write_hf
-    from stalwart.checkpointing.storage.signing import CheckpointTrust, load_key
+    from stalwart.checkpointing.storage.layout import check_remote_readable
+    from stalwart.checkpointing.storage.signing import CheckpointTrust, load_trust_keys
 
     out = Path(args.out)
     if args.format == "hf":
@@ -202,13 +210,15 @@ def _cmd_export(args: argparse.Namespace) -> int:
     else:
         write, check = write_file, check_out
     check(out)
-    trust = CheckpointTrust(key=load_key(config.checkpoint.key_file),
-                            accept_unsigned=args.trust_unsigned)
+    key, previous = load_trust_keys(args.key_file, tuple(args.trusted_key_files))
+    trust = CheckpointTrust(key=key, previous=previous, accept_unsigned=args.trust_unsigned)
 
     def skipped(step: int, why: str) -> None:  # read only: the checkpoint stays as it is
         print(f"stalwart: skipping checkpoint step {step}: {why}", file=sys.stderr)
 
-    checkpoint, out = export_newest(rd.storage_url(config), args.step, out, trust=trust,
+    storage = rd.storage_url(config)
+    check_remote_readable(storage)
+    checkpoint, out = export_newest(storage, args.step, out, trust=trust,
                                     on_skip=skipped, check=check, write=write)
     if checkpoint.unsigned:
         print(f"stalwart: exporting step {checkpoint.step} although {checkpoint.unsigned} "
@@ -236,11 +246,15 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     )
 
     check_experiment_dir(sweep, args.resume)
+    from stalwart.checkpointing.storage.signing import load_trust_keys
+
+    load_trust_keys(args.key_file, tuple(args.trusted_key_files))  # a bad key fails here
     import ray
 
     started = connect(args.address, num_cpus=embedded_cpus(sweep))
     try:
-        rows = trial_rows(sweep, run_sweep(sweep, resume=args.resume))
+        rows = trial_rows(sweep, run_sweep(sweep, resume=args.resume, key_file=args.key_file,
+                                           trusted_key_files=args.trusted_key_files))
     finally:
         if started:
             ray.shutdown()

@@ -25,6 +25,26 @@ TRUST_UNSIGNED_HELP = ("also accept checkpoints that are not signed with this ma
                        "still match their manifest, and the run's events record each one")
 
 
+KEY_FILE_HELP = ("the checkpoint key file (default: $STALWART_CHECKPOINT_KEY_FILE, else "
+                 "~/.config/stalwart/checkpoint.key); never read from a config or a run "
+                 "directory")
+TRUSTED_KEY_HELP = ("a previous checkpoint key, trusted to verify but never to sign, for "
+                    "a key rotation (repeatable; adds to $STALWART_CHECKPOINT_TRUSTED_KEY_FILES)")
+
+
+def add_key_options(parser: argparse.ArgumentParser) -> None:
+    """--key-file and --trusted-key-file: where the checkpoint keys come from."""
+    parser.add_argument("--key-file", metavar="FILE", help=KEY_FILE_HELP)
+    parser.add_argument("--trusted-key-file", dest="trusted_key_files", action="append",
+                        default=[], metavar="FILE", help=TRUSTED_KEY_HELP)
+
+
+def key_args(args: argparse.Namespace) -> list[str]:
+    """The key options as given, to pass on to the command that resumes a run."""
+    out = ["--key-file", args.key_file] if args.key_file else []
+    return out + [a for f in args.trusted_key_files for a in ("--trusted-key-file", f)]
+
+
 def add_set_option(parser: argparse.ArgumentParser, help: str) -> None:
     parser.add_argument("--set", dest="overrides", action="append", default=[],
                         metavar="KEY=VALUE", help=help)

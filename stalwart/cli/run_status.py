@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import shlex
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -79,7 +80,8 @@ class RunStatus:
     has_config: bool
 
 
-def read_status(run_dir: Path, *, trust_unsigned: bool = False) -> RunStatus:
+def read_status(run_dir: Path, *, trust_unsigned: bool = False, key_file: str | None = None,
+                trusted_key_files: tuple[str, ...] = ()) -> RunStatus:
     """The run's status from its files; a damaged record is a RecordError (bad input)."""
     from stalwart.core.config import load_config
 
@@ -100,27 +102,38 @@ def read_status(run_dir: Path, *, trust_unsigned: bool = False) -> RunStatus:
         state=end.kind.upper() if end is not None else NO_END,
         reason=getattr(end, "reason", None), step=step, steps_total=steps_total,
         last_event=events[-1].time if events else None, has_config=has_config,
-        checkpoints=_checkpoints(run_dir, config, trust_unsigned=trust_unsigned))
+        checkpoints=_checkpoints(run_dir, config, trust_unsigned=trust_unsigned,
+                                 keys=(key_file, trusted_key_files)))
 
 
-def _checkpoints(run_dir: Path, config: JobConfig, *, trust_unsigned: bool) -> Checkpoints:
+def _checkpoints(run_dir: Path, config: JobConfig, *, trust_unsigned: bool,
+                 keys: tuple[str | None, tuple[str, ...]]) -> Checkpoints:
+    """The newest checkpoint that verifies, with the key from --key-file, the environment
+    or the default file: never one the run dir's config names (a run dir is data here)."""
     from stalwart.checkpointing.errors import CheckpointKeyError
     from stalwart.checkpointing.storage.catalog import newest_valid
-    from stalwart.checkpointing.storage.signing import CheckpointTrust, key_file_path, load_key
+    from stalwart.checkpointing.storage.layout import check_remote_readable
+    from stalwart.checkpointing.storage.signing import (
+        CheckpointTrust,
+        key_file_path,
+        load_trust_keys,
+    )
     from stalwart.run_dir import RunDir
 
     rd = RunDir(run_dir)
     url = rd.storage_url(config)
-    path, named_by = key_file_path(config.checkpoint.key_file or None)
+    check_remote_readable(url)
+    path, named_by = key_file_path(keys[0])
     if not path.exists():  # read only: the default key is never created here
         return Checkpoints(url=url, problem=f"they cannot be verified here: {named_by} "
                                             f"{str(path)!r} does not exist")
     try:
-        key = load_key(config.checkpoint.key_file or None)
+        key, previous = load_trust_keys(*keys)
     except CheckpointKeyError as exc:
         return Checkpoints(url=url, problem=f"they cannot be verified here: {exc}")
     run_id = rd.run_id_file.read_text().strip() if rd.run_id_file.exists() else ""
-    trust = CheckpointTrust(key=key, accept_unsigned=trust_unsigned, run_id=run_id or None)
+    trust = CheckpointTrust(key=key, previous=previous, accept_unsigned=trust_unsigned,
+                            run_id=run_id or None)
     skipped: list[tuple[int, str]] = []
     try:
         newest = newest_valid(url, trust, on_skip=lambda s, why: skipped.append((s, why)))
@@ -151,13 +164,14 @@ def last_end(events: list[ev.Event]
     return end
 
 
-def continue_command(run_dir: str, *, trust_unsigned: bool) -> str:
+def continue_command(run_dir: str, *, flags: Sequence[str] = ()) -> str:
+    """`flags`: the trust options status was given, which the run needs as well."""
     config = shlex.quote(str(Path(run_dir) / "config.toml"))
-    flags = " --trust-unsigned" if trust_unsigned else ""
-    return f"stalwart run {config} --run-dir {shlex.quote(run_dir)} --auto-resume{flags}"
+    more = "".join(f" {shlex.quote(f)}" for f in flags)
+    return f"stalwart run {config} --run-dir {shlex.quote(run_dir)} --auto-resume{more}"
 
 
-def describe(run_dir: str, status: RunStatus, *, trust_unsigned: bool = False,
+def describe(run_dir: str, status: RunStatus, *, flags: Sequence[str] = (),
              now: float | None = None) -> str:
     now = time.time() if now is None else now
     head = {NO_END: "RUNNING, or its driver was lost (no end recorded)"}.get(status.state,
@@ -186,17 +200,17 @@ def describe(run_dir: str, status: RunStatus, *, trust_unsigned: bool = False,
     for step, why in ck.skipped:
         lines.append(f"  not verified (never loaded): step {step}: {why}")
     if status.state != "FINISHED":
-        lines.append(_continue_line(run_dir, status, trust_unsigned=trust_unsigned))
+        lines.append(_continue_line(run_dir, status, flags=flags))
     return "\n".join(lines)
 
 
-def _continue_line(run_dir: str, status: RunStatus, *, trust_unsigned: bool) -> str:
+def _continue_line(run_dir: str, status: RunStatus, *, flags: Sequence[str]) -> str:
     ck = status.checkpoints
     if not status.has_config:
         return "  continue:   not possible: the run dir holds no config.toml"
     if ck.newest is None and ck.skipped:
         return "  continue:   no checkpoint verifies (above); nothing to continue from"
-    command = continue_command(run_dir, trust_unsigned=trust_unsigned)
+    command = continue_command(run_dir, flags=flags)
     if status.state == NO_END:
         command = f"if its driver is gone: {command}"
     if ck.newest is None and not ck.problem:
@@ -228,8 +242,13 @@ def exit_code(status: RunStatus) -> int:
     raise ValueError(f"unexpected run state {status.state!r}")
 
 
-def run_status(run_dir: str, *, trust_unsigned: bool = False) -> int:
+def run_status(run_dir: str, *, trust_unsigned: bool = False, key_file: str | None = None,
+               trusted_key_files: tuple[str, ...] = ()) -> int:
     """Print the status of `run_dir` (checked by is_run_dir_arg); return the exit code."""
-    status = read_status(Path(run_dir), trust_unsigned=trust_unsigned)
-    print(describe(run_dir, status, trust_unsigned=trust_unsigned))
+    status = read_status(Path(run_dir), trust_unsigned=trust_unsigned, key_file=key_file,
+                         trusted_key_files=trusted_key_files)
+    flags = ["--trust-unsigned"] if trust_unsigned else []
+    flags += ["--key-file", key_file] if key_file else []
+    flags += [a for f in trusted_key_files for a in ("--trusted-key-file", f)]
+    print(describe(run_dir, status, flags=flags))
     return exit_code(status)

@@ -197,12 +197,32 @@ def test_a_checkpoint_of_another_run_does_not_verify(tmp_path, capsys) -> None:
 
 def test_a_missing_key_says_the_checkpoints_cannot_be_verified(tmp_path, capsys) -> None:
     run = make_run(tmp_path, [started(), E.Stopped(time=T0 + 30, step=30)], rows_to=30,
-                   checkpoints=(30,), overrides=(f"checkpoint.key_file={tmp_path}/nokey",))
-    code, out = status(run, capsys=capsys)
+                   checkpoints=(30,))
+    code, out = status(run, "--key-file", f"{tmp_path}/nokey", capsys=capsys)
     assert code == 1
-    assert (f"  checkpoint: unknown: they cannot be verified here: checkpoint.key_file "
+    assert (f"  checkpoint: unknown: they cannot be verified here: --key-file "
             f"'{tmp_path}/nokey' does not exist") in out
     assert not (tmp_path / "nokey").exists()  # read only: no key made up
+    assert f"--auto-resume --key-file {tmp_path}/nokey" in out  # the run needs it too
+
+
+def test_a_run_dir_cannot_name_the_key_or_a_web_address(tmp_path, capsys) -> None:
+    """A copied run dir is data: a key file or an http:// storage in its config is
+    never used, and is said so."""
+    run = make_run(tmp_path, [started(), E.Stopped(time=T0 + 30, step=30)], rows_to=30,
+                   checkpoints=(30,))
+    config = run / "config.toml"
+    config.write_text(config.read_text().replace(
+        "[checkpoint]\n", "[checkpoint]\nkey_file = \"/etc/os-release\"\n"))
+    assert main(["status", str(run)]) == 2
+    assert "checkpoint.key_file = '/etc/os-release' is no longer read" in capsys.readouterr().err
+    (tmp_path / "web").mkdir()
+    web = make_run(tmp_path / "web", [started()], overrides=(
+        "checkpoint.storage=http://127.0.0.1:9/x",))
+    assert main(["status", str(web)]) == 2
+    assert "http:// is not read from a run directory's config" in capsys.readouterr().err
+    assert main(["export", str(web), "--out", str(tmp_path / "w.pt")]) == 2
+    assert "http:// is not read from a run directory's config" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("make, expect", [

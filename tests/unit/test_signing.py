@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import stat
 from pathlib import Path
 
@@ -15,13 +16,17 @@ from stalwart.checkpointing.storage.catalog import newest_valid, read_checkpoint
 from stalwart.checkpointing.storage.layout import MANIFEST, step_dir_name
 from stalwart.checkpointing.storage.signing import (
     KEY_FILE_ENV,
+    TRUSTED_KEYS_ENV,
     CheckpointTrust,
     SigningKey,
     check_signature,
     load_key,
+    load_trust_keys,
     sign,
 )
 from stalwart.checkpointing.storage.writer import write_manifest
+from stalwart.core.config import load_config
+from stalwart.core.errors import ConfigError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -129,13 +134,86 @@ def test_the_default_key_is_created_once_with_mode_0600(tmp_path, monkeypatch) -
     assert "secret" not in repr(key) and key.secret.decode() not in repr(key)
 
 
-def test_the_config_then_the_environment_name_the_key(tmp_path, monkeypatch) -> None:
+def test_the_flag_then_the_environment_name_the_key(tmp_path, monkeypatch) -> None:
     a, b = tmp_path / "a.key", tmp_path / "b.key"
     a.write_text("a" * 40)
     b.write_text("b" * 40 + "\n")
     monkeypatch.setenv(KEY_FILE_ENV, str(b))
     assert load_key(None).secret == b"b" * 40
     assert load_key(str(a)).secret == b"a" * 40
+
+
+def test_a_config_never_names_the_key() -> None:
+    with pytest.raises(ConfigError, match="checkpoint.key_file = '/etc/os-release' is no "
+                                          "longer read.*--key-file"):
+        load_config(None, ["checkpoint.key_file=/etc/os-release"])
+    load_config(None, ["checkpoint.key_file="])  # what older config.toml files hold
+
+
+def test_a_fifo_is_refused_at_once_not_waited_on(tmp_path: Path) -> None:
+    fifo = tmp_path / "key"
+    os.mkfifo(fifo)
+    with pytest.raises(CheckpointKeyError, match="not a regular file"):
+        load_key(str(fifo))
+
+
+@pytest.mark.parametrize("mode", [0o620, 0o602, 0o666])
+def test_a_key_others_can_write_is_refused(tmp_path: Path, mode: int) -> None:
+    path = tmp_path / "x.key"
+    path.write_text("k" * 40)
+    path.chmod(mode)
+    with pytest.raises(CheckpointKeyError, match=f"writable by its group or by others "
+                                                 f"\\(mode {mode:o}\\); chmod 600"):
+        load_key(str(path))
+    path.chmod(0o644)  # readable is this user's business; writable is not
+    assert load_key(str(path)).secret == b"k" * 40
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a file away")
+def test_a_key_owned_by_another_user_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "x.key"
+    path.write_text("k" * 40)
+    os.chown(path, 4321, -1)
+    with pytest.raises(CheckpointKeyError, match="owned by uid 4321"):
+        load_key(str(path))
+
+
+# ------------------------------------------------------------------------ rotation
+
+def test_a_previous_key_verifies_but_never_signs(tmp_path: Path) -> None:
+    """Rotation: checkpoints signed with the old key still load, with no --trust-unsigned
+    (which would accept any forgery in storage at that moment)."""
+    _commit(tmp_path, 10, key=OTHER)
+    rotated = CheckpointTrust(key=KEY, previous=(OTHER,), run_id="run-a")
+    assert verify(read_checkpoint(str(tmp_path), 10), rotated).unsigned is None
+    assert sign({"step": 1}, rotated.key)["key_id"] == KEY.key_id
+    with pytest.raises(CheckpointError, match="--trusted-key-file"):
+        verify(read_checkpoint(str(tmp_path), 10), CheckpointTrust(key=KEY, run_id="run-a"))
+
+
+def test_previous_keys_come_from_flags_and_the_environment(tmp_path, monkeypatch) -> None:
+    keys = {n: tmp_path / f"{n}.key" for n in ("now", "old1", "old2")}
+    for name, path in keys.items():
+        path.write_text(name * 20)
+        path.chmod(0o600)
+    monkeypatch.setenv(TRUSTED_KEYS_ENV, f"{keys['old2']}{os.pathsep}{keys['now']}")
+    key, previous = load_trust_keys(str(keys["now"]), (str(keys["old1"]),))
+    assert key.secret == b"now" * 20
+    assert [k.secret for k in previous] == [b"old1" * 20, b"old2" * 20]  # not the key itself
+
+
+def test_rewriting_the_key_id_does_not_pass_an_altered_checkpoint(tmp_path: Path) -> None:
+    """An altered manifest of this run is refused even with --trust-unsigned, whatever
+    key id it claims, and renaming its run does not help on a restore."""
+    d = _commit(tmp_path, 10)
+    _forge(d, drop_signature=False)
+    manifest = json.loads((d / MANIFEST).read_text())
+    lenient = CheckpointTrust(key=KEY, accept_unsigned=True, run_id="run-a")
+    for change in ({"key_id": "0" * 12}, {"key_id": "0" * 12, "signature": None},
+                   {"key_id": "0" * 12, "run_id": "run-z"}):
+        (d / MANIFEST).write_text(json.dumps({**manifest, **change}))
+        with pytest.raises(CheckpointError, match="names this run|belongs to run 'run-z'"):
+            verify(read_checkpoint(str(tmp_path), 10), lenient)
 
 
 @pytest.mark.parametrize("content, message", [(None, "does not exist"),
@@ -147,7 +225,7 @@ def test_a_named_key_file_that_is_missing_or_short_is_an_error(tmp_path, content
         path.write_text(content)
     with pytest.raises(CheckpointKeyError, match=message) as err:
         load_key(str(path))
-    assert "checkpoint.key_file" in str(err.value)
+    assert "--key-file" in str(err.value)
     assert not path.exists() or path.read_text() == content  # never created or replaced
 
 
@@ -156,5 +234,5 @@ def test_a_home_where_no_key_can_be_created_is_a_clear_error(tmp_path, monkeypat
     home.write_text("a file, not a directory")
     monkeypatch.setenv("HOME", str(home))
     monkeypatch.delenv(KEY_FILE_ENV, raising=False)
-    with pytest.raises(CheckpointKeyError, match="cannot be created.*checkpoint.key_file"):
+    with pytest.raises(CheckpointKeyError, match="cannot be created.*--key-file"):
         load_key(None)

@@ -54,8 +54,29 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     return value
 
 
+# Keys that are no longer read. An empty value (what older config.toml files hold) is
+# dropped; a set one is refused with the reason, so a config never seems to do what it does not.
+RETIRED_KEYS = {
+    "checkpoint.key_file": "the key is never taken from a config, which travels with its run "
+                           "directory: pass --key-file FILE (run, export, status, sweep) or set "
+                           "$STALWART_CHECKPOINT_KEY_FILE, and remove the key from the config",
+}
+
+
+def _drop_retired(data: dict[str, Any], prefix: str) -> dict[str, Any]:
+    kept = {}
+    for key, value in data.items():
+        name = f"{prefix}.{key}" if prefix else key
+        if name not in RETIRED_KEYS:
+            kept[key] = value
+        elif value not in ("", None):
+            raise ConfigError(f"{name} = {value!r} is no longer read: {RETIRED_KEYS[name]}")
+    return kept
+
+
 def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     hints = typing.get_type_hints(cls)
+    data = _drop_retired(data, prefix)
     known = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(data) - set(known))
     if unknown:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,12 +69,16 @@ def embedded_cpus(sweep: Sweep) -> int:
     return max(os.cpu_count() or 1, math.ceil(want))
 
 
-def run_sweep(sweep: Sweep, *, resume: bool = False) -> Any:
-    """Run (or resume) the sweep on the connected Ray; returns Tune's ResultGrid."""
+def run_sweep(sweep: Sweep, *, resume: bool = False, key_file: str | None = None,
+              trusted_key_files: Sequence[str] = ()) -> Any:
+    """Run (or resume) the sweep on the connected Ray; returns Tune's ResultGrid.
+    `key_file`, `trusted_key_files`: the trials' checkpoint keys (see Trainer)."""
     from ray import tune
 
     fn = tune.with_resources(trainable(sweep.config, sweep.overrides, metric=sweep.metric,
-                                       with_checkpoints=sweep.scheduler_type == "pbt"),
+                                       with_checkpoints=sweep.scheduler_type == "pbt",
+                                       key_file=key_file,
+                                       trusted_key_files=trusted_key_files),
                              TRIAL_DRIVER_RESOURCES)
     if resume:
         return tune.Tuner.restore(str(experiment_dir(sweep)), trainable=fn,

@@ -72,7 +72,8 @@ def _next_run_dir(trial_dir: Path) -> Path:
 
 
 def trainable(config: str | Path, overrides: Sequence[str] = (), *, metric: str | None = None,
-              with_checkpoints: bool = False, workdir: str | Path | None = None
+              with_checkpoints: bool = False, workdir: str | Path | None = None,
+              key_file: str | Path | None = None, trusted_key_files: Sequence[str | Path] = ()
               ) -> Callable[[dict[str, Any]], None]:
     """A Tune function trainable running `config` (+ `overrides`) as one stalwart run per trial.
 
@@ -84,6 +85,8 @@ def trainable(config: str | Path, overrides: Sequence[str] = (), *, metric: str 
     without.
     `workdir`: where the task's modules are imported from (default: the current directory,
     as for `stalwart run`). The config is checked here, before Tune starts.
+    `key_file`, `trusted_key_files`: the checkpoint keys, as for Trainer; each is a path on
+    the node a trial runs on.
     """
     # The file is read here, once: trials on other machines get its contents, not its path.
     data = read_toml(config)
@@ -107,7 +110,8 @@ def trainable(config: str | Path, overrides: Sequence[str] = (), *, metric: str 
                                 with_checkpoints=with_checkpoints, final_step=job.train.steps)
         with checkpoint.as_directory() if checkpoint else nullcontext(None) as start_from:
             result = Trainer(job, run_dir=run_dir, start_from=start_from, workdir=code_dir,
-                             live_progress=False, callbacks=[reporter]).fit()
+                             live_progress=False, callbacks=[reporter], key_file=key_file,
+                             trusted_key_files=trusted_key_files).fit()
         if result.state != "FINISHED":
             raise RuntimeError(f"stalwart run {result.state} at step {result.step}: "
                                f"{result.reason} (run dir {result.run_dir})")
