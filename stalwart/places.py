@@ -62,9 +62,9 @@ def probe_local_dir(path: Path, what: str, error: type[StalwartError]) -> None:
     made: list[Path] = []
     try:
         for parent in reversed([path, *path.parents]):
-            if parent.exists():
-                continue
             try:
+                if parent.exists():  # raises on a name too long for the filesystem
+                    continue
                 parent.mkdir()
             except FileExistsError:  # made meanwhile by another process
                 continue
