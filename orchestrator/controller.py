@@ -27,6 +27,7 @@ from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.core import events as ev
 from stalwart.orchestrator import classify, reporting
 from stalwart.orchestrator.accounting import RecoveryTimer, Throughput
+from stalwart.orchestrator.best_metric import BestMetricCheck
 from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.detection import FailureDetector, LastSeen
 from stalwart.orchestrator.failure_log import FailureLog
@@ -90,11 +91,13 @@ class Controller:
         self.storage = StorageRestore(storage_url, trust, events=events, display=display,
                                       commits=self.commits)
         self.failures = FailureLog(self.policy, events)
+        self.best_metric = BestMetricCheck(config)
         # In the order their events are written: faults and traces before the commits and
         # steps of the same answer, a recovery's `recovered` before the step's metrics row.
         self.observers: list[ControllerObserver] = [
             self.faults, reporting.ProfileSaver(events), reporting.TierReporter(config, events),
-            self.stragglers, self.detector, RecoveryTimer(events), self.throughput, *observers]
+            self.stragglers, self.detector, RecoveryTimer(events), self.throughput,
+            self.best_metric, *observers]
         self.state: State = Scheduling(generation=0, since=self.clock.time())
         self.last_step = resume_from.step if resume_from else 0
         self.last_loss: float | None = None
@@ -281,6 +284,10 @@ class Controller:
         for rank, st in poll.answered.items():
             self._absorb(rank, st, now)
         self._notify("after_poll", state, self.last_step, now)
+        if self.best_metric.error is not None:
+            # The task's rows lack what keep_best ranks by: a wrong config, which no retry
+            # mends, so not a failure for the policy to count.
+            return Failed(reason=str(self.best_metric.error))
         seen = LastSeen(fault_times=self.faults.fault_times(),
                         last_step_end=self.throughput.last_step_end)
         failure = (self.detector.find(poll, now, seen) or self.stragglers.check(now, seen))

@@ -13,6 +13,7 @@ import torch
 from stalwart.core.events import read_jsonl
 from tests.cli_helpers import (
     REFERENCE_CONFIG,
+    TINY,
     exported_weights,
     sets,
     stalwart_here,
@@ -92,3 +93,21 @@ def test_user_exception_fails_fast_with_traceback(tmp_path):
     assert failure["failure_kind"] == "user_error" and failure["retry"] is False
     assert events[-1]["kind"] == "failed"
     assert [e["kind"] for e in events].count("workers_started") == 1  # not retried
+
+
+def test_keep_best_by_a_metric_the_task_never_reports_fails_at_its_first_row(tmp_path):
+    # The example's loss returns no metrics of its own: nothing would rank the checkpoints.
+    proc = stalwart_here("run", str(REFERENCE_CONFIG),
+                         *sets(*TINY, "train.steps=3", "train.warmup_steps=0",
+                               "checkpoint.keep_best=1", "checkpoint.best_metric=accuracy",
+                               "failure.max_failures=3", "failure.retry_user_errors=true"),
+                         "--run-dir", "unranked", cwd=tmp_path, check=1)
+    message = ("checkpoint.best_metric = 'accuracy' is never reported by the task, so "
+               "checkpoint.keep_best = 1 would keep no best checkpoint: step 1 reports loss. "
+               "Rank by one of those, or make the task's loss return it: "
+               "`return loss, {'accuracy': value}`")
+    assert f"reason: {message}" in proc.stdout
+    events = read_jsonl(tmp_path / "unranked" / "events.jsonl")
+    assert events[-1]["kind"] == "failed" and events[-1]["reason"] == message
+    kinds = [e["kind"] for e in events]
+    assert "failure" not in kinds and kinds.count("workers_started") == 1  # not retried
