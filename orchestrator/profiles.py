@@ -12,6 +12,7 @@ from __future__ import annotations
 import zlib
 from pathlib import Path
 
+from stalwart.core.safe_files import make_dir_nofollow, write_file_atomically
 from stalwart.workers.reports import ProfileReport
 
 
@@ -27,10 +28,10 @@ def trace_path(directory: Path, report: ProfileReport) -> Path:
 
 
 def save_trace(directory: Path, report: ProfileReport) -> Path:
-    """Write the trace (whole, or not at all: a reader never sees half a file)."""
-    directory.mkdir(parents=True, exist_ok=True)
+    """Write the trace (whole, or not at all: a reader never sees half a file). A symbolic
+    link at profile/ is refused, one at the trace's name replaced: neither is written
+    through."""
+    make_dir_nofollow(directory)
     path = trace_path(directory, report)
-    tmp = path.with_suffix(".json.tmp")
-    tmp.write_bytes(zlib.decompress(report.trace_zlib))
-    tmp.replace(path)
+    write_file_atomically(path, zlib.decompress(report.trace_zlib))
     return path

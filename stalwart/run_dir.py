@@ -9,6 +9,8 @@
 
 A run directory that already holds checkpoints is never reused without --resume (or
 --auto-resume, which continues only the same run), so no run can overwrite another's work.
+No write here follows a symbolic link (stalwart/core/safe_files.py): whole files replace a
+link at their name, the logs refuse one.
 """
 
 from __future__ import annotations
@@ -21,8 +23,13 @@ from stalwart.checkpointing.storage.catalog import list_step_dirs
 from stalwart.core.config import JobConfig, dump_config
 from stalwart.core.errors import RunDirError
 from stalwart.core.run_logs import EventLog, MetricsLog
+from stalwart.core.safe_files import write_file_atomically
 
 __all__ = ["RunDir"]
+
+# The directories a run writes files into (run.profile_steps, run.tensorboard, the W&B
+# logger): a link at one is refused, whether or not this run writes there.
+FILE_DIRS = ("profile", "tensorboard", "wandb")
 
 
 class RunDir:
@@ -82,8 +89,18 @@ class RunDir:
             raise RunDirError(f"run dir {self.path} holds no config.toml, so no "
                               f"run to resume")
 
+    def check_no_links(self) -> None:
+        """Refuse, before the run starts, a symbolic link where the run would refuse one
+        later: at its logs and at the directories it writes files into."""
+        for name in (self.events.path.name, self.metrics.path.name, *FILE_DIRS):
+            if (self.path / name).is_symlink():
+                raise RunDirError(f"run dir {self.path}: {name} is a symbolic link; stalwart "
+                                  f"never writes through one: remove it, or choose another "
+                                  f"--run-dir")
+
     def write_config(self, config: JobConfig) -> None:
         self.path.mkdir(parents=True, exist_ok=True)
-        tmp = self.config_file.with_suffix(".toml.tmp")
-        tmp.write_text(dump_config(config))
-        tmp.replace(self.config_file)
+        write_file_atomically(self.config_file, dump_config(config))
+
+    def write_run_id(self, run_id: str) -> None:
+        write_file_atomically(self.run_id_file, run_id + "\n")

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Generic, TypeVar
 
 from stalwart.core.events import Event, MetricsRow, dumps
+from stalwart.core.safe_files import open_append_nofollow
 
 __all__ = ["EventLog", "JsonlLog", "MetricsLog"]
 
@@ -21,6 +22,9 @@ R = TypeVar("R", Event, MetricsRow)
 
 class JsonlLog(Generic[R]):
     """Appends one record per line and flushes it, so a reader (or a crash) sees whole lines.
+
+    A symbolic link at the log's name is refused (RunDirError), never written through: a run
+    directory from someone else may hold one pointing at a file of yours.
 
     Listeners (a run's callbacks) see each record after it is on disk, on the writer's thread.
     """
@@ -32,7 +36,7 @@ class JsonlLog(Generic[R]):
 
     def write(self, record: R) -> None:
         line = dumps(record)  # type: ignore[arg-type]
-        with self._lock, self.path.open("a") as f:
+        with self._lock, open_append_nofollow(self.path) as f:
             f.write(line + "\n")
         for listener in self.listeners:
             listener(record)

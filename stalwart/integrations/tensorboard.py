@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.util
+import secrets
 import threading
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from typing import Any
 from stalwart.callbacks import Callback
 from stalwart.core.errors import ConfigError
 from stalwart.core.events import Event, MetricsRow
+from stalwart.core.safe_files import make_dir_nofollow
 from stalwart.integrations.run_log import EventScalars, describe, event_step, row_scalars
 
 # How often the writer's thread flushes to disk: a TensorBoard that is watching a run shows
@@ -62,8 +64,11 @@ class TensorBoardLogger(Callback):
         if self._writer is None:
             from tensorboardX import SummaryWriter
 
-            self.log_dir.mkdir(parents=True, exist_ok=True)
-            self._writer = SummaryWriter(logdir=str(self.log_dir), flush_secs=FLUSH_S)
+            make_dir_nofollow(self.log_dir)
+            # tensorboardX names its file by the second and the host and opens it without
+            # O_EXCL: a random suffix leaves no name to plant a symbolic link at beforehand.
+            self._writer = SummaryWriter(logdir=str(self.log_dir), flush_secs=FLUSH_S,
+                                         filename_suffix=f".{secrets.token_hex(8)}")
             # A run that ends by an exception never calls on_end: rows still queued in the
             # writer's thread would be lost at exit without this.
             atexit.register(self.close)

@@ -68,7 +68,9 @@ def main(run_dir: str, *, out: str | None = None, as_json: bool = False) -> int:
     """Print the report of `run_dir` and write its figure (to `out`, default
     RUN_DIR/report.png). Without matplotlib the figure is skipped, and an error if `out` was
     asked for, after the table. The default figure that cannot be written (a run dir that is
-    not ours to write) is skipped with a note; an `out` that cannot be written is an error."""
+    not ours to write) is skipped with a note; an `out` that cannot be written is an error.
+    Either is written whole and renamed into place: a symbolic link at its name is replaced,
+    not written through."""
     from stalwart.report.plot import MatplotlibMissing, write_png
 
     if out is not None:

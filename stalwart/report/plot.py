@@ -10,6 +10,7 @@ from typing import Any
 
 from stalwart.core import events as ev
 from stalwart.core.errors import StalwartError
+from stalwart.core.safe_files import replacing
 from stalwart.report.summary import END_EVENTS, Summary, kept_rows
 
 
@@ -127,6 +128,11 @@ def write_png(path: Path, events: list[ev.Event], rows: list[ev.MetricsRow],
             ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    # Drawn into a new file renamed over `path`: a symbolic link planted there (a run dir
+    # from someone else) is replaced, never written through.
+    try:
+        with replacing(path) as f:
+            fig.savefig(f, format="png", dpi=100)
+    finally:
+        plt.close(fig)
     return path
