@@ -3,12 +3,12 @@
 `status` also takes a run directory: that is read locally by stalwart.cli.run_status (its
 own exit codes: 0 finished, 1 ended early, 3 no end recorded).
 
-`submit` ships the working directory (never from $HOME or /; credentials left out, see
-stalwart.cli.upload) and says how many files and bytes; `--dry-run` lists them and stops. It
-returns once the cluster has the job (closing the terminal does not stop it) unless
---follow streams its output to the end. Exit codes as for `stalwart run`: 0 done (or submitted),
-1 the job failed or was stopped, 2 bad input (nothing submitted), 130 Ctrl-C while following
-(which stops the following, never the job).
+`submit` ships the working directory (never from $HOME or /; credentials and sweep state left
+out, see stalwart.cli.upload) and says how many files and bytes; `--dry-run` lists them, and
+the credentials it leaves out, and stops. It returns once the cluster has the job (closing the
+terminal does not stop it) unless --follow streams its output to the end. Exit codes as for
+`stalwart run`: 0 done (or submitted), 1 the job failed or was stopped, 2 bad input (nothing
+submitted), 130 Ctrl-C while following (which stops the following, never the job).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 import argparse
 import sys
 from datetime import datetime
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from stalwart.cli import jobs, upload
@@ -54,8 +54,8 @@ def add_job_commands(sub: argparse._SubParsersAction) -> None:
                    "ends; exit 0 if it succeeded, 1 if it failed or was stopped")
     s.add_argument("--job-id", help="the job's submission id (default: one Ray makes up)")
     s.add_argument("--dry-run", action="store_true", help="list the files the job would "
-                   "upload (size, path) and their totals, and submit nothing (no cluster "
-                   "needed)")
+                   "upload (size, path), their totals and the credentials left out, and "
+                   "submit nothing (no cluster needed)")
 
     for name, what in (("status", "show a job's status, or a run directory's"),
                        ("logs", "print a job's output"),
@@ -102,9 +102,12 @@ def _submit(args: argparse.Namespace) -> int:
                         run_dir=jobs.absolute_run_dir(args.run_dir, RunDir.default_path(config),
                                                       cwd))
     # What Ray will pack, found as Ray finds it (its excludes, .gitignore and .rayignore).
-    shipped = upload.listing(cwd, spec.runtime_env(cwd, config.checkpoint.storage)["excludes"])
+    excludes = spec.runtime_env(cwd, config.checkpoint.storage)["excludes"]
+    shipped = upload.listing(cwd, excludes)
+    _check_config_ships(config_path, shipped)
     if address is None:  # --dry-run
-        print(upload.describe(shipped))
+        print(upload.describe(shipped, upload.withheld(shipped, excludes,
+                                                       set(jobs.secret_excludes(cwd)))))
         print(f"entrypoint: {spec.entrypoint()}\nnothing submitted (--dry-run)")
         return EXIT_OK
 
@@ -125,6 +128,15 @@ def _submit(args: argparse.Namespace) -> int:
     if not args.follow:
         return EXIT_OK
     return _follow(client, job_id, address)
+
+
+def _check_config_ships(config_path: PurePosixPath, shipped: upload.Upload) -> None:
+    """The job reads its config from its copy of the working directory."""
+    if str(config_path) not in {e.path for e in shipped.entries}:
+        raise ConfigError(f"config file {str(config_path)!r} would be left out of the upload (by "
+                          f"a .gitignore, a .rayignore, or what submit never ships: runs/, "
+                          f"checkpoints/, sweeps/, credentials), so the job could not read it; "
+                          f"keep it where it ships, outside those")
 
 
 def _follow(client: JobSubmissionClient, job_id: str, address: str) -> int:

@@ -31,6 +31,7 @@ from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
+from stalwart.checkpointing.storage.signing import DEFAULT_KEY_FILE
 from stalwart.cli.upload import SECRET_EXCLUDES, secret_files_in
 from stalwart.cluster import check_listening
 from stalwart.core.config import FailureConfig
@@ -49,12 +50,16 @@ TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 STOP_MARGIN_S = 60
 CONNECT_TIMEOUT_S = 5.0
 # What a job never needs from the working directory: environments, VCS data, caches, runs and
-# checkpoints (large, and a job writes its own run dir by absolute path), deploy/local's
-# state directory (it holds the cluster's token; one elsewhere holds a `.rayignore` of `*`),
-# and credentials of every kind (upload.SECRET_EXCLUDES). Gitignore-style patterns.
+# checkpoints (large, and a job writes its own run dir by absolute path), sweeps (the state
+# `stalwart sweep` keeps in ./sweeps, and Tune's pickled experiment state wherever a sweep's
+# storage put it: `sweep --resume` unpickles it, so it never travels), deploy/local's state
+# directory (it holds the cluster's token; one elsewhere holds a `.rayignore` of `*`), and
+# credentials of every kind (upload.SECRET_EXCLUDES). Gitignore-style patterns.
 WORKING_DIR_EXCLUDES = (
     ".git/", ".venv/", "venv/", ".ci-venv/", "__pycache__/", "*.pyc", "*.egg-info/",
     ".pytest_cache/", ".ruff_cache/", "runs/", "checkpoints/", "bench/results/",
+    # anchored: a package of the project's own may be called `sweeps`
+    "/sweeps/", "tuner.pkl", "experiment_state-*.json",
     ".local-cluster/", *SECRET_EXCLUDES,
 )
 
@@ -104,9 +109,7 @@ class JobSpec:
 
     def runtime_env(self, cwd: Path, storage: str,
                     environ: Mapping[str, str] | None = None) -> dict[str, object]:
-        # The secret files $RAY_AUTH_TOKEN_PATH and the like name, when they are in cwd.
-        excludes = [*WORKING_DIR_EXCLUDES,
-                    *secret_files_in(cwd, os.environ if environ is None else environ)]
+        excludes = [*WORKING_DIR_EXCLUDES, *_named_secret_files(cwd, environ)]
         # The run's own files, wherever under the working directory they are kept.
         for path in (self.run_dir, Path(storage) if "://" not in storage else None):
             if path is not None and path.is_absolute() and path.is_relative_to(cwd):
@@ -119,6 +122,18 @@ class JobSpec:
     def stop_wait_s(self) -> int:
         """Seconds Ray waits after the stop signal before it SIGKILLs the job."""
         return _stop_wait_s(self.stop_timeout_s)
+
+
+def secret_excludes(cwd: Path, environ: Mapping[str, str] | None = None) -> list[str]:
+    """The excludes that keep credentials back: their usual names, whatever file in cwd
+    $RAY_AUTH_TOKEN_PATH, $STALWART_CHECKPOINT_KEY_FILE and the like name, and the default
+    checkpoint key file if it is there."""
+    return [*SECRET_EXCLUDES, *_named_secret_files(cwd, environ)]
+
+
+def _named_secret_files(cwd: Path, environ: Mapping[str, str] | None) -> list[str]:
+    return secret_files_in(cwd, os.environ if environ is None else environ,
+                           named=(DEFAULT_KEY_FILE,))
 
 
 def _stop_wait_s(stop_timeout_s: float) -> int:
