@@ -34,6 +34,8 @@ from stalwart.checkpointing.errors import SnapshotRefused
 from stalwart.checkpointing.memory.catalog import describe, foreign_claims
 from stalwart.checkpointing.memory.store import MemoryStore
 from stalwart.checkpointing.memory.wire import (
+    MAX_CLAIMS_BYTES,
+    MAX_MESSAGE_BYTES,
     SnapshotMessage,
     claims,
     decode_claims,
@@ -42,9 +44,6 @@ from stalwart.checkpointing.memory.wire import (
     encode_message,
 )
 from stalwart.checkpointing.snapshot import Shard, ShardLayout
-
-MAX_MESSAGE_BYTES = 1 << 28
-"""The largest snapshot message (layout and values, JSON) accepted from a peer."""
 
 
 class ReplicationAbandoned(RuntimeError):
@@ -83,12 +82,25 @@ def holders_for(nodes: list[str], replicas: int) -> dict[int, list[int]]:
     return out
 
 
-def all_gather_bytes(data: bytes, group: Any) -> list[bytes]:
+def check_announced_length(rank: int, n: int, limit: int, what: str, *, minimum: int = 0
+                           ) -> None:
+    """Refuse (SnapshotRefused) a length rank `rank` announced for `what` that is negative,
+    under `minimum` or over `limit`: called before anything is allocated to that size."""
+    if not minimum <= n <= limit:
+        raise SnapshotRefused(f"rank {rank} announces {what} of {n} bytes; from {minimum} to "
+                              f"{limit} are accepted")
+
+
+def all_gather_bytes(data: bytes, group: Any, *, limit: int, what: str) -> list[bytes]:
     """Every rank's `data`, by rank: the lengths first, then the bytes padded to the longest
-    (tensors only: no Python object travels)."""
+    (tensors only: no Python object travels). Every rank allocates the world's size times the
+    longest, so a length over `limit` is refused first: by every rank alike, since all see the
+    same lengths, and none goes on to the second all-gather."""
     world = dist.get_world_size(group)
     lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
     dist.all_gather(lengths, torch.tensor([len(data)], dtype=torch.int64), group=group)
+    for rank, n in enumerate(lengths):
+        check_announced_length(rank, int(n), limit, what)
     longest = max(1, max(int(n) for n in lengths))
     mine = torch.zeros(longest, dtype=torch.uint8)
     if data:
@@ -171,7 +183,8 @@ class Replicator:
         that a shard lost with all its copies is known to be missing (a pipeline stage's
         layers are in no other shard), and a layout that later claims another rank's chunks
         is refused. The first snapshot is taken at the same step everywhere."""
-        shared = all_gather_bytes(encode_claims(layout), self.group)
+        shared = all_gather_bytes(encode_claims(layout), self.group, limit=MAX_CLAIMS_BYTES,
+                                  what="its shard's claims")
         self.store.set_claims(self.generation, {r: decode_claims(b) for r, b in enumerate(shared)})
         self._claims_shared = True
 
@@ -212,13 +225,9 @@ class Replicator:
             ops.append(dist.P2POp(dist.isend, torch.frombuffer(bytearray(payloads[h]),
                                                                dtype=torch.uint8),
                                   group=group, group_peer=h))
+        self._check_headers(headers)  # nothing too large (or negative) is allocated
         for q in self.receives_from:
             step, nbytes, nmessage = (int(x) for x in headers[q].tolist())
-            if not (0 <= nbytes <= self.max_bytes and 0 < nmessage <= MAX_MESSAGE_BYTES):
-                # Nothing this large (or negative) is allocated: the exchange fails here.
-                raise SnapshotRefused(
-                    f"rank {q}'s snapshot header announces {nbytes} bytes and a {nmessage}-byte "
-                    f"message (at most {self.max_bytes} and {MAX_MESSAGE_BYTES} are accepted)")
             buf = self.store.reusable_buffer(self.generation, q, nbytes)
             if buf is None:
                 buf = torch.empty(nbytes, dtype=torch.uint8)
@@ -237,6 +246,22 @@ class Replicator:
                 refused.append(str(exc))
         if refused:
             raise SnapshotRefused("; ".join(refused))
+
+    def _check_headers(self, headers: dict[int, torch.Tensor]) -> None:
+        """Refuse the exchange (SnapshotRefused) before any buffer is allocated if a header
+        announces a buffer or message out of bounds, or buffers that together exceed the
+        tier's limit on this worker (the most it may hold, so the most honest peers send)."""
+        total = 0
+        for q, header in headers.items():
+            _step, nbytes, nmessage = (int(x) for x in header.tolist())
+            check_announced_length(q, nbytes, self.max_bytes, "a snapshot buffer")
+            check_announced_length(q, nmessage, MAX_MESSAGE_BYTES, "a snapshot message",
+                                   minimum=1)
+            total += nbytes
+        if total > self.max_bytes:
+            raise SnapshotRefused(
+                f"ranks {sorted(headers)} announce snapshot buffers of {total} bytes in all; "
+                f"at most {self.max_bytes} (the tier's limit on this worker) are accepted")
 
     def _accept(self, q: int, step: int, buf: torch.Tensor, data: bytes, *,
                 exchanging: int) -> None:

@@ -8,7 +8,10 @@ small tensors, dtypes, numpy scalars, non-finite floats) carry an explicit tag: 
 
 Decoding is strict: any wrong type, shape or size raises SnapshotFormatError, naming what
 was wrong, before the snapshot can enter the store. A decoded layout must hash to the key it
-came with (`layout_key`), and every tensor slot must lie inside the buffer.
+came with (`layout_key`), and every tensor slot must lie inside the buffer. Before any JSON is
+parsed, its length and nesting depth are bounded (`MAX_MESSAGE_BYTES`, `MAX_DEPTH`; the
+claims: `MAX_CLAIMS_BYTES`, `CLAIMS_DEPTH`): no peer's bytes reach a recursion limit here or
+in the code that later copies the values.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from __future__ import annotations
 import base64
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,6 +43,22 @@ from stalwart.checkpointing.snapshot import ShardLayout, TensorSlot, layout_key
 
 VERSION = 1
 TAG = "$"
+
+MAX_MESSAGE_BYTES = 1 << 28
+"""The largest snapshot message (layout and values, JSON) accepted from a peer."""
+MAX_CLAIMS_BYTES = 1 << 26
+"""The largest claims (JSON) a rank may announce when a world forms. A claim is a chunk's
+name and offsets, about 100 bytes: 64 MiB is over half a million chunks, far more than the
+largest models have tensors, however sharded. Every rank allocates the world's size times the
+longest claims announced, so this cap is what bounds that."""
+MAX_DEPTH = 64
+"""The deepest nesting of JSON arrays and objects accepted in a message. The message's own
+schema needs 5 (message, layout, items, item, slot). A value adds its own nesting, and a
+tagged tuple or dict 2 or 3 levels per level of Python: 64 leaves room for any state dict's
+plain values, and keeps every walk of a decoded value far from Python's recursion limit."""
+CLAIMS_DEPTH = 3
+"""The claims' schema, exactly: a list of [name, offsets] pairs, offsets a list."""
+INT64_MAX = (1 << 63) - 1
 
 _ITEM_TYPES = {"tensor": WriteItemType.TENSOR, "shard": WriteItemType.SHARD,
                "bytes": WriteItemType.BYTE_IO}
@@ -64,9 +84,11 @@ def _get(obj: Any, key: str, kind: type | tuple[type, ...], where: str) -> Any:
 
 
 def _ints(value: Any, where: str, *, minimum: int = 0) -> tuple[int, ...]:
+    # Sizes and offsets become torch.Size entries: int64, or torch raises its own error.
     if not isinstance(value, list) or any(
-            isinstance(v, bool) or not isinstance(v, int) or v < minimum for v in value):
-        raise _fail(f"{where} is not a list of integers >= {minimum}")
+            isinstance(v, bool) or not isinstance(v, int) or not minimum <= v <= INT64_MAX
+            for v in value):
+        raise _fail(f"{where} is not a list of integers from {minimum} to {INT64_MAX}")
     return tuple(value)
 
 
@@ -156,6 +178,8 @@ def decode_value(obj: Any, where: str = "value") -> Any:
         raw = _b64(_get(obj, "v", str, where), where)
         if len(raw) != math.prod(shape) * dtype.itemsize:
             raise _fail(f"{where} holds {len(raw)} bytes, not a {dtype} tensor of {shape}")
+        if not raw:  # torch.frombuffer refuses an empty buffer
+            return torch.empty(shape, dtype=dtype)
         return torch.frombuffer(bytearray(raw), dtype=torch.uint8).view(dtype).view(shape)
     if kind == "numpy":
         try:
@@ -167,7 +191,10 @@ def decode_value(obj: Any, where: str = "value") -> Any:
         value = decode_value(_get(obj, "v", (bool, int, float, dict), where), where)
         if not isinstance(value, bool | int | float):
             raise _fail(f"{where} is not a number")
-        return dtype.type(value)
+        try:
+            return dtype.type(value)
+        except (OverflowError, ValueError):
+            raise _fail(f"{where}: {value!r} does not fit a numpy {dtype}") from None
     raise _fail(f"{where} has an unknown tag {kind!r}")
 
 
@@ -281,7 +308,7 @@ def encode_claims(layout: ShardLayout) -> bytes:
 
 
 def decode_claims(data: bytes) -> frozenset[Claim]:
-    obj = _json(data)
+    obj = _json(data, "the claims", max_bytes=MAX_CLAIMS_BYTES, max_depth=CLAIMS_DEPTH)
     if not isinstance(obj, list):
         raise _fail("the shard's claims are not a list")
     out: set[Claim] = set()
@@ -316,11 +343,16 @@ def encode_message(msg: SnapshotMessage) -> bytes:
            "step": msg.step, "nbytes": msg.nbytes, "crc": msg.crc, "layout_key": msg.layout_key,
            "layout": None if msg.layout is None else encode_layout(msg.layout),
            "values": {k: encode_value(v) for k, v in msg.values.items()}}
-    return json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    data = json.dumps(obj, separators=(",", ":"), allow_nan=False).encode()
+    # What the holders would refuse fails here, on the sender, saying why.
+    why = out_of_bounds(data, "the snapshot message", MAX_MESSAGE_BYTES, MAX_DEPTH)
+    if why is not None:
+        raise SnapshotFormatError(f"this rank's snapshot cannot be sent to peers: {why}")
+    return data
 
 
 def decode_message(data: bytes) -> SnapshotMessage:
-    obj = _json(data)
+    obj = _json(data, "the message", max_bytes=MAX_MESSAGE_BYTES, max_depth=MAX_DEPTH)
     if _get(obj, "version", int, "message") != VERSION:
         raise _fail(f"version {obj['version']} is not {VERSION}")
     layout = obj.get("layout")
@@ -344,8 +376,46 @@ def _reject_constant(name: str) -> Any:
     raise _fail(f"JSON constant {name} (non-finite floats travel tagged)")
 
 
-def _json(data: bytes) -> Any:
+# A JSON string, escapes included: its brackets are text, not nesting. An unterminated string
+# runs to the end (a trailing backslash included), so every match succeeds where it starts and
+# the scan stays linear: no retry from each escaped quote of a string that never closes.
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.DOTALL)
+_SCAN_CHUNK = 1 << 22  # bytes per numpy pass: bounds the scan's own memory
+
+
+def nesting_depth(data: bytes) -> int:
+    """How deep the arrays and objects of JSON `data` nest, read from its bytes without
+    parsing them (no recursion: numpy over the bytes outside strings). Exact for valid JSON;
+    for invalid JSON it is the depth up to where the parser will stop."""
+    bare = np.frombuffer(_STRING.sub(b"", data), dtype=np.uint8)
+    depth = deepest = 0
+    for start in range(0, bare.size, _SCAN_CHUNK):
+        part = bare[start:start + _SCAN_CHUNK]
+        steps = ((part == ord("[")).astype(np.int8) + (part == ord("{"))
+                 - (part == ord("]")) - (part == ord("}")))
+        levels = np.cumsum(steps, dtype=np.int64) + depth
+        deepest, depth = max(deepest, int(levels.max())), int(levels[-1])
+    return deepest
+
+
+def out_of_bounds(data: bytes, what: str, max_bytes: int, max_depth: int) -> str | None:
+    """Why JSON `data` is too big or too deep to accept (None: within both bounds)."""
+    if len(data) > max_bytes:
+        return f"{what}: {len(data)} bytes; at most {max_bytes} are accepted"
+    depth = nesting_depth(data)
+    if depth > max_depth:
+        return f"{what}: {depth} levels of nesting; at most {max_depth} are accepted"
+    return None
+
+
+def _json(data: bytes, what: str, *, max_bytes: int, max_depth: int) -> Any:
+    """Peer bytes as JSON, once their size and nesting are within bounds: nothing a peer
+    sends reaches a recursion limit or a parse of unbounded size."""
+    why = out_of_bounds(data, what, max_bytes, max_depth)
+    if why is not None:
+        raise _fail(why)
     try:
         return json.loads(data.decode("utf-8"), parse_constant=_reject_constant)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+    # ValueError: JSONDecodeError, and an integer of more digits than Python converts.
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
         raise _fail(f"not UTF-8 JSON ({exc})") from None

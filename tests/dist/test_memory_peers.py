@@ -1,17 +1,19 @@
 """Snapshots from a lying peer, on real gloo ranks: a header for a step from the future, a
 snapshot that says it is another rank's shard, and a layout that claims another rank's
 chunks are each refused by their holder (SnapshotRefused, nothing stored), while the honest
-snapshot that holder already kept still restores, bit for bit. And ranks of a new world
-that restored different steps stop before training on."""
+snapshot that holder already kept still restores, bit for bit. A peer that announces claims
+of 2**62 bytes when the world forms is refused by every rank before any allocates them. And
+ranks of a new world that restored different steps stop before training on."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from stalwart.checkpointing.errors import SnapshotRefused
 from stalwart.checkpointing.memory.tier import MemoryTier, StateAccess
-from stalwart.checkpointing.memory.wire import SnapshotMessage, encode_message
+from stalwart.checkpointing.memory.wire import MAX_CLAIMS_BYTES, SnapshotMessage, encode_message
 from stalwart.workers.errors import RestoredStepMismatch
 from tests.dist.launcher import run_ranks
 from tests.dist.test_checkpoint_reshard import make_engine
@@ -115,6 +117,32 @@ def test_a_lying_peer_is_refused_and_the_honest_snapshot_still_restores() -> Non
         if h.source == FORGER:
             names = {it.index.fqn for it in results[0]["inventory"].layouts[h.layout_key].items}
             assert "model.w1" not in names
+
+
+def huge_claims(rank: int, world: int) -> list[str]:
+    toy, tier, refusals = Toy(rank), MemoryTier(), []
+    tier.join(toy.view(), rank=rank, generation=0, nodes=["n0", "n1", "n2"], replicas=1,
+              limit_gb=1.0)
+    if rank == FORGER:
+        group = tier.replicator.group
+
+        def announce_huge(layout) -> None:  # noqa: ANN001
+            # The lengths' all-gather as every rank runs it, with a length no one could hold.
+            lengths = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+            dist.all_gather(lengths, torch.tensor([1 << 62], dtype=torch.int64), group=group)
+            raise SnapshotRefused("the forger stops here, as the others do")
+        tier.replicator._share_claims = announce_huge  # type: ignore[method-assign]
+    _round(tier, toy, 1, refusals)
+    tier.leave()
+    return refusals
+
+
+def test_claims_of_a_size_no_shard_has_are_refused_by_every_rank() -> None:
+    honest = run_ranks(huge_claims, 3)[:FORGER]
+    # Allocating world * 2**62 bytes would have failed with torch's own error, not this one.
+    for refusals in honest:
+        assert refusals == [f"rank {FORGER} announces its shard's claims of {1 << 62} bytes; "
+                            f"from 0 to {MAX_CLAIMS_BYTES} are accepted"]
 
 
 def restored_steps(rank: int, world: int, cache: str, cases: list[list[int]]) -> list[str]:

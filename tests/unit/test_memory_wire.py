@@ -1,5 +1,6 @@
 """The memory tier's wire format: what peers send round-trips exactly as plain data, anything
-malformed is refused with SnapshotFormatError, the driver's catalog leaves out layouts that
+malformed, too large or too deeply nested is refused with SnapshotFormatError (and a length a
+peer announces out of bounds with SnapshotRefused, before anything is allocated), the driver's catalog leaves out layouts that
 claim other ranks' chunks, and no module of the tier can unpickle what a peer sends."""
 
 from __future__ import annotations
@@ -14,9 +15,12 @@ import pytest
 import torch
 
 from stalwart.checkpointing.errors import SnapshotFormatError, SnapshotRefused
+from stalwart.checkpointing.memory import wire
 from stalwart.checkpointing.memory.catalog import foreign_claims, newest_complete
-from stalwart.checkpointing.memory.store import Holding, Inventory
+from stalwart.checkpointing.memory.replication import Replicator, check_announced_length
+from stalwart.checkpointing.memory.store import Holding, Inventory, MemoryStore
 from stalwart.checkpointing.memory.wire import (
+    MAX_DEPTH,
     SnapshotMessage,
     claims,
     decode_claims,
@@ -27,6 +31,7 @@ from stalwart.checkpointing.memory.wire import (
     encode_layout,
     encode_message,
     encode_value,
+    nesting_depth,
 )
 from stalwart.checkpointing.snapshot import build_layout
 
@@ -202,3 +207,148 @@ def test_no_module_of_the_memory_tier_can_unpickle_what_a_peer_sends() -> None:
              for n, line in enumerate(path.read_text().splitlines(), 1)
              if banned.search(line)]
     assert found == []
+
+
+# ---------------------------------------------------------------------------- bounds
+
+
+def _message_with(values_json: bytes) -> bytes:
+    head = json.loads(encode_message(_message(layout=None, values={})))
+    text = json.dumps(head, separators=(",", ":")).encode()
+    assert text.endswith(b'"values":{}}')
+    return text[:-len(b"{}}")] + b'{"v":' + values_json + b"}}"
+
+
+def _nested_list(depth: int) -> bytes:
+    return b"[" * depth + b"]" * depth
+
+
+@pytest.mark.parametrize("depth", [300, 900, 100_000])
+@pytest.mark.parametrize(("name", "nest"), [
+    ("lists", _nested_list),
+    ("objects", lambda d: b'{"a":' * d + b"1" + b"}" * d),
+    ("tuples", lambda d: b'{"$":"tuple","v":[' * d + b"]}" * d),
+])
+def test_a_deeply_nested_message_is_refused_not_a_recursion_error(name: str, nest, depth: int
+                                                                  ) -> None:
+    # About 600 levels once escaped decode_value as a RecursionError; 100000 the JSON parser.
+    with pytest.raises(SnapshotFormatError, match=f"at most {MAX_DEPTH} are accepted"):
+        decode_message(_message_with(nest(depth)))
+
+
+def test_a_deeply_nested_layout_is_refused() -> None:
+    obj = json.loads(encode_message(_message()))
+    obj["layout"]["planner_data"]["deep"] = "@"
+    text = json.dumps(obj).encode().replace(b'"@"', _nested_list(900))
+    with pytest.raises(SnapshotFormatError, match="levels of nesting"):
+        decode_message(text)
+
+
+@pytest.mark.parametrize("depth", [4, 900, 100_000])
+def test_claims_nested_deeper_than_their_schema_are_refused(depth: int) -> None:
+    with pytest.raises(SnapshotFormatError, match=f"{depth} levels of nesting; at most 3"):
+        decode_claims(_nested_list(depth))
+
+
+def test_a_value_nested_to_the_limit_travels_and_one_level_more_is_refused_when_sent() -> None:
+    def nested(levels: int) -> object:
+        value: object = 1
+        for _ in range(levels):
+            value = [value]
+        return value
+
+    # The message and its values take 2 levels; a list one each.
+    fits = _message(values={"v": nested(MAX_DEPTH - 2)})
+    assert decode_message(encode_message(fits)) == fits
+    with pytest.raises(SnapshotFormatError, match="cannot be sent to peers.*65 levels"):
+        encode_message(_message(values={"v": nested(MAX_DEPTH - 1)}))
+
+
+def test_brackets_inside_strings_are_not_nesting() -> None:
+    text = "[" * 500 + '\\"{"' + "]" * 3
+    msg = _message(values={"text": text, "key": {text: ["\\", '"']}})
+    assert decode_message(encode_message(msg)) == msg
+    assert nesting_depth(json.dumps({"a": text}).encode()) == 1
+    assert nesting_depth(b'[{"a": "\\\\"}, ["\\"]]"]]') == 2
+    assert nesting_depth(b'["never closes \\"[[[') == 1  # and json refuses it
+
+
+@pytest.mark.parametrize(("decode", "limit", "what"), [
+    (decode_message, "MAX_MESSAGE_BYTES", "the message"),
+    (decode_claims, "MAX_CLAIMS_BYTES", "the claims"),
+])
+def test_an_oversized_message_is_refused_before_it_is_parsed(decode, limit: str, what: str,
+                                                            monkeypatch) -> None:
+    monkeypatch.setattr(wire, limit, 1000)
+    with pytest.raises(SnapshotFormatError, match=f"{what}: 1001 bytes; at most 1000"):
+        decode(b" " * 1001)
+
+
+@pytest.mark.parametrize(("edit", "why"), [
+    (lambda o: o["values"].update(x={"$": "numpy", "dtype": "|i1", "v": 1000}),
+     "1000 does not fit a numpy int8"),
+    (lambda o: o["values"].update(x={"$": "numpy", "dtype": "<u8", "v": -1}),
+     "does not fit a numpy uint64"),
+    (lambda o: o["values"].update(x={"$": "numpy", "dtype": "<f8", "v": 10 ** 400}),
+     "does not fit a numpy float64"),
+    (lambda o: o["values"].update(x={"$": "tensor", "dtype": "uint8", "shape": [0, 1 << 64],
+                                     "v": ""}), "x.shape is not a list of integers from 0"),
+    (lambda o: o["layout"]["items"][0].update(size=[1 << 64, 4]),
+     "layout item 0.size is not a list of integers"),
+    (lambda o: o["layout"]["items"][0].update(offset=[1 << 64, 0]),
+     "layout item 0.offset is not a list of integers"),
+])
+def test_numbers_too_large_for_their_type_are_refused(edit, why: str) -> None:
+    with pytest.raises(SnapshotFormatError, match=re.escape(why)):
+        decode_message(_tamper(edit))
+
+
+def test_an_integer_of_too_many_digits_is_refused() -> None:
+    with pytest.raises(SnapshotFormatError, match="not UTF-8 JSON"):
+        decode_message(_message_with(b"1" * 5000))
+    with pytest.raises(SnapshotFormatError, match="not UTF-8 JSON"):
+        decode_claims(b'[["w", [' + b"1" * 5000 + b"]]]")
+
+
+def test_an_empty_tensor_value_round_trips() -> None:
+    msg = _message(values={"empty": torch.empty(0, 3, dtype=torch.bfloat16)})
+    back = decode_message(encode_message(msg)).values["empty"]
+    assert back.shape == (0, 3) and back.dtype == torch.bfloat16
+
+
+# ---------------------------------------------------------------------------- announced lengths
+
+
+def test_an_announced_length_out_of_bounds_is_refused_naming_the_rank() -> None:
+    check_announced_length(3, 64, 64, "its claims")
+    check_announced_length(3, 0, 64, "its claims")
+    with pytest.raises(SnapshotRefused, match=r"rank 3 announces its claims of 4611686018427387904 "
+                                              r"bytes; from 0 to 64 are accepted"):
+        check_announced_length(3, 1 << 62, 64, "its claims")
+    with pytest.raises(SnapshotRefused, match="rank 1 announces .* of -1 bytes"):
+        check_announced_length(1, -1, 64, "its claims")
+    with pytest.raises(SnapshotRefused, match="of 0 bytes; from 1 to 64"):
+        check_announced_length(1, 0, 64, "a snapshot message", minimum=1)
+
+
+def _replicator(max_bytes: int) -> Replicator:
+    return Replicator(rank=0, generation=0, holders={}, store=MemoryStore(), max_bytes=max_bytes)
+
+
+@pytest.mark.parametrize(("headers", "why"), [
+    ({1: [1, 1 << 62, 10]}, "rank 1 announces a snapshot buffer of 4611686018427387904"),
+    ({2: [1, -5, 10]}, "rank 2 announces a snapshot buffer of -5"),
+    ({1: [1, 10, 1 << 40]}, "rank 1 announces a snapshot message of 1099511627776"),
+    ({1: [1, 10, 0]}, "rank 1 announces a snapshot message of 0 bytes"),
+    ({1: [1, 60, 10], 2: [1, 60, 10]}, "ranks [1, 2] announce snapshot buffers of 120 bytes"),
+])
+def test_a_header_out_of_bounds_is_refused_before_anything_is_allocated(headers, why: str
+                                                                       ) -> None:
+    replicator = _replicator(max_bytes=100)
+    try:
+        with pytest.raises(SnapshotRefused, match=re.escape(why)):
+            replicator._check_headers({q: torch.tensor(h, dtype=torch.int64)
+                                       for q, h in headers.items()})
+        replicator._check_headers({1: torch.tensor([1, 50, 10]), 2: torch.tensor([1, 50, 1])})
+    finally:
+        replicator.close()
