@@ -14,8 +14,8 @@
 #   pids        one `node-I PID` line per node (PID = its session and process group id)
 #   logs/       each `ray start`'s output
 #   .rayignore, .gitignore  `*`: no job upload (nor git) takes DIR, wherever it is
-#   ray_temp_dir  the path of the cluster's own Ray temp dir (/tmp/stalwart-ray-*: Ray's
-#               session logs), removed by down.sh
+#   ray_temp_dir  the path of the cluster's own Ray temp dir (/tmp/stalwart-ray-XXXXXX/ray:
+#               Ray's sessions, sockets and logs, in a directory of mode 0700), removed by down.sh
 #
 # Ports: P (the head's GCS), P+1 (Ray Client server), D (dashboard); node I uses
 # P+10(I+1) .. P+10(I+1)+5 for its raylet, object manager, agents and metrics, and
@@ -126,8 +126,10 @@ unset RAY_ADDRESS RAY_API_SERVER_ADDRESS
 # A Ray temp dir of this cluster's own: Ray's job supervisor finds the cluster a job's driver
 # joins through <temp dir>/ray_current_cluster, which in the shared /tmp/ray names whichever
 # Ray started last on this machine (a `stalwart run` of its own Ray, another test's).
-# Short, under /tmp: Ray's socket paths inside it must stay under 108 bytes.
-RAY_TMP=$(mktemp -d /tmp/stalwart-ray-XXXXXX)
+# Short, under /tmp: Ray's socket paths inside it must stay under 108 bytes. Inside a directory
+# of mode 0700 (mktemp -d): Ray makes its temp dir itself world-writable (mode 0777), and only
+# the private parent keeps other users from its sockets and logs.
+RAY_TMP=$(mktemp -d /tmp/stalwart-ray-XXXXXX)/ray
 echo "$RAY_TMP" >"$STATE_DIR/ray_temp_dir"
 
 pids=()

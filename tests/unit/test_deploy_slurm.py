@@ -3,8 +3,9 @@ stop before the time limit reaches the run as SIGTERM, is waited for, and requeu
 
 No Slurm runs here. The script itself runs under bash with fakes of what Slurm and Ray
 provide on PATH (srun runs its command here, scontrol lists two nodes and records a requeue,
-`ray start` and `stalwart run` record their arguments and wait for SIGTERM), and the signal
-forwarding (forward_stop.sh) runs with a fake driver that takes its time to checkpoint.
+`ray start` and `stalwart run` record their arguments, Ray's token settings and what they find
+of the job's private directory, and wait for SIGTERM), and the signal forwarding
+(forward_stop.sh) runs with a fake driver that takes its time to checkpoint.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ REPO = Path(__file__).resolve().parents[2]
 SLURM = REPO / "deploy" / "slurm"
 SBATCH = SLURM / "stalwart.sbatch"
 FORWARD = SLURM / "forward_stop.sh"
+RAY_NODE = SLURM / "ray_node.sh"
 SHELL_SCRIPTS = sorted([SBATCH, *(REPO / "deploy").rglob("*.sh")])
 # failure.stop_timeout_s's default: the stop's own deadline, which Slurm's warning must cover
 STOP_TIMEOUT_S = FailureConfig().stop_timeout_s
@@ -174,6 +176,23 @@ def test_without_a_signal_the_drivers_own_status_comes_back(tmp_path: Path) -> N
 
 # ---------------------------------------------------------------------------- the whole script
 
+# At the top of every fake: record FILE [DIR] writes the Ray token settings this process got and,
+# with DIR (the job's private directory), DIR's mode and its token file's, as KEY=VALUE lines.
+RECORD = """
+record() {
+    {
+        echo "mode=${RAY_AUTH_MODE:-}"
+        echo "token=${RAY_AUTH_TOKEN:-}"
+        if [ -n "${2:-}" ]; then
+            echo "dir=$2"
+            echo "dir_mode=$(stat -c %a "$2")"
+            echo "token_file=$(cat "$2/auth_token")"
+            echo "token_file_mode=$(stat -c %a "$2/auth_token")"
+        fi
+    } >"$1"
+}
+"""
+
 FAKES = {
     # srun: drops its own options and runs the command here; `hostname` is the node's IP
     "srun": """
@@ -189,12 +208,16 @@ case "$1" in
     requeue) echo "requeue $2" >>"$FAKE_DIR/log" ;;
 esac
 """,
+    # ray: its token settings and the job dir's state first (the fake python counts ray.*)
     "ray": """
 trap 'echo ray-stopped >>"$FAKE_DIR/log"; exit 0' TERM
+for arg in "$@"; do case "$arg" in --temp-dir=*) temp_dir=${arg#*=} ;; esac; done
+record "$FAKE_DIR/env-ray.$$" "$(dirname "$temp_dir")"
 printf '%s\\n' "$@" >"$FAKE_DIR/ray.$$"
 while :; do sleep 0.05; done
 """,
     "stalwart": """
+record "$FAKE_DIR/env-stalwart"
 printf '%s\\n' "$@" >"$FAKE_DIR/stalwart.argv"
 trap 'echo stalwart-term >>"$FAKE_DIR/log"; sleep 0.5; echo stalwart-exit >>"$FAKE_DIR/log"; exit 143' TERM
 echo stalwart-ready >>"$FAKE_DIR/log"
@@ -223,7 +246,7 @@ def _sbatch(tmp_path: Path, *args: str, send: signal.Signals | None = None,
     bin_dir.mkdir()
     (venv / "bin").mkdir(parents=True)
     for name, body in FAKES.items():
-        (bin_dir / name).write_text("#!/bin/bash\n" + body)
+        (bin_dir / name).write_text("#!/bin/bash\n" + RECORD + body)
         (bin_dir / name).chmod(0o755)
     (venv / "bin" / "activate").write_text(f'PATH={shlex.quote(str(bin_dir))}:"$PATH"\n')
     environ = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "FAKE_DIR": str(tmp_path),
@@ -241,6 +264,7 @@ def _sbatch(tmp_path: Path, *args: str, send: signal.Signals | None = None,
     finally:
         proc.kill()
     assert "stalwart.sbatch: job 123, start 1, run dir runs/gpt-123" in out, out
+    (tmp_path / "job.out").write_text(out)
     starts = [p.read_text().splitlines() for p in sorted(tmp_path.glob("ray.*"))]
     return (proc.returncode, _read(log).split(),
             _read(tmp_path / "stalwart.argv").splitlines(), starts)
@@ -248,6 +272,11 @@ def _sbatch(tmp_path: Path, *args: str, send: signal.Signals | None = None,
 
 def _flags(argv: list[str]) -> dict[str, str]:
     return dict(a.split("=", 1) for a in argv if a.startswith("--") and "=" in a)
+
+
+def _record(path: Path) -> dict[str, str]:
+    """What a fake's `record` wrote: the token settings it got, the job dir's state."""
+    return dict(line.split("=", 1) for line in path.read_text().splitlines())
 
 
 def test_slurms_warning_stops_the_run_with_a_checkpoint_then_ray_then_requeues(
@@ -306,7 +335,7 @@ def _ports(start: list[str]) -> dict[str, int]:
     return {f: int(flags[f]) for f in wanted}
 
 
-def test_every_ray_port_and_the_temp_dir_are_the_jobs_own(tmp_path: Path) -> None:
+def test_every_ray_port_is_the_jobs_own(tmp_path: Path) -> None:
     _, _, _, starts = _sbatch(tmp_path, FAKE_EXIT="0")
     (head,) = [s for s in starts if "--head" in s]
     (worker,) = [s for s in starts if "--head" not in s]
@@ -318,18 +347,97 @@ def test_every_ray_port_and_the_temp_dir_are_the_jobs_own(tmp_path: Path) -> Non
     # (6379, 8265, 10001, 10002-19999) and below Linux's ephemeral ports (32768-)
     assert len(set(fixed)) == len(fixed) and not any(low <= p <= high for p in fixed), ports
     assert 20000 <= min(fixed) and high < 32768 and high - low >= 100, ports
-    for start in (head, worker):
-        assert _flags(start)["--temp-dir"] == f"/tmp/ray-{JOB_ID}"
-        assert "--block" in start
+    assert all("--block" in start for start in (head, worker))
 
 
-def test_each_port_and_the_temp_dir_can_be_set(tmp_path: Path) -> None:
+def test_each_port_and_the_temp_root_can_be_set(tmp_path: Path) -> None:
+    root = tmp_path / "root"
+    root.mkdir()
     env = {"PORT": "40000", "DASHBOARD_PORT": "41000", "MIN_WORKER_PORT": "42000",
-           "MAX_WORKER_PORT": "42999", "TEMP_DIR": "/tmp/r", "FAKE_EXIT": "0"}
+           "MAX_WORKER_PORT": "42999", "TEMP_ROOT": str(root), "FAKE_EXIT": "0"}
     _, _, argv, starts = _sbatch(tmp_path, **env)
     (head,) = [s for s in starts if "--head" in s]
     ports = _ports(head)
     assert ports["--port"] == 40000 and ports["--ray-client-server-port"] == 40001
     assert ports["--dashboard-port"] == 41000 and ports["--min-worker-port"] == 42000
-    assert ports["--max-worker-port"] == 42999 and _flags(head)["--temp-dir"] == "/tmp/r"
+    assert ports["--max-worker-port"] == 42999
+    assert Path(_flags(head)["--temp-dir"]).parent.parent == root
     assert argv[argv.index("--address") + 1] == "127.0.0.1:40000"
+    assert list(root.iterdir()) == [], "the job's private directory outlived the job"
+
+
+# ---------------------------------------------------------------------------- the token
+
+
+def test_every_node_and_the_driver_get_the_jobs_token_and_a_private_temp_dir(
+        tmp_path: Path) -> None:
+    status, _, _, starts = _sbatch(tmp_path, FAKE_EXIT="0")
+    assert status == 0
+    nodes = [_record(p) for p in sorted(tmp_path.glob("env-ray.*"))]
+    driver = _record(tmp_path / "env-stalwart")
+    assert len(nodes) == len(starts) == 2 and sum("--head" in s for s in starts) == 1
+    # Ray's token authentication on the head, the worker node and the driver, one token
+    for got in (*nodes, driver):
+        assert got["mode"] == "token", got
+    (token,) = {got["token"] for got in (*nodes, driver)}
+    assert re.fullmatch(r"[0-9a-f]{64}", token), "not 32 random bytes"
+    for start, node in zip(starts, nodes, strict=True):
+        # Ray's temp dir in the job's own directory: mode 0700, a random name, not /tmp/ray-ID
+        job_dir = Path(node["dir"])
+        assert _flags(start)["--temp-dir"] == str(job_dir / "ray")
+        assert node["dir_mode"] == "700", node
+        assert job_dir.parent == Path("/tmp") and str(JOB_ID) not in job_dir.name, job_dir
+        assert re.fullmatch(r"stalwart-\w{8}", job_dir.name), job_dir
+        assert node["token_file"] == token and node["token_file_mode"] == "600", node
+        assert not job_dir.exists(), "the job's private directory outlived the job"
+    assert token not in _read(tmp_path / "job.out"), "the token was printed"
+    assert not (tmp_path / ".ray").exists(), "~/.ray touched"
+
+
+def test_a_new_job_gets_a_new_token(tmp_path: Path) -> None:
+    tokens = set()
+    for attempt in ("a", "b"):
+        (tmp_path / attempt).mkdir()
+        _sbatch(tmp_path / attempt, FAKE_EXIT="0")
+        tokens.add(_record(tmp_path / attempt / "env-stalwart")["token"])
+    assert len(tokens) == 2
+
+
+def test_temp_dir_is_refused_and_names_temp_root(tmp_path: Path) -> None:
+    proc = subprocess.run(["bash", str(SBATCH)], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=30, env={"PATH": os.environ["PATH"], "SLURM_JOB_ID": "1",
+                                           "SLURM_CPUS_PER_TASK": "1", "TEMP_DIR": "/tmp/r"})
+    assert proc.returncode == 2
+    assert "TEMP_DIR is no longer read" in proc.stderr and "TEMP_ROOT" in proc.stderr
+
+
+# ---------------------------------------------------------------------------- ray_node.sh
+
+
+def _ray_node(job_dir: Path, *command: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["bash", str(RAY_NODE), str(job_dir), *command], capture_output=True,
+                          text=True, timeout=30)
+
+
+def test_a_node_makes_the_job_dir_private_runs_ray_and_removes_the_dir(tmp_path: Path) -> None:
+    job_dir = tmp_path / "stalwart-job"
+    proc = _ray_node(job_dir, "bash", "-c", f'stat -c %a {job_dir}; exit 3')
+    assert proc.returncode == 3 and proc.stdout.strip() == "700", proc.stdout + proc.stderr
+    assert not job_dir.exists()
+
+
+@pytest.mark.parametrize("planted", ["symlink", "file"])
+def test_a_node_refuses_a_job_dir_someone_else_put_there(tmp_path: Path, planted: str) -> None:
+    # the name is visible in `ps`: another user may make it on a node before the node's step
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep").write_text("x")
+    job_dir = tmp_path / "stalwart-job"
+    if planted == "symlink":
+        job_dir.symlink_to(victim)
+    else:
+        job_dir.write_text("x")
+    proc = _ray_node(job_dir, "touch", str(tmp_path / "ran"))
+    assert proc.returncode == 2 and "is not a directory of this user's own" in proc.stderr
+    assert not (tmp_path / "ran").exists() and (victim / "keep").exists()
+    assert job_dir.is_symlink() or job_dir.is_file()

@@ -1,5 +1,7 @@
 """deploy/ keeps secrets where they belong: Ray's token comes from a Kubernetes Secret into
 every container, and the Docker build cannot bake a token, a key or a run into the image.
+Every deploy path that starts Ray has a test that it turns on Ray's token authentication
+(deploy/local's and deploy/slurm's run their scripts with a fake `ray`, in their own files).
 
 Neither Kubernetes nor Docker runs here, so the files are read: the manifests with PyYAML, the
 .dockerignore with Docker's own matching rules (rebuilt below: patterns anchored at the
@@ -92,6 +94,27 @@ def test_every_container_has_the_token_from_the_secret_and_token_mode():
         assert "value" not in token, f"{where}: a token written into the manifest"
         assert token.get("valueFrom", {}).get("secretKeyRef") == {
             "name": _secret_name(), "key": TOKEN_KEY}, where
+
+
+# Each way deploy/ starts Ray, and the test that it turns on Ray's token authentication for
+# every node and the driver (deploy/docker builds the image and starts no Ray).
+TOKEN_AUTH_TESTS = {
+    "kubernetes": "test_deploy_trust.py::test_every_container_has_the_token_from_the_secret_and_"
+                  "token_mode",
+    "local": "test_deploy_local_scripts.py::test_up_starts_every_node_with_the_clusters_token_in_"
+             "a_private_temp_dir",
+    "slurm": "test_deploy_slurm.py::test_every_node_and_the_driver_get_the_jobs_token_and_a_"
+             "private_temp_dir",
+}
+
+
+def test_every_deploy_path_has_a_test_that_it_turns_on_token_auth():
+    paths = {p.name for p in (REPO / "deploy").iterdir() if p.is_dir()} - {"docker"}
+    assert paths == set(TOKEN_AUTH_TESTS), (
+        "a deploy path without a test that it turns on Ray's token authentication")
+    for test in TOKEN_AUTH_TESTS.values():
+        module, name = test.split("::")
+        assert f"\ndef {name}(" in (Path(__file__).parent / module).read_text(), test
 
 
 def test_the_operator_knows_the_secret_too():
