@@ -263,7 +263,7 @@ class Controller:
         older valid one is tried. The step restored, or None when none loads."""
         for candidate in self.storage.candidates(checkpoint):
             try:
-                return self.group.restore(candidate.path)
+                return self.group.restore(candidate)
             except CheckpointError as exc:
                 self.storage.skip(candidate, str(exc))
         return None

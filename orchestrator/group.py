@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from stalwart.checkpointing.memory.catalog import MemoryChoice
     from stalwart.checkpointing.memory.store import Inventory
+    from stalwart.checkpointing.storage.catalog import CheckpointInfo
     from stalwart.core.config import FaultSpec
     from stalwart.core.events import WorkerPlace
     from stalwart.orchestrator.failures import WorkerFailure
@@ -108,9 +109,11 @@ class WorkerGroup(ABC):
         `pick` chose it, so a failure while it forms names its processes."""
 
     @abstractmethod
-    def restore(self, path: str) -> int:
-        """Load a storage checkpoint on every rank; returns its step. Raises CheckpointError
-        when it fails to load on the ranks (each is then free to load another)."""
+    def restore(self, checkpoint: CheckpointInfo) -> int:
+        """Load a storage checkpoint on every rank; returns its step. Each rank checks every
+        file it reads against the manifest's table, which the driver verified. Raises
+        CheckpointError when it fails to load on the ranks (each is then free to load
+        another)."""
 
     @abstractmethod
     def memory_inventory(self) -> dict[str, Inventory]:

@@ -48,7 +48,7 @@ class CommitLog:
                 continue
             self._logged.add(commit)
             self.events.emit(ev.CheckpointCommitted(step=commit.step, path=commit.path,
-                             save_s=round(commit.save_s, 3)))
+                             save_s=round(commit.save_s, 3), cleared=list(commit.cleared)))
             self.newest = max(self.newest, commit.step)
 
     def found(self, checkpoint: CheckpointInfo | None) -> None:

@@ -32,6 +32,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.memory.catalog import MemoryChoice
 from stalwart.checkpointing.memory.store import Inventory
+from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.core.config import FaultSpec, JobConfig
 from stalwart.core.events import WorkerPlace
@@ -269,8 +270,9 @@ class ElasticGroup(WorkerGroup):
         assert w.place is not None, f"{w.key} is not warm: it cannot join a world"
         return w.place
 
-    def restore(self, path: str) -> int:
-        refs = [w.actor.restore.remote(path) for w in self.members]
+    def restore(self, checkpoint: CheckpointInfo) -> int:
+        files = checkpoint.manifest["files"]
+        refs = [w.actor.restore.remote(checkpoint.path, files) for w in self.members]
         try:
             steps = self._get(refs)
         except GroupFailed as exc:

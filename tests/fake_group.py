@@ -44,6 +44,7 @@ from stalwart.orchestrator.group import Disbanded, PollView, PoolView, WorkerGro
 from stalwart.workers.reports import StepReport, WorkerStatus
 
 if TYPE_CHECKING:
+    from stalwart.checkpointing.storage.catalog import CheckpointInfo
     from tests.unit.controller_world import FakeWorld
 
 T0 = 1_700_000_000.0  # the fake clock starts here
@@ -307,9 +308,15 @@ class FakeGroup(WorkerGroup):
         self._start_step = step
         return step
 
-    def restore(self, path: str) -> int:
-        self._call("restore", path)
-        return self._restored(int(path.rsplit("_", 1)[-1]))
+    def restore(self, checkpoint: CheckpointInfo) -> int:
+        """As the ranks do: every file checked against the manifest as it is read (a
+        checkpoint a test made up, with no manifest, has no files to check)."""
+        from stalwart.checkpointing.storage.catalog import verify_files
+
+        self._call("restore", checkpoint.path)
+        if checkpoint.manifest:
+            verify_files(checkpoint)
+        return self._restored(int(checkpoint.path.rsplit("_", 1)[-1]))
 
     def memory_inventory(self) -> dict[str, Inventory]:
         """A scripted actor holds the steps in `memory` (all of a 1-rank world's state); a

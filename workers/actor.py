@@ -51,8 +51,8 @@ class TrainWorker:
               faults: Sequence[FaultSpec], nodes: list[str]) -> None:
         self.worker.setup(rank, world_size, rdzv, generation, faults, nodes)
 
-    def restore(self, path: str) -> int:
-        return self.worker.restore(path)
+    def restore(self, path: str, files: dict[str, Any]) -> int:
+        return self.worker.restore(path, files)
 
     def restore_memory(self, generation: int, step: int, layouts: dict[int, ShardLayout],
                        sources: dict[int, Any]) -> MemoryRestoreReport:

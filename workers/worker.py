@@ -285,11 +285,13 @@ class Worker:
         self._error = self._error_kind = self._busy = None
         self._thread = None
 
-    def restore(self, path: str) -> int:
-        """Load a committed checkpoint (resharded to this world); returns its step."""
+    def restore(self, path: str, files: dict[str, Any]) -> int:
+        """Load a committed checkpoint (resharded to this world); returns its step. `files`:
+        its manifest's file table, verified by the driver; each file is checked against it
+        as it is read."""
         assert self.engine is not None and self.checkpointer is not None
         state = self.engine.state_dict()
-        self.checkpointer.load(path, state)
+        self.checkpointer.load(path, files, state)
         self.engine.load_state_dict(state)
         return self.engine.step
 

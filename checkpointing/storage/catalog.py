@@ -69,8 +69,12 @@ def read_step_dir(path: str, *, step: int | None = None) -> CheckpointInfo:
             manifest = json.load(f)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint {where} is not committed (no {MANIFEST})") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is damaged: {exc}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is damaged: "
+                              f"{type(exc).__name__}: {exc}") from None
+    except OSError as exc:  # a directory named manifest.json, no permission, ...
+        raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} cannot be read: "
+                              f"{exc.strerror or exc}") from None
     if not isinstance(manifest, dict):
         raise CheckpointError(f"checkpoint {path!r}: {MANIFEST} is damaged: a JSON "
                               f"{type(manifest).__name__}, not an object")
@@ -125,14 +129,19 @@ def committed_checkpoints(url: str) -> list[CheckpointInfo]:
     return [read_checkpoint(url, step) for step, done in list_step_dirs(url) if done]
 
 
-def verify(info: CheckpointInfo, trust: CheckpointTrust) -> CheckpointInfo:
+def verify(info: CheckpointInfo, trust: CheckpointTrust, *, hashes: bool = True
+           ) -> CheckpointInfo:
     """Check that the manifest lists every file a load needs and is signed as `trust`
-    requires, then every file's size and sha256 against it; raise naming the first problem.
-    Nothing of the checkpoint is deserialised here. Returns `info`, marked when it was
-    accepted unsigned."""
+    requires, then every file's size, and with `hashes` its sha256, against it; raise
+    naming the first problem. Nothing of the checkpoint is deserialised here. Returns
+    `info`, marked when it was accepted unsigned.
+
+    `hashes=False` is for a checkpoint about to be loaded: the loader checks each file's
+    sha256 as it reads it (safe_load.VerifiedReader), so reading it all here first would
+    read it twice and still not cover a change in between."""
     check_manifest(info)
     unsigned = check_signature(info.manifest, trust, f"checkpoint {info.path!r}")
-    _check_files(info)
+    _check_files(info, hashes=hashes)
     return dataclasses.replace(info, unsigned=unsigned)
 
 
@@ -143,37 +152,39 @@ def verify_files(info: CheckpointInfo) -> None:
     _check_files(info)
 
 
-def _check_files(info: CheckpointInfo) -> None:
+def _check_files(info: CheckpointInfo, *, hashes: bool = True) -> None:
     """Each file against the size and sha256 the (already checked) manifest gives."""
     fs, root = filesystem(info.path)
     for name, meta in info.manifest["files"].items():
         path = f"{root}/{name}"
-        if not fs.exists(path):
+        if not fs.isfile(path):
             raise CheckpointError(f"checkpoint {info.path!r}: file {name} is missing")
-        if fs.size(path) != meta["size"] or sha256_of(fs, path) != meta["sha256"]:
+        if fs.size(path) != meta["size"] or (hashes and sha256_of(fs, path) != meta["sha256"]):
             raise CheckpointError(f"checkpoint {info.path!r}: file {name} is damaged "
                                   f"(size or sha256 differs from the manifest)")
 
 
-def newest_valid(url: str, trust: CheckpointTrust, *, on_skip=None, below: int | None = None
-                 ) -> CheckpointInfo | None:
+def newest_valid(url: str, trust: CheckpointTrust, *, on_skip=None, below: int | None = None,
+                 hashes: bool = True) -> CheckpointInfo | None:
     """The newest committed checkpoint (older than step `below`, if given) that verifies;
-    damaged and untrusted ones are skipped and reported."""
+    damaged and untrusted ones are skipped and reported. `hashes`: see verify."""
     for step, done in reversed(list_step_dirs(url)):
         if not done or (below is not None and step >= below):
             continue
         try:
-            return verify(read_checkpoint(url, step), trust)
+            return verify(read_checkpoint(url, step), trust, hashes=hashes)
         except CheckpointError as exc:
             if on_skip is not None:
                 on_skip(step, str(exc))
     return None
 
 
-def find_step(url: str, step: int, trust: CheckpointTrust) -> CheckpointInfo:
-    """A specific committed, verified checkpoint; the error lists the steps that exist."""
+def find_step(url: str, step: int, trust: CheckpointTrust, *, hashes: bool = True
+              ) -> CheckpointInfo:
+    """A specific committed, verified checkpoint; the error lists the steps that exist.
+    `hashes`: see verify."""
     steps = [s for s, done in list_step_dirs(url) if done]
     if step not in steps:
         raise CheckpointError(f"no committed checkpoint for step {step} under {url!r}; "
                               f"committed steps: {steps or 'none'}")
-    return verify(read_checkpoint(url, step), trust)
+    return verify(read_checkpoint(url, step), trust, hashes=hashes)

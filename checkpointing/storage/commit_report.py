@@ -15,3 +15,6 @@ class CommitReport:
     path: str
     save_s: float
     """Seconds from the start of the save to the manifest being written."""
+    cleared: tuple[str, ...] = ()
+    """Files the step directory held before the save began, removed so that the manifest
+    signs only what this save wrote (an earlier attempt's, or planted ones)."""

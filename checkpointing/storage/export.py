@@ -1,9 +1,9 @@
 """Export a run's checkpoint as full, unsharded model weights for use outside stalwart.
 
 Runs in one process with no process group, from the checkpoint alone: no task code is
-imported. The checkpoint is verified (signature, then every file) before anything of it
-is read; its `.metadata` gives each model tensor's full shape and dtype, and DCP reads every
-shard into tensors of that shape. The output is safetensors (`.safetensors`) or a plain
+imported. The checkpoint's manifest is verified (signature, listing, sizes) before anything
+of it is read, and each file against its sha256 as it is read. Its `.metadata` gives each
+model tensor's full shape and dtype, and DCP reads every shard into tensors of that shape. The output is safetensors (`.safetensors`) or a plain
 `torch.save` state dict (`.pt`, `.pth`, `.bin`).
 
 Without a step, the newest checkpoint that verifies and loads is exported; each one passed
@@ -19,11 +19,10 @@ import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from stalwart.checkpointing.errors import CheckpointError, describe_load_error
 from stalwart.checkpointing.storage.catalog import CheckpointInfo, find_step, newest_valid
-from stalwart.checkpointing.storage.layout import METADATA
 from stalwart.checkpointing.storage.signing import CheckpointTrust
 
 if TYPE_CHECKING:
@@ -69,14 +68,16 @@ def load_weights(checkpoint: CheckpointInfo) -> dict[str, torch.Tensor]:
 
     from stalwart.checkpointing.safe_load import SafeLoadPlanner, VerifiedReader
 
-    expected = checkpoint.manifest["files"][METADATA]["sha256"]
-    reader = VerifiedReader(checkpoint.path, metadata_sha256=expected)
+    reader = VerifiedReader(checkpoint.path, files=checkpoint.manifest["files"])
     metadata = reader.read_metadata()  # checked against the manifest, then unpickled safely
-    model = {name.removeprefix(MODEL_PREFIX): torch.empty(meta.size, dtype=meta.properties.dtype)
-             for name, meta in metadata.state_dict_metadata.items()
-             if name.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
-    if not model:
+    claimed = {name.removeprefix(MODEL_PREFIX): meta
+               for name, meta in metadata.state_dict_metadata.items()
+               if name.startswith(MODEL_PREFIX) and isinstance(meta, TensorStorageMetadata)}
+    if not claimed:
         raise CheckpointError(f"checkpoint {checkpoint.path!r} holds no model tensors")
+    _check_claimed_sizes(checkpoint, claimed)
+    model = {name: torch.empty(meta.size, dtype=meta.properties.dtype)
+             for name, meta in claimed.items()}
     state = {"model": model}
     try:
         with warnings.catch_warnings():  # one process on purpose: DCP's warning is noise
@@ -90,6 +91,21 @@ def load_weights(checkpoint: CheckpointInfo) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"checkpoint {checkpoint.path!r} failed to load: "
                               f"{describe_load_error(exc)}") from exc
     return {k: v.contiguous() for k, v in state["model"].items()}
+
+
+def _check_claimed_sizes(checkpoint: CheckpointInfo, claimed: dict[str, Any]) -> None:
+    """The model tensors `.metadata` claims fit in the bytes the checkpoint holds: a shape
+    claimed larger would be allocated before any of it is read (a crafted one is an
+    out-of-memory, not an error)."""
+    import math
+
+    stored = sum(meta["size"] for meta in checkpoint.manifest["files"].values())
+    need = sum(math.prod(meta.size) * meta.properties.dtype.itemsize
+               for meta in claimed.values())
+    if need > stored:
+        raise CheckpointError(f"checkpoint {checkpoint.path!r}: .metadata claims model "
+                              f"tensors of {need} bytes, more than its files hold ({stored}); "
+                              f"not loaded")
 
 
 def write_weights(weights: dict[str, torch.Tensor], step: int, out: Path) -> Path:
@@ -123,11 +139,13 @@ def write_weights(weights: dict[str, torch.Tensor], step: int, out: Path) -> Pat
 def candidates(storage_url: str, step: int | None, trust: CheckpointTrust, on_skip: OnSkip
                ) -> Iterator[CheckpointInfo]:
     """The checkpoint `step` (verified), or every valid one, newest first."""
+    # hashes=False: load_weights checks every file's sha256 as it reads it.
     if step is not None:
-        yield find_step(storage_url, step, trust)
+        yield find_step(storage_url, step, trust, hashes=False)
         return
     below = None
-    while (info := newest_valid(storage_url, trust, on_skip=on_skip, below=below)) is not None:
+    while (info := newest_valid(storage_url, trust, on_skip=on_skip, below=below,
+                                hashes=False)) is not None:
         yield info
         below = info.step
 

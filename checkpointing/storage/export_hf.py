@@ -53,10 +53,15 @@ def check_out_dir(out: Path) -> None:
 
 
 def export_files_of(checkpoint: CheckpointInfo) -> dict[str, bytes]:
-    """The checkpoint's `export.*` files by their own names (already verified with it)."""
+    """The checkpoint's `export.*` files by their own names, each checked against the
+    signed manifest as it is read."""
+    from stalwart.checkpointing.safe_load import checked
+
     fs, root = filesystem(checkpoint.path)
-    return {check_file_name(name.removeprefix(EXPORT_PREFIX)): fs.cat(f"{root}/{name}")
-            for name in checkpoint.manifest["files"] if name.startswith(EXPORT_PREFIX)}
+    files = checkpoint.manifest["files"]
+    return {check_file_name(name.removeprefix(EXPORT_PREFIX)):
+            checked(fs.cat(f"{root}/{name}"), meta, f"checkpoint {checkpoint.path!r}: {name}")
+            for name, meta in files.items() if name.startswith(EXPORT_PREFIX)}
 
 
 def untied(weights: dict[str, torch.Tensor], tied: list[list[str]]) -> dict[str, torch.Tensor]:

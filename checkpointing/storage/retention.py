@@ -57,9 +57,11 @@ def best_steps(url: str, newest: int, best: BestRule, trust: CheckpointTrust,
         if not done or step > newest:
             continue
         try:
-            value = read_checkpoint(url, step).manifest.get("metrics", {}).get(best.metric)
+            metrics = read_checkpoint(url, step).manifest.get("metrics")
         except CheckpointError:
             continue
+        # Storage writes the manifest: anything but a table of numbers ranks as unmeasured.
+        value = metrics.get(best.metric) if isinstance(metrics, dict) else None
         if isinstance(value, int | float) and math.isfinite(value):
             scored.append((value if best.mode == "min" else -value, -step))
     kept: set[int] = set()

@@ -14,13 +14,13 @@ sign: a key is rotated without trusting unsigned checkpoints.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import hmac
 import json
 import os
 import secrets
 import stat
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any

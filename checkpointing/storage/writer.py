@@ -29,12 +29,9 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from stalwart.checkpointing.errors import CheckpointError, describe_load_error
-from stalwart.checkpointing.safe_load import SafeLoadPlanner, VerifiedReader
+from stalwart.checkpointing.safe_load import FileTable, SafeLoadPlanner, VerifiedReader
 from stalwart.checkpointing.snapshot import Shard
 from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
-from stalwart.checkpointing.storage.catalog import (
-    read_step_dir,
-)
 from stalwart.checkpointing.storage.commit_report import CommitReport
 from stalwart.checkpointing.storage.hashing import FileDigest, HashingWriter
 from stalwart.checkpointing.storage.layout import (
@@ -54,7 +51,6 @@ from stalwart.checkpointing.storage.retention import BestRule, apply_retention
 from stalwart.checkpointing.storage.signing import (
     CheckpointTrust,
     SigningKey,
-    check_signature,
     sign,
 )
 
@@ -69,39 +65,67 @@ def write_manifest(url: str, step: int, extra: dict[str, Any], *, key: SigningKe
 
     `ranks`: how many ranks wrote the checkpoint; each must have left its data file, or the
     checkpoint is not committed (default: the ranks whose data files are there).
-    `digests`: what each file's writer hashed as it wrote it (HashingWriter); a file whose
-    size on storage is the size its writer wrote takes that digest, unread. Without it
-    (checkpoints made by hand, tests, the old path in bench/commit.py) every file is read."""
+    `digests`: what this save's writers hashed as they wrote. Given, the manifest signs
+    exactly those files: a file the directory holds that no writer wrote (planted during the
+    save), or one whose size is not the size written (swapped), fails the commit, and
+    nothing is read back. Without it (checkpoints made by hand, tests, bench/commit.py)
+    every file found is read and hashed."""
     fs, root = filesystem(join(url, step_dir_name(step)))
-    digests = digests or {}
-    files, read_back = {}, []
-    for info in fs.ls(root, detail=True):
-        name = info["name"].rstrip("/").rsplit("/", 1)[-1]
-        # A stale manifest.json.tmp is left by a commit that crashed before its rename.
-        if name in (MANIFEST, f"{MANIFEST}.tmp") or info["type"] != "file":
-            continue
-        size, digest = int(info["size"]), digests.get(name)
-        if digest is not None and digest.size == size:
-            files[name] = {"size": size, "sha256": digest.sha256}
-            continue
-        # No digest from a writer (a file this save did not write, e.g. left by an earlier
-        # attempt at the same step; or one DCP wrote other than through HashingWriter's
-        # streams), or a size that differs from what was written: the manifest must
-        # describe the files as they are, so this one is read and hashed here.
-        files[name] = {"size": size, "sha256": sha256_of(fs, info["name"])}
-        read_back.append(name)
+    where = join(url, step_dir_name(step))
+    found = {info["name"].rstrip("/").rsplit("/", 1)[-1]: info for info in fs.ls(root, detail=True)}
+    # A stale manifest.json.tmp is left by a commit that crashed before its rename.
+    found = {n: i for n, i in found.items() if n not in (MANIFEST, f"{MANIFEST}.tmp")}
+    if digests is None:
+        files = {n: {"size": int(i["size"]), "sha256": sha256_of(fs, i["name"])}
+                 for n, i in found.items() if i["type"] == "file"}
+        read_back = sorted(files)
+    else:
+        files, read_back = _written_files(found, digests, where), []
     written = {r for r in map(data_file_rank, files) if r is not None}
     if ranks is None:
         ranks = max(written) + 1 if written else 1
     missing = ([METADATA] if METADATA not in files else []) + [
         f"__{r}_0.distcp" for r in range(ranks) if r not in written]
     if missing:
-        raise CheckpointError(f"checkpoint {join(url, step_dir_name(step))!r} is incomplete "
-                              f"after its write: no {', '.join(missing)}; not committed")
+        raise CheckpointError(f"checkpoint {where!r} is incomplete after its write: no "
+                              f"{', '.join(missing)}; not committed")
     manifest = sign({"format": FORMAT_VERSION, "step": step, "time": time.time(),
                      "files": files, **extra, "ranks": ranks}, key)
     write_manifest_file(fs, root, manifest)
     return read_back
+
+
+def _written_files(found: dict[str, dict[str, Any]], digests: dict[str, FileDigest],
+                   where: str) -> dict[str, dict[str, Any]]:
+    """The manifest's file table: every file the writers wrote, as they wrote it, provided
+    the directory holds exactly those files at those sizes."""
+    extra = sorted(set(found) - set(digests))
+    if extra:
+        raise CheckpointError(f"checkpoint {where!r}: the step directory holds "
+                              f"{', '.join(extra)}, which this save did not write (put there "
+                              f"during the save); not committed, nothing signed")
+    gone = sorted(set(digests) - set(found))
+    changed = sorted(n for n, d in digests.items() if n in found
+                     and (found[n]["type"] != "file" or int(found[n]["size"]) != d.size))
+    if gone or changed:
+        raise CheckpointError(f"checkpoint {where!r}: "
+                              + "; ".join(f"{what} {', '.join(names)}" for what, names in
+                                          (("missing after its write:", gone),
+                                           ("another size than written:", changed)) if names)
+                              + "; not committed, nothing signed")
+    return {n: {"size": d.size, "sha256": d.sha256} for n, d in digests.items()}
+
+
+def clear_step_dir(url: str, step: int) -> tuple[str, ...]:
+    """Empty step's directory before a save writes into it: whatever it holds (an earlier
+    attempt's files, or planted ones) must not end up signed. Returns the names removed."""
+    fs, root = filesystem(join(url, step_dir_name(step)))
+    if not fs.exists(root):
+        return ()
+    names = tuple(sorted(i["name"].rstrip("/").rsplit("/", 1)[-1] for i in fs.ls(root, detail=True)))
+    if names:
+        fs.rm(root, recursive=True)
+    return names
 
 
 class StorageCheckpointer:
@@ -137,6 +161,7 @@ class StorageCheckpointer:
         `metrics`: the step's metrics, recorded in the manifest (what keep_best ranks)."""
         done = self.wait()
         t0 = time.perf_counter()
+        cleared = self._clear(step)
         path = join(self.url, step_dir_name(step))
         writer = HashingWriter(path)
         no_dist = self.group is None
@@ -144,10 +169,10 @@ class StorageCheckpointer:
             fut = dcp.async_save(state, storage_writer=writer, process_group=self.group,
                                  no_dist=no_dist)
             self._pending = self._finisher.submit(self._commit, step, t0, writer, fut,
-                                                  metrics)
+                                                  metrics, cleared)
         else:
             dcp.save(state, storage_writer=writer, process_group=self.group, no_dist=no_dist)
-            report = self._commit(step, t0, writer, None, metrics)
+            report = self._commit(step, t0, writer, None, metrics, cleared)
             if report is not None:
                 done.append(report)
         return done
@@ -161,6 +186,7 @@ class StorageCheckpointer:
         """
         done = self.wait()
         t0 = time.perf_counter()
+        cleared = self._clear(shard.step)
         shard.ready()
         buf = self._persist_buffer
         if buf is None or buf.numel() != shard.buffer.numel():
@@ -176,16 +202,28 @@ class StorageCheckpointer:
         if self.async_save:
             write_done = self._finisher.submit(write)
             self._pending = self._finisher.submit(self._commit, shard.step, t0, writer,
-                                                  write_done, metrics)
+                                                  write_done, metrics, cleared)
         else:
             write()
-            report = self._commit(shard.step, t0, writer, None, metrics)
+            report = self._commit(shard.step, t0, writer, None, metrics, cleared)
             if report is not None:
                 done.append(report)
         return done
 
+    def _clear(self, step: int) -> tuple[str, ...]:
+        """Rank 0 empties the step directory before the save. No other rank writes before
+        rank 0 enters the save: DCP's first collective (the plan) waits for every rank."""
+        if self.rank != 0:
+            return ()
+        cleared = clear_step_dir(self.url, step)
+        if cleared:
+            _log.warning("checkpoint step %d: its directory already held %s; removed before "
+                         "the save", step, ", ".join(cleared))
+        return cleared
+
     def _commit(self, step: int, t0: float, writer: HashingWriter, fut: Future | None,
-                metrics: dict[str, float] | None = None) -> CommitReport | None:
+                metrics: dict[str, float] | None = None, cleared: tuple[str, ...] = ()
+                ) -> CommitReport | None:
         if fut is not None:
             fut.result()  # re-raises a failed write on this rank
         if self.rank != 0:
@@ -198,15 +236,11 @@ class StorageCheckpointer:
         extra = {**self.manifest_extra, "run_id": self.trust.run_id}
         if metrics:
             extra["metrics"] = metrics
-        read_back = write_manifest(self.url, step, extra, key=self.trust.key, ranks=ranks,
-                                   digests=digests)
-        if read_back:
-            _log.warning("checkpoint step %d: no digest from the writer of %s; hashed by "
-                         "reading them back", step, ", ".join(sorted(read_back)))
+        write_manifest(self.url, step, extra, key=self.trust.key, ranks=ranks, digests=digests)
         apply_retention(self.url, self.keep_last, newest=step, trust=self.trust,
                         verified=self._verified, best=self.keep_best)
         return CommitReport(step=step, path=join(self.url, step_dir_name(step)),
-                            save_s=time.perf_counter() - t0)
+                            save_s=time.perf_counter() - t0, cleared=cleared)
 
     def _write_export_files(self, step: int) -> dict[str, FileDigest]:
         """The export files into step's directory, before its manifest; their digests."""
@@ -233,22 +267,22 @@ class StorageCheckpointer:
         report = pending.result()
         return [report] if report is not None else []
 
-    def load(self, path: str, state: dict[str, Any]) -> None:
+    def load(self, path: str, files: FileTable, state: dict[str, Any]) -> None:
         """Load a committed checkpoint into `state` in place, resharding to this world.
 
-        The driver verified every file; here the manifest's signature is checked again,
-        and `.metadata` against it as it is read (see safe_load), so nothing that changed
-        since is unpickled."""
-        info = read_step_dir(path)
-        check_signature(info.manifest, self.trust, f"checkpoint {path!r}")
-        reader = VerifiedReader(path, metadata_sha256=info.manifest["files"][METADATA]["sha256"])
+        `files`: the file table of its manifest, as the driver verified it (signature and
+        listing). Each file is checked against it as it is read (see safe_load), so nothing
+        changed since, or never signed, is loaded; a mismatch is a CheckpointError, and
+        the controller falls back to an older checkpoint."""
+        reader = VerifiedReader(path, files=files)
         try:
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
                      process_group=self.group, no_dist=self.group is None)
         except CheckpointError:
             raise
         # DCP raises a variety of types for a mismatched model, and CheckpointException (a
-        # BaseException, not an Exception) for a read that failed on any rank.
+        # BaseException, not an Exception) for a read that failed on any rank; a rank's
+        # CheckpointError reaches the others inside it.
         except (CheckpointException, Exception) as exc:
             raise CheckpointError(f"checkpoint {path!r} failed to load (damaged, or it does "
                                   f"not fit this task's model or optimizer): "

@@ -273,6 +273,9 @@ class CheckpointCommitted(Event):
     found_on_restore: bool = False
     """Rank 0 did not live to report it (it died just after the manifest landed); a
     restore, or the end of a failed run, found it on storage."""
+    cleared: list[str] = field(default_factory=list)
+    """Files the step directory held before the save began (an earlier attempt's, or
+    planted), removed so that the manifest signs only what the save wrote."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from stalwart.checkpointing.storage.catalog import read_step_dir
 from stalwart.checkpointing.storage.layout import join, step_dir_name
 from stalwart.checkpointing.storage.writer import StorageCheckpointer
 from stalwart.core.task import build_task
@@ -52,7 +53,8 @@ def load_then_continue(rank, world, cache, layout, storage):
     ckpt = StorageCheckpointer(storage, rank=rank, keep_last=0, async_save=False,
                                manifest_extra={}, trust=trust())
     state = engine.state_dict()
-    ckpt.load(join(storage, step_dir_name(SAVE_AT)), state)
+    path = join(storage, step_dir_name(SAVE_AT))
+    ckpt.load(path, read_step_dir(path).manifest["files"], state)
     engine.load_state_dict(state)
     ckpt.close()
     assert engine.step == SAVE_AT and engine.samples_seen == SAVE_AT * 8

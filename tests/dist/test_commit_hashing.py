@@ -18,7 +18,7 @@ import torch
 from fsspec.implementations.local import LocalFileSystem
 
 from stalwart.checkpointing.snapshot import SnapshotStager
-from stalwart.checkpointing.storage.catalog import read_checkpoint, verify
+from stalwart.checkpointing.storage.catalog import read_checkpoint, read_step_dir, verify
 from stalwart.checkpointing.storage.layout import MANIFEST, join, step_dir_name
 from stalwart.checkpointing.storage.writer import StorageCheckpointer, write_manifest
 from tests.dist.launcher import run_ranks
@@ -78,7 +78,8 @@ def save_and_commit(rank: int, world: int, url: str) -> dict[str, Any]:
     for step, source in ((1, rank_state(rank)), (2, rank_state(rank, 2.0))):
         target = {"model": {k: torch.zeros_like(v) for k, v in source["model"].items()},
                   "step": 0}
-        ckpt.load(join(url, step_dir_name(step)), target)
+        path = join(url, step_dir_name(step))
+        ckpt.load(path, read_step_dir(path).manifest["files"], target)
         loaded[step] = all(torch.equal(target["model"][k], v)
                            for k, v in source["model"].items()) and target["step"] == step
     ckpt.close()

@@ -224,7 +224,7 @@ def test_a_killed_rank_is_replaced_and_the_next_world_restores(group: ElasticGro
     # Storage: the newest checkpoint the first world wrote loads at its own step.
     checkpoint = newest_valid(group.storage_url, trust())
     assert checkpoint is not None and checkpoint.step in {c.step for c in seen.commits}
-    assert group.restore(checkpoint.path) == checkpoint.step
+    assert group.restore(checkpoint) == checkpoint.step
 
     # Memory: the survivor holds the first world's newest step; the spare holds nothing.
     inventories = group.memory_inventory()

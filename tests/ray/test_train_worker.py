@@ -180,7 +180,7 @@ def test_a_worker_trains_stops_leaves_and_joins_again(make_actor) -> None:
     join_alone(actor, generation=1, node=node)
     checkpoint = newest_valid(storage, trust())
     assert checkpoint is not None and checkpoint.step == last
-    assert ray.get(actor.restore.remote(checkpoint.path), timeout=DEADLINE_S) == last
+    assert ray.get(actor.restore.remote(checkpoint.path, checkpoint.manifest["files"]), timeout=DEADLINE_S) == last
     ray.get(actor.start.remote(restored=True), timeout=DEADLINE_S)
     seen = poll_until(actor, lambda seen: len(steps_in(seen)) >= 1)
     assert steps_in(seen)[0].step == last + 1 and seen[-1].generation == 1

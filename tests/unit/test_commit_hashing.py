@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint._fsspec_filesystem import FileSystem as FsspecFileSystem
 
+from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.safe_load import load_metadata
 from stalwart.checkpointing.storage.catalog import read_checkpoint, verify
 from stalwart.checkpointing.storage.hashing import (
@@ -205,23 +206,43 @@ def test_manifest_from_digests_equals_one_from_reading(url: str) -> None:
     verify(read_checkpoint(url, 4), trust())
 
 
-def test_a_file_without_a_digest_is_hashed_by_reading(url: str) -> None:
-    """The honest fallback: a file no writer hashed (left by an earlier attempt at the same
-    step), and one whose size is not what its writer wrote, are read and hashed."""
+def test_a_file_no_writer_wrote_fails_the_commit(url: str) -> None:
+    """Sign what was written, nothing else: a file planted in the step directory during
+    the save, or one whose size is not what its writer wrote (swapped), fails the commit
+    loudly, and no manifest is written."""
     step_url = join(url, step_dir_name(5))
     writer = HashingWriter(step_url)
     dcp_save({"w": torch.randn(50)}, writer)
     fs, root = fsspec.core.url_to_fs(step_url)
-    fs.pipe(f"{root}/__1_0.distcp", b"from an earlier attempt")
+    fs.pipe(f"{root}/export.modeling_evil.py", b"import os")
+    with pytest.raises(CheckpointError, match="holds export.modeling_evil.py, which this "
+                                              "save did not write"):
+        write_manifest(url, 5, {}, key=signing_key(), digests=dict(writer.digests))
+    fs.rm(f"{root}/export.modeling_evil.py")
     digests = dict(writer.digests)
-    digests[METADATA] = FileDigest(name=METADATA, size=1, sha256="0" * 64)  # wrong size
-    read_back = write_manifest(url, 5, {}, key=signing_key(), digests=digests)
-    assert sorted(read_back) == [METADATA, "__1_0.distcp"]
-    files = manifest_files(url, 5)
-    assert files["__1_0.distcp"]["sha256"] == sha(b"from an earlier attempt")
-    assert files[METADATA]["sha256"] == sha(fs.cat(f"{root}/{METADATA}"))
-    assert files["__0_0.distcp"]["sha256"] == writer.digests["__0_0.distcp"].sha256
+    digests[METADATA] = FileDigest(name=METADATA, size=1, sha256="0" * 64)  # swapped
+    with pytest.raises(CheckpointError, match="another size than written: .metadata"):
+        write_manifest(url, 5, {}, key=signing_key(), digests=digests)
+    assert not fs.exists(f"{root}/manifest.json")
+    write_manifest(url, 5, {}, key=signing_key(), digests=dict(writer.digests))
     verify(read_checkpoint(url, 5), trust())
+
+
+def test_a_save_starts_in_an_empty_step_directory(url: str) -> None:
+    """Files already in the step directory (an earlier attempt's, or planted before the
+    save) are removed before the save writes, and the commit reports them."""
+    fs, root = fsspec.core.url_to_fs(join(url, step_dir_name(6)))
+    fs.makedirs(root, exist_ok=True)
+    fs.pipe(f"{root}/export.config.json", b'{"auto_map": "evil"}')
+    ckpt = StorageCheckpointer(url, rank=0, keep_last=0, async_save=False,
+                               manifest_extra={"world_size": 1}, trust=trust())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        (report,) = ckpt.save(6, {"model": {"w": torch.randn(4)}, "step": 6})
+        ckpt.close()
+    assert report.cleared == ("export.config.json",)
+    assert "export.config.json" not in manifest_files(url, 6)
+    assert not fs.exists(f"{root}/export.config.json")
 
 
 # ------------------------------------------------------------------------- StorageCheckpointer

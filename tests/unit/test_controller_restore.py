@@ -206,7 +206,8 @@ def test_a_recovery_that_finds_committed_checkpoints_but_none_valid_fails(
     assert "step 4: " in final.reason and "step 2: " in final.reason
     assert "file __0_0.distcp is damaged" in final.reason
     assert [e["step"] for e in w.all("checkpoint_skipped")] == [4, 2]
-    assert w.named("restore", "restore_memory") == []
+    # the driver checks signature, listing and sizes; the ranks find the damage as they read
+    assert [c.name for c in w.named("restore", "restore_memory")] == ["restore", "restore"]
     assert all(e["source"] != "none" for e in w.all("checkpoint_chosen"))
 
 
