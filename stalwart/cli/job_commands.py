@@ -23,6 +23,7 @@ from stalwart.cli import jobs, upload
 from stalwart.cli.run_options import (
     TRUST_UNSIGNED_HELP,
     add_inject_option,
+    add_key_options,
     add_resume_options,
     add_set_option,
     run_config,
@@ -68,6 +69,7 @@ def add_job_commands(sub: argparse._SubParsersAction) -> None:
             p.add_argument("--trust-unsigned", action="store_true", help="for a run "
                            "directory: also accept checkpoints not signed with this key, as "
                            "`run --trust-unsigned` does")
+            add_key_options(p)
         else:
             p.add_argument("job_id", metavar="JOB", help="the job's submission id (or job id)")
         p.add_argument("--address", help=ADDRESS_HELP)
@@ -155,10 +157,15 @@ def _status(args: argparse.Namespace) -> int:
     from stalwart.cli.run_status import is_run_dir_arg, run_status
 
     if is_run_dir_arg(args.job_id):
-        return run_status(args.job_id, trust_unsigned=args.trust_unsigned)
-    if args.trust_unsigned:
-        raise ConfigError(f"--trust-unsigned is for a run directory, and there is none named "
-                          f"{args.job_id!r} here")
+        return run_status(args.job_id, trust_unsigned=args.trust_unsigned,
+                          key_file=args.key_file,
+                          trusted_key_files=tuple(args.trusted_key_files))
+    for flag, given in (("--trust-unsigned", args.trust_unsigned),
+                        ("--key-file", args.key_file),
+                        ("--trusted-key-file", args.trusted_key_files)):
+        if given:
+            raise ConfigError(f"{flag} is for a run directory, and there is none named "
+                              f"{args.job_id!r} here")
     try:
         address = jobs.resolve_address(args.address)
     except ClusterError as exc:
