@@ -127,3 +127,34 @@ def test_report_and_export_import_nothing_from_a_run_dir(tmp_path: Path) -> None
     stalwart("report", ".", cwd=run)
     assert (run / "report.png").stat().st_size > 0  # matplotlib (the real one) drew it
     assert not marker.exists()
+
+
+def test_shards_zeroed_after_the_check_are_skipped_never_exported(tmp_path: Path) -> None:
+    """Files are checked as they are read, not only beforehand: a zeroed shard (same size,
+    so the listing still matches) is a damaged checkpoint, and the older one is exported."""
+    run, weights = run_dir_with_checkpoints(tmp_path, (10, 20))
+    shard = _step(run, 20) / "__0_0.distcp"
+    shard.write_bytes(bytes(shard.stat().st_size))
+    proc = stalwart("export", str(run), "--out", "model.pt", cwd=tmp_path)
+    assert ("skipping checkpoint step 20" in proc.stderr
+            and "__0_0.distcp is damaged: its size or sha256 differs from the signed "
+                "manifest" in proc.stderr)
+    out = torch.load(tmp_path / "model.pt")
+    assert all(torch.equal(out[k], weights[10][k]) for k in weights[10])
+
+
+def test_a_tensor_claimed_larger_than_the_files_is_an_error_not_an_allocation(
+        tmp_path: Path) -> None:
+    from stalwart.checkpointing.safe_load import load_metadata
+
+    run, _ = run_dir_with_checkpoints(tmp_path, (10,))
+    path = _step(run, 10) / ".metadata"
+    metadata = load_metadata(path.read_bytes(), "x")
+    name = next(n for n in metadata.state_dict_metadata if n.startswith("model."))
+    metadata.state_dict_metadata[name].size = torch.Size([1 << 20, 1 << 20])  # 4 TiB
+    path.write_bytes(pickle.dumps(metadata))
+    _recompute_manifest(_step(run, 10))  # only --trust-unsigned gets this far
+    proc = stalwart("export", str(run), "--out", "model.pt", "--trust-unsigned",
+                    cwd=tmp_path, check=2)
+    assert "claims model tensors of" in proc.stderr and "more than its files hold" in proc.stderr
+    assert "Traceback" not in proc.stderr

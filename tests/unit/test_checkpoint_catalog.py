@@ -24,7 +24,7 @@ from stalwart.checkpointing.storage.catalog import (
     verify,
 )
 from stalwart.checkpointing.storage.layout import FORMAT_VERSION, MANIFEST, join, step_dir_name
-from stalwart.checkpointing.storage.retention import BestRule, apply_retention
+from stalwart.checkpointing.storage.retention import BestRule, apply_retention, best_steps
 from stalwart.checkpointing.storage.signing import sign
 from stalwart.checkpointing.storage.writer import write_manifest
 from tests.keys import signing_key, trust
@@ -481,3 +481,30 @@ def test_manifest_is_written_with_fsync_before_the_rename(local: Store, monkeypa
                                                      real_replace(a, b))[1])
     local.commit(10)
     assert order == ["fsync", f"replace {MANIFEST}", "fsync"]  # file, rename, directory
+
+
+# ------------------------------------------------------------ what storage can write
+
+def test_metrics_that_are_not_a_table_rank_as_unmeasured(local: Store) -> None:
+    """Storage writes the manifest: a `metrics` that is a list must not break every later
+    commit that ranks checkpoints (keep_best)."""
+    local.commit(10, metrics={"loss": 1.0})
+    local.commit(20)
+    manifest = local.root + "/" + step_dir_name(20) + "/manifest.json"
+    data = json.loads(local.fs.cat(manifest))
+    data["metrics"] = []
+    local.fs.pipe(manifest, json.dumps(data).encode())
+    local.commit(30, metrics={"loss": 2.0})
+    best = BestRule(count=1, metric="loss")
+    assert best_steps(local.url, 30, best, trust(), {}) == {10}
+    apply_retention(local.url, keep_last=1, newest=30, trust=trust(), best=best)
+    assert local.steps_on_storage() == [10, 30]
+
+
+def test_a_manifest_that_is_a_directory_is_skipped_not_a_crash(local: Store) -> None:
+    local.commit(10)
+    local.shard_files(20)
+    local.fs.makedirs(f"{local.root}/{step_dir_name(20)}/manifest.json")
+    seen, on_skip = _skips()
+    assert newest_valid(local.url, trust(), on_skip=on_skip).step == 10
+    assert seen[0][0] == 20 and "manifest.json cannot be read" in seen[0][1]
