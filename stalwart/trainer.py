@@ -331,6 +331,10 @@ class Trainer:
         task = resolve_task(self.config.task.path, self.config.task.args, self.task)
         task.check_layout(ParallelDims.from_config(self.config.parallel,
                                                    self.config.scaling.num_workers))
+        if self.address is None:  # this machine's Ray: its memory is the workers'
+            from stalwart.plan.preflight import check_run_memory
+
+            check_run_memory(task, self.config)  # plan's estimate; the model on meta
         storage_url = self.run_dir.storage_url(self.config)
         self._check_storage(storage_url)
         trust = self._trust()

@@ -143,6 +143,36 @@ CASES: dict[str, Case] = {
     "cpus_below_ray_unit": _run_set("scaling.cpus_per_worker=0.00001",
                                     expect="scaling.cpus_per_worker = 1e-05 is invalid: must "
                                            "be >= 0.0001 (Ray's smallest unit)"),
+    # -- accepted before, then a traceback from Ray or the workers
+    "cpus_1e308": _run_set("scaling.cpus_per_worker=1e308",
+                           expect="scaling.cpus_per_worker = 1e+308 is invalid: must be at "
+                                  "most 1024: a worker is one process on one node"),
+    "gpus_2000": _run_set("scaling.gpus_per_worker=2000",
+                          expect="scaling.gpus_per_worker = 2000.0 is invalid: must be at most "
+                                 "1024"),
+    "memory_limit_1e308": _run_set("checkpoint.memory_limit_gb=1e308",
+                                   expect="checkpoint.memory_limit_gb = 1e+308 is invalid: must "
+                                          "be at most 1048576 (1 PiB per worker)"),
+    "cache_dir_empty": _run_set('data.cache_dir=""',
+                                expect="data.cache_dir = '' is invalid: must name a directory; "
+                                       "leave it unset for the default"),
+    "cache_dir_blank": _run_toml('[data]\ncache_dir = "  "\n',
+                                 "data.cache_dir = '  ' is invalid: must name a directory"),
+    # the default run dir, runs/<name>-<timestamp>, was a name too long for the filesystem
+    "run_name_300": Case(("run", "config.toml", *_sets(f'run.name="{"n" * 300}"')),
+                         expect=f"run.name = '{'n' * 300}' is invalid: must be at most 200 "
+                                f"bytes in UTF-8, not 300"),
+    "run_dir_name_too_long": Case(("run", "config.toml", "--run-dir", f"x/{'d' * 300}/run"),
+                                  expect=f"run dir x/{'d' * 300}/run is not writable: cannot "
+                                         f"create the directory x/{'d' * 300}: "),
+    # refused by the estimate of `stalwart plan`, as plan refuses it (the model loads torch)
+    "model_too_big": _run_set("task.args.d_model=1048576",
+                              expect="the model of task.args = {'seq_len': 128, 'd_model': "
+                                     "1048576, 'n_layers': 4, 'n_heads': 4} "
+                                     "(52,777,104,441,344 parameters) does not fit: "
+                                     "dp_replicate=2 x dp_shard=1 x tp=1 x pp=1, ZeRO-0 needs "
+                                     "960 TiB per worker by the estimate of `stalwart plan`, "
+                                     "more than the "),
     "steps_zero": _run_set("train.steps=0", expect="train.steps = 0 is invalid: must be >= 1"),
     "lr_string": _run_set("train.lr=fast", expect="train.lr = 'fast' is invalid: expected a "
                                                   "float"),
@@ -437,6 +467,15 @@ def test_fresh_run_into_a_dir_with_a_run_is_refused(outcome: Outcome) -> None:
 @case("fresh_into_run")
 def test_fresh_run_into_a_dir_with_a_run_changes_nothing(outcome: Outcome) -> None:
     outcome.assert_unchanged()
+
+
+@case("model_too_big")
+def test_a_model_too_large_for_the_machine_is_refused_as_plan_refuses_it(
+        outcome: Outcome) -> None:
+    line = outcome.only_error()
+    # the workers' share of this machine, then plan's own message
+    assert " each of the 2 workers has (this machine's " in line
+    assert "; no layout of 2 devices fits in " in line and " at least " in line
 
 
 # ---------------------------------------------------------------------------- export

@@ -13,7 +13,12 @@ import typing
 import pytest
 
 from stalwart.core.config import FaultSpec, JobConfig, config_from_dict, load_config
-from stalwart.core.config.sections import MAX_DURATION_S
+from stalwart.core.config.sections import (
+    MAX_DURATION_S,
+    MAX_MEMORY_LIMIT_GB,
+    MAX_RESOURCE_PER_WORKER,
+    MAX_RUN_NAME_BYTES,
+)
 from stalwart.core.errors import ConfigError
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -151,3 +156,54 @@ def test_keep_best_ranks_by_a_metric_its_checkpoints_have() -> None:
     # by the training loss every checkpoint has a value: no validation needed
     load_config(None, ["checkpoint.keep_best=1", "checkpoint.best_metric=loss",
                        "data.val_every=0"])
+
+
+@pytest.mark.parametrize("key", ["cpus_per_worker", "gpus_per_worker"])
+def test_a_worker_reserves_at_most_1024_cpus_or_gpus(key: str) -> None:
+    # 1e308 passed every check until Ray overflowed its fixed-point count, after the start.
+    for value in ("1e308", "1025"):
+        with pytest.raises(ConfigError) as err:
+            load_config(None, [f"scaling.{key}={value}"])
+        assert str(err.value) == (f"scaling.{key} = {float(value)!r} is invalid: must be at "
+                                  f"most {MAX_RESOURCE_PER_WORKER}: a worker is one process on "
+                                  f"one node, and no node has more")
+    config = load_config(None, [f"scaling.{key}={MAX_RESOURCE_PER_WORKER}"])
+    assert getattr(config.scaling, key) == MAX_RESOURCE_PER_WORKER
+
+
+def test_the_memory_tier_limit_is_at_most_1_pib() -> None:
+    # A worker turns it into bytes: 1e308 GiB overflowed there, at the first snapshot.
+    with pytest.raises(ConfigError, match=r"^checkpoint\.memory_limit_gb = 1e\+308 is invalid: "
+                                          r"must be at most 1048576 \(1 PiB per worker\)"):
+        load_config(None, ["checkpoint.memory_limit_gb=1e308"])
+    assert load_config(None, ["checkpoint.memory_limit_gb=1048576"]).checkpoint.memory_limit_gb \
+        == MAX_MEMORY_LIMIT_GB
+
+
+@pytest.mark.parametrize(("name", "size"), [("a" * 201, 201), ("é" * 101, 202),
+                                            ("a" * 300, 300)])
+def test_a_run_name_fits_a_file_name_with_its_timestamp(name: str, size: int) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f'run.name="{name}"'])
+    assert str(err.value) == (f"run.name = {name!r} is invalid: must be at most "
+                              f"{MAX_RUN_NAME_BYTES} bytes in UTF-8, not {size} (the run dir "
+                              f"runs/<name>-<timestamp> must fit in a 255-byte file name)")
+
+
+def test_the_longest_run_name_makes_a_valid_run_dir(tmp_path) -> None:
+    from stalwart.run_dir import RunDir
+
+    for name in ("a" * MAX_RUN_NAME_BYTES, "é" * (MAX_RUN_NAME_BYTES // 2)):
+        config = load_config(None, [f'run.name="{name}"'])
+        path = tmp_path / RunDir.default_path(config)
+        path.mkdir(parents=True)  # one file name component: the OS takes it
+        assert len(path.name.encode()) == MAX_RUN_NAME_BYTES + len("-YYYYmmdd-HHMMSS") < 255
+
+
+@pytest.mark.parametrize("value", ["", " ", "\t \n"])
+def test_the_data_cache_dir_names_a_directory(value: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config(None, [f"data.cache_dir={value!r}".replace("'", '"')])
+    assert str(err.value) == (f"data.cache_dir = {value!r} is invalid: must name a directory; "
+                              f"leave it unset for the default (~/.cache/stalwart)")
+    assert load_config(None, ['data.cache_dir="./cache"']).data.cache_dir == "./cache"

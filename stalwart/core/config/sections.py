@@ -34,6 +34,16 @@ MAX_DURATION_S = 1e9
 # (and overflows torch.manual_seed, numpy and Ray on the workers).
 INT_RANGE = (-(2**63), 2**63 - 1)
 RAY_RESOURCE_UNIT = 0.0001
+# The most CPUs or GPUs one worker may reserve. A worker is one process on one node (with
+# int(cpus_per_worker) torch threads), and no node has more; a far larger value would pass
+# every check until Ray, which keeps resources in fixed point (units of 0.0001 in an int64)
+# and fails with a traceback on the overflow.
+MAX_RESOURCE_PER_WORKER = 1024
+# The longest run.name, in UTF-8 bytes. The default run dir is `runs/<name>-YYYYmmdd-HHMMSS`:
+# the name plus 16 bytes in one file name component, which holds 255 bytes (Linux, macOS).
+# 200 leaves room for what tools append to a name (`.tar.gz`, a `-2`).
+MAX_RUN_NAME_BYTES = 200
+MAX_MEMORY_LIMIT_GB = 2**20  # 1 PiB: more than any worker's node holds
 
 
 def _check_kinds(section: Any, prefix: str) -> None:
@@ -64,7 +74,7 @@ class TaskConfig:
     path: str = "stalwart.examples.gpt.task:GPTTask"
     """The TrainTask to run, as `module:attribute` (importable from the current directory or the environment)."""
     args: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments passed to the task's constructor (for GPTTask: any `GPTConfig` field, e.g. `d_model`, `n_layers`, `seq_len`, and `val_fraction`)."""
+    """Keyword arguments passed to the task's constructor (for GPTTask: any `GPTConfig` field, e.g. `d_model`, `n_layers`, `seq_len`, and `val_fraction`). On this machine's Ray, a model that does not fit the workers' memory by the estimate of `stalwart plan` is refused before start."""
 
     def __post_init__(self) -> None:
         _check_kinds(self, "task")
@@ -84,9 +94,9 @@ class ScalingConfig:
     spare_workers: int = 0
     """Warm spares: idle actors started ahead with the task imported and its data prepared; a lost worker is replaced by one in about a second instead of a cold start. A spare used by a recovery is replaced once the new world has trained a step."""
     cpus_per_worker: float = 1.0
-    """Ray CPUs reserved for each worker actor (also its torch thread count)."""
+    """Ray CPUs reserved for each worker actor (also its torch thread count): from 0.0001 (Ray's smallest unit) to 1024."""
     gpus_per_worker: float = 0.0
-    """Ray GPUs reserved for each worker; > 0 trains on CUDA with NCCL, 0 on CPU with gloo."""
+    """Ray GPUs reserved for each worker; > 0 trains on CUDA with NCCL, 0 on CPU with gloo. 0, or from 0.0001 to 1024."""
     placement_strategy: str = "PACK"
     """`PACK` (Ray's default: fill nodes) or `SPREAD` (one worker per node where possible). Workers are placed one actor at a time, so the gang strategies (`STRICT_*`) do not apply."""
     start_timeout_s: float = 120.0
@@ -122,6 +132,10 @@ class ScalingConfig:
         _require(self.gpus_per_worker == 0 or self.gpus_per_worker >= RAY_RESOURCE_UNIT,
                  "scaling.gpus_per_worker", self.gpus_per_worker,
                  f"must be 0 (CPU workers) or >= {RAY_RESOURCE_UNIT} (Ray's smallest unit)")
+        for name in ("cpus_per_worker", "gpus_per_worker"):
+            _require(getattr(self, name) <= MAX_RESOURCE_PER_WORKER, f"scaling.{name}",
+                     getattr(self, name), f"must be at most {MAX_RESOURCE_PER_WORKER}: a "
+                     f"worker is one process on one node, and no node has more")
         # Workers are placed one actor at a time (an elastic world must be able to lose or
         # gain one), so the gang strategies of a placement group do not apply.
         strategies = ("PACK", "SPREAD")
@@ -281,7 +295,7 @@ class CheckpointConfig:
     key_file: str = ""
     """File holding the key that signs and verifies checkpoints (at least 32 characters); empty: the file named by `$STALWART_CHECKPOINT_KEY_FILE`, else `~/.config/stalwart/checkpoint.key`, created with mode 0600 on first use. Keep it out of checkpoint storage. See docs/security.md."""
     memory_limit_gb: float = 0.0
-    """Most memory the in-memory tier may hold per worker (two snapshots of its shard and of each peer shard it holds); `0`: 40% of the smallest of the worker's cgroup limit (its container or Slurm job), Ray's `memory` resource of the node and the node's RAM, shared among the node's workers (docs/memory-tier.md). Checked at the first snapshot."""
+    """Most memory the in-memory tier may hold per worker (two snapshots of its shard and of each peer shard it holds); `0`: 40% of the smallest of the worker's cgroup limit (its container or Slurm job), Ray's `memory` resource of the node and the node's RAM, shared among the node's workers (docs/memory-tier.md). Checked at the first snapshot. At most 1048576 (1 PiB)."""
 
     def __post_init__(self) -> None:
         _check_kinds(self, "checkpoint")
@@ -291,6 +305,10 @@ class CheckpointConfig:
         _require(self.memory_limit_gb >= 0, "checkpoint.memory_limit_gb", self.memory_limit_gb,
                  "must be >= 0 (0: 40% of the memory the node's workers may use, shared "
                  "among them)")
+        # It becomes bytes on the worker (int(GiB x 2^30)): 1e308 overflows there, mid-run.
+        _require(self.memory_limit_gb <= MAX_MEMORY_LIMIT_GB, "checkpoint.memory_limit_gb",
+                 self.memory_limit_gb, f"must be at most {MAX_MEMORY_LIMIT_GB} (1 PiB per "
+                 f"worker)")
         _require(self.persist_every >= 1, "checkpoint.persist_every", self.persist_every,
                  "must be >= 1")
         _require(self.keep_last >= 0, "checkpoint.keep_last", self.keep_last,
@@ -349,7 +367,7 @@ class FailureConfig:
 @dataclass(frozen=True, kw_only=True)
 class DataConfig:
     cache_dir: str = "~/.cache/stalwart"
-    """Where tasks keep prepared data (tokenized files), shared between runs on a machine."""
+    """Where tasks keep prepared data (tokenized files), shared between runs on a machine. Not empty: leave the key out for the default."""
     val_every: int = 50
     """Compute the validation loss every this many steps (and at the last); 0 disables it."""
     val_batches: int = 4
@@ -357,6 +375,9 @@ class DataConfig:
 
     def __post_init__(self) -> None:
         _check_kinds(self, "data")
+        _require(bool(self.cache_dir.strip()), "data.cache_dir", self.cache_dir,
+                 "must name a directory; leave it unset for the default "
+                 f"({DataConfig.cache_dir})")
         _require(self.val_every >= 0, "data.val_every", self.val_every, "must be >= 0")
         _require(self.val_batches >= 1, "data.val_batches", self.val_batches, "must be >= 1")
 
@@ -364,7 +385,7 @@ class DataConfig:
 @dataclass(frozen=True, kw_only=True)
 class RunConfig:
     name: str = "run"
-    """Run name; the default run directory is `runs/<name>-<timestamp>`."""
+    """Run name; the default run directory is `runs/<name>-<timestamp>`. At most 200 bytes (UTF-8), no `/`."""
     log_every: int = 10
     """Write a `metrics.jsonl` row every this many steps."""
     progress: bool = True
@@ -384,6 +405,10 @@ class RunConfig:
         _check_kinds(self, "run")
         _require(bool(self.name) and "/" not in self.name, "run.name", self.name,
                  "must be non-empty and contain no '/'")
+        size = len(self.name.encode(errors="surrogatepass"))
+        _require(size <= MAX_RUN_NAME_BYTES, "run.name", self.name,
+                 f"must be at most {MAX_RUN_NAME_BYTES} bytes in UTF-8, not {size} (the run "
+                 f"dir runs/<name>-<timestamp> must fit in a 255-byte file name)")
         _require(self.log_every >= 1, "run.log_every", self.log_every, "must be >= 1")
         for name in self.loggers:
             _require(name in LOGGERS, "run.loggers", self.loggers,
