@@ -120,8 +120,8 @@ class ElasticGroup(WorkerGroup):
     def __init__(self, config: JobConfig, storage_url: str, *, trust: CheckpointTrust,
                  import_paths: Sequence[str] = (),
                  outlive_driver: bool = False, task: TaskLike | None = None) -> None:
-        """`trust`: the checkpoint key and what a load accepts, handed to every worker at
-        its start (the key is never written to storage or the run dir). `import_paths`:
+        """`trust`: the checkpoint key and what a load accepts, handed to rank 0 of each
+        world as it forms (the key is never written to storage or the run dir). `import_paths`:
         put on each worker's sys.path before it imports the task. `outlive_driver`:
         detached workers that commit the step in flight if this driver is killed
         (workers/driver_watch.py); for a cluster that outlives the driver. `task`: a task
@@ -175,8 +175,7 @@ class ElasticGroup(WorkerGroup):
         if self._beacon is not None:  # found again by the run's next driver
             options.update(lifetime="detached", namespace=run_namespace(self.trust.run_id))
         actor = self._actor_class.options(**options).remote(
-            self._config_dict, self.storage_url, self._created, trust=self.trust,
-            driver_beacon=self._beacon, task=self.task, import_paths=self.import_paths)
+            self._config_dict, self.storage_url, self._created, driver_beacon=self._beacon, task=self.task, import_paths=self.import_paths)
         return Worker(key=name, actor=actor, warm=actor.warm_up.remote())
 
     def refresh(self, timeout: float = 0.0) -> None:
@@ -258,8 +257,11 @@ class ElasticGroup(WorkerGroup):
         world_size, generation = len(self.members), self.generation
         # Named by rank and generation: the Ray Dashboard's task list tells which actor is
         # which rank of which world (an actor's own name and repr are fixed at its creation).
+        # Only rank 0 gets the key: it signs the commits. The others load with the file
+        # table the driver verified (restore) and never sign.
         self._get([w.actor.setup.options(name=f"{task_name(rank, generation)}.setup").remote(
-                       rank, world_size, rdzv, generation, tuple(armed.get(rank, ())), nodes)
+                       rank, world_size, rdzv, generation, tuple(armed.get(rank, ())), nodes,
+                       signing=self.trust if rank == 0 else None)
                    for rank, w in enumerate(self.members)], timeout=timeout)
 
     def places(self) -> list[WorkerPlace]:

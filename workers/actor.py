@@ -25,14 +25,12 @@ if TYPE_CHECKING:
 
 class TrainWorker:
     def __init__(self, config: dict[str, Any], storage_url: str, number: int = 0, *,
-                 trust: CheckpointTrust, driver_beacon: Any = None,
-                 task: TaskLike | bytes | None = None, import_paths: Sequence[str] = ()
-                 ) -> None:
+                 driver_beacon: Any = None, task: TaskLike | bytes | None = None,
+                 import_paths: Sequence[str] = ()) -> None:
         from stalwart.workers.worker import Worker
 
-        self.worker = Worker(config, storage_url, number, trust=trust,
-                             driver_beacon=driver_beacon, task=task,
-                             import_paths=import_paths)
+        self.worker = Worker(config, storage_url, number, driver_beacon=driver_beacon,
+                             task=task, import_paths=import_paths)
 
     def __repr__(self) -> str:
         """Ray shows the Worker's name (its log prefix, the dashboard's Repr)."""
@@ -48,8 +46,9 @@ class TrainWorker:
         return self.worker.describe()
 
     def setup(self, rank: int, world_size: int, rdzv: RendezvousAddress, generation: int,
-              faults: Sequence[FaultSpec], nodes: list[str]) -> None:
-        self.worker.setup(rank, world_size, rdzv, generation, faults, nodes)
+              faults: Sequence[FaultSpec], nodes: list[str], *,
+              signing: CheckpointTrust | None) -> None:
+        self.worker.setup(rank, world_size, rdzv, generation, faults, nodes, signing=signing)
 
     def restore(self, path: str, files: dict[str, Any]) -> int:
         return self.worker.restore(path, files)

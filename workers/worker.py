@@ -95,9 +95,8 @@ def step_metrics(report: StepReport) -> dict[str, float]:
 
 class Worker:
     def __init__(self, config: dict[str, Any], storage_url: str, number: int = 0, *,
-                 trust: CheckpointTrust, driver_beacon: Any = None,
-                 task: TaskLike | bytes | None = None, import_paths: Sequence[str] = ()
-                 ) -> None:
+                 driver_beacon: Any = None, task: TaskLike | bytes | None = None,
+                 import_paths: Sequence[str] = ()) -> None:
         """`driver_beacon`: the driver's DriverBeacon when this worker is detached and must
         outlive a killed driver (workers/driver_watch.py); None when it dies with it.
         `task`: the task class or instance handed to the Trainer, if it was not named by
@@ -105,7 +104,9 @@ class Worker:
         `import_paths` (where the driver finds the task's modules) are on sys.path."""
         self.config: JobConfig = config_from_dict(config)
         self.storage_url = storage_url
-        self.trust = trust  # the checkpoint key, from the driver; only ever in memory
+        # The checkpoint key, only while this worker is rank 0 (it commits for everyone);
+        # from the driver, only ever in memory.
+        self.trust: CheckpointTrust | None = None
         self.number = number  # the n-th actor of the run: names it while it has no rank
         # Never more compute threads than the CPUs Ray reserved for this actor.
         torch.set_num_threads(max(1, int(self.config.scaling.cpus_per_worker)))
@@ -231,11 +232,14 @@ class Worker:
                            node_id=ray.get_runtime_context().get_node_id())
 
     def setup(self, rank: int, world_size: int, rdzv: RendezvousAddress, generation: int,
-              faults: Sequence[FaultSpec], nodes: list[str]) -> None:
+              faults: Sequence[FaultSpec], nodes: list[str], *,
+              signing: CheckpointTrust | None) -> None:
         """Join generation `generation`'s process group, then build the model and optimizer.
 
         `faults` are those this rank carries out in this world. `nodes` is each rank's node
-        id: snapshots are replicated to ranks on other nodes.
+        id: snapshots are replicated to ranks on other nodes. `signing`: the checkpoint key,
+        for rank 0 only, which signs the commits; other ranks load with the file table the
+        driver verified and need no key.
         """
         self.warm_up()
         assert self.task is not None
@@ -243,6 +247,7 @@ class Worker:
         announce_name(repr(self))
         self._reset_run_state()
         self.faults.arm(rank, faults)
+        self.trust = signing if rank == 0 else None  # a former rank 0 lets go of the key
         device = pick_device(self.config.scaling.gpus_per_worker > 0)
         host, self._rendezvous = self._rendezvous, None
         if rank != 0 and host is not None:

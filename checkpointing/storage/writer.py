@@ -130,11 +130,11 @@ def clear_step_dir(url: str, step: int) -> tuple[str, ...]:
 
 class StorageCheckpointer:
     def __init__(self, url: str, *, rank: int, keep_last: int, async_save: bool,
-                 manifest_extra: dict[str, Any], trust: CheckpointTrust,
+                 manifest_extra: dict[str, Any], trust: CheckpointTrust | None,
                  keep_best: BestRule | None = None,
                  export_files: dict[str, bytes] | None = None) -> None:
-        """`trust`: the key commits are signed with, and what a load accepts; a commit
-        names `trust.run_id` as the run that wrote it. `keep_best`: also keep the best
+        """`trust`: on rank 0, the key commits are signed with and what retention keeps; a
+        commit names `trust.run_id` as the run that wrote it. Other ranks never sign: None. `keep_best`: also keep the best
         checkpoints by a metric their manifests record (see storage/retention.py).
         `export_files`: what an exporter needs besides the weights (a Hugging Face
         config.json, a tokenizer), written by rank 0 into every checkpoint as
@@ -228,6 +228,8 @@ class StorageCheckpointer:
             fut.result()  # re-raises a failed write on this rank
         if self.rank != 0:
             return None
+        if self.trust is None:
+            raise CheckpointError("rank 0 holds no checkpoint key, so it cannot commit")
         # DCP's coordinator (rank 0) finishes only after every rank's write result reached
         # it and .metadata is written, so all shards are on storage at this point; their
         # digests came with the results (HashingWriter), so none is read back here.

@@ -50,6 +50,12 @@ def form(group: ElasticGroup, world_size: int, generation: int) -> list[int]:
     return [w.pid for w in workers]
 
 
+def holds_key(group: ElasticGroup) -> list[bool]:
+    """Per rank, whether the worker holds the checkpoint key (read inside its actor)."""
+    return ray.get([w.actor.__ray_call__.remote(lambda actor: actor.worker.trust is not None)
+                    for w in group.members], timeout=60)
+
+
 def pid_of(worker: Worker) -> int:
     assert worker.place is not None, "not warm yet"
     return worker.place.pid
@@ -220,6 +226,8 @@ def test_a_killed_rank_is_replaced_and_the_next_world_restores(group: ElasticGro
     # Generation 1: the survivor stays rank 0, the warm spare is rank 1.
     assert form(group, 2, 1) == [survivor, spare]
     assert group.generation == 1
+    # Only rank 0, which signs the commits, holds the checkpoint key.
+    assert holds_key(group) == [True, False]
 
     # Storage: the newest checkpoint the first world wrote loads at its own step.
     checkpoint = newest_valid(group.storage_url, trust())

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import ray
 
+from tests.keys import trust
 from tests.ray.test_train_worker import (  # noqa: F401 (fixtures)
     DEADLINE_S,
     config_of,
@@ -33,8 +34,8 @@ def test_each_world_s_store_is_held_on_the_node_address_and_let_go(make_actor) -
             assert listening_on(stale.port, pid=pid) == set()
         assert rdzv.host == ip
         assert listening_on(rdzv.port, pid=pid) == {(ip, rdzv.port)}
-        ray.get(actor.setup.remote(0, 1, rdzv, generation, [], [place.node_id]),
-                timeout=DEADLINE_S)
+        ray.get(actor.setup.remote(0, 1, rdzv, generation, [], [place.node_id],
+                                   signing=trust()), timeout=DEADLINE_S)
         ray.get(actor.start.remote(), timeout=DEADLINE_S)
         poll_until(actor, lambda seen: len(steps_in(seen)) >= 2)
         ray.get(actor.request_stop.remote(), timeout=DEADLINE_S)

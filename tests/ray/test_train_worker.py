@@ -53,7 +53,8 @@ def node_of(description: WorkerPlace) -> str:
 def join_alone(actor: Any, generation: int, node: str) -> None:
     """Set the actor up as the only rank of a world, with no faults armed."""
     rdzv = ray.get(actor.rendezvous_address.remote(), timeout=DEADLINE_S)
-    ray.get(actor.setup.remote(0, 1, rdzv, generation, [], [node]), timeout=DEADLINE_S)
+    ray.get(actor.setup.remote(0, 1, rdzv, generation, [], [node], signing=trust()),
+            timeout=DEADLINE_S)
 
 
 def leave(actor: Any) -> tuple[bool, int, list[CommitReport]]:
@@ -81,8 +82,7 @@ def make_actor(local_ray, tmp_path: Path):
         storage.mkdir(exist_ok=True)
         actor = ray.remote(TrainWorker).options(
             num_cpus=1, max_restarts=0,
-        ).remote(config.to_dict(), str(storage), len(actors) + 1, trust=trust(),
-                 import_paths=[str(ROOT)])
+        ).remote(config.to_dict(), str(storage), len(actors) + 1, import_paths=[str(ROOT)])
         actors.append(actor)
         return actor, str(storage)
 

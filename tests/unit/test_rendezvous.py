@@ -18,7 +18,6 @@ from stalwart.core.config import load_config
 from stalwart.parallel.distributed import RendezvousHost
 from stalwart.workers.actor import TrainWorker
 from tests.cli_helpers import REFERENCE_CONFIG
-from tests.keys import trust
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -161,7 +160,7 @@ def test_a_worker_asked_twice_hosts_only_the_last_rendezvous(tmp_path):
     config = load_config(REFERENCE_CONFIG, [])
     sigterm = signal.getsignal(signal.SIGTERM)  # the worker installs its own handler
     try:
-        worker = TrainWorker(config.to_dict(), str(tmp_path / "storage"), trust=trust())
+        worker = TrainWorker(config.to_dict(), str(tmp_path / "storage"))
         first = worker.rendezvous_address()
         assert listening_on(first.port) == {(first.host, first.port)}
         second = worker.rendezvous_address()
