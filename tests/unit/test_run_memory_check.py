@@ -95,8 +95,17 @@ class _NotOnMeta(TrainTask):
         raise RuntimeError("reads its weights from a file")
 
 
-def test_a_model_that_cannot_be_built_on_meta_goes_ahead_unchecked() -> None:
-    check_run_memory(_NotOnMeta(), load_config(None, []))
+class _NoDimsOnMeta(TrainTask):
+    def build_model(self, config: object) -> torch.nn.Module:
+        return torch.nn.Linear(4, 4)
+
+    def model_dims(self, model: torch.nn.Module) -> None:
+        raise RuntimeError("reads the weights' values")
+
+
+@pytest.mark.parametrize("task", [_NotOnMeta(), _NoDimsOnMeta()])
+def test_a_model_that_cannot_be_estimated_goes_ahead_unchecked(task: TrainTask) -> None:
+    check_run_memory(task, load_config(None, []))
 
 
 def test_cpu_workers_share_this_machines_memory() -> None:
