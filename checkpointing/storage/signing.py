@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from stalwart.checkpointing.errors import CheckpointError, CheckpointKeyError
+from stalwart.core.ownership import why_not_own
 
 KEY_FILE_ENV = "STALWART_CHECKPOINT_KEY_FILE"
 TRUSTED_KEYS_ENV = "STALWART_CHECKPOINT_TRUSTED_KEY_FILES"
@@ -133,12 +134,8 @@ def check_key_file_stat(st: os.stat_result, where: str) -> None:
     if not stat.S_ISREG(st.st_mode):
         raise CheckpointKeyError(f"{where} is not a regular file; a key file holds one line "
                                  f"of hex")
-    if st.st_uid not in (os.getuid(), 0):
-        raise CheckpointKeyError(f"{where} is owned by uid {st.st_uid}, not by this user "
-                                 f"({os.getuid()}) or root: whoever owns it can change the key")
-    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
-        raise CheckpointKeyError(f"{where} is writable by its group or by others (mode "
-                                 f"{stat.S_IMODE(st.st_mode):o}); chmod 600 it")
+    if (why := why_not_own(st)) is not None:
+        raise CheckpointKeyError(f"{where}: {why}")
 
 
 def _create_key_file(path: Path, where: str) -> None:

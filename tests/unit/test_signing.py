@@ -163,7 +163,7 @@ def test_a_key_others_can_write_is_refused(tmp_path: Path, mode: int) -> None:
     path.write_text("k" * 40)
     path.chmod(mode)
     with pytest.raises(CheckpointKeyError, match=f"writable by its group or by others "
-                                                 f"\\(mode {mode:o}\\); chmod 600"):
+                                                 f"\\(mode {mode:o}\\); chmod go-w"):
         load_key(str(path))
     path.chmod(0o644)  # readable is this user's business; writable is not
     assert load_key(str(path)).secret == b"k" * 40

@@ -167,3 +167,26 @@ def test_pbt_needs_mutations_that_a_restore_can_take(tmp_path: Path) -> None:
                                               '"train.lr" = { loguniform = [1e-4, 1e-2] }\n'))
     scheduler = sweep.make_scheduler()
     assert type(scheduler).__name__ == "PopulationBasedTraining" and scheduler._synch
+
+
+def test_resume_restores_only_tune_state_this_user_owns(tmp_path: Path) -> None:
+    """Tune's restore unpickles tuner.pkl, which runs code: a shared, writable or linked
+    one is refused before Tune reads it."""
+    from stalwart.core.errors import RunDirError
+    from stalwart.integrations.tune.sweep import check_own_state
+
+    exp = tmp_path / "exp"
+    exp.mkdir()
+    state = exp / "tuner.pkl"
+    state.write_bytes(b"state")
+    state.chmod(0o644)
+    check_own_state(exp)
+    state.chmod(0o666)
+    with pytest.raises(RunDirError, match="tuner.pkl: it is writable by its group or by "
+                                          "others"):
+        check_own_state(exp)
+    state.unlink()
+    (tmp_path / "elsewhere.pkl").write_bytes(b"state")
+    state.symlink_to(tmp_path / "elsewhere.pkl")
+    with pytest.raises(RunDirError, match="is not a plain file"):
+        check_own_state(exp)

@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stalwart.core.errors import RunDirError
+from stalwart.core.ownership import why_not_own
 from stalwart.integrations.tune.sweep_file import Sweep
 from stalwart.integrations.tune.trainable import TRIAL_DRIVER_RESOURCES, trainable
 
@@ -49,9 +51,29 @@ def check_experiment_dir(sweep: Sweep, resume: bool) -> None:
 
         if not tune.Tuner.can_restore(str(path)):
             raise RunDirError(f"--resume: {path} holds no Tune experiment to resume")
+        check_own_state(path)
     if not resume and path.exists() and any(path.iterdir()):
         raise RunDirError(f"{path} already holds a sweep; pass --resume to continue it, or "
                           f"change name or storage in {sweep.path}")
+
+
+TUNER_STATE = "tuner.pkl"
+
+
+def check_own_state(path: Path) -> None:
+    """Tune's restore unpickles the experiment's `tuner.pkl`, which runs whatever it says:
+    only a regular file this user wrote, in a directory only this user can change, is
+    restored (a sweep dir copied from elsewhere or shared is not)."""
+    for item in (path, path / TUNER_STATE):
+        st = item.lstat()
+        kind = stat.S_ISDIR if item == path else stat.S_ISREG
+        if not kind(st.st_mode):
+            raise RunDirError(f"--resume: {item} is not a plain "
+                              f"{'directory' if item == path else 'file'}; Tune would "
+                              f"unpickle it, so it must be this user's own")
+        if (why := why_not_own(st)) is not None:
+            raise RunDirError(f"--resume: {item}: {why}; Tune's restore unpickles it, which "
+                              f"runs code, so only this user's own state is restored")
 
 
 def concurrency(sweep: Sweep) -> int:
