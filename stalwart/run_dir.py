@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from stalwart.checkpointing.storage.catalog import list_step_dirs
+from stalwart.core import events as ev
 from stalwart.core.config import JobConfig, dump_config
 from stalwart.core.errors import RunDirError
 from stalwart.core.run_logs import EventLog, MetricsLog
@@ -104,3 +105,17 @@ class RunDir:
 
     def write_run_id(self, run_id: str) -> None:
         write_file_atomically(self.run_id_file, run_id + "\n")
+
+    def newest_recorded_commit(self) -> int | None:
+        """The newest step the events record as committed on the run's current timeline: a
+        resume starts the timeline again at its step (one allowed to roll back leaves the
+        newer commits behind), and commits go on from there. Reads only."""
+        if not self.events.path.exists():
+            return None
+        newest = None
+        for e in ev.read_jsonl(self.events.path):
+            if e.get("kind") == ev.Resumed.kind and isinstance(e.get("from_step"), int):
+                newest = e["from_step"]
+            elif e.get("kind") == ev.CheckpointCommitted.kind and isinstance(e.get("step"), int):
+                newest = e["step"] if newest is None else max(newest, e["step"])
+        return newest

@@ -101,6 +101,8 @@ class Trainer:
     checkpoints that are not signed with this run's key (see docs/security.md). `key_file`:
     the key that signs and verifies (default: $STALWART_CHECKPOINT_KEY_FILE, else
     ~/.config/stalwart/checkpoint.key); `trusted_key_files`: previous keys that still verify.
+    `allow_rollback`: resume even from a checkpoint older than the newest the run dir
+    recorded as committed (refused by default: the steps between would be lost silently).
 
     `config`: a JobConfig, a TOML file's path, a dict of its tables, or None for the
     defaults. `task`: a TrainTask subclass (constructed with task.args) or instance, used
@@ -113,7 +115,8 @@ class Trainer:
                  live_progress: bool | None = None, start_from: str | None = None,
                  workdir: str | Path | None = None, callbacks: Sequence[Callback] = (),
                  trust_unsigned: bool = False, key_file: str | Path | None = None,
-                 trusted_key_files: Sequence[str | Path] = ()) -> None:
+                 trusted_key_files: Sequence[str | Path] = (), allow_rollback: bool = False
+                 ) -> None:
         config = as_job_config(config)
         if task is not None:  # recorded by name in config.toml, manifests and events
             from stalwart.core.task import task_path_of
@@ -138,6 +141,7 @@ class Trainer:
         self.start_from = start_from
         self.trust_unsigned = trust_unsigned
         self.key_file, self.trusted_key_files = key_file, tuple(trusted_key_files)
+        self.allow_rollback = allow_rollback
         self.workdir = str(Path(workdir).resolve()) if workdir else os.getcwd()
         # run.loggers: each tracker is one more callback (a missing package fails here).
         self.callbacks = [*callbacks, *logger_callbacks(config, self.run_dir.path)]
@@ -195,6 +199,8 @@ class Trainer:
         if checkpoint is None:
             raise RunDirError(f"{flag}: no committed checkpoint under {storage_url}; "
                               f"nothing to resume from")
+        if not self.allow_rollback:
+            _refuse_rollback(rd, flag, checkpoint, skipped)
         if mode == "resume":
             _say(f"auto-resume: continuing {rd.path} from its checkpoint at step "
                  f"{checkpoint.step}")
@@ -465,15 +471,27 @@ def _say(message: str) -> None:
 def _refuse_lost_commits(rd: RunDir, storage_url: str) -> None:
     """A run dir whose events record committed checkpoints that its storage no longer holds
     is not started again: that would silently throw their work away."""
-    if not rd.events.path.exists():
-        return
-    commits = [e["step"] for e in ev.read_jsonl(rd.events.path)
-               if e.get("kind") == ev.CheckpointCommitted.kind]
-    if commits:
+    newest = rd.newest_recorded_commit()
+    if newest is not None:
         raise RunDirError(f"--auto-resume: {rd.events.path} records committed checkpoints "
-                          f"(newest step {max(commits)}) but {storage_url} holds none; "
+                          f"(newest step {newest}) but {storage_url} holds none; "
                           f"nothing to resume from, and starting again would discard them "
                           f"(restore the checkpoints, or choose another --run-dir)")
+
+
+def _refuse_rollback(rd: RunDir, flag: str, checkpoint: CheckpointInfo,
+                     skipped: list[str]) -> None:
+    """Resuming from a checkpoint older than the newest the run dir recorded as committed
+    would silently lose the steps between (the newer ones deleted or damaged in storage)."""
+    newest = rd.newest_recorded_commit()
+    if newest is None or checkpoint.step >= newest:
+        return
+    why = f" (skipped: {'; '.join(skipped)})" if skipped else " (it is no longer there)"
+    raise RunDirError(f"{flag}: {rd.events.path} records step {newest} as committed, but the "
+                      f"newest checkpoint that verifies is step {checkpoint.step}{why}; "
+                      f"resuming would lose steps {checkpoint.step + 1}-{newest}. Restore "
+                      f"step {newest}, or pass --allow-rollback to resume from step "
+                      f"{checkpoint.step}")
 
 
 def _refuse_other_owner(storage_url: str, me: Owner, owner: Owner | None) -> None:

@@ -80,6 +80,10 @@ def _parser() -> argparse.ArgumentParser:
                            "step=80, freeze-node:node=1,step=80, drain:node=1,step=50 "
                            "(repeatable; adds to the config's [[faults]])")
     add_resume_options(run)
+    run.add_argument("--allow-rollback", action="store_true",
+                     help="with --resume or --auto-resume: continue from the newest "
+                          "checkpoint that verifies even when it is older than the newest "
+                          "the run dir recorded as committed (refused by default)")
     run.add_argument("--trust-unsigned", action="store_true", help=TRUST_UNSIGNED_HELP)
     add_key_options(run)
     run.add_argument("--profile", metavar="STEPS",
@@ -139,7 +143,8 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
     trainer = Trainer(config, run_dir=args.run_dir, address=args.address,
                       resume=args.resume, trust_unsigned=args.trust_unsigned,
-                      key_file=args.key_file, trusted_key_files=args.trusted_key_files)
+                      key_file=args.key_file, trusted_key_files=args.trusted_key_files,
+                      allow_rollback=args.allow_rollback)
     try:
         result = trainer.fit()
     except StopAbandoned as exc:  # a second stop signal, or failure.stop_timeout_s passed

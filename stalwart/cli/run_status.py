@@ -64,6 +64,9 @@ class Checkpoints:
     """Committed steps newer than it that do not verify, and why (never loaded)."""
     problem: str | None = None
     """Why the checkpoints could not be checked at all (no key, storage unreadable)."""
+    recorded: int | None = None
+    """The newest step the run dir's events record as committed (a resume from an older
+    one is refused without --allow-rollback)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -143,7 +146,8 @@ def _checkpoints(run_dir: Path, config: JobConfig, *, trust_unsigned: bool,
     if newest is None:
         return Checkpoints(url=url, skipped=skipped)
     return Checkpoints(url=url, newest=newest.step, newest_path=newest.path,
-                       unsigned=newest.unsigned, skipped=skipped)
+                       unsigned=newest.unsigned, skipped=skipped,
+                       recorded=rd.newest_recorded_commit())
 
 
 END_EVENTS = (ev.Finished, ev.Stopped, ev.Failed, ev.Interrupted)
@@ -210,7 +214,12 @@ def _continue_line(run_dir: str, status: RunStatus, *, flags: Sequence[str]) -> 
         return "  continue:   not possible: the run dir holds no config.toml"
     if ck.newest is None and ck.skipped:
         return "  continue:   no checkpoint verifies (above); nothing to continue from"
-    command = continue_command(run_dir, flags=flags)
+    rollback = ck.newest is not None and ck.recorded is not None and ck.newest < ck.recorded
+    command = continue_command(run_dir, flags=[*flags, *(["--allow-rollback"] if rollback
+                                                         else [])])
+    if rollback:
+        command += (f"  (loses steps {ck.newest + 1}-{ck.recorded}: step {ck.recorded} was "
+                    f"committed and no longer verifies)")
     if status.state == NO_END:
         command = f"if its driver is gone: {command}"
     if ck.newest is None and not ck.problem:

@@ -55,5 +55,6 @@ def test_status_of_a_real_run_dir(tmp_path: Path) -> None:
     assert any(line.startswith("  not verified (never loaded): step 6: ") and
                "file __1_0.distcp is damaged" in line for line in lines)
     assert lines[-1] == ("  continue:   if its driver is gone: stalwart run config.toml "
-                         "--run-dir . --auto-resume")
+                         "--run-dir . --auto-resume --allow-rollback  (loses steps 4-6: step "
+                         "6 was committed and no longer verifies)")
     assert not marker.exists()

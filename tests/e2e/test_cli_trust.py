@@ -158,3 +158,23 @@ def test_a_tensor_claimed_larger_than_the_files_is_an_error_not_an_allocation(
                     cwd=tmp_path, check=2)
     assert "claims model tensors of" in proc.stderr and "more than its files hold" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_deleting_newer_checkpoints_does_not_roll_a_resume_back(tmp_path: Path) -> None:
+    """Someone who can write storage deletes the newest checkpoints (or damages them): a
+    resume would silently go back. The run dir recorded the commits, so it is refused."""
+    run, _ = run_dir_with_checkpoints(tmp_path, (10, 20, 30))
+    (run / "events.jsonl").write_text("".join(
+        E.dumps(E.CheckpointCommitted(time=1.0 + s, step=s, path=str(_step(run, s)),
+                                      save_s=0.1)) + "\n" for s in (10, 20, 30)))
+    import shutil
+
+    shutil.rmtree(_step(run, 30))
+    shard = _step(run, 20) / "__0_0.distcp"
+    shard.write_bytes(bytes(shard.stat().st_size))
+    proc = stalwart("run", str(REFERENCE_CONFIG), *sets(*TINY), "--run-dir", str(run),
+                    "--resume", cwd=tmp_path, check=2)
+    (line,) = proc.stderr.strip().splitlines()
+    assert "records step 30 as committed, but the newest checkpoint that verifies is " \
+           "step 10" in line and "__0_0.distcp is damaged" in line
+    assert "would lose steps 11-30" in line and "--allow-rollback" in line

@@ -192,3 +192,20 @@ def test_another_runs_run_dir_is_refused_before_ray_with_one_line(tmp_path, caps
                           "(train.seed was 0 in run/config.toml and is 5 now") and (
         err.count("\n") == 1)
     assert _tree(tmp_path) == before
+
+
+def test_the_newest_recorded_commit_follows_the_runs_timeline(tmp_path: Path) -> None:
+    """A resume allowed to roll back starts the timeline again at its step: the commits
+    it left behind no longer count."""
+    from stalwart.core import events as ev
+    from stalwart.run_dir import RunDir
+
+    rd = RunDir(tmp_path)
+    assert rd.newest_recorded_commit() is None
+
+    def commit(step: int) -> ev.Event:
+        return ev.CheckpointCommitted(step=step, path=f"p{step}", save_s=0.1)
+
+    for e in (commit(10), commit(30), ev.Resumed(from_step=10, path="p10"), commit(20)):
+        rd.events.emit(e)
+    assert rd.newest_recorded_commit() == 20

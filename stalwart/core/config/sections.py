@@ -292,8 +292,6 @@ class CheckpointConfig:
     """Stage a snapshot in CPU memory every this many steps and replicate it to peers (the in-memory tier, restored first after a failure); `0` turns the memory tier off."""
     replicas: int = 1
     """Copies of each snapshot on peers, each on another node: how many nodes can be lost at once without losing a step (on one node: other processes)."""
-    key_file: str = ""
-    """File holding the key that signs and verifies checkpoints (at least 32 characters); empty: the file named by `$STALWART_CHECKPOINT_KEY_FILE`, else `~/.config/stalwart/checkpoint.key`, created with mode 0600 on first use. Keep it out of checkpoint storage. See docs/security.md."""
     memory_limit_gb: float = 0.0
     """Most memory the in-memory tier may hold per worker (two snapshots of its shard and of each peer shard it holds); `0`: 40% of the smallest of the worker's cgroup limit (its container or Slurm job), Ray's `memory` resource of the node and the node's RAM, shared among the node's workers (docs/memory-tier.md). Checked at the first snapshot. At most 1048576 (1 PiB)."""
 
