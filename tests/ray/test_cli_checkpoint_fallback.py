@@ -88,12 +88,21 @@ def test_resume_with_every_checkpoint_damaged_names_each(run, tmp_path) -> None:
 def test_resume_from_unsigned_checkpoints_needs_trust_unsigned(run, tmp_path) -> None:
     config = str(REFERENCE_CONFIG)
     storage = run / "checkpoints"
-    for step in (2, 4, 6):  # as written before signing, or elsewhere: intact, unsigned
-        path = storage / step_dir_name(step) / "manifest.json"
-        manifest = json.loads(path.read_text())
-        del manifest["signature"], manifest["key_id"]
-        path.write_text(json.dumps(manifest))
+
+    def strip(*keys: str) -> None:
+        for step in (2, 4, 6):
+            path = storage / step_dir_name(step) / "manifest.json"
+            manifest = json.loads(path.read_text())
+            path.write_text(json.dumps({k: v for k, v in manifest.items() if k not in keys}))
+
+    # A manifest that names this run must be signed by a trusted key, even with
+    # --trust-unsigned: this run signs what it writes, so stripping the signature is an attack.
+    strip("signature", "key_id")
     before = (run / "events.jsonl").read_bytes()
+    refused = stalwart_here("run", config, *sets(*RUN, "train.steps=8"), "--run-dir", "run",
+                            "--resume", "--trust-unsigned", cwd=tmp_path, check=2)
+    assert "it names this run, but it is not signed" in refused.stderr
+    strip("run_id")  # as written before signing and run ids, or elsewhere: intact, unsigned
 
     refused = stalwart_here("run", config, *sets(*RUN, "train.steps=8"), "--run-dir", "run",
                             "--resume", cwd=tmp_path, check=2)

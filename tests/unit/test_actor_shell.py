@@ -42,12 +42,11 @@ def test_the_actor_shows_the_workers_name(tmp_path):
 
     from stalwart.core.config import load_config
     from tests.cli_helpers import REFERENCE_CONFIG
-    from tests.keys import trust
 
     sigterm = signal.getsignal(signal.SIGTERM)  # the worker installs its own handler
     try:
         actor = TrainWorker(load_config(REFERENCE_CONFIG, []).to_dict(),
-                            str(tmp_path / "storage"), 3, trust=trust())
+                            str(tmp_path / "storage"), 3)
         assert repr(actor) == repr(actor.worker) == "stalwart-worker-3"
     finally:
         signal.signal(signal.SIGTERM, sigterm)
