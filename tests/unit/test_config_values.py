@@ -18,6 +18,7 @@ from stalwart.core.config.sections import (
     MAX_MEMORY_LIMIT_GB,
     MAX_RESOURCE_PER_WORKER,
     MAX_RUN_NAME_BYTES,
+    MAX_WORKERS,
 )
 from stalwart.core.errors import ConfigError
 
@@ -169,6 +170,14 @@ def test_a_worker_reserves_at_most_1024_cpus_or_gpus(key: str) -> None:
                                   f"one node, and no node has more")
     config = load_config(None, [f"scaling.{key}={MAX_RESOURCE_PER_WORKER}"])
     assert getattr(config.scaling, key) == MAX_RESOURCE_PER_WORKER
+
+
+@pytest.mark.parametrize("key", ["num_workers", "max_workers", "spare_workers"])
+def test_a_count_of_workers_past_any_cluster_is_refused(key: str) -> None:
+    # 10**12 spares went on to Ray as the CPUs of the local Ray, and failed there.
+    with pytest.raises(ConfigError, match=rf"scaling.{key} = {10**12} is invalid: must be at "
+                                          rf"most {MAX_WORKERS}"):
+        load_config(None, [f"scaling.{key}={10**12}"])
 
 
 def test_the_memory_tier_limit_is_at_most_1_pib() -> None:

@@ -39,6 +39,10 @@ RAY_RESOURCE_UNIT = 0.0001
 # every check until Ray, which keeps resources in fixed point (units of 0.0001 in an int64)
 # and fails with a traceback on the overflow.
 MAX_RESOURCE_PER_WORKER = 1024
+# The most workers a count may name: far past the largest training runs (tens of thousands of
+# GPUs). A count past it would only reach Ray, as the CPUs a local Ray starts with, and fail
+# there with a traceback.
+MAX_WORKERS = 65536
 # The longest run.name, in UTF-8 bytes. The default run dir is `runs/<name>-YYYYmmdd-HHMMSS`:
 # the name plus 16 bytes in one file name component, which holds 255 bytes (Linux, macOS).
 # 200 leaves room for what tools append to a name (`.tar.gz`, a `-2`).
@@ -125,6 +129,9 @@ class ScalingConfig:
                  f"must be >= scaling.num_workers = {self.num_workers} (0: no growing)")
         _require(self.spare_workers >= 0, "scaling.spare_workers", self.spare_workers,
                  "must be >= 0")
+        for name in ("num_workers", "max_workers", "spare_workers"):
+            _require(getattr(self, name) <= MAX_WORKERS, f"scaling.{name}", getattr(self, name),
+                     f"must be at most {MAX_WORKERS}")
         # Ray counts resources in units of 0.0001 and refuses a smaller request only when
         # the actor is created, after the run has started.
         _require(self.cpus_per_worker >= RAY_RESOURCE_UNIT, "scaling.cpus_per_worker",
