@@ -15,8 +15,8 @@ filesystem writer writes (data files and `.metadata`) is opened through
 hands, uninterpreted, to the coordinator's `finish` (`storage_data: Any` is the storage's
 own). Hooking `_write_files_from_queue` or `_write_item` would be simpler today but those are
 private and change between torch releases. If a future torch stopped opening files through
-`self.fs`, the digests would be missing, not wrong: the commit then hashes those files by
-reading them (`write_manifest`), slower but correct.
+`self.fs`, the digests would be missing, not wrong: the commit then fails loudly, naming the
+files no writer hashed (`write_manifest` signs only what the writers wrote).
 """
 
 from __future__ import annotations
