@@ -1,7 +1,8 @@
 """The CLI on a local Ray, with storage checkpoints damaged the ways checksums cannot catch
 (garbled before their commit) or can: a checkpoint that fails to load is skipped and the next
 older valid one used on --resume; a resume that finds none valid is refused by name; and a
-run's storage, owned by it, keeps working across --resume."""
+run's storage, owned by it, keeps working across --resume. The Ray a run starts on this
+machine asks every client for its token."""
 
 from __future__ import annotations
 
@@ -119,3 +120,20 @@ def test_resume_from_unsigned_checkpoints_needs_trust_unsigned(run, tmp_path) ->
     newest = json.loads((storage / step_dir_name(8) / "manifest.json").read_text())
     assert newest["run_id"] == (run / "run_id").read_text().strip()
     assert len(newest["signature"]) == 64  # what the run writes from then on is signed
+
+
+def test_the_ray_a_run_starts_here_asks_for_a_token() -> None:
+    """Every Ray stalwart starts is authenticated: deploy/'s (tests/unit/test_deploy_trust.py)
+    and the one `stalwart run` starts without --address (stalwart.cluster.connect, as
+    local_ray starts it). Ray turns its token mode on for it; nothing may turn it off."""
+    import ray
+    from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+    @ray.remote(num_cpus=0)
+    def worker_side() -> bool:
+        from ray._private.authentication.authentication_utils import is_token_auth_enabled
+
+        return is_token_auth_enabled()
+
+    assert is_token_auth_enabled()
+    assert ray.get(worker_side.remote(), timeout=60)
