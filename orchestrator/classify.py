@@ -16,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from stalwart.core.errors import DeviceUnhealthy
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 
 if TYPE_CHECKING:
@@ -86,6 +87,23 @@ def node_silent(rank: int, pid: int, node_id: str, late_s: float, seen_at: float
                 f"answering: its agent is {late_s:.2f}s late while the other nodes' agents "
                 f"answer (a frozen, powered-off or cut-off node)", now,
                 last_seen=seen_at, pids=(pid,))
+
+
+def warm_up_failed(cause: BaseException, now: float) -> WorkerFailure:
+    """A worker's warm-up raised `cause`. A device that failed its health check is a failure
+    of its node (NODE_DIED): the worker is dropped before it joins a world, and the run goes
+    on without it. Anything else means the task cannot load there (START_ERROR), which
+    another worker would not mend."""
+    if isinstance(cause, DeviceUnhealthy):
+        pid = f", worker pid {cause.pid}" if cause.pid is not None else ""
+        return WorkerFailure(
+            kind=FailureKind.NODE_DIED, rank=None, detected_at=now,
+            pids=() if cause.pid is None else (cause.pid,),
+            nodes=(cause.node_ip,) if cause.node_ip else (),
+            message=f"device unhealthy on node {cause.node_ip or '(unknown)'} "
+                    f"({cause.device}{pid}): {'; '.join(cause.reasons)}; the worker was "
+                    f"dropped before it joined a world")
+    return start_error(f"a worker could not load the task: {cause}", now)
 
 
 def start_error(message: str, now: float) -> WorkerFailure:

@@ -158,10 +158,13 @@ class Controller:
         # less than beside synchronous training. A recovery asks only for the actors its
         # world needs, and replaces its spares once the new world trains (_on_running).
         self.group.top_up(spares=state.generation == 0)
-        self.group.refresh()
+        if (failed := self._refresh()) is not None:
+            return failed
         pool = self.group.pool_view()
         if pool.best_world < self.scaling.target(self.world_size):
-            self.group.refresh(timeout=self.poll_interval_s)  # actors still warming up
+            # actors still warming up
+            if (failed := self._refresh(timeout=self.poll_interval_s)) is not None:
+                return failed
             pool = self.group.pool_view()
         decision = self.scaling.schedule(pool, generation=state.generation,
                                          world_size=self.world_size,
@@ -305,7 +308,7 @@ class Controller:
                 self.group.settle()
                 self.group.top_up()
         if not self.stop.requested and self.resize.due(now):
-            self._consider_resize(now)
+            return self._consider_resize(now) or state
         return state
 
     def _absorb(self, rank: int, st: WorkerStatus, now: float) -> None:
@@ -365,17 +368,20 @@ class Controller:
 
     # ------------------------------------------------------------------ planned resizes
 
-    def _consider_resize(self, now: float) -> None:
+    def _consider_resize(self, now: float) -> Failed | None:
         """A resize check is due: drain, grow or nothing, as the scaling policy decides from
-        the nodes Ray drains and, below the ceiling, the room the cluster has."""
+        the nodes Ray drains and, below the ceiling, the room the cluster has. Failed only
+        when a new actor's failed device check spent the failure budget."""
         decision = self.resize.consider(now, world_size=self.world_size, workers=self.workers,
                                         draining=self.group.draining_nodes())
         if isinstance(decision, NeedRoomDecision):
             self.group.top_up()  # actors up to the ceiling: the room is what comes warm
-            self.group.refresh()
+            if (failed := self._refresh()) is not None:
+                return failed
             decision = self.resize.room(self.group.pool_view(), world_size=self.world_size)
         if isinstance(decision, ResizeDecision):
             self.group.request_stop()
+        return None
 
     def _preempted(self, rank: int) -> None:
         """A rank got SIGTERM: it leaves at a planned resize (asked of every rank once)."""
@@ -390,6 +396,18 @@ class Controller:
         return Scheduling(generation=state.generation + 1, since=self.clock.time())
 
     # ------------------------------------------------------------------ failures
+
+    def _refresh(self, timeout: float = 0.0) -> Failed | None:
+        """Collect the actors that finished warming up. One whose device failed its health
+        check was dropped by the group: a node failure, decided and counted like any other,
+        but no world lost anything, so nothing is torn down (Failed: the budget is spent)."""
+        self.group.refresh(timeout)
+        for failure in self.group.take_unhealthy():
+            self.display.log(failure.message)
+            decided = self._decide(failure)
+            if isinstance(decided, Failed):
+                return decided
+        return None
 
     def _decide(self, failure: WorkerFailure) -> RetryDecision | Failed:
         """The failure policy's decision on `failure`, logged; the one path every failure

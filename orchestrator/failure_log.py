@@ -34,9 +34,13 @@ class FailureLog:
         # while forming never became the running world, and its ranks are not the last's.
         failed = ([p for p in workers if p.pid in failure.pids] if failure.pids else
                   [p for p in members if p.rank in failure.failed_ranks])
+        # A worker that never joined a world (its device failed its check) has no place in
+        # one: the failure names its node and pid itself.
+        pids = [p.pid for p in failed] or list(failure.pids)
         self.events.emit(ev.Failure(failure_kind=failure.kind.value, rank=failure.rank,
                          ranks=list(failure.failed_ranks),
-                         nodes=sorted({p.node_ip for p in failed}), pids=[p.pid for p in failed],
+                         nodes=sorted({p.node_ip for p in failed} | set(failure.nodes)),
+                         pids=pids,
                          message=failure.message, step=step,
                          retry=not isinstance(decision, FailDecision),
                          detection_s=detection, attempt=self.policy.failures))

@@ -13,7 +13,8 @@ class FailureKind(StrEnum):
     WORKER_DIED = "worker_died"
     """The actor's process is gone (Ray actor error)."""
     NODE_DIED = "node_died"
-    """The node under the actor is gone (Ray marked it dead, or its raylet vanished)."""
+    """The node under the actor is gone (Ray marked it dead, or its raylet vanished), or its
+    GPU failed the health check a worker runs before it can join a world."""
     HANG = "hang"
     """No heartbeat for longer than the hang limit (stopped process, stuck collective...)."""
     USER_ERROR = "user_error"
@@ -42,6 +43,9 @@ class WorkerFailure:
     detected_at - last_seen bounds the detection latency."""
     pids: tuple[int, ...] = ()
     """The failed ranks' processes, when the detector knows them (a silent survivor)."""
+    nodes: tuple[str, ...] = ()
+    """IPs of the nodes hit, when no rank of a world names them (a worker that never
+    joined one)."""
 
     @property
     def failed_ranks(self) -> tuple[int, ...]:

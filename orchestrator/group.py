@@ -85,6 +85,11 @@ class WorkerGroup(ABC):
         """Collect actors that finished warming up, waiting up to `timeout` seconds."""
 
     @abstractmethod
+    def take_unhealthy(self) -> list[WorkerFailure]:
+        """Workers dropped since the last call because their device failed its health check
+        while warming up (a node failure each); each was killed and is never picked."""
+
+    @abstractmethod
     def pool_view(self) -> PoolView:
         """What the pool holds now: warm actors, placed ones coming, the best world."""
 

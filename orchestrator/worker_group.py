@@ -137,6 +137,8 @@ class ElasticGroup(WorkerGroup):
         self.idle: list[Worker] = []
         self.starting: list[Worker] = []
         self.generation = -1
+        # Workers dropped as their device failed its health check, until the controller asks.
+        self.unhealthy: list[WorkerFailure] = []
         # Snapshots rescued from survivors that could not leave their world (killed since):
         # key -> (their inventory, ObjectRefs of every snapshot they held, owned here).
         self.rescued: dict[str, tuple[Inventory, dict[tuple[int, int, int], Any]]] = {}
@@ -196,13 +198,20 @@ class ElasticGroup(WorkerGroup):
                 self.polls.start({w.place.node_id})  # warm before a world runs there
             except RayActorError:
                 pass  # its node went away while it started; top_up asks for another
-            except RayTaskError as exc:  # the task cannot load on this worker: not transient
+            except RayTaskError as exc:
                 self._kill(w)
+                failure = classify.warm_up_failed(exc.cause if exc.cause else exc, time.time())
+                if failure.kind is FailureKind.NODE_DIED:  # its GPU failed the health check
+                    self.unhealthy.append(failure)
+                    continue
+                # The task cannot load on this worker: not transient.
                 self.starting = [s for s in self.starting if s is not w]
-                raise GroupFailed(classify.start_error(
-                    f"a worker could not load the task: {exc.cause if exc.cause else exc}",
-                    time.time())) from exc
+                raise GroupFailed(failure) from exc
         self.starting = still
+
+    def take_unhealthy(self) -> list[WorkerFailure]:
+        found, self.unhealthy = self.unhealthy, []
+        return found
 
     def pool_view(self) -> PoolView:
         return PoolView(available=self.available(), placed_starting=self.placed_starting(),

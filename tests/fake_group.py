@@ -36,6 +36,7 @@ from stalwart.checkpointing.memory.store import Holding, Inventory
 from stalwart.checkpointing.snapshot import ShardLayout
 from stalwart.checkpointing.storage.writer import CommitReport
 from stalwart.core.config import FaultSpec, JobConfig
+from stalwart.core.errors import DeviceUnhealthy
 from stalwart.core.events import WorkerPlace
 from stalwart.orchestrator import classify
 from stalwart.orchestrator.clock import Clock
@@ -190,6 +191,8 @@ class FakeGroup(WorkerGroup):
         self.dead_nodes: set[str] = set()  # a scripted poll reports these nodes gone
         self.cannot_leave: set[int] = set()  # pids that fail to leave at the next disband
         self.silent: set[int] = set()  # pids that do not answer at all at the next disband
+        self.bad_devices: dict[int, str] = {}  # pid -> why its device fails the warm-up check
+        self.unhealthy: list[WorkerFailure] = []  # dropped for it, until take_unhealthy
         self.armed: dict[int, dict[int, list[FaultSpec]]] = {}  # generation -> rank ->
         self.memory: dict[int, list[int]] = {}  # pid -> steps its memory tier holds (scripted)
         self.generation = -1
@@ -269,8 +272,17 @@ class FakeGroup(WorkerGroup):
             plan.on_refresh(self.world)
         self.clock.now += timeout + REFRESH_S
         self._place()
+        for a in [a for a in self.starting if a.pid in self.bad_devices]:  # as ElasticGroup
+            cause = DeviceUnhealthy("cuda:0", [self.bad_devices[a.pid]], a.node_ip, a.pid)
+            self.unhealthy.append(classify.warm_up_failed(cause, self.clock.now))
+            self.killed.append(a)
+            self.starting.remove(a)
         self.idle += self.starting
         self.starting = []
+
+    def take_unhealthy(self) -> list[WorkerFailure]:
+        found, self.unhealthy = self.unhealthy, []
+        return found
 
     def pool_view(self) -> PoolView:
         with _own(self):

@@ -190,10 +190,21 @@ class Worker:
     # ------------------------------------------------------------------ set-up
 
     def warm_up(self) -> WorkerPlace:
-        """Once per actor: import the task, prepare its data and build the model once (one
-        training micro-step), so that joining a world costs only the process group and the
-        restore. Warm spares stop here and wait."""
+        """Once per actor: check its GPU if it has one (a failed check raises DeviceUnhealthy),
+        import the task, prepare its data and build the model once (one training
+        micro-step), so that joining a world costs only the process group and the restore.
+        Warm spares stop here and wait."""
         if self.task is None:
+            if self.config.scaling.gpus_per_worker > 0:  # a CPU worker checks nothing
+                from stalwart.workers.device_health import check_device
+
+                # First: a bad GPU is found in a second, not after the imports and the data.
+                # Ray's CUDA_VISIBLE_DEVICES makes the actor's GPU index 0 (pick_device).
+                # DeviceUnhealthy makes the group drop this worker: a node failure.
+                health = check_device(torch.device("cuda", 0), node_ip=self.describe().node_ip)
+                if health is not None:
+                    print(f"stalwart: {self!r}: {health.summary()}", file=sys.stderr,
+                          flush=True)
             task = resolve_task(self.config.task.path, self.config.task.args,
                                 self._supplied_task)
             task.prepare_data(self.config)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class StalwartError(Exception):
     """Base of every error stalwart raises on purpose; the CLI prints it as one line."""
@@ -26,3 +28,21 @@ class RecordError(StalwartError, ValueError):
 
 class ClusterError(StalwartError):
     """The Ray cluster cannot be reached or cannot hold the requested workers."""
+
+
+class DeviceUnhealthy(StalwartError):
+    """A worker's GPU failed its health check before the worker joined a world: a failure of
+    that node's device, not of the task. Names the device, the node and every check that
+    failed (workers/device_health.py)."""
+
+    def __init__(self, device: str, reasons: Sequence[str], node_ip: str = "",
+                 pid: int | None = None) -> None:
+        self.device, self.reasons = device, tuple(reasons)
+        self.node_ip, self.pid = node_ip, pid
+        super().__init__(f"device {device} unhealthy on node {node_ip or '(unknown)'}: "
+                         + "; ".join(self.reasons))
+
+    def __reduce__(self) -> tuple[type, tuple[str, tuple[str, ...], str, int | None]]:
+        # Ray pickles it back to the driver; an exception's own reduce would rebuild it from
+        # its message alone, which is not this constructor's signature.
+        return type(self), (self.device, self.reasons, self.node_ip, self.pid)
