@@ -13,7 +13,7 @@ injected fault's time): detected_at - last_seen is the detection latency the log
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from stalwart.core.errors import DeviceUnhealthy
@@ -139,16 +139,20 @@ def stopped(found: Sequence[WorkerFailure], now: float,
         detected_at=now, last_seen=last_seen)
 
 
-def hang(found: Hang, now: float, last_seen: float | None) -> WorkerFailure:
+def hang(found: Hang, now: float, last_seen: float | None,
+         records: Mapping[int, str] | None = None) -> WorkerFailure:
     """No heartbeat past the hang limit: the silent ranks are replaced; when every rank
-    answers but none progresses, none can be blamed."""
+    answers but none progresses, none can be blamed. `records`: what the answering ranks'
+    flight recorders say (the collective each waits in, or none), in rank order."""
     blame = () if found.answering else found.ranks
     what = ("no rank completed a step" if found.answering else
             f"worker rank(s) {list(found.ranks)} stopped answering")
+    recorded = "; ".join(records[r] for r in sorted(records or {}))
     return WorkerFailure(
         kind=FailureKind.HANG, rank=blame[0] if blame else None, ranks=blame,
         message=f"hang: {what} for {found.silent_s:.1f}s (limit {found.limit_s:.1f}s = "
-                f"max(failure.hang_timeout_floor_s, failure.hang_factor x median step time))",
+                f"max(failure.hang_timeout_floor_s, failure.hang_factor x median step time))"
+                + (f"; flight recorder: {recorded}" if recorded else ""),
         detected_at=now, last_seen=last_seen)
 
 

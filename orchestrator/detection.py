@@ -87,7 +87,9 @@ class FailureDetector(ControllerObserver):
             return classify.stopped(dead, now, seen.at(ranks, _newest_seen(dead)))
         hang = self.hangs.check(now)
         if hang is not None:
-            return classify.hang(hang, now, seen.at(hang.ranks, hang.last_heartbeat))
+            records = {r: st.flight_record for r, st in poll.answered.items()
+                       if st.flight_record is not None}
+            return classify.hang(hang, now, seen.at(hang.ranks, hang.last_heartbeat), records)
         errors = {r: st for r, st in poll.answered.items() if st.error is not None}
         user = {r: st for r, st in errors.items() if st.error_kind != "collective"}
         if user:

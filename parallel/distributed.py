@@ -8,6 +8,11 @@ the address is published and keeps it (`RendezvousHost`): no other process can t
 port in between, and the store listens on the node's address only, not on all interfaces.
 The store lives as long as the process group and is released when the world is left, so a
 process can join any number of worlds, each at a fresh rendezvous.
+
+Each world is new: a fresh store, fresh groups and, on CUDA, fresh NCCL communicators, made
+when the world is joined (`device_id`: eagerly, so a world that cannot form fails there, not
+at its first collective). A world that failed is aborted, never destroyed: destroying an NCCL
+group flushes its communicators, which waits for collectives a dead peer never joins.
 """
 
 from __future__ import annotations
@@ -21,6 +26,8 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from stalwart.parallel import nccl
 
 # The store this process's world was formed through (the host's on rank 0, a client's
 # elsewhere). The process group holds it too; this reference is the one we can drop.
@@ -156,11 +163,16 @@ def init_process_group(rdzv: RendezvousAddress, *, rank: int, world_size: int,
     else:
         store = dist.TCPStore(rdzv.host, rdzv.port, is_master=False, timeout=timeout)
     _world_store = store
+    backend = backend_for(device)
+    if backend == "nccl":
+        # Before the process's first NCCL group: torch reads these as groups are created.
+        nccl.apply(nccl.nccl_environment(nccl.dump_prefix()))
     try:
         # The prefix is the one torch's own rendezvous gives the default group's keys.
-        dist.init_process_group(backend=backend_for(device),
+        dist.init_process_group(backend=backend,
                                 store=dist.PrefixStore("default_pg", store),
-                                rank=rank, world_size=world_size, timeout=timeout)
+                                rank=rank, world_size=world_size, timeout=timeout,
+                                device_id=device if device.type == "cuda" else None)
     except BaseException:
         _world_store = None
         raise
@@ -175,24 +187,107 @@ def destroy_process_group() -> None:
     if not dist.is_available():
         return
     forget_dtensor_caches()  # after an abort too (the world is no longer "initialized")
-    if dist.is_initialized():
-        dist.destroy_process_group()
+    try:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception as exc:  # the groups are aborted: what a shutdown could still do is moot
+        print(f"stalwart: forgetting the aborted groups failed: {exc}", file=sys.stderr,
+              flush=True)
     # On rank 0 the store stops listening once the last group that uses it is gone.
     _world_store = None
 
 
-def abort_process_groups() -> None:
-    """Abort every process group of this process at once: their connections close, so any
-    operation still waiting on them fails now, here and on every peer.
+def registered_groups() -> list[dist.ProcessGroup]:
+    """Every process group this process is a member of in its world: the default group and
+    each subgroup (DeviceMesh's, the checkpoint writer's, the memory tier's), newest first.
+    torch keeps them in a private registry; without it, the default group alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return []
+    names = _group_names()
+    if names is None:
+        return [dist.distributed_c10d._get_default_group()]
+    return sorted(names, key=lambda pg: str(names[pg]), reverse=True)
+
+
+def _group_names() -> dict[dist.ProcessGroup, str] | None:
+    """torch's registry of this process's groups and their names (private: None if gone)."""
+    return getattr(getattr(dist.distributed_c10d, "_world", None), "pg_names", None)
+
+
+# Aborted NCCL groups, kept: after a timeout's dump, a group's heartbeat monitor sleeps
+# TORCH_NCCL_HEARTBEAT_TIMEOUT_SEC (8 minutes) before it looks whether the group was
+# aborted, and ProcessGroupNCCL's destructor joins it. Dropped on the actor's thread, the
+# group would hold the survivor's leave that long. Their communicators are aborted (NCCL
+# freed them); what stays is a small object per group and failed world.
+_aborted_nccl: list[dist.ProcessGroup] = []
+
+
+def abort_process_groups() -> list[str]:
+    """Abort every process group of this process, subgroups included: NCCL's communicators
+    are aborted (their kernels exit, any operation on them fails now), so a survivor leaves
+    a collective that a dead peer never joins. Returns the names of the groups aborted.
 
     How a world is left after a failure: a peer lost with its node closes nothing, and a
     peer whose groups are only destroyed keeps their sockets open for as long as anything
     references them; either can leave a survivor blocked in a collective until its timeout.
+    gloo's abort wakes nothing (the caller cuts its connections: parallel/world_sockets.py).
     """
     global _world_store
-    if dist.is_available() and dist.is_initialized():
-        dist.distributed_c10d._abort_process_group()
+    groups = registered_groups()
     _world_store = None
+    if not groups:
+        return []
+    _aborted_nccl.extend(pg for pg in groups if _has_nccl(pg))
+    registry = _group_names() or {}
+    names = [str(registry.get(pg, "default")) for pg in groups]
+    try:
+        # torch's abort of every group, NCCL's inside one ncclGroupStart/End so that
+        # communicators sharing a device do not deadlock each other's abort (private API).
+        dist.distributed_c10d._abort_process_group()
+    except Exception as exc:  # gone, or one group's abort raised: each on its own
+        print(f"stalwart: aborting the world's groups at once failed ({exc}); aborting "
+              f"each", file=sys.stderr, flush=True)
+        _abort_each(groups)
+    return names
+
+
+def _abort_each(groups: list[dist.ProcessGroup]) -> None:
+    """Abort each group, whatever the others do, then forget them (an aborted NCCL
+    communicator skips the flush and the destroy that the group's shutdown asks of it)."""
+    for pg in groups:
+        try:
+            pg.abort()
+        except Exception as exc:
+            print(f"stalwart: aborting a process group failed: {exc}", file=sys.stderr,
+                  flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _has_nccl(pg: dist.ProcessGroup) -> bool:
+    if not dist.is_nccl_available():
+        return False
+    try:
+        backend = pg._get_backend(torch.device("cuda"))
+    except RuntimeError:  # no CUDA backend in this group
+        return False
+    return isinstance(backend, dist.ProcessGroupNCCL)
+
+
+def shorten_timeouts(timeout_s: float) -> None:
+    """A failure is known: whatever this process still waits on in its world (an operation
+    already queued excepted: its timeout was fixed when it started) gives up within
+    `timeout_s`: the store's requests, each group's next operations, and NCCL's abort, which
+    waits for its communicators that long before it raises."""
+    timeout = timedelta(seconds=timeout_s)
+    if _world_store is not None:
+        _world_store.set_timeout(timeout)
+    set_timeout = getattr(dist.distributed_c10d, "_set_pg_timeout", None)  # private API
+    for pg in registered_groups() if set_timeout is not None else ():
+        try:
+            set_timeout(timeout, pg)
+        except Exception:
+            pass  # a backend without a settable timeout keeps its own
 
 
 def forget_dtensor_caches() -> None:

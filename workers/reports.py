@@ -102,3 +102,6 @@ class WorkerStatus:
     busy: str | None = None
     """What the training thread is waiting on between steps ("saving a checkpoint",
     "validating"): slow, not stuck, so the hang detector gives it a longer limit."""
+    flight_record: str | None = None
+    """Where the training thread is, from the flight recorder, once it has completed no step
+    for half the hang limit: the collective it waits in, or none (parallel/nccl.py)."""

@@ -18,6 +18,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import traceback
 from collections import deque
 from collections.abc import Sequence
@@ -44,7 +45,9 @@ from stalwart.parallel.distributed import (
     forget_dtensor_caches,
     init_process_group,
     pick_device,
+    shorten_timeouts,
 )
+from stalwart.parallel.nccl import drain_device, summarise_flight_record, take_flight_record
 from stalwart.parallel.world_sockets import cut, tcp_connections
 from stalwart.workers.driver_watch import DriverWatch, end_this_actor
 from stalwart.workers.engine import TrainEngine
@@ -144,6 +147,11 @@ class Worker:
         self._rendezvous: RendezvousHost | None = None
         # The TCP connections this world's setup opened (parallel/world_sockets.py).
         self._world_connections: set[int] = set()
+        # The flight recorder while the training thread completes no step (poll): since
+        # when it is quiet, and the last summary with the time it was taken.
+        self._world_ns = time.time_ns()
+        self._quiet_since = time.monotonic()
+        self._record: tuple[float, str | None] = (0.0, None)
         self._install_sigterm_handler()
         self._driver_watch = (DriverWatch(driver_beacon, self._on_driver_lost).start()
                               if driver_beacon is not None else None)
@@ -300,6 +308,8 @@ class Worker:
         self._done = self._stopped_early = False
         self._error = self._error_kind = self._busy = None
         self._thread = None
+        self._world_ns = time.time_ns()
+        self._record = (0.0, None)
 
     def restore(self, path: str, files: dict[str, Any]) -> int:
         """Load a committed checkpoint (resharded to this world); returns its step. `files`:
@@ -405,7 +415,11 @@ class Worker:
             self._done = True
         except BaseException as exc:  # reported to the controller by poll(); the thread ends
             self._error_kind = classify_exception(exc)
-            self._error = traceback.format_exc()
+            error = traceback.format_exc()
+            if self._error_kind == "collective":  # which collective, and in which group
+                record = self._flight_summary()
+                error += f"flight recorder: {record}\n" if record else ""
+            self._error = error
         finally:
             profiler.discard()  # a failure inside the window: no trace (see StepProfiler)
 
@@ -437,7 +451,35 @@ class Worker:
                             error=error, error_kind=self._error_kind, faults=faults,
                             profiles=profiles, preempted=self._preempted,
                             snapshot_bytes=self.tier.nbytes(), tier_limit=self.tier.limit,
-                            busy=self._busy)
+                            busy=self._busy, flight_record=self._record_if_quiet(bool(steps)))
+
+    # Seconds between two flight records of a quiet thread (each one costs a dump).
+    RECORD_EVERY_S = 5.0
+
+    def _record_if_quiet(self, progressed: bool) -> str | None:
+        """Where the training thread is stuck, once it has completed no step for half the
+        hang limit (its own steps' median stands for the controller's): the poll that
+        reports the hang then names the collective this rank waits in (or that it waits in
+        none). Taken at most every RECORD_EVERY_S, only while the thread runs."""
+        now = time.monotonic()
+        thread = self._thread
+        if progressed or thread is None or not thread.is_alive():
+            self._quiet_since, self._record = now, (0.0, None)
+            return None
+        fc = self.config.failure
+        times = sorted(r.step_time_s for r in list(self._sent)[-20:])
+        median = times[len(times) // 2] if times else 0.0
+        if now - self._quiet_since < max(fc.hang_timeout_floor_s, fc.hang_factor * median) / 2:
+            return None
+        if now - self._record[0] >= self.RECORD_EVERY_S:
+            self._record = (now, self._flight_summary())
+        return self._record[1]
+
+    def _flight_summary(self) -> str | None:
+        """One line from this process's flight recorder: the collective it is stuck in."""
+        record = take_flight_record(since_ns=self._world_ns)
+        return None if record is None else summarise_flight_record(
+            record, self.rank, time.time_ns(), since_ns=self._world_ns)
 
     # ------------------------------------------------------------------ leaving
 
@@ -452,19 +494,25 @@ class Worker:
         """
         step = self.engine.step if self.engine is not None else 0
         if self._thread is not None:
+            deadline = time.monotonic() + timeout_s
             self.tier.abandon()  # a snapshot exchange with a lost peer must not hold us
-            if self._thread.is_alive():
-                # Whatever collective the thread waits in fails now: NCCL's abort does it,
-                # gloo's needs its connections cut (a silent peer closes nothing).
-                cut(self._world_connections)
-                abort_process_groups()
-            self._thread.join(timeout_s)
+            # A world whose thread is stuck in it, or ended with its error, failed.
+            failed = self._thread.is_alive() or self._error is not None
+            if failed:
+                self._abort_world(timeout_s)
+            self._thread.join(max(0.0, deadline - time.monotonic()))
             if self._thread.is_alive():
                 # Say where it is stuck (the worker's log), before the controller kills us.
                 print(f"stalwart worker rank {self.rank}: the training thread did not end "
                       f"within {timeout_s:.0f}s of leaving its world; its stacks:",
                       file=sys.stderr, flush=True)
                 faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+                return LeaveReport(left=False, step=step, steps=self._steps_after(after_step))
+            if failed and not drain_device(max(1.0, deadline - time.monotonic())):
+                # A kernel that never ends: no world can use this GPU (nor this process).
+                print(f"stalwart worker rank {self.rank}: the GPU did not finish its queued "
+                      f"work within {timeout_s:.0f}s of the abort; not reusable",
+                      file=sys.stderr, flush=True)
                 return LeaveReport(left=False, step=step, steps=self._steps_after(after_step))
             step = self.engine.step if self.engine is not None else step
         # This world's commits, polled or not (an answer that carried some may have been
@@ -494,6 +542,21 @@ class Worker:
         self.faults.disarm()
         announce_name(repr(self))
         return LeaveReport(left=True, step=step, commits=tuple(commits), steps=late)
+
+    def _abort_world(self, timeout_s: float) -> None:
+        """Leave a failed world: every group is aborted, never destroyed (destroying an NCCL
+        group flushes its communicators, which waits for what a dead peer never sends).
+        First, where the thread is stuck goes to the log, and whatever else waits in the
+        world gives up within `timeout_s`. gloo's abort wakes nothing: then its connections
+        are cut (a silent peer closes nothing); NCCL's are closed by its abort by then."""
+        if self._thread is not None and self._thread.is_alive():
+            record = self._flight_summary()
+            if record is not None:
+                print(f"stalwart: {self!r} leaves its world stuck; flight recorder: {record}",
+                      file=sys.stderr, flush=True)
+        shorten_timeouts(timeout_s)
+        abort_process_groups()
+        cut(self._world_connections)
 
     def _steps_after(self, after_step: int | None) -> tuple[StepReport, ...]:
         """This world's step reports after `after_step`, sent or not, once each."""
