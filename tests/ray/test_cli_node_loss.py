@@ -123,10 +123,14 @@ def test_drained_node_is_left_at_a_checkpoint_without_losing_a_step(tmp_path, cl
                   "--run-dir", "drained", cwd=tmp_path)
     events = read_jsonl(run_dir / "events.jsonl")
     assert not [e for e in events if e["kind"] == "failure"]
-    # The shrink first; the world may grow back once the drain's deadline has passed.
+    # The drained node is left first: the world shrinks, or keeps its size where a new actor
+    # on the other node is warm by then (timing); it may grow back once the drain has passed.
     resized, *later = [e for e in events if e["kind"] == "resized"]
-    assert (resized["reason"], resized["old_world_size"], resized["new_world_size"]) == \
-        ("drain", 2, 1)
+    assert (resized["reason"], resized["old_world_size"]) == ("drain", 2)
+    assert resized["new_world_size"] in (1, 2)
+    worlds = {e["generation"]: e["workers"] for e in events if e["kind"] == "workers_started"}
+    drained = worlds[0][1]["node_id"]  # rank 1's node
+    assert drained not in {w["node_id"] for w in worlds[resized["generation"]]}
     assert all(e["reason"] == "grow" for e in later), later
     committed = [e["step"] for e in events if e["kind"] == "checkpoint_committed"]
     assert resized["step"] in committed  # every rank stopped there and checkpointed it
