@@ -102,13 +102,16 @@ def visibility_problem(device: torch.device, *, available: bool, count: int) -> 
 
 
 def load_nvml() -> Any | None:
-    """The pynvml module (from nvidia-ml-py, or the older pynvml package), None if missing."""
+    """The pynvml module (from nvidia-ml-py, or the older pynvml package), else the copy Ray
+    ships; None if neither is there."""
     try:
         with warnings.catch_warnings():  # the old pynvml package warns that it is deprecated
             warnings.simplefilter("ignore")
             import pynvml  # type: ignore[import-not-found]
     except Exception:
-        return None
+        from stalwart.core.ray_private import rays_pynvml
+
+        return rays_pynvml()
     return pynvml
 
 

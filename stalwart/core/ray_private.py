@@ -17,6 +17,17 @@ AUTH_NOTICE_LOGGER = "ray._private.authentication.authentication_token_setup"
 PACKAGING_LOGGER = "ray._private.runtime_env.packaging"
 
 
+def rays_pynvml() -> Any | None:
+    """The copy of NVML's Python bindings that Ray ships (`ray._private.thirdparty.pynvml`,
+    what Ray reads GPUs with), for a node without nvidia-ml-py installed. None if it moved
+    or Ray is missing: the GPU health check then skips its NVML part."""
+    try:
+        from ray._private.thirdparty import pynvml
+    except Exception:  # ImportError, or whatever a half-installed Ray raises
+        return None
+    return pynvml
+
+
 def actor_row(actor: Any) -> dict[str, Any]:
     """The GCS actor table's row for an actor handle: its Pid (non-zero once a worker process
     is leased to it) and Address.NodeID. The public state API needs the dashboard; this reads

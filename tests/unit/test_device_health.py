@@ -336,3 +336,13 @@ def test_a_failed_device_check_counts_against_the_budget(
     assert state.reason.startswith("failure budget exhausted (failure.max_failures=0; "
                                    "failures: node_died): device unhealthy on node 10.0.0.1")
     assert w.event("failure")["retry"] is False
+
+
+def test_without_nvidia_ml_py_rays_own_nvml_bindings_are_used() -> None:
+    """Every Ray node has NVML's bindings through Ray, installed or not as nvidia-ml-py."""
+    import importlib.util
+
+    nvml = dh.load_nvml()
+    if importlib.util.find_spec("pynvml") is None:
+        assert nvml is not None and nvml.__name__ == "ray._private.thirdparty.pynvml"
+    assert nvml is None or callable(getattr(nvml, "nvmlInit", None))
