@@ -30,6 +30,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import ReadItem
 
 from stalwart.checkpointing.errors import CheckpointError
+from stalwart.checkpointing.storage.layout import METADATA
 
 _DCP_CLASSES = {
     "torch.distributed.checkpoint.metadata": {
@@ -103,7 +104,7 @@ def check_storage_data(metadata: Metadata, files: FileTable, where: str) -> None
         name = getattr(info, "relative_path", None)
         offset, length = getattr(info, "offset", None), getattr(info, "length", None)
         listed = files.get(name) if isinstance(name, str) else None
-        if listed is None or name == METADATA_NAME:
+        if listed is None or name == METADATA:
             raise CheckpointError(f"{where}: .metadata stores {index.fqn!r} in {name!r}, "
                                   f"which is not one of the checkpoint's data files; not "
                                   f"loaded")
@@ -112,9 +113,6 @@ def check_storage_data(metadata: Metadata, files: FileTable, where: str) -> None
             raise CheckpointError(f"{where}: .metadata stores {index.fqn!r} at bytes "
                                   f"{offset}+{length} of {name}, which holds "
                                   f"{listed['size']}; not loaded")
-
-
-METADATA_NAME = ".metadata"
 
 
 class VerifyingFileSystem:

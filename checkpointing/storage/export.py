@@ -3,8 +3,9 @@
 Runs in one process with no process group, from the checkpoint alone: no task code is
 imported. The checkpoint's manifest is verified (signature, listing, sizes) before anything
 of it is read, and each file against its sha256 as it is read. Its `.metadata` gives each
-model tensor's full shape and dtype, and DCP reads every shard into tensors of that shape. The output is safetensors (`.safetensors`) or a plain
-`torch.save` state dict (`.pt`, `.pth`, `.bin`).
+model tensor's full shape and dtype, and DCP reads every shard into tensors of that shape.
+The output is safetensors (`.safetensors`) or a plain `torch.save` state dict (`.pt`,
+`.pth`, `.bin`).
 
 Without a step, the newest checkpoint that verifies and loads is exported; each one passed
 over is reported to `on_skip` with the reason. The file is written under a fresh, unique
@@ -14,6 +15,7 @@ renamed: `--out` appears whole or not at all.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import warnings
@@ -97,8 +99,6 @@ def _check_claimed_sizes(checkpoint: CheckpointInfo, claimed: dict[str, Any]) ->
     """The model tensors `.metadata` claims fit in the bytes the checkpoint holds: a shape
     claimed larger would be allocated before any of it is read (a crafted one is an
     out-of-memory, not an error)."""
-    import math
-
     stored = sum(meta["size"] for meta in checkpoint.manifest["files"].values())
     need = sum(math.prod(meta.size) * meta.properties.dtype.itemsize
                for meta in claimed.values())

@@ -35,6 +35,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner
 from torch.distributed.checkpoint.storage import WriteResult
 from torch.futures import Future
 
+from stalwart.checkpointing.storage.layout import base_name
+
 DIGEST_FQN = "stalwart.file_digest"
 """The fqn of the write results that carry digests (never a state-dict key: they are taken
 out before `.metadata` is written)."""
@@ -110,10 +112,6 @@ class HashingStream:
         return self._sha.hexdigest()
 
 
-def _base_name(path: str | os.PathLike) -> str:
-    return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
-
-
 class HashingFileSystem:
     """A DCP filesystem (`FileSystemBase`) whose write streams hash what they write.
 
@@ -142,7 +140,7 @@ class HashingFileSystem:
         # Only a stream closed without error reaches here (on error the opener removes the
         # file, and no digest is recorded).
         if hashing.sequential:
-            name = _base_name(path)
+            name = base_name(path)
             with self._lock:
                 self._digests[name] = FileDigest(name=name, size=hashing.size,
                                                  sha256=hashing.hexdigest())
@@ -150,17 +148,17 @@ class HashingFileSystem:
     def rename(self, path: str | os.PathLike, new_path: str | os.PathLike) -> None:
         self._inner.rename(path, new_path)
         with self._lock:
-            digest = self._digests.pop(_base_name(path), None)
-            self._digests.pop(_base_name(new_path), None)
+            digest = self._digests.pop(base_name(path), None)
+            self._digests.pop(base_name(new_path), None)
             if digest is not None:
-                name = _base_name(new_path)
+                name = base_name(new_path)
                 self._digests[name] = FileDigest(name=name, size=digest.size,
                                                  sha256=digest.sha256)
 
     def rm_file(self, path: str | os.PathLike) -> None:
         self._inner.rm_file(path)
         with self._lock:
-            self._digests.pop(_base_name(path), None)
+            self._digests.pop(base_name(path), None)
 
     def take(self) -> list[FileDigest]:
         """The digests recorded since the last take."""

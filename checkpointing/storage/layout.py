@@ -43,8 +43,13 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:09d}"
 
 
+def base_name(path: str | os.PathLike) -> str:
+    """The last component of a path or URL (fsspec lists full paths)."""
+    return os.fspath(path).rstrip("/").rsplit("/", 1)[-1]
+
+
 def parse_step_dir(name: str) -> int | None:
-    base = name.rstrip("/").rsplit("/", 1)[-1]
+    base = base_name(name)
     m = _STEP_DIR.match(base)
     if not m:
         return None

@@ -39,6 +39,7 @@ from stalwart.checkpointing.storage.layout import (
     FORMAT_VERSION,
     MANIFEST,
     METADATA,
+    base_name,
     check_file_name,
     data_file_rank,
     filesystem,
@@ -70,11 +71,11 @@ def write_manifest(url: str, step: int, extra: dict[str, Any], *, key: SigningKe
     save), or one whose size is not the size written (swapped), fails the commit, and
     nothing is read back. Without it (checkpoints made by hand, tests, bench/commit.py)
     every file found is read and hashed."""
-    fs, root = filesystem(join(url, step_dir_name(step)))
     where = join(url, step_dir_name(step))
-    found = {info["name"].rstrip("/").rsplit("/", 1)[-1]: info for info in fs.ls(root, detail=True)}
+    fs, root = filesystem(where)
     # A stale manifest.json.tmp is left by a commit that crashed before its rename.
-    found = {n: i for n, i in found.items() if n not in (MANIFEST, f"{MANIFEST}.tmp")}
+    found = {n: i for n, i in _listing(fs, root).items()
+             if n not in (MANIFEST, f"{MANIFEST}.tmp")}
     if digests is None:
         files = {n: {"size": int(i["size"]), "sha256": sha256_of(fs, i["name"])}
                  for n, i in found.items() if i["type"] == "file"}
@@ -122,10 +123,15 @@ def clear_step_dir(url: str, step: int) -> tuple[str, ...]:
     fs, root = filesystem(join(url, step_dir_name(step)))
     if not fs.exists(root):
         return ()
-    names = tuple(sorted(i["name"].rstrip("/").rsplit("/", 1)[-1] for i in fs.ls(root, detail=True)))
+    names = tuple(sorted(_listing(fs, root)))
     if names:
         fs.rm(root, recursive=True)
     return names
+
+
+def _listing(fs: Any, root: str) -> dict[str, dict[str, Any]]:
+    """A step directory's entries by name, with fsspec's details (type, size)."""
+    return {base_name(info["name"]): info for info in fs.ls(root, detail=True)}
 
 
 class StorageCheckpointer:
@@ -134,8 +140,9 @@ class StorageCheckpointer:
                  keep_best: BestRule | None = None,
                  export_files: dict[str, bytes] | None = None) -> None:
         """`trust`: on rank 0, the key commits are signed with and what retention keeps; a
-        commit names `trust.run_id` as the run that wrote it. Other ranks never sign: None. `keep_best`: also keep the best
-        checkpoints by a metric their manifests record (see storage/retention.py).
+        commit names `trust.run_id` as the run that wrote it. Other ranks never sign: None.
+        `keep_best`: also keep the best checkpoints by a metric their manifests record (see
+        storage/retention.py).
         `export_files`: what an exporter needs besides the weights (a Hugging Face
         config.json, a tokenizer), written by rank 0 into every checkpoint as
         `export.<name>` so the manifest signs them with the weights."""

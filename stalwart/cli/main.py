@@ -163,7 +163,7 @@ def _resume_line(args: argparse.Namespace, config: JobConfig, run_dir: Path) -> 
     """The command that continues a stopped run (its faults are not injected again)."""
     again = [a for o in args.overrides for a in ("--set", o)]
     again += ["--trust-unsigned"] if args.trust_unsigned else []
-    again += key_args(args)
+    again += key_args(args.key_file, args.trusted_key_files)
     again += ["--auto-resume" if config.run.auto_resume else "--resume"]
     return (f"resume with: stalwart run {shlex.join([args.config, *again[:-1]])} --run-dir "
             f"{shlex.quote(str(run_dir))} {again[-1]}")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -39,10 +40,10 @@ def add_key_options(parser: argparse.ArgumentParser) -> None:
                         default=[], metavar="FILE", help=TRUSTED_KEY_HELP)
 
 
-def key_args(args: argparse.Namespace) -> list[str]:
-    """The key options as given, to pass on to the command that resumes a run."""
-    out = ["--key-file", args.key_file] if args.key_file else []
-    return out + [a for f in args.trusted_key_files for a in ("--trusted-key-file", f)]
+def key_args(key_file: str | None, trusted_key_files: Sequence[str]) -> list[str]:
+    """The key options as given, to pass on to the command that continues a run."""
+    out = ["--key-file", key_file] if key_file else []
+    return out + [a for f in trusted_key_files for a in ("--trusted-key-file", f)]
 
 
 def add_set_option(parser: argparse.ArgumentParser, help: str) -> None:

@@ -256,8 +256,8 @@ def run_status(run_dir: str, *, trust_unsigned: bool = False, key_file: str | No
     """Print the status of `run_dir` (checked by is_run_dir_arg); return the exit code."""
     status = read_status(Path(run_dir), trust_unsigned=trust_unsigned, key_file=key_file,
                          trusted_key_files=trusted_key_files)
+    from stalwart.cli.run_options import key_args
+
     flags = ["--trust-unsigned"] if trust_unsigned else []
-    flags += ["--key-file", key_file] if key_file else []
-    flags += [a for f in trusted_key_files for a in ("--trusted-key-file", f)]
-    print(describe(run_dir, status, flags=flags))
+    print(describe(run_dir, status, flags=flags + key_args(key_file, trusted_key_files)))
     return exit_code(status)
