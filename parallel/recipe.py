@@ -6,13 +6,14 @@ Re-runnable unchanged after a resize: it only reads the mesh and config it is gi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from stalwart.parallel.activation_checkpoint import apply_activation_checkpointing
 from stalwart.parallel.blocks import blocks_of
-from stalwart.parallel.data_parallel import apply_data_parallel
+from stalwart.parallel.data_parallel import apply_data_parallel, needs_fsdp
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -22,8 +23,14 @@ if TYPE_CHECKING:
 
 
 def parallelize(model: torch.nn.Module, *, mesh: DeviceMesh | None, config: ParallelConfig,
-                task: TrainTask) -> torch.nn.Module:
-    """`mesh` None: a single process without a process group (only steps 2 and 3 apply)."""
+                task: TrainTask,
+                materialize: Callable[[torch.nn.Module], None] | None = None
+                ) -> torch.nn.Module:
+    """`mesh` None: a single process without a process group (only steps 2 and 3 apply).
+
+    `materialize`: for a model built on the meta device, what allocates and fills it
+    (parallel/meta_init.py), called once its parameters are split (step 4)."""
+    materialize = materialize or (lambda _: None)
     # 1. Tensor parallel first: it replaces parameters with DTensors sharded over the tp
     #    mesh, which FSDP below then shards again over dp (2-D parameters).
     if mesh is not None and mesh["tp"].size() > 1:
@@ -40,4 +47,11 @@ def parallelize(model: torch.nn.Module, *, mesh: DeviceMesh | None, config: Para
             block.compile()
 
     # 4. Data parallel last: FSDP2 / HSDP (with mixed precision and CPU offload) or DDP.
+    #    A meta-device model is allocated after FSDP shards it (each rank then holds only
+    #    its shards), but before DDP, which needs real parameters to wrap.
+    if mesh is not None and needs_fsdp(mesh, config):
+        model = apply_data_parallel(model, mesh, config)
+        materialize(model)
+        return model
+    materialize(model)
     return apply_data_parallel(model, mesh, config) if mesh is not None else model

@@ -348,6 +348,9 @@ class Trainer:
         owner = self._check_owner(storage_url, trust.run_id)  # before its checkpoints are read
         resume_from, changes, skipped = self._check_run_dir(storage_url, trust)
         origin = self._check_start_from(trust)
+        for checkpoint in (resume_from, origin):  # a base model changed since, for one
+            if checkpoint is not None:
+                task.check_checkpoint(checkpoint.manifest, self.config)
         started_ray = self._connect()
         display = None
         try:

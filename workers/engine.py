@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -31,6 +33,7 @@ from stalwart.parallel.data_parallel import gradient_sync
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
 from stalwart.parallel.grad_norm import clip_grad_norm
 from stalwart.parallel.invariant_reduce import PairwiseAccumulator
+from stalwart.parallel.meta_init import materialize, on_meta
 from stalwart.parallel.recipe import parallelize
 from stalwart.workers.errors import RestoredStepMismatch
 from stalwart.workers.local_timer import LocalTimer
@@ -69,13 +72,21 @@ class TrainEngine:
 
         # Initialise the full model identically on every rank from the seed, then split it:
         # the initial weights are then the same for any layout (an invariant the dist tests
-        # check). Meta-device init, for models too big for one host, is still to come.
+        # check). A model built on the meta device is split first and then allocated and
+        # initialised shard by shard (parallel/meta_init.py): no rank holds all of it.
         torch.manual_seed(config.train.seed)
-        model = task.build_model(config).to(device)
-        task.init_weights(model)
+        model = task.build_model(config)
+        deferred = on_meta(model)
+        if not deferred:
+            model = model.to(device)
+            task.init_weights(model)
         self.pipeline: Pipeline | None = None
         if self.dims.pp > 1:
             assert self.mesh is not None, "pipeline parallelism needs a process group"
+            if deferred:
+                raise TaskError(f"parallel.pp = {self.dims.pp}: task {type(task).__name__} "
+                                f"builds its model on the meta device, which a pipeline "
+                                f"cannot split yet")
             # Imported here: torch's pipelining costs every rank's start half a second.
             from stalwart.parallel.pipeline import build_pipeline
 
@@ -85,7 +96,16 @@ class TrainEngine:
             # The optimizer and checkpoints see this rank's stages as one module.
             self.model = self.pipeline.rank_module
         else:
-            self.model = parallelize(model, mesh=self.mesh, config=config.parallel, task=task)
+            self.model = parallelize(
+                model, mesh=self.mesh, config=config.parallel, task=task,
+                materialize=partial(materialize, device=device, init=task.init_weights)
+                if deferred else None)
+        # A model with frozen parameters (adapters on a pretrained base) checkpoints only
+        # what trains: the frozen rest comes from the task's own files at every start, so
+        # a load leaves it as it is (not strict). DCP's load still refuses a checkpoint
+        # that lacks a trainable tensor.
+        frozen = any(not p.requires_grad for p in self.model.parameters())
+        self.options = replace(OPTIM_BY_NAME, ignore_frozen_params=frozen, strict=not frozen)
         # Ranks holding the loss: the last pipeline stage (tp peers hold the same one).
         self.loss_ranks = world_size // self.dims.pp
         # Gradients summed in one order for any dp degree (parallel/invariant_reduce.py).
@@ -271,7 +291,7 @@ class TrainEngine:
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of everything a bit-exact resume needs (DCP-ready)."""
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=OPTIM_BY_NAME)
+        model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
         return {
             "model": model_sd,
             "optim": optim_sd,
@@ -327,7 +347,7 @@ class TrainEngine:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optim"], options=OPTIM_BY_NAME)
+                       optim_state_dict=state["optim"], options=self.options)
         self.scheduler.load_state_dict(state["scheduler"])
         self._apply_configured_hyperparameters()
         self.step = int(state["train"]["step"])

@@ -7,9 +7,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from stalwart.core.batch import compute_loss, loss_takes_batch
+from stalwart.parallel.meta_init import on_meta, tied_groups
 
 if TYPE_CHECKING:
     from stalwart.core.config import JobConfig
@@ -26,18 +26,11 @@ def warm_model(task: TrainTask, config: JobConfig) -> list[list[str]]:
     names that share one tensor (tied embeddings), which checkpoints record for exporters.
     """
     model = task.build_model(config)
-    task.init_weights(model)
     data = task.train_dataset(config)
     batch = data.get_batch(np.arange(min(len(data), config.train.micro_batch_size)))
     task.count_tokens(batch)  # a batch it cannot count fails here, before the world forms
-    loss, _ = compute_loss(task, model, batch, takes_batch=loss_takes_batch(task))
-    loss.backward()
-    return tied_parameters(model)
-
-
-def tied_parameters(model: torch.nn.Module) -> list[list[str]]:
-    """Names of parameters that are one tensor, in the model's order, groups of two or more."""
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
-    return [names for names in groups.values() if len(names) > 1]
+    if not on_meta(model):  # one built on the meta device is too big to hold whole here
+        task.init_weights(model)
+        loss, _ = compute_loss(task, model, batch, takes_batch=loss_takes_batch(task))
+        loss.backward()
+    return tied_groups(model)

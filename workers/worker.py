@@ -282,7 +282,9 @@ class Worker:
             self.storage_url, rank=rank, keep_last=self.config.checkpoint.keep_last,
             async_save=self.config.checkpoint.async_save,
             manifest_extra={"world_size": world_size, "task": self.config.task.path,
-                            **({"tied": self._tied} if self._tied else {})},
+                            **({"tied": self._tied} if self._tied else {}),
+                            **(self.task.checkpoint_identity(self.config) if rank == 0
+                               else {})},
             trust=self.trust, keep_best=keep_best_rule(self.config),
             export_files=self.task.export_files(self.config) if rank == 0 else None)
         ck = self.config.checkpoint

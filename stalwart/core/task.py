@@ -147,6 +147,21 @@ class TrainTask:
         checkpoint (signed with it), so export reads no task code."""
         return {}
 
+    def checkpoint_identity(self, config: JobConfig) -> dict[str, Any]:
+        """What this task's checkpoints are bound to beyond their tensors, by manifest key:
+        a pretrained base model's files, for a task that checkpoints only adapters. Rank 0
+        writes it into every manifest; `check_checkpoint` reads it back."""
+        return {}
+
+    def check_checkpoint(self, manifest: dict[str, Any], config: JobConfig) -> None:
+        """Refuse (TaskError) a checkpoint this task cannot restore: runs on the driver for
+        --resume and start_from, before any worker starts. The default compares each
+        `checkpoint_identity` entry with the manifest's."""
+        for key, value in self.checkpoint_identity(config).items():
+            if manifest.get(key) != value:
+                raise TaskError(f"checkpoint step {manifest.get('step')} has {key} = "
+                                f"{manifest.get(key)!r}, but this task has {value!r}")
+
     def count_tokens(self, batch: Batch) -> int:
         """Tokens in one micro-batch, for tokens/s: the targets' elements of a pair,
         `labels` (else `input_ids`) of a dict, the samples of anything else."""
@@ -164,6 +179,9 @@ class TrainTask:
         no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
         groups = [{"params": decay, "weight_decay": config.train.weight_decay},
                   {"params": no_decay, "weight_decay": 0.0}]
+        # An empty group (adapters are all matrices) would break the flattened optimizer
+        # state's round trip: every group must name a parameter.
+        groups = [g for g in groups if g["params"]]
         # foreach=False: the per-tensor loop gives the same numbers for any sharding.
         return torch.optim.AdamW(groups, lr=config.train.lr, betas=(0.9, 0.95),
                                  foreach=False)
