@@ -6,7 +6,9 @@ besides the weights (config.json, the tokenizer's files) is in the checkpoint as
 files, written by the task's `export_files` and signed with the weights. The weights keep the
 model's own parameter names; of each group of tied parameters (the manifest's `tied`) only the
 first is stored, as `save_pretrained` does. Past `max_shard_bytes` the weights are split into
-`model-0000k-of-0000n.safetensors` files with a `model.safetensors.index.json`.
+`model-0000k-of-0000n.safetensors` files with a `model.safetensors.index.json`. A LoRA
+fine-tune's checkpoint (it carries `adapter_config.json`) holds the adapter alone and is
+refused here: storage/export_peft.py exports it, alone or merged into its base model.
 
 The directory is built under a fresh name next to `--out`, then renamed: it appears whole or
 not at all, and an existing one is never touched.
@@ -19,6 +21,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -35,6 +38,7 @@ UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**
          "GIB": 2**30}
 SINGLE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
+ADAPTER_CONFIG = "adapter_config.json"  # a LoRA adapter's, as peft writes it
 
 
 def parse_size(text: str) -> int:
@@ -85,10 +89,18 @@ def shard(weights: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, to
 
 
 def write_hf(checkpoint: CheckpointInfo, weights: dict[str, torch.Tensor], out: Path, *,
-             max_shard_bytes: int) -> Path:
-    from safetensors.torch import save_file
-
-    files = export_files_of(checkpoint)
+             max_shard_bytes: int, files: dict[str, bytes] | None = None) -> Path:
+    """`out`, a model directory: `files` (default: the checkpoint's export files) and the
+    weights, sharded past `max_shard_bytes`."""
+    if files is None:
+        files = export_files_of(checkpoint)
+        if ADAPTER_CONFIG in files:
+            # Its weights are the adapter's alone: config.json beside them would promise a
+            # whole model that from_pretrained cannot build.
+            raise CheckpointError(
+                f"checkpoint step {checkpoint.step} holds a LoRA adapter, not a whole model: "
+                f"export it merged into its base model with --format hf --merge, or alone "
+                f"with --format peft")
     if "config.json" not in files:
         raise CheckpointError(
             f"checkpoint step {checkpoint.step} has no Hugging Face config.json: its task "
@@ -96,6 +108,33 @@ def write_hf(checkpoint: CheckpointInfo, weights: dict[str, torch.Tensor], out: 
             f"so it is no Hugging Face model; export it with --out FILE.safetensors")
     tied = checkpoint.manifest.get("tied") or []
     weights = untied(weights, tied)
+
+    def fill(tmp: Path) -> None:
+        from safetensors.torch import save_file
+
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        metadata = {"format": "pt", "step": str(checkpoint.step)}
+        parts = shard(weights, max_shard_bytes)
+        if len(parts) == 1:
+            save_file(parts[0], str(tmp / SINGLE), metadata=metadata)
+            return
+        weight_map = {}
+        for i, part in enumerate(parts, start=1):
+            name = f"model-{i:05d}-of-{len(parts):05d}.safetensors"
+            save_file(part, str(tmp / name), metadata=metadata)
+            weight_map.update(dict.fromkeys(part, name))
+        total = sum(t.numel() * t.element_size() for t in weights.values())
+        (tmp / INDEX).write_text(json.dumps(
+            {"metadata": {"total_size": total, "step": checkpoint.step},
+             "weight_map": weight_map}, indent=2))
+
+    return write_new_dir(out, fill)
+
+
+def write_new_dir(out: Path, fill: Callable[[Path], None]) -> Path:
+    """Make the directory `out` as `fill` writes it: into a fresh directory next to `out`,
+    renamed once whole. An existing `out` is refused and never touched."""
     check_out_dir(out)
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -104,22 +143,7 @@ def write_hf(checkpoint: CheckpointInfo, weights: dict[str, torch.Tensor], out: 
         raise CheckpointError(f"--out {str(out)!r}: cannot write there: "
                               f"{exc.strerror or exc}") from None
     try:
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
-        metadata = {"format": "pt", "step": str(checkpoint.step)}
-        parts = shard(weights, max_shard_bytes)
-        if len(parts) == 1:
-            save_file(parts[0], str(tmp / SINGLE), metadata=metadata)
-        else:
-            weight_map = {}
-            for i, part in enumerate(parts, start=1):
-                name = f"model-{i:05d}-of-{len(parts):05d}.safetensors"
-                save_file(part, str(tmp / name), metadata=metadata)
-                weight_map.update(dict.fromkeys(part, name))
-            total = sum(t.numel() * t.element_size() for t in weights.values())
-            (tmp / INDEX).write_text(json.dumps(
-                {"metadata": {"total_size": total, "step": checkpoint.step},
-                 "weight_map": weight_map}, indent=2))
+        fill(tmp)
         # mkdtemp's directory is private (0700); the model directory is as any other.
         umask = os.umask(0)
         os.umask(umask)

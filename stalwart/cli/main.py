@@ -92,15 +92,20 @@ def _parser() -> argparse.ArgumentParser:
                           "run.profile_steps)")
 
     exp = sub.add_parser("export", help="write a checkpoint's full model weights to one file, "
-                                        "or a Hugging Face model directory")
+                                        "a Hugging Face model directory or a peft adapter")
     exp.add_argument("run_dir", help="run directory of the run to export")
     exp.add_argument("--step", type=int, help="checkpoint step (default: the newest committed)")
-    exp.add_argument("--format", choices=("file", "hf"), default="file",
+    exp.add_argument("--format", choices=("file", "hf", "peft"), default="file",
                      help="file: the weights in one file (default); hf: a Hugging Face model "
-                          "directory (config.json, tokenizer, safetensors) for from_pretrained")
+                          "directory (config.json, tokenizer, safetensors) for from_pretrained; "
+                          "peft: a LoRA fine-tune's adapter directory for "
+                          "PeftModel.from_pretrained")
+    exp.add_argument("--merge", action="store_true",
+                     help="with --format hf: merge a LoRA fine-tune's adapter into its base "
+                          "model (read where training read it, checked unchanged)")
     exp.add_argument("--out", required=True,
                      help="output file (.safetensors, .pt, .pth or .bin), or with --format hf "
-                          "a directory that does not exist yet")
+                          "or peft a directory that does not exist yet")
     exp.add_argument("--max-shard-size", default="5GB",
                      help="with --format hf: split the weights into files of at most this "
                           "size, with an index (default 5GB)")
@@ -197,11 +202,16 @@ def _cmd_export(args: argparse.Namespace) -> int:
     from stalwart.core.errors import ConfigError
     from stalwart.run_dir import RunDir
 
+    if args.merge and args.format != "hf":
+        raise ConfigError(f"export: --merge goes with --format hf only (it writes the merged "
+                          f"model as a Hugging Face model directory), not --format "
+                          f"{args.format}")
     rd = RunDir(Path(args.run_dir))
     rd.check_resumable()  # before torch loads: a wrong path fails in a second
     config = load_config(rd.config_file)
     from stalwart.checkpointing.storage.export import check_out, export_newest, write_file
     from stalwart.checkpointing.storage.export_hf import check_out_dir, parse_size, write_hf
+    from stalwart.checkpointing.storage.export_peft import write_merged, write_peft
     from stalwart.checkpointing.storage.layout import check_remote_readable
     from stalwart.checkpointing.storage.signing import CheckpointTrust, load_trust_keys
 
@@ -211,7 +221,10 @@ def _cmd_export(args: argparse.Namespace) -> int:
             shard_bytes = parse_size(args.max_shard_size)
         except ValueError as exc:
             raise ConfigError(f"--max-shard-size: {exc}") from None
-        write, check = partial(write_hf, max_shard_bytes=shard_bytes), check_out_dir
+        write = partial(write_merged if args.merge else write_hf, max_shard_bytes=shard_bytes)
+        check = check_out_dir
+    elif args.format == "peft":
+        write, check = write_peft, check_out_dir
     else:
         write, check = write_file, check_out
     check(out)

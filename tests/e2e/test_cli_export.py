@@ -1,5 +1,7 @@
 """`stalwart export` as a user types it, on real DCP checkpoints of the reference task's model:
-which checkpoint it passes over and why, its temporary file, and an unwritable --out."""
+which checkpoint it passes over and why, its temporary file, and an unwritable --out; and on a
+LoRA fine-tune's checkpoint, the adapter and the merged model loaded back by peft and
+transformers."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ from stalwart.checkpointing.storage.writer import write_manifest
 from tests.cli_helpers import stalwart
 from tests.e2e.checkpoints import run_dir_with_checkpoints
 from tests.keys import signing_key
+from tests.lora_checkpoints import lora_checkpoint, lora_model, run_dir
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(180)]
 
@@ -105,3 +108,58 @@ def test_export_skips_a_manifest_of_the_wrong_shape(tmp_path: Path) -> None:
     assert "stalwart: skipping checkpoint step 20: " in proc.stderr
     assert "a JSON list, not an object" in proc.stderr
     assert "exported step 10 of" in proc.stdout
+
+
+def _lora_run(tmp_path: Path):
+    pytest.importorskip("peft")
+    lm = lora_model(tmp_path, tied=True)
+    run = run_dir(tmp_path)
+    lora_checkpoint(run / "checkpoints", 8, lm, tmp_path, tied=True)
+    return run, lm
+
+
+def test_export_of_a_lora_fine_tune_as_adapter_and_merged(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run, lm = _lora_run(tmp_path)
+    proc = stalwart("export", str(run), "--format", "peft", "--out", "adapter", cwd=tmp_path)
+    assert "exported step 8 of" in proc.stdout
+    stalwart("export", str(run), "--format", "hf", "--merge", "--out", "merged", cwd=tmp_path)
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    ids = torch.tensor([[3, 14, 15, 9, 26]])
+    with torch.no_grad():
+        expected = lm.model(input_ids=ids).logits
+        base = AutoModelForCausalLM.from_pretrained(lm.base).eval()
+        adapter = PeftModel.from_pretrained(base, tmp_path / "adapter").eval()
+        torch.testing.assert_close(adapter(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+        torch.testing.assert_close(merged(input_ids=ids).logits, expected, atol=1e-5, rtol=0)
+    prompt = AutoTokenizer.from_pretrained(tmp_path / "merged")("w3 w14", return_tensors="pt")
+    generated = merged.generate(**prompt, max_new_tokens=4, do_sample=False)
+    assert generated.shape == (1, 6)
+
+
+def test_export_of_a_lora_fine_tune_refuses_bad_input(tmp_path: Path) -> None:
+    run, lm = _lora_run(tmp_path)
+    proc = stalwart("export", str(run), "--format", "peft", "--merge", "--out", "x",
+                    cwd=tmp_path, check=2)
+    assert proc.stderr.strip() == ("stalwart: error: export: --merge goes with --format hf "
+                                   "only (it writes the merged model as a Hugging Face model "
+                                   "directory), not --format peft")
+    weights = lm.base / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[len(data) // 2] ^= 1
+    weights.write_bytes(bytes(data))
+    proc = stalwart("export", str(run), "--format", "hf", "--merge", "--out", "merged",
+                    cwd=tmp_path, check=2)
+    (line,) = proc.stderr.strip().splitlines()
+    assert line.startswith(f"stalwart: error: base model {str(lm.base.resolve())!r}: "
+                           f"model.safetensors differs in size or sha256 from the one "
+                           f"training read: the base model changed since training")
+    full, _ = run_dir_with_checkpoints(tmp_path / "full", (10,))
+    proc = stalwart("export", str(full), "--format", "peft", "--out", "adapter", cwd=tmp_path,
+                    check=2)
+    assert proc.stderr.strip() == ("stalwart: error: checkpoint step 10 holds no LoRA adapter "
+                                   "(a full fine-tune?): export it with --format hf")
+    assert not (tmp_path / "merged").exists() and not (tmp_path / "adapter").exists()
