@@ -78,7 +78,12 @@ def _render_messages(tokenizer: Any, row: Row) -> tuple[list[int], list[bool]]:
     messages = row.value["messages"]
     full = _chat(tokenizer, messages, row, generation_prompt=False)
     spans = _assistant_spans(tokenizer, messages, full, row)
-    encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True, verbose=False)
+    try:
+        encoded = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True,
+                            verbose=False)
+    except NotImplementedError as e:  # a Python ("slow") tokenizer has no character offsets
+        raise TaskError(f"{row.where}: chat rows need a fast tokenizer (a tokenizer.json) to "
+                        f"find the assistant tokens, and this one has no offsets: {e}") from e
     ids = list(encoded["input_ids"])
     return ids, _inside(encoded["offset_mapping"], spans)
 

@@ -141,14 +141,14 @@ def row_kind(row: Row) -> str:
     if not isinstance(value, dict):
         raise TaskError(f"{row.where} is a JSON {type(value).__name__}, not an object; allowed "
                         f"rows: {SHAPES}")
-    if "messages" in value:
+    if value.get("messages") is not None:  # None: a parquet column that this row leaves empty
         _check_messages(row, value["messages"])
         return "messages"
     if isinstance(value.get("prompt"), str) and isinstance(value.get("completion"), str):
         return "prompt_completion"
     if isinstance(value.get("text"), str):
         return "text"
-    keys = ", ".join(sorted(map(str, value))) or "(none)"
+    keys = ", ".join(sorted(str(k) for k, v in value.items() if v is not None)) or "(none)"
     raise TaskError(f"{row.where} has keys {keys}, which are no row shape stalwart reads; "
                     f"allowed rows: {SHAPES}")
 

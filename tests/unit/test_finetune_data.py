@@ -189,6 +189,17 @@ def test_jsonl_parquet_txt_directory_and_glob(tmp_path: Path) -> None:
     assert rows[0].value["messages"] == CHAT and rows[4].value == {"text": "a whole\nfile\n"}
 
 
+def test_parquet_mixing_shapes_leaves_other_columns_null(tmp_path: Path) -> None:
+    rows = [{"text": "a"}, {"prompt": "p", "completion": "c"}, {"messages": CHAT[1:3]}, {}]
+    columns = {key: [row.get(key) for row in rows]
+               for key in ("text", "prompt", "completion", "messages")}
+    pq.write_table(pa.table(columns), tmp_path / "mixed.parquet")
+    read = list(read_rows([str(tmp_path / "mixed.parquet")]))
+    assert [row_kind(r) for r in read[:3]] == ["text", "prompt_completion", "messages"]
+    with pytest.raises(TaskError, match=r"mixed\.parquet:4 has keys \(none\)"):
+        row_kind(read[3])
+
+
 def test_memory_url_and_glob() -> None:
     fs = fsspec.filesystem("memory")
     for name in ("x1.jsonl", "x2.jsonl"):
