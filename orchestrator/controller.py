@@ -95,7 +95,8 @@ class Controller:
         # In the order their events are written: faults and traces before the commits and
         # steps of the same answer, a recovery's `recovered` before the step's metrics row.
         self.observers: list[ControllerObserver] = [
-            self.faults, reporting.ProfileSaver(events), reporting.TierReporter(config, events),
+            self.faults, reporting.ProfileSaver(events), reporting.SampleLog(events),
+            reporting.TierReporter(config, events),
             self.stragglers, self.detector, RecoveryTimer(events), self.throughput,
             self.best_metric, *observers]
         self.state: State = Scheduling(generation=0, since=self.clock.time())

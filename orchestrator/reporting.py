@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from stalwart.orchestrator.failures import WorkerFailure
     from stalwart.orchestrator.observers import Display
     from stalwart.orchestrator.states import Running
-    from stalwart.workers.reports import CommitReport, WorkerStatus
+    from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
 
 # Steps into a world after which its memory tier holds what it will hold from then on (two
 # snapshots of each shard it keeps, the newest of them replicated): when its size is reported.
@@ -75,6 +75,17 @@ class ProfileSaver(ControllerObserver):
             self.events.emit(ev.ProfileSaved(rank=trace.rank, steps=list(trace.steps),
                              path=str(path.resolve()), generation=trace.generation,
                              export_s=round(trace.export_s, 3)))
+
+
+class SampleLog(ControllerObserver):
+    """Writes the model's validation samples (a task's `validation_samples`) as events."""
+
+    def __init__(self, events: EventLog) -> None:
+        self.events = events
+
+    def on_step(self, report: StepReport) -> None:
+        if report.samples:
+            self.events.emit(ev.ValidationSamples(step=report.step, samples=report.samples))
 
 
 class TierReporter(ControllerObserver):

@@ -104,8 +104,11 @@ class TrainEngine:
         # what trains: the frozen rest comes from the task's own files at every start, so
         # a load leaves it as it is (not strict). DCP's load still refuses a checkpoint
         # that lacks a trainable tensor.
-        frozen = any(not p.requires_grad for p in self.model.parameters())
-        self.options = replace(OPTIM_BY_NAME, ignore_frozen_params=frozen, strict=not frozen)
+        inner = getattr(self.model, "module", self.model)  # DDP's names drop "module."
+        self.frozen = {name for name, p in inner.named_parameters(remove_duplicate=False)
+                       if not p.requires_grad}
+        self.options = replace(OPTIM_BY_NAME, ignore_frozen_params=bool(self.frozen),
+                               strict=not self.frozen)
         # Ranks holding the loss: the last pipeline stage (tp peers hold the same one).
         self.loss_ranks = world_size // self.dims.pp
         # Gradients summed in one order for any dp degree (parallel/invariant_reduce.py).
@@ -292,6 +295,8 @@ class TrainEngine:
     def state_dict(self) -> dict[str, Any]:
         """This rank's shard of everything a bit-exact resume needs (DCP-ready)."""
         model_sd, optim_sd = get_state_dict(self.model, self.optimizer, options=self.options)
+        if self.frozen:  # torch keeps a frozen tied parameter's second name (lm_head)
+            model_sd = {k: v for k, v in model_sd.items() if k not in self.frozen}
         return {
             "model": model_sd,
             "optim": optim_sd,

@@ -35,6 +35,8 @@ class StepReport:
     metrics: dict[str, float] = field(default_factory=dict)
     """The task's own metrics, global means like the loss; `val_<name>` ones too on a
     validation step."""
+    samples: list[dict[str, str]] = field(default_factory=list)
+    """Rank 0's `validation_samples` on a validation step (empty otherwise)."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -399,6 +399,9 @@ class Worker:
                         val_loss, val_metrics = validation
                         report = replace(report, val_loss=val_loss,
                                          metrics={**report.metrics, **val_metrics})
+                    samples = self.task.validation_samples(engine.model)  # every rank
+                    if samples and self.rank == 0:
+                        report = replace(report, samples=samples)
                 self._steps.append(report)
                 if persist:  # from the staged snapshot when there is one
                     self._busy = "saving a checkpoint"  # waits for the save before it

@@ -348,6 +348,17 @@ class FaultSkipped(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class ValidationSamples(Event):
+    """What the model wrote at a validation step (a task's `validation_samples`: greedy
+    completions of fixed prompts), so a run's progress can be read, not only its loss."""
+
+    kind: ClassVar[str] = "validation_samples"
+    step: int
+    samples: list[dict[str, str]]
+    """One {"prompt", "text"} per prompt, in the task's order."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class ProfileSaved(Event):
     kind: ClassVar[str] = "profile_saved"
     rank: int
@@ -407,7 +418,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         Started, Resumed, StartedFrom, WorkersStarted, Finished, Stopped, Failed, Interrupted,
         Failure, CheckpointChosen, Recovered, Resized, Straggler, CheckpointCommitted,
         CheckpointSkipped, UnsignedCheckpointAccepted, MemoryTier, FaultInjected, FaultSkipped,
-        ProfileSaved)
+        ProfileSaved, ValidationSamples)
 }
 
 T = TypeVar("T")

@@ -141,6 +141,12 @@ class TrainTask:
         """
         return self.output_loss(model(inputs), targets)
 
+    def validation_samples(self, model: torch.nn.Module) -> list[dict[str, str]]:
+        """Text the model writes at each validation step, as {"prompt", "text"} dicts:
+        written to events.jsonl (`validation_samples`) from rank 0's list. Every rank calls
+        it (a sharded model's forward is collective); none by default."""
+        return []
+
     def export_files(self, config: JobConfig) -> dict[str, bytes]:
         """Files an exporter needs besides the weights, by name: for `stalwart export
         --format hf`, `config.json` and the tokenizer's files. Rank 0 writes them into every

@@ -47,9 +47,10 @@ ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
 
 
 class CausalLM(TrainTask):
-    def __init__(self, *, model: str, data: str, lora: dict[str, Any] | None = None,
+    def __init__(self, *, model: str, data: str, lora: dict[str, Any] | bool | None = None,
                  seq_len: int = 512, packing: str = "auto", val_data: str = "",
-                 val_fraction: float = 0.05, revision: str = "", hub_cache: str = "") -> None:
+                 val_fraction: float = 0.05, revision: str = "", hub_cache: str = "",
+                 sample_prompts: list[str] | None = None, sample_tokens: int = 32) -> None:
         if any(importlib.util.find_spec(m) is None
                for m in ("transformers", "peft", "accelerate", "safetensors")):
             raise TaskError(NEEDS_HF)
@@ -65,9 +66,19 @@ class CausalLM(TrainTask):
                 or not 0 <= val_fraction < 1:
             raise ValueError(f"task.args.val_fraction = {val_fraction!r} is invalid: a number "
                              f"in [0, 1)")
+        prompts = sample_prompts or []
+        if not isinstance(prompts, list) or not all(isinstance(p, str) and p for p in prompts):
+            raise ValueError(f"task.args.sample_prompts = {sample_prompts!r} is invalid: a "
+                             f"list of non-empty strings")
+        if not isinstance(sample_tokens, int) or isinstance(sample_tokens, bool) \
+                or not 1 <= sample_tokens <= 4096:
+            raise ValueError(f"task.args.sample_tokens = {sample_tokens!r} is invalid: an int "
+                             f"from 1 to 4096")
+        self.sample_prompts, self.sample_tokens = prompts, sample_tokens
         self.source, self.data, self.val_data = model, data, val_data
         self.seq_len, self.val_fraction = seq_len, float(val_fraction)
-        self.lora = None if lora is None else lora_lib.lora_config(lora, source=model)
+        # lora = false: a full fine-tune (TOML has no null to unset a table with --set).
+        self.lora = None if lora in (None, False) else lora_lib.lora_config(lora, source=model)
         self.path = pretrained.resolve_model(model, revision=revision, cache_dir=hub_cache)
         meta = self._meta_model()  # refuses a bad directory, weights or target modules
         pretrained.check_weights(meta, self.path)
@@ -88,8 +99,8 @@ class CausalLM(TrainTask):
         except ValueError as exc:  # peft: target modules that match nothing
             if self.lora is None:
                 raise
-            raise lora_lib.check_targets(exc, pretrained.build_on_meta(self.path),
-                                         self.lora) from None
+            raise lora_lib.check_targets(pretrained.build_on_meta(self.path),
+                                         self.lora) from exc
 
     def _check_data(self, packing: str) -> str:
         """The data's files, the shape of its first rows, and that the tokenizer can render
@@ -201,8 +212,37 @@ class CausalLM(TrainTask):
     def val_dataset(self, config: JobConfig) -> PackedRows | None:
         from stalwart.data.token_cache import PackedRows
 
-        split = self._data_dir(config) / "validation"
+        split = self._data_dir(config) / "val"
         return PackedRows(split) if split.is_dir() else None
+
+    @torch.no_grad()
+    def validation_samples(self, model: torch.nn.Module) -> list[dict[str, str]]:
+        """Greedy completions of `sample_prompts` (as a user turn through the chat template
+        where the tokenizer has one), the same on every rank."""
+        if not self.sample_prompts:
+            return []
+        from stalwart.data.token_cache import load_tokenizer
+
+        tokenizer = load_tokenizer(str(self.path))
+        inner = getattr(model, "module", model)  # DDP: generate on the model itself
+        device = next(inner.parameters()).device
+        samples = []
+        for prompt in self.sample_prompts:
+            if tokenizer.chat_template:
+                ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
+                                                    add_generation_prompt=True,
+                                                    return_dict=True)["input_ids"]
+            else:
+                ids = tokenizer(prompt)["input_ids"]
+            inputs = torch.tensor([ids], device=device)
+            out = inner.generate(input_ids=inputs, attention_mask=torch.ones_like(inputs),
+                                 max_new_tokens=self.sample_tokens, do_sample=False,
+                                 use_cache=True, pad_token_id=tokenizer.pad_token_id
+                                 if tokenizer.pad_token_id is not None
+                                 else tokenizer.eos_token_id)
+            samples.append({"prompt": prompt, "text": tokenizer.decode(
+                out[0, inputs.shape[1]:], skip_special_tokens=True)})
+        return samples
 
     # ------------------------------------------------------------------ checkpoints
 

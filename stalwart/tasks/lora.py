@@ -48,16 +48,17 @@ def lora_config(table: Any, *, source: str) -> Any:
                       task_type="CAUSAL_LM", base_model_name_or_path=source)
 
 
-def check_targets(error: Exception, model: torch.nn.Module, config: Any) -> TaskError:
+def check_targets(model: torch.nn.Module, config: Any) -> TaskError:
     """peft's refusal of target modules that match nothing, as one error that lists what
     the model has."""
     import torch
 
     leaves = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
                      if isinstance(m, torch.nn.Linear)})
-    return TaskError(f"task.args.lora.target_modules = {config.target_modules!r} match no "
-                     f"layer of the model ({error}); its linear layers are named: "
-                     f"{', '.join(leaves)}")
+    targets = config.target_modules
+    targets = sorted(targets) if isinstance(targets, set) else targets  # peft makes a set
+    return TaskError(f"task.args.lora.target_modules = {targets!r} match no layer of the "
+                     f"model; its linear layers are named: {', '.join(leaves)}")
 
 
 def adapter_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
