@@ -7,8 +7,9 @@ engine parallelises it, allocates only this rank's shards, and calls `load_weigh
 reads exactly those slices from the safetensors through DCP's Hugging Face reader: no rank
 ever holds the whole model unless its layout replicates it (DDP).
 
-A hub id is resolved once, on the driver, to a local snapshot (`huggingface_hub`); workers
-find it there or, on a node without it, fetch the same revision.
+A hub id is resolved to a local snapshot (`huggingface_hub`): fetched once, on the driver,
+into `hub_cache`; workers find it there (a cache every node reads), or, on a node without it,
+fetch the same revision themselves.
 """
 
 from __future__ import annotations
@@ -47,15 +48,17 @@ def resolve_model(source: str, *, revision: str = "", cache_dir: str = "") -> Pa
                         f"needs huggingface_hub: pip install 'stalwart[hf]'") from None
     kwargs: dict[str, Any] = {"allow_patterns": HUB_PATTERNS, "revision": revision or None,
                               "cache_dir": os.path.expanduser(cache_dir) if cache_dir else None}
+    try:  # the cache first: the driver fetched it, and workers must not each ask the hub
+        return Path(snapshot_download(source, local_files_only=True, **kwargs))
+    except Exception:
+        pass
     try:
         return Path(snapshot_download(source, **kwargs))
     except Exception as exc:  # offline, unknown repo, gated: the hub's own message says which
-        try:
-            return Path(snapshot_download(source, local_files_only=True, **kwargs))
-        except Exception:
-            raise TaskError(f"task.args.model = {source!r} is no local directory and cannot "
-                            f"be fetched from the Hugging Face hub ({type(exc).__name__}: "
-                            f"{exc}); give a local directory in Hugging Face layout") from None
+        raise TaskError(f"task.args.model = {source!r} is no local directory, not in the hub "
+                        f"cache ({cache_dir or 'Hugging Face default'}) and cannot be fetched "
+                        f"from the Hugging Face hub ({type(exc).__name__}: {exc}); give a "
+                        f"local directory in Hugging Face layout") from None
 
 
 def weight_files(path: Path) -> list[Path]:

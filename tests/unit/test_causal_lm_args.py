@@ -137,3 +137,20 @@ def test_a_checkpoint_of_other_base_weights_is_refused_naming_both(base, data, t
     with pytest.raises(TaskError, match=rf"step 8 was trained on base model '{other}' "
                                         rf"\({other}\), but task.args.model is '{base}'"):
         t.check_checkpoint({"step": 8, **recorded}, config)
+
+
+def test_a_hub_id_resolves_from_the_hub_cache(base, data, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")  # nothing is downloaded here
+    repo = tmp_path / "hub" / "models--acme--tiny"
+    shutil.copytree(base, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    t = task("acme/tiny", data, hub_cache=str(tmp_path / "hub"))
+    assert t.path == repo / "snapshots" / "abc123"
+
+
+def test_a_hub_id_neither_cached_nor_reachable_is_refused(data, tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    with pytest.raises(TaskError, match=r"'acme/missing' is no local directory, not in the "
+                                        r"hub cache .* cannot be fetched"):
+        task("acme/missing", data, hub_cache=str(tmp_path / "hub"))
