@@ -54,6 +54,9 @@ class ModelShape:
     """Feed-forward hidden width (used to size a block when block_params is not given)."""
     block_params: int | None = None
     """Parameters of one transformer block, the largest FSDP unit. None: unknown."""
+    trainable: int | None = None
+    """Parameters that train (adapters on a frozen base); None: all of them. A frozen one
+    has no gradient and no optimizer state."""
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():  # every size is optional but positive
@@ -75,17 +78,19 @@ class ModelShape:
             with torch.device("meta"):
                 model = task.build_model(config)
             n_params = sum(p.numel() for p in model.parameters())  # a tied weight counts once
+            trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         except Exception as exc:  # user code: any error belongs in the message
             raise PlanError(
                 f"cannot build the model of task {type(task).__name__} on the meta device to "
                 f"count its parameters ({type(exc).__name__}: {exc}); implement "
                 f"TrainTask.model_dims or use --params") from exc
         dims = task.model_dims(model)
+        frozen = {"trainable": trainable or None} if trainable < n_params else {}
         if dims is None:
-            return cls.from_param_count(n_params)
+            return dataclasses.replace(cls.from_param_count(n_params), **frozen)
         return cls(n_params=n_params, n_layers=dims.n_layers, d_model=dims.d_model,
                    n_heads=dims.n_heads, seq_len=dims.seq_len, vocab_size=dims.vocab_size,
-                   ffn_hidden=dims.ffn_hidden, block_params=dims.block_params)
+                   ffn_hidden=dims.ffn_hidden, block_params=dims.block_params, **frozen)
 
     @classmethod
     def from_param_count(cls, n_params: int, *, n_layers: int | None = None,
@@ -224,7 +229,11 @@ def estimate(shape: ModelShape, layout: PlanLayout) -> MemoryEstimate:
     # only while a unit is gathered and are counted in `buffers`. Every stored tensor is
     # sharded over dp_shard under ZeRO-2 and ZeRO-3 alike (FSDP2 never keeps a full copy).
     shard = math.ceil(rank_params / layout.dp_shard)
-    return MemoryEstimate(params=4 * shard, grads=4 * shard, optimizer=8 * shard,
+    # Frozen parameters (a LoRA fine-tune's base) have no gradient and no optimizer state:
+    # those scale with the trainable share, spread as the parameters are.
+    trained = shard if shape.trainable is None else \
+        math.ceil(shard * shape.trainable / shape.n_params)
+    return MemoryEstimate(params=4 * shard, grads=4 * trained, optimizer=8 * trained,
                           buffers=_buffers(shape, layout, rank_params),
                           activations=_activations(shape, layout), offloaded=layout.cpu_offload)
 

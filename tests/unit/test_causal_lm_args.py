@@ -154,3 +154,16 @@ def test_a_hub_id_neither_cached_nor_reachable_is_refused(data, tmp_path, monkey
     with pytest.raises(TaskError, match=r"'acme/missing' is no local directory, not in the "
                                         r"hub cache .* cannot be fetched"):
         task("acme/missing", data, hub_cache=str(tmp_path / "hub"))
+
+
+def test_the_memory_plan_gives_frozen_weights_no_gradient_or_optimizer_state(base, data):
+    from stalwart.plan.estimate import ModelShape, PlanLayout, estimate
+
+    full = ModelShape.from_task(task(base, data), None)
+    lora = ModelShape.from_task(task(base, data, lora={"r": 4, "target_modules": ["q_proj"]}),
+                                None)
+    assert full.trainable is None and 0 < lora.trainable < lora.n_params // 50
+    layout = PlanLayout(dp_replicate=2, dp_shard=1)
+    a, b = estimate(full, layout), estimate(lora, layout)
+    assert a.params <= b.params < 1.05 * a.params  # the frozen base is held all the same
+    assert b.optimizer * 50 < a.optimizer and b.grads * 50 < a.grads
