@@ -89,6 +89,7 @@ class CausalLM(TrainTask):
                              f"(max_position_embeddings = {limit} in {self.path}/config.json)")
         self.packing = self._check_data(packing)
         self._prepared: Path | None = None
+        self._identity: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------ checks
 
@@ -193,6 +194,7 @@ class CausalLM(TrainTask):
         data's content)."""
         from stalwart.data.token_cache import prepare
 
+        self.checkpoint_identity(config)  # rank 0 records it at every world's setup
         self._prepared = prepare(data=self.data, val_data=self.val_data or None,
                                  val_fraction=self.val_fraction, tokenizer_dir=str(self.path),
                                  seq_len=self.seq_len, mode=self.packing,
@@ -247,9 +249,12 @@ class CausalLM(TrainTask):
     # ------------------------------------------------------------------ checkpoints
 
     def checkpoint_identity(self, config: JobConfig) -> dict[str, Any]:
-        """The base model's weight files (sha256), in every checkpoint's manifest."""
-        return {"base_model": pretrained.identity(self.source, self.path,
-                                                  config.data.cache_dir)}
+        """The base model's weight files (sha256), in every checkpoint's manifest. Hashed
+        once per process (prepare_data does it at warm-up, before any world forms)."""
+        if self._identity is None:
+            self._identity = {"base_model": pretrained.identity(self.source, self.path,
+                                                                config.data.cache_dir)}
+        return self._identity
 
     def check_checkpoint(self, manifest: dict[str, Any], config: JobConfig) -> None:
         recorded = manifest.get("base_model")

@@ -129,6 +129,7 @@ def check_weights(model: torch.nn.Module, path: Path) -> None:
 def build_on_meta(path: Path, *, lora: Any | None = None) -> torch.nn.Module:
     """The model of `path`'s config.json with its parameters on the meta device (buffers
     real), ties in place and LoRA adapters injected (also on meta)."""
+    import torch
     from accelerate import init_empty_weights
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -137,9 +138,13 @@ def build_on_meta(path: Path, *, lora: Any | None = None) -> torch.nn.Module:
     except Exception as exc:
         raise TaskError(f"task.args.model: {path}/config.json cannot be read "
                         f"({type(exc).__name__}: {exc})") from None
+    # fp32 parameters whatever dtype the files hold: they are the master weights (bf16
+    # compute is parallel.mixed_precision's), and FSDP2 needs one dtype per unit, adapters
+    # included. A bf16 file is converted as it is read.
     with init_empty_weights(include_buffers=False):
         try:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                     dtype=torch.float32)
         except ValueError as exc:
             raise TaskError(f"task.args.model: {path} is no causal language model that "
                             f"transformers knows: {exc}") from None

@@ -37,6 +37,10 @@ lora = {{ r = 4, alpha = 8, target_modules = ["q_proj", "v_proj"] }}
 [scaling]
 num_workers = 2
 
+[parallel]
+dp_replicate = -1
+dp_shard = 1
+
 [train]
 steps = {steps}
 global_batch_size = 8
