@@ -36,3 +36,14 @@ def replace_blocks(model: nn.Module, wrap) -> None:
     keys = list(layers.keys()) if isinstance(layers, nn.ModuleDict) else range(len(layers))
     for key in keys:
         layers[key] = wrap(layers[key])
+
+
+def stage_layer_ids(n_layers: int, num_stages: int) -> list[list[int]]:
+    """Blocks of each stage: as even as possible, earlier stages taking the remainder."""
+    base, extra = divmod(n_layers, num_stages)
+    ids, start = [], 0
+    for stage in range(num_stages):
+        count = base + (1 if stage < extra else 0)
+        ids.append(list(range(start, start + count)))
+        start += count
+    return ids

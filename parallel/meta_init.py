@@ -21,7 +21,14 @@ def on_meta(model: torch.nn.Module) -> bool:
 
 def materialize(model: torch.nn.Module, device: torch.device,
                 init: Callable[[torch.nn.Module], None]) -> None:
-    """Allocate the model's (possibly sharded) parameters on `device`, then `init` them.
+    """Allocate the model's (possibly sharded) parameters on `device`, then `init` them."""
+    allocate(model, device)
+    with torch.no_grad():
+        init(model)
+
+
+def allocate(model: torch.nn.Module, device: torch.device) -> None:
+    """Allocate the model's (possibly sharded) parameters on `device`, uninitialised.
 
     `to_empty` replaces every tensor, buffers included, with uninitialised memory: the
     buffers that were real before are copied back into their new place. It also gives
@@ -39,7 +46,6 @@ def materialize(model: torch.nn.Module, device: torch.device,
         for name, buffer in model.named_buffers():
             if name in kept:
                 buffer.copy_(kept[name])
-        init(model)
 
 
 def tied_groups(model: torch.nn.Module) -> list[list[str]]:

@@ -21,6 +21,7 @@ from torch.distributed.pipelining import (
     ScheduleInterleavedZeroBubble,
 )
 
+from stalwart.parallel.meta_init import allocate
 from stalwart.parallel.recipe import parallelize
 
 if TYPE_CHECKING:
@@ -68,7 +69,11 @@ class Pipeline:
 
 def build_pipeline(model: torch.nn.Module, *, task: TrainTask, dims: ParallelDims,
                    mesh: DeviceMesh, config: ParallelConfig, device: torch.device,
-                   n_microbatches: int, loss_fn: Callable) -> Pipeline:
+                   n_microbatches: int, loss_fn: Callable,
+                   init: Callable[[torch.nn.Module], None] | None = None) -> Pipeline:
+    """`init`: for a model built on the meta device, what fills it (the task's
+    init_weights), called once on the rank's module after every stage is split and
+    allocated."""
     pp_rank = mesh["pp"].get_local_rank()
     num_stages = dims.pp * dims.stages_per_rank
     stage_ids = [pp_rank + k * dims.pp for k in range(dims.stages_per_rank)]
@@ -76,6 +81,11 @@ def build_pipeline(model: torch.nn.Module, *, task: TrainTask, dims: ParallelDim
     # Each stage is parallelized on its own (TP, AC, compile, FSDP): FSDP's root per stage
     # lets the schedule drive each stage's gradient reduction at its last micro-batch.
     stage_modules = [parallelize(m, mesh=mesh, config=config, task=task) for m in stage_modules]
+    if init is not None:
+        for m in stage_modules:
+            allocate(m, device)
+        with torch.no_grad():
+            init(rank_module)  # once: a load from files is collective over the world
     stages = [PipelineStage(m, s, num_stages, device, group=mesh["pp"].get_group())
               for m, s in zip(stage_modules, stage_ids, strict=True)]
     cls = SCHEDULES[config.pp_schedule]

@@ -83,16 +83,13 @@ class TrainEngine:
         self.pipeline: Pipeline | None = None
         if self.dims.pp > 1:
             assert self.mesh is not None, "pipeline parallelism needs a process group"
-            if deferred:
-                raise TaskError(f"parallel.pp = {self.dims.pp}: task {type(task).__name__} "
-                                f"builds its model on the meta device, which a pipeline "
-                                f"cannot split yet")
             # Imported here: torch's pipelining costs every rank's start half a second.
             from stalwart.parallel.pipeline import build_pipeline
 
             self.pipeline = build_pipeline(
                 model, task=task, dims=self.dims, mesh=self.mesh, config=config.parallel,
-                device=device, n_microbatches=self.accum, loss_fn=task.output_loss)
+                device=device, n_microbatches=self.accum, loss_fn=task.output_loss,
+                init=task.init_weights if deferred else None)
             # The optimizer and checkpoints see this rank's stages as one module.
             self.model = self.pipeline.rank_module
         else:

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor, nn
 
 from stalwart.examples.gpt.model import GPT
+from stalwart.parallel.blocks import stage_layer_ids
 
 
 class GPTStage(nn.Module):
@@ -31,17 +32,6 @@ class GPTStage(nn.Module):
         if self.output is not None:
             h = self.output(self.norm(h)).float()
         return h
-
-
-def stage_layer_ids(n_layers: int, num_stages: int) -> list[list[int]]:
-    """Blocks of each stage: as even as possible, earlier stages taking the remainder."""
-    base, extra = divmod(n_layers, num_stages)
-    ids, start = [], 0
-    for stage in range(num_stages):
-        count = base + (1 if stage < extra else 0)
-        ids.append(list(range(start, start + count)))
-        start += count
-    return ids
 
 
 def split_stages(model: GPT, stage_ids: list[int], num_stages: int) -> list[GPTStage]:

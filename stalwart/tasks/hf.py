@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stalwart.core.errors import TaskError
-from stalwart.core.task import Layout, ModelDims, TrainTask
+from stalwart.core.task import Dataset, Layout, ModelDims, TrainTask
 from stalwart.tasks import lora as lora_lib
 from stalwart.tasks import pretrained
 
@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
     from stalwart.core.config import JobConfig
-    from stalwart.data.token_cache import PackedRows
 
 NEEDS_HF = ("stalwart.tasks.hf:CausalLM needs transformers, peft and accelerate: "
             "pip install 'stalwart[hf]'")
@@ -126,6 +125,8 @@ class CausalLM(TrainTask):
 
     def check_layout(self, dims: Layout) -> None:
         super().check_layout(dims)
+        if dims.pp > 1:
+            self._check_pipeline(dims)
         if dims.tp > 1:
             if self.lora is not None:
                 raise TaskError(f"parallel.tp = {dims.tp}: LoRA adapters are not split over "
@@ -139,16 +140,34 @@ class CausalLM(TrainTask):
                                 f"heads ({heads}) and key/value heads ({kv})")
             self._check_tp_names()
 
+    def _check_pipeline(self, dims: Layout) -> None:
+        c = self.hf_config
+        stages = dims.pp * getattr(dims, "stages_per_rank", 1)
+        if getattr(c, "tie_word_embeddings", False):
+            raise TaskError(f"parallel.pp = {dims.pp}: the model in {self.path} ties its "
+                            f"output head to its embedding (tie_word_embeddings), which sit "
+                            f"on the first and the last stage: it cannot be pipelined")
+        if self.sample_prompts:
+            raise TaskError(f"parallel.pp = {dims.pp}: task.args.sample_prompts needs the "
+                            f"whole model on every rank to generate; leave them out")
+        if c.num_hidden_layers < stages:
+            raise TaskError(f"parallel.pp = {dims.pp}: {stages} stages need as many layers; "
+                            f"the model has {c.num_hidden_layers}")
+        self._check_block_names(("self_attn", "mlp"), "parallel.pp")
+
     def _check_tp_names(self) -> None:
+        self._check_block_names(COLWISE + ROWWISE, "parallel.tp")
+
+    def _check_block_names(self, wanted: tuple[str, ...], field: str) -> None:
         from stalwart.parallel.blocks import blocks_of
 
         blocks = blocks_of(pretrained.build_on_meta(self.path))
         names = {n for n, _ in blocks[0].named_modules()} if blocks else set()
-        missing = [n for n in (*COLWISE, *ROWWISE) if n not in names]
+        missing = [n for n in wanted if n not in names]
         if missing:
-            raise TaskError(f"parallel.tp: the model in {self.path} has no {missing[0]} in its "
+            raise TaskError(f"{field}: the model in {self.path} has no {missing[0]} in its "
                             f"blocks; CausalLM splits Llama-style blocks only "
-                            f"({', '.join(COLWISE + ROWWISE)})")
+                            f"({', '.join(wanted)})")
 
     # ------------------------------------------------------------------ model
 
@@ -180,6 +199,13 @@ class CausalLM(TrainTask):
         for block in blocks_of(model):
             parallelize_module(block, tp_mesh, plan)
 
+    def split_pipeline(self, model: torch.nn.Module, stage_ids: list[int], num_stages: int
+                       ) -> tuple[list[torch.nn.Module], torch.nn.Module]:
+        from stalwart.tasks.hf_pipeline import rank_union, split_stages
+
+        return (split_stages(model, stage_ids, num_stages),
+                rank_union(model, stage_ids, num_stages))
+
     def model_dims(self, model: torch.nn.Module) -> ModelDims:
         c = self.hf_config
         return ModelDims(n_layers=c.num_hidden_layers, d_model=c.hidden_size,
@@ -206,16 +232,24 @@ class CausalLM(TrainTask):
         assert self._prepared is not None
         return self._prepared
 
-    def train_dataset(self, config: JobConfig) -> PackedRows:
-        from stalwart.data.token_cache import PackedRows
+    def train_dataset(self, config: JobConfig) -> Dataset:
+        return self._rows(config, self._data_dir(config) / "train")
 
-        return PackedRows(self._data_dir(config) / "train")
-
-    def val_dataset(self, config: JobConfig) -> PackedRows | None:
-        from stalwart.data.token_cache import PackedRows
-
+    def val_dataset(self, config: JobConfig) -> Dataset | None:
         split = self._data_dir(config) / "val"
-        return PackedRows(split) if split.is_dir() else None
+        return self._rows(config, split) if split.is_dir() else None
+
+    def _rows(self, config: JobConfig, split: Path) -> Dataset:
+        """The packed rows: as dict batches for the model's own loss, or as (inputs,
+        targets) pairs for a pipeline, whose last stage computes output_loss."""
+        from stalwart.data.token_cache import PackedRows
+
+        rows = PackedRows(split)
+        if config.parallel.pp > 1:
+            from stalwart.tasks.hf_pipeline import PipelineRows
+
+            return PipelineRows(rows)
+        return rows
 
     @torch.no_grad()
     def validation_samples(self, model: torch.nn.Module) -> list[dict[str, str]]:
