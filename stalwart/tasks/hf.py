@@ -53,27 +53,10 @@ class CausalLM(TrainTask):
         if any(importlib.util.find_spec(m) is None
                for m in ("transformers", "peft", "accelerate", "safetensors")):
             raise TaskError(NEEDS_HF)
-        for name, value in (("model", model), ("data", data)):
-            if not isinstance(value, str) or not value.strip():
-                raise ValueError(f"task.args.{name} = {value!r} is invalid: a non-empty string")
-        if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
-            raise ValueError(f"task.args.seq_len = {seq_len!r} is invalid: an int >= 2")
-        if packing not in PACKING:
-            raise ValueError(f"task.args.packing = {packing!r} is invalid: one of "
-                             f"{', '.join(PACKING)}")
-        if not isinstance(val_fraction, int | float) or isinstance(val_fraction, bool) \
-                or not 0 <= val_fraction < 1:
-            raise ValueError(f"task.args.val_fraction = {val_fraction!r} is invalid: a number "
-                             f"in [0, 1)")
-        prompts = sample_prompts or []
-        if not isinstance(prompts, list) or not all(isinstance(p, str) and p for p in prompts):
-            raise ValueError(f"task.args.sample_prompts = {sample_prompts!r} is invalid: a "
-                             f"list of non-empty strings")
-        if not isinstance(sample_tokens, int) or isinstance(sample_tokens, bool) \
-                or not 1 <= sample_tokens <= 4096:
-            raise ValueError(f"task.args.sample_tokens = {sample_tokens!r} is invalid: an int "
-                             f"from 1 to 4096")
-        self.sample_prompts, self.sample_tokens = prompts, sample_tokens
+        _check_args(model=model, data=data, seq_len=seq_len, packing=packing,
+                    val_data=val_data, val_fraction=val_fraction,
+                    sample_prompts=sample_prompts, sample_tokens=sample_tokens)
+        self.sample_prompts, self.sample_tokens = sample_prompts or [], sample_tokens
         self.source, self.data, self.val_data = model, data, val_data
         self.seq_len, self.val_fraction = seq_len, float(val_fraction)
         # lora = false: a full fine-tune (TOML has no null to unset a table with --set).
@@ -308,3 +291,30 @@ class CausalLM(TrainTask):
         if self.lora is not None:
             files["adapter_config.json"] = lora_lib.adapter_config_json(self.lora)
         return files
+
+
+def _check_args(*, model: Any, data: Any, seq_len: Any, packing: Any, val_data: Any,
+                val_fraction: Any, sample_prompts: Any, sample_tokens: Any) -> None:
+    """Each argument's type and range (a ValueError naming it); the files come after."""
+    for name, value in (("model", model), ("data", data)):
+        if not isinstance(value, str) or not value.strip():
+            raise ValueError(f"task.args.{name} = {value!r} is invalid: a non-empty string")
+    if not isinstance(val_data, str):
+        raise ValueError(f"task.args.val_data = {val_data!r} is invalid: a path, URL or glob")
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 2:
+        raise ValueError(f"task.args.seq_len = {seq_len!r} is invalid: an int >= 2")
+    if packing not in PACKING:
+        raise ValueError(f"task.args.packing = {packing!r} is invalid: one of "
+                         f"{', '.join(PACKING)}")
+    if not isinstance(val_fraction, int | float) or isinstance(val_fraction, bool) \
+            or not 0 <= val_fraction < 1:
+        raise ValueError(f"task.args.val_fraction = {val_fraction!r} is invalid: a number "
+                         f"in [0, 1)")
+    prompts = sample_prompts or []
+    if not isinstance(prompts, list) or not all(isinstance(p, str) and p for p in prompts):
+        raise ValueError(f"task.args.sample_prompts = {sample_prompts!r} is invalid: a list "
+                         f"of non-empty strings")
+    if not isinstance(sample_tokens, int) or isinstance(sample_tokens, bool) \
+            or not 1 <= sample_tokens <= 4096:
+        raise ValueError(f"task.args.sample_tokens = {sample_tokens!r} is invalid: an int "
+                         f"from 1 to 4096")

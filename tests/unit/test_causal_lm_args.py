@@ -168,3 +168,17 @@ def test_the_memory_plan_gives_frozen_weights_no_gradient_or_optimizer_state(bas
     a, b = estimate(full, layout), estimate(lora, layout)
     assert a.params <= b.params < 1.05 * a.params  # the frozen base is held all the same
     assert b.optimizer * 50 < a.optimizer and b.grads * 50 < a.grads
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    ({"seq_len": 1}, r"task.args.seq_len = 1 is invalid: an int >= 2"),
+    ({"packing": "greedy"}, r"task.args.packing = 'greedy' is invalid: one of auto, pack"),
+    ({"val_fraction": 1.0}, r"task.args.val_fraction = 1.0 is invalid"),
+    ({"val_data": 3}, r"task.args.val_data = 3 is invalid"),
+    ({"sample_prompts": "hi"}, r"task.args.sample_prompts = 'hi' is invalid: a list"),
+    ({"sample_tokens": 0}, r"task.args.sample_tokens = 0 is invalid"),
+    ({"tokenizer": "x"}, r"unknown key task.args.tokenizer for CausalLM; allowed: model"),
+])
+def test_a_bad_argument_is_named(base, data, args, message):
+    with pytest.raises(TaskError, match=message):
+        task(base, data, **args)
