@@ -149,7 +149,7 @@ def main() -> int:
                    help="warm-up steps left out (default 10; a multiple of --log-every)")
     p.add_argument("--log-every", type=common.positive(), default=5,
                    help="stalwart's run.log_every (default 5)")
-    common.add_run_args(p, 600.0, rounds=3)
+    common.add_run_args(p, 300.0, rounds=3)
     args = p.parse_args()
     if args.exclude % args.log_every or args.steps <= args.exclude:
         p.error("--exclude must be a multiple of --log-every and below --steps")

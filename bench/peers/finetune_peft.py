@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import math
 import os
 import time
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo  # noqa: F401 (before the world, which it would otherwise outlive)
 import torch.distributed as dist
 from peft import LoraConfig, get_peft_model
 from torch.nn.parallel import DistributedDataParallel
@@ -90,14 +92,11 @@ def schedule(steps: int, warmup: int, min_ratio: float) -> Any:
     return factor
 
 
-def main() -> None:
+def train(args: argparse.Namespace, rank: int, world: int) -> dict[str, Any]:
+    """Load, then train every step; the figures of the run (no tensors, no model)."""
     from stalwart.core.config import load_config
     from stalwart.workers.sampler import GlobalSampler, rank_slice
 
-    args = parse_args()
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
     config = load_config(args.config, [*args.overrides, f"scaling.num_workers={world}"])
     t, task_args = config.train, config.task.args
     accum = t.global_batch_size // (t.micro_batch_size * world)
@@ -142,22 +141,35 @@ def main() -> None:
         ends.append(time.time())
     growths = [torch.zeros((), dtype=torch.float64) for _ in range(world)]
     dist.all_gather(growths, torch.tensor(float(load_growth), dtype=torch.float64))
+    measured = t.steps - args.exclude
+    window = ends[-1] - ends[args.exclude]
+    return {"runner": "peft-ddp", "world_size": world, "steps": t.steps,
+            "excluded_steps": args.exclude, "tokens_per_step": tokens * world,
+            "window_s": window, "tokens_per_s": measured * tokens * world / window,
+            "load_s": load_s, "rss_growth_at_load": [int(g) for g in growths],
+            "loss_by_step": {str(i + 1): v for i, v in enumerate(losses)},
+            "grad_accum": accum, "trainable_params": sum(p.numel() for p in trainable),
+            "rows": len(rows), "rows_dir": str(rows.path), "threads": torch.get_num_threads(),
+            "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
+
+
+def main() -> None:
+    args = parse_args()
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    row = train(args, rank, world)
+    # The DDP model holds the world's group, in reference cycles: it goes first, while every
+    # rank is still in the world. A group left to the interpreter's exit, after its peer had
+    # gone, kept a rank waiting in its destructor forever.
+    gc.collect()
+    dist.barrier()
+    dist.destroy_process_group()
     if rank == 0:
-        measured = t.steps - args.exclude
-        window = ends[-1] - ends[args.exclude]
-        row = {"runner": "peft-ddp", "world_size": world, "steps": t.steps,
-               "excluded_steps": args.exclude, "tokens_per_step": tokens * world,
-               "window_s": window, "tokens_per_s": measured * tokens * world / window,
-               "load_s": load_s, "rss_growth_at_load": [int(g) for g in growths],
-               "loss_by_step": {str(i + 1): v for i, v in enumerate(losses)},
-               "grad_accum": accum, "trainable_params": sum(p.numel() for p in trainable),
-               "rows": len(rows), "rows_dir": str(rows.path),
-               "threads": torch.get_num_threads(),
-               "omp_num_threads": os.environ.get("OMP_NUM_THREADS")}
         append_jsonl(Path(args.out), row)
         print(f"peft DDP: {row['tokens_per_s']:,.0f} tokens/s over steps {args.exclude + 1}.."
-              f"{t.steps}, final loss {losses[-1]:.4f}", flush=True)
-    dist.destroy_process_group()
+              f"{row['steps']}, final loss {row['loss_by_step'][str(row['steps'])]:.4f}",
+              flush=True)
 
 
 if __name__ == "__main__":
