@@ -90,7 +90,7 @@ def one_run(runner: str, rnd: int, *, args: Any, work: Path, config: Path, tps: 
     if runner == "stalwart":
         run_dir = work / tag
         result["run_dir"] = str(run_dir)
-        cmd = common.stalwart_command(str(config), [], run_dir)
+        cmd = common.stalwart_command(str(config), args.overrides, run_dir)
         return common.rate_run(tag, cmd, args, work, result, lambda: common.stalwart_rate(
             run_dir, args.exclude, tps, cross_check=True))
     out = work / f"{tag}.json"
@@ -149,6 +149,9 @@ def main() -> int:
                    help="warm-up steps left out (default 10; a multiple of --log-every)")
     p.add_argument("--log-every", type=common.positive(), default=5,
                    help="stalwart's run.log_every (default 5)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override of stalwart's runs only, to find what costs "
+                        "(e.g. checkpoint.snapshot_every=0; repeatable)")
     common.add_run_args(p, 300.0, rounds=3)
     args = p.parse_args()
     if args.exclude % args.log_every or args.steps <= args.exclude:
