@@ -163,13 +163,39 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
     """Collective over the world: read this rank's slices of the base weights into the
     materialised model (any wrapping: DDP, FSDP2, TP). Adapters are not touched."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     state = get_model_state_dict(model)
     wanted = expected_shapes(_unwrapped(model))
     targets = {base_name(k): v for k, v in state.items() if base_name(k) in wanted}
-    dcp.load(targets, storage_reader=HuggingFaceStorageReader(str(path)))
+    dcp.load(targets, storage_reader=slice_reader(str(path)))
+
+
+def slice_reader(path: str) -> Any:
+    """DCP's Hugging Face reader, reading each slice with pread(2) instead of through a
+    memory map: the pages a map touches around a slice stay in the rank's RSS, up to a
+    whole multi-GB file; read bytes go straight into the rank's own shards."""
+    from torch.futures import Future
+
+    from torch.distributed.checkpoint import HuggingFaceStorageReader
+
+    class SliceReader(HuggingFaceStorageReader):
+        def read_data(self, plan: Any, planner: Any) -> Future:
+            from safetensors import safe_open
+
+            per_file: dict[str, list[Any]] = {}
+            for item in plan.items:
+                name = self.storage_data[item.storage_index].relative_path
+                per_file.setdefault(name, []).append(item)
+            for name, items in per_file.items():
+                with safe_open(name, framework="pt", backend="pread") as f:
+                    for item in items:
+                        self._process_read_request(f, item, planner)
+            done: Future = Future()
+            done.set_result(None)
+            return done
+
+    return SliceReader(path)
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
