@@ -175,9 +175,8 @@ def slice_reader(path: str) -> Any:
     """DCP's Hugging Face reader, reading each slice with pread(2) instead of through a
     memory map: the pages a map touches around a slice stay in the rank's RSS, up to a
     whole multi-GB file; read bytes go straight into the rank's own shards."""
-    from torch.futures import Future
-
     from torch.distributed.checkpoint import HuggingFaceStorageReader
+    from torch.futures import Future
 
     class SliceReader(HuggingFaceStorageReader):
         def read_data(self, plan: Any, planner: Any) -> Future:
