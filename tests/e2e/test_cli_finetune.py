@@ -1,8 +1,9 @@
 """Fine-tuning a pretrained model as a user does it: a local Hugging Face model directory and a
 JSONL of chat rows, `stalwart run` of a LoRA fine-tune under DDP with a worker killed
 (recovered from memory, zero steps lost, the adapter equal bit for bit to a run without the
-kill), the adapter exported for peft and merged for transformers; a full fine-tune under
-FSDP2 exported with its tokenizer; and a resume onto changed base weights refused."""
+kill), its validation samples in the event log, the adapter exported for peft and merged for
+transformers; a full fine-tune under FSDP2 exported with its tokenizer; and a resume onto
+changed base weights refused."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ model = "{model}"
 data = "{data}"
 seq_len = 64
 lora = {{ r = 4, alpha = 8, target_modules = ["q_proj", "v_proj"] }}
+sample_prompts = ["What is 3 + 4?"]
+sample_tokens = 4
 
 [scaling]
 num_workers = 2
@@ -102,6 +105,15 @@ def test_a_killed_lora_worker_is_recovered_with_an_identical_adapter(runs) -> No
     assert len(a) == 8 and all(".lora_" in k for k in a)
     metrics = read_jsonl(runs["lora"] / "metrics.jsonl")
     assert metrics[-1]["loss"] < metrics[0]["loss"] and "val_loss" in metrics[-1]
+
+
+def test_validation_steps_write_the_model_s_samples(runs) -> None:
+    events = read_jsonl(runs["lora"] / "events.jsonl")
+    samples = [e for e in events if e["kind"] == "validation_samples"]
+    assert [e["step"] for e in samples] == [8, STEPS]
+    for event in samples:
+        (sample,) = event["samples"]
+        assert sample["prompt"] == "What is 3 + 4?" and isinstance(sample["text"], str)
 
 
 def test_the_adapter_loads_in_peft_and_the_merged_model_in_transformers(runs, tmp_path,
