@@ -168,33 +168,9 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
     state = get_model_state_dict(model)
     wanted = expected_shapes(_unwrapped(model))
     targets = {base_name(k): v for k, v in state.items() if base_name(k) in wanted}
-    dcp.load(targets, storage_reader=slice_reader(str(path)))
+    from stalwart.tasks.slice_reader import SliceReader
 
-
-def slice_reader(path: str) -> Any:
-    """DCP's Hugging Face reader, reading each slice with pread(2) instead of through a
-    memory map: the pages a map touches around a slice stay in the rank's RSS, up to a
-    whole multi-GB file; read bytes go straight into the rank's own shards."""
-    from torch.distributed.checkpoint import HuggingFaceStorageReader
-    from torch.futures import Future
-
-    class SliceReader(HuggingFaceStorageReader):
-        def read_data(self, plan: Any, planner: Any) -> Future:
-            from safetensors import safe_open
-
-            per_file: dict[str, list[Any]] = {}
-            for item in plan.items:
-                name = self.storage_data[item.storage_index].relative_path
-                per_file.setdefault(name, []).append(item)
-            for name, items in per_file.items():
-                with safe_open(name, framework="pt", backend="pread") as f:
-                    for item in items:
-                        self._process_read_request(f, item, planner)
-            done: Future = Future()
-            done.set_result(None)
-            return done
-
-    return SliceReader(path)
+    dcp.load(targets, storage_reader=SliceReader(str(path)))
 
 
 def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
