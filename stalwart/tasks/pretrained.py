@@ -4,7 +4,7 @@ loaded rank by rank from its safetensors.
 The model is built with its parameters on the meta device (no memory, no initialisation)
 and its buffers for real (rotary frequencies and the like are computed, not stored). The
 engine parallelises it, allocates only this rank's shards, and calls `load_weights`, which
-reads exactly those slices from the safetensors through DCP's Hugging Face reader: no rank
+reads exactly those slices from the safetensors through DCP (slice_reader.py): no rank
 ever holds the whole model unless its layout replicates it (DDP).
 
 A hub id is resolved to a local snapshot (`huggingface_hub`): fetched once, on the driver,
