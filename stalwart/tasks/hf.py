@@ -37,12 +37,10 @@ NEEDS_HF = ("stalwart.tasks.hf:CausalLM needs transformers, peft and accelerate:
             "pip install 'stalwart[hf]'")
 PACKING = ("auto", "pack", "concat", "pad")
 ROWS_CHECKED = 100  # rows the driver reads to check the data's shape before workers start
-# Tensor-parallel plan of Llama-style blocks (Llama, Mistral, Qwen2...): the column-split
-# projections' outputs are the row-split ones' inputs, so a block needs one all-reduce per
-# attention and one per MLP.
-COLWISE = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-           "mlp.up_proj")
-ROWWISE = ("self_attn.o_proj", "mlp.down_proj")
+# The layers a Llama-style block must have for the tensor-parallel plan
+# (stalwart/tasks/hf_tensor_parallel.py).
+TP_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+             "mlp.up_proj", "self_attn.o_proj", "mlp.down_proj")
 
 
 class CausalLM(TrainTask):
@@ -139,7 +137,7 @@ class CausalLM(TrainTask):
         self._check_block_names(("self_attn", "mlp"), "parallel.pp")
 
     def _check_tp_names(self) -> None:
-        self._check_block_names(COLWISE + ROWWISE, "parallel.tp")
+        self._check_block_names(TP_LAYERS, "parallel.tp")
 
     def _check_block_names(self, wanted: tuple[str, ...], field: str) -> None:
         from stalwart.parallel.blocks import blocks_of
@@ -167,20 +165,9 @@ class CausalLM(TrainTask):
 
     def apply_tensor_parallel(self, model: torch.nn.Module, tp_mesh: DeviceMesh, *,
                               sequence_parallel: bool) -> None:
-        from torch.distributed.tensor.parallel import (
-            ColwiseParallel,
-            RowwiseParallel,
-            parallelize_module,
-        )
+        from stalwart.tasks.hf_tensor_parallel import apply_tensor_parallel
 
-        from stalwart.parallel.blocks import blocks_of
-
-        # The sequence is not split (parallel.sequence_parallel does not apply): norms and
-        # embeddings stay replicated, which costs activation memory, not correctness.
-        plan = {**{n: ColwiseParallel() for n in COLWISE},
-                **{n: RowwiseParallel() for n in ROWWISE}}
-        for block in blocks_of(model):
-            parallelize_module(block, tp_mesh, plan)
+        apply_tensor_parallel(model, tp_mesh, sequence_parallel=sequence_parallel)
 
     def split_pipeline(self, model: torch.nn.Module, stage_ids: list[int], num_stages: int
                        ) -> tuple[list[torch.nn.Module], torch.nn.Module]:

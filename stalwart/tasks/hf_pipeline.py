@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 
 from stalwart.parallel.blocks import stage_layer_ids
 
@@ -62,6 +63,8 @@ class CausalLMStage(nn.Module):
                       position_ids=positions)
         if self.lm_head is not None:
             return self.lm_head(self.model.norm(h)).float()
+        if isinstance(h, DTensor):  # split along the sequence (TP): whole, to be sent on
+            h = h.full_tensor()
         return h, positions
 
 

@@ -74,7 +74,9 @@ def prepared(files) -> dict[str, str]:
 LAYOUTS = {
     "ddp": (2, ["parallel.dp_replicate=2"]),
     "fsdp": (2, ["parallel.dp_shard=2"]),
-    "tp": (2, ["parallel.tp=2"]),
+    "tp": (2, ["parallel.tp=2", "parallel.sequence_parallel=false"]),
+    "tp-sequence-parallel": (2, ["parallel.tp=2"]),
+    "fsdp-tp": (4, ["parallel.dp_shard=2", "parallel.tp=2"]),
     "hsdp": (4, ["parallel.dp_replicate=2", "parallel.dp_shard=2"]),
 }
 
@@ -131,14 +133,24 @@ def losses(rank: int, world: int, files: dict[str, str], layout: list[str]):
     return val, [engine.train_step()[0].loss for _ in range(2)]
 
 
-@pytest.mark.parametrize("lora", [[], [LORA]], ids=["full", "lora"])
-def test_a_pipeline_of_the_pretrained_model_computes_the_same_losses(prepared, lora):
+TRAINED_LAYOUTS = {
+    "pp": (2, ["parallel.pp=2"]),
+    "pp-lora": (2, ["parallel.pp=2", LORA]),
+    "tp-sequence-parallel": (2, ["parallel.tp=2"]),
+    "pp-tp": (4, ["parallel.pp=2", "parallel.tp=2"]),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(TRAINED_LAYOUTS))
+def test_pipelines_and_tensor_parallel_train_as_one_process(prepared, layout):
+    world, settings = TRAINED_LAYOUTS[layout]
+    lora = [s for s in settings if s == LORA]
     (alone,) = run_ranks(losses, 1, prepared, lora)  # one thread, as the ranks have
     # A pipeline sums the micro-batches' gradients in another order. The adapters' first
     # gradients are tiny (B starts at zero), where AdamW's eps makes the first update
     # sensitive to their last bits: the next loss agrees to 1e-4 of itself, not 1e-5.
     tolerance = 1e-3 if lora else 1e-5
-    for val, steps in run_ranks(losses, 2, prepared, ["parallel.pp=2", *lora]):
+    for val, steps in run_ranks(losses, world, prepared, settings):
         assert val == pytest.approx(alone[0], abs=1e-5)
         assert steps == pytest.approx(alone[1], abs=tolerance)
 
