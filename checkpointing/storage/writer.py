@@ -123,10 +123,15 @@ def clear_step_dir(url: str, step: int) -> tuple[str, ...]:
     fs, root = filesystem(join(url, step_dir_name(step)))
     if not fs.exists(root):
         return ()
-    names = tuple(sorted(_listing(fs, root)))
-    if names:
-        fs.rm(root, recursive=True)
-    return names
+    if not fs.isdir(root):  # a file where the directory goes
+        fs.rm(root)
+        return (base_name(root),)
+    # The entries, not the directory: the other ranks create it (exist_ok) as their save
+    # starts, before its first collective, and one that found it vanishing under it fails.
+    listing = _listing(fs, root)
+    for info in listing.values():
+        fs.rm(info["name"], recursive=info.get("type") == "directory")
+    return tuple(sorted(listing))
 
 
 def _listing(fs: Any, root: str) -> dict[str, dict[str, Any]]:
@@ -218,8 +223,9 @@ class StorageCheckpointer:
         return done
 
     def _clear(self, step: int) -> tuple[str, ...]:
-        """Rank 0 empties the step directory before the save. No other rank writes before
-        rank 0 enters the save: DCP's first collective (the plan) waits for every rank."""
+        """Rank 0 empties the step directory before the save. No other rank writes a file
+        before rank 0 enters the save: DCP's first collective (the plan) waits for every
+        rank. They may create the directory before it (see clear_step_dir)."""
         if self.rank != 0:
             return ()
         cleared = clear_step_dir(self.url, step)

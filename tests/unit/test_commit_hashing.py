@@ -263,3 +263,22 @@ def test_checkpointer_commits_what_it_hashed(url: str, async_save: bool) -> None
     for name, meta in info.manifest["files"].items():
         assert meta == {"size": len(on_storage[name]), "sha256": sha(on_storage[name])}
     assert json.loads(on_storage[MANIFEST])["ranks"] == 1
+
+
+def test_clearing_a_step_dir_keeps_the_directory_other_ranks_write_into(tmp_path):
+    from stalwart.checkpointing.storage.layout import step_dir_name
+    from stalwart.checkpointing.storage.writer import clear_step_dir
+
+    step_dir = tmp_path / step_dir_name(6)
+    (step_dir / "nested").mkdir(parents=True)
+    (step_dir / "__0_0.distcp").write_bytes(b"old")
+    (step_dir / "nested" / "x").write_bytes(b"planted")
+    inode = step_dir.stat().st_ino
+    assert clear_step_dir(str(tmp_path), 6) == ("__0_0.distcp", "nested")
+    # Another rank's save may have made (or be making) the directory: it must not vanish.
+    assert step_dir.is_dir() and step_dir.stat().st_ino == inode
+    assert list(step_dir.iterdir()) == []
+    step_dir.rmdir()
+    step_dir.write_bytes(b"a file where the directory goes")
+    assert clear_step_dir(str(tmp_path), 6) == (step_dir_name(6),)
+    assert not step_dir.exists()
