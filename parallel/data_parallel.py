@@ -64,6 +64,12 @@ def apply_data_parallel(model: torch.nn.Module, mesh: DeviceMesh, config: Parall
     return model
 
 
+def unwrapped(model: torch.nn.Module) -> torch.nn.Module:
+    """The model itself: DDP keeps it as `.module` (and names its parameters so); FSDP2
+    changes the model in place."""
+    return model.module if isinstance(model, DistributedDataParallel) else model
+
+
 @contextlib.contextmanager
 def gradient_sync(model: torch.nn.Module, enabled: bool) -> Iterator[None]:
     """Skip the gradient reduction on all but the last micro-batch of an accumulation."""

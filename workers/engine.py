@@ -29,7 +29,7 @@ from torch.distributed.tensor import DTensor
 from stalwart.checkpointing.memory.tier import StateAccess
 from stalwart.core.batch import as_pair, batch_samples, compute_loss, loss_takes_batch, to_device
 from stalwart.core.errors import TaskError
-from stalwart.parallel.data_parallel import gradient_sync
+from stalwart.parallel.data_parallel import gradient_sync, unwrapped
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
 from stalwart.parallel.grad_norm import clip_grad_norm
 from stalwart.parallel.invariant_reduce import PairwiseAccumulator
@@ -101,9 +101,9 @@ class TrainEngine:
         # what trains: the frozen rest comes from the task's own files at every start, so
         # a load leaves it as it is (not strict). DCP's load still refuses a checkpoint
         # that lacks a trainable tensor.
-        inner = getattr(self.model, "module", self.model)  # DDP's names drop "module."
-        self.frozen = {name for name, p in inner.named_parameters(remove_duplicate=False)
-                       if not p.requires_grad}
+        self.frozen = {name for name, p in
+                       unwrapped(self.model).named_parameters(remove_duplicate=False)
+                       if not p.requires_grad}  # as DCP names them: without DDP's "module."
         self.options = replace(OPTIM_BY_NAME, ignore_frozen_params=bool(self.frozen),
                                strict=not self.frozen)
         # Ranks holding the loss: the last pipeline stage (tp peers hold the same one).

@@ -25,6 +25,7 @@ import torch
 
 from stalwart.core.errors import TaskError
 from stalwart.core.task import Dataset, Layout, ModelDims, TrainTask
+from stalwart.parallel.blocks import blocks_of
 from stalwart.tasks import lora as lora_lib
 from stalwart.tasks import pretrained
 
@@ -37,10 +38,6 @@ NEEDS_HF = ("stalwart.tasks.hf:CausalLM needs transformers, peft and accelerate:
             "pip install 'stalwart[hf]'")
 PACKING = ("auto", "pack", "concat", "pad")
 ROWS_CHECKED = 100  # rows the driver reads to check the data's shape before workers start
-# The layers a Llama-style block must have for the tensor-parallel plan
-# (stalwart/tasks/hf_tensor_parallel.py).
-TP_LAYERS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
-             "mlp.up_proj", "self_attn.o_proj", "mlp.down_proj")
 
 
 class CausalLM(TrainTask):
@@ -63,6 +60,9 @@ class CausalLM(TrainTask):
         meta = self._meta_model()  # refuses a bad directory, weights or target modules
         pretrained.check_weights(meta, self.path)
         self.hf_config = meta.config
+        blocks = blocks_of(meta)
+        # What a block holds, for the layout checks (which run at every world's start).
+        self._block_modules = {n for n, _ in blocks[0].named_modules()} if blocks else set()
         limit = getattr(self.hf_config, "max_position_embeddings", None)
         if limit is not None and seq_len > limit:
             raise ValueError(f"task.args.seq_len = {seq_len} is above the model's maximum "
@@ -70,6 +70,7 @@ class CausalLM(TrainTask):
         self.packing = self._check_data(packing)
         self._prepared: Path | None = None
         self._identity: dict[str, Any] | None = None
+        self._tokenizer: Any = None
 
     # ------------------------------------------------------------------ checks
 
@@ -137,14 +138,12 @@ class CausalLM(TrainTask):
         self._check_block_names(("self_attn", "mlp"), "parallel.pp")
 
     def _check_tp_names(self) -> None:
-        self._check_block_names(TP_LAYERS, "parallel.tp")
+        from stalwart.tasks.hf_tensor_parallel import COLWISE, ROWWISE
+
+        self._check_block_names(COLWISE + ROWWISE, "parallel.tp")
 
     def _check_block_names(self, wanted: tuple[str, ...], field: str) -> None:
-        from stalwart.parallel.blocks import blocks_of
-
-        blocks = blocks_of(pretrained.build_on_meta(self.path))
-        names = {n for n, _ in blocks[0].named_modules()} if blocks else set()
-        missing = [n for n in wanted if n not in names]
+        missing = [n for n in wanted if n not in self._block_modules]
         if missing:
             raise TaskError(f"{field}: the model in {self.path} has no {missing[0]} in its "
                             f"blocks; CausalLM splits Llama-style blocks only "
@@ -228,9 +227,12 @@ class CausalLM(TrainTask):
         if not self.sample_prompts:
             return []
         from stalwart.data.token_cache import load_tokenizer
+        from stalwart.parallel.data_parallel import unwrapped
 
-        tokenizer = load_tokenizer(str(self.path))
-        inner = getattr(model, "module", model)  # DDP: generate on the model itself
+        if self._tokenizer is None:  # once: every validation step samples
+            self._tokenizer = load_tokenizer(str(self.path))
+        tokenizer = self._tokenizer
+        inner = unwrapped(model)  # DDP: generate on the model itself
         device = next(inner.parameters()).device
         samples = []
         for prompt in self.sample_prompts:

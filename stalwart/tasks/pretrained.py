@@ -165,16 +165,14 @@ def load_weights(model: torch.nn.Module, path: Path) -> None:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
+    from stalwart.parallel.data_parallel import unwrapped
+
     state = get_model_state_dict(model)
-    wanted = expected_shapes(_unwrapped(model))
+    wanted = expected_shapes(unwrapped(model))
     targets = {base_name(k): v for k, v in state.items() if base_name(k) in wanted}
     from stalwart.tasks.slice_reader import SliceReader
 
     dcp.load(targets, storage_reader=SliceReader(str(path)))
-
-
-def _unwrapped(model: torch.nn.Module) -> torch.nn.Module:
-    return getattr(model, "module", model)  # DDP keeps the model as .module
 
 
 def identity(source: str, path: Path, cache_dir: str) -> dict[str, Any]:
