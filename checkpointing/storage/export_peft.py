@@ -23,12 +23,13 @@ is found, no torch is imported.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import fsspec
 
 from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
@@ -38,7 +39,7 @@ from stalwart.checkpointing.storage.export_hf import (
     write_hf,
     write_new_dir,
 )
-from stalwart.checkpointing.storage.layout import check_file_name
+from stalwart.checkpointing.storage.layout import check_file_name, sha256_of
 
 if TYPE_CHECKING:
     import torch
@@ -221,7 +222,8 @@ def base_model_files(checkpoint: CheckpointInfo) -> list[Path]:
                                   f"of {name} has no size and sha256")
         if not path.is_file():
             raise CheckpointError(f"base model {str(root)!r}: {name} is missing: {changed}")
-        if path.stat().st_size != meta["size"] or _sha256(path) != meta["sha256"]:
+        if path.stat().st_size != meta["size"] or \
+                sha256_of(fsspec.filesystem("file"), str(path)) != meta["sha256"]:
             raise CheckpointError(f"base model {str(root)!r}: {name} differs in size or "
                                   f"sha256 from the one training read: {changed}")
     names = sorted(n for n in entry["files"] if n.endswith(".safetensors"))
@@ -229,14 +231,6 @@ def base_model_files(checkpoint: CheckpointInfo) -> list[Path]:
         raise CheckpointError(f"base model {str(root)!r}: the manifest lists no .safetensors "
                               f"weight files of it; only safetensors weights are merged")
     return [root / n for n in names]
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
 
 
 def read_base_weights(paths: list[Path]) -> dict[str, torch.Tensor]:

@@ -29,6 +29,7 @@ import fsspec
 import numpy as np
 from filelock import FileLock
 
+from stalwart.checkpointing.storage.layout import sha256_of
 from stalwart.core.errors import TaskError
 from stalwart.data.packing import MODES, Packer, PackStats
 from stalwart.data.render import check_tokenizer, render
@@ -74,17 +75,9 @@ def data_key(*, files: Sequence[str], val_files: Sequence[str], tokenizer_dir: s
             part("tokenizer", name, hashlib.sha256(path.read_bytes()).hexdigest())
     for split, paths in (("data", files), ("val_data", val_files)):
         for path in paths:
-            part(split, path, _file_sha256(path))
+            part(split, path, sha256_of(*fsspec.core.url_to_fs(path)))
     part("seq_len", seq_len, "mode", mode, "val_fraction", val_fraction, "val_data", val_data)
     return h.hexdigest()[:24]
-
-
-def _file_sha256(path: str) -> str:
-    h = hashlib.sha256()
-    with fsspec.open(path, "rb") as f:
-        while chunk := f.read(_CHUNK):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def in_val(source: str, number: int, val_fraction: float) -> bool:

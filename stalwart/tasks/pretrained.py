@@ -14,12 +14,14 @@ fetch the same revision themselves.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import fsspec
+
+from stalwart.checkpointing.storage.layout import sha256_of
 from stalwart.core.errors import TaskError
 
 if TYPE_CHECKING:
@@ -192,7 +194,7 @@ def identity(source: str, path: Path, cache_dir: str) -> dict[str, Any]:
         st = file.stat()
         key = f"{file}:{st.st_size}:{st.st_mtime_ns}"
         if key not in known:
-            known[key] = _sha256(file)
+            known[key] = sha256_of(fsspec.filesystem("file"), str(file))
             changed = True
         files[file.name] = {"size": st.st_size, "sha256": known[key]}
     if changed:
@@ -204,14 +206,6 @@ def identity(source: str, path: Path, cache_dir: str) -> dict[str, Any]:
         except OSError:
             pass  # a cache that cannot be written only costs the next start a re-hash
     return {"source": source, "path": str(path), "files": files}
-
-
-def _sha256(file: Path) -> str:
-    digest = hashlib.sha256()
-    with open(file, "rb") as f:
-        while chunk := f.read(1 << 24):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def same_base(recorded: dict[str, Any], current: dict[str, Any]) -> bool:
