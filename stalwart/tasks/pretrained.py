@@ -29,9 +29,6 @@ if TYPE_CHECKING:
 
 WEIGHT_SUFFIX = ".safetensors"
 WEIGHT_INDEX = "model.safetensors.index.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                   "chat_template.jinja", "tokenizer.model", "vocab.json", "merges.txt",
-                   "added_tokens.json", "generation_config.json")
 HUB_PATTERNS = ["*.json", "*.safetensors", "*.jinja", "*.model", "*.txt"]
 
 
@@ -215,6 +212,9 @@ def same_base(recorded: dict[str, Any], current: dict[str, Any]) -> bool:
 
 
 def export_files(path: Path) -> dict[str, bytes]:
-    """config.json and the tokenizer's files as they are in the model directory."""
-    return {name: (path / name).read_bytes()
-            for name in ("config.json", *TOKENIZER_FILES) if (path / name).is_file()}
+    """config.json, generation_config.json and the tokenizer's files (those its cache key
+    reads) as they are in the model directory."""
+    from stalwart.data.token_cache import TOKENIZER_FILES
+
+    names = ("config.json", "generation_config.json", *TOKENIZER_FILES)
+    return {name: (path / name).read_bytes() for name in names if (path / name).is_file()}
