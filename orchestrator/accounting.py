@@ -34,6 +34,7 @@ class Throughput(ControllerObserver):
         self._last_log_time: float | None = None
         self.last_step_end: float | None = None
         self._tokens_since_log = 0
+        self._wait_since_log = 0.0
         # End time of each step since the last row: the next row's steps_in_window, and the
         # unlogged steps a world ends with, whose time is reported when they are known to be
         # kept (kept_unlogged; stalwart report counts it as productive time).
@@ -47,6 +48,7 @@ class Throughput(ControllerObserver):
         self.world_size = world_size
         self._last_log_time = self.last_step_end = None
         self._tokens_since_log, self._unlogged_ends = 0, {}
+        self._wait_since_log = 0.0
 
     def on_step(self, r: StepReport) -> None:
         if self._last_log_time is None:  # first step of a world: its window starts on its clock
@@ -55,6 +57,7 @@ class Throughput(ControllerObserver):
         self.last_step_end = self._unlogged_ends[r.step] = r.time
         self.tokens_total += r.tokens
         self._tokens_since_log += r.tokens
+        self._wait_since_log += r.data_wait_s
         tokens_per_s = None
         if r.step % self.log_every == 0 or r.step == self.steps or r.val_loss is not None:
             elapsed = max(r.time - self._last_log_time, 1e-9)
@@ -63,8 +66,10 @@ class Throughput(ControllerObserver):
                 step=r.step, loss=r.loss, lr=r.lr, tokens_per_s=round(tokens_per_s, 1),
                 world_size=self.world_size, samples_seen=r.samples_seen, time=r.time,
                 window_s=round(elapsed, 6), steps_in_window=len(self._unlogged_ends),
-                val_loss=r.val_loss, task_metrics=r.metrics))
+                val_loss=r.val_loss, data_wait_s=round(self._wait_since_log, 6),
+                task_metrics=r.metrics))
             self._last_log_time, self._tokens_since_log = r.time, 0
+            self._wait_since_log = 0.0
             self._unlogged_ends = {}
         self.display.update(r, tokens_per_s)
 

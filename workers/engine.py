@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from stalwart.checkpointing.memory.tier import StateAccess
 from stalwart.core.batch import as_pair, batch_samples, compute_loss, loss_takes_batch, to_device
 from stalwart.core.errors import TaskError
+from stalwart.core.stream import SampleIds, StreamDataset
 from stalwart.parallel.data_parallel import gradient_sync, unwrapped
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
 from stalwart.parallel.grad_norm import clip_grad_norm
@@ -36,9 +37,10 @@ from stalwart.parallel.invariant_reduce import PairwiseAccumulator
 from stalwart.parallel.meta_init import materialize, on_meta
 from stalwart.parallel.recipe import parallelize
 from stalwart.workers.errors import RestoredStepMismatch
+from stalwart.workers.feeder import Feeder, bind_dataset
 from stalwart.workers.local_timer import LocalTimer
 from stalwart.workers.reports import StepReport
-from stalwart.workers.sampler import GlobalSampler, rank_slice
+from stalwart.workers.sampler import rank_slice
 
 if TYPE_CHECKING:
     from stalwart.core.config import JobConfig
@@ -126,7 +128,15 @@ class TrainEngine:
         step's all-reduce carries them in this order."""
         self.train_data = task.train_dataset(config)
         self.val_data = task.val_dataset(config)
-        self.sampler = GlobalSampler(len(self.train_data), seed=config.train.seed)
+        t, data_cfg = config.train, config.data
+        bind_dataset(self.train_data, seed=t.seed, global_batch=t.global_batch_size,
+                     cache_dir=data_cfg.cache_dir)
+        bind_dataset(self.val_data, seed=t.seed, global_batch=1, cache_dir=data_cfg.cache_dir)
+        self.feeder = Feeder(self.train_data, seed=t.seed, plan=self._step_ranges,
+                             step_size=t.global_batch_size, depth=data_cfg.prefetch)
+        self.sampler = self.feeder.sampler
+        self.data_failure: str | None = None
+        """Why this rank could not read the next step (all ranks then stop after this one)."""
         self.step = 0
         self.samples_seen = 0
         self._group_names: list[list[str]] | None = None
@@ -149,9 +159,7 @@ class TrainEngine:
         """
         t0 = time.perf_counter()
         cfg = self.config.train
-        start, count = rank_slice(self.samples_seen, cfg.global_batch_size, self.dp_rank,
-                                  self.dp_size)
-        items = self.sampler.items(start, count)
+        step_data, data_wait = self.feeder.take(self.samples_seen)
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         metric_sums: dict[str, torch.Tensor] = {}
@@ -159,7 +167,7 @@ class TrainEngine:
         local = LocalTimer(self.device, after_local_work)  # own work before the first sync
         if self.pipeline is not None:
             # The schedule splits the rank's batch into the accumulation micro-batches.
-            batch = to_device(self.train_data.get_batch(items), self.device)
+            batch = to_device(step_data.batches[0], self.device)
             inputs, targets = as_pair(batch, "pipeline parallelism")
             tokens = self.task.count_tokens(batch)
             local.done()  # stages exchange activations from here on
@@ -168,8 +176,7 @@ class TrainEngine:
                 loss_sum += loss.detach()
         else:
             for i in range(self.accum):
-                mb = items[i * cfg.micro_batch_size:(i + 1) * cfg.micro_batch_size]
-                batch = to_device(self.train_data.get_batch(mb), self.device)
+                batch = to_device(step_data.batches[i], self.device)
                 tokens += self.task.count_tokens(batch)
                 if self.invariant is not None:
                     # Each micro-batch is a leaf of the global sum: scaled by 1 / (all the
@@ -209,23 +216,59 @@ class TrainEngine:
         # by the number of ranks holding a loss is the mean over the global batch.
         # The task's metrics ride along, averaged as the loss is.
         names = self._fix_metric_names(metric_sums)
+        # A rank that cannot read the next step says so here: all ranks then stop after
+        # this step, which is checkpointed, instead of waiting on it in the next one.
+        next_error, waited = (self.feeder.check_ahead(self.samples_seen + cfg.global_batch_size)
+                              if self.step + 1 < cfg.steps else (None, 0.0))
+        data_wait += waited
         summary = torch.stack([loss_sum, torch.tensor(float(stop_requested), device=self.device),
+                               torch.tensor(float(next_error is not None), device=self.device),
+                               torch.tensor(data_wait, device=self.device),
                                *(metric_sums[n] for n in names)])
         if before_summary is not None:
             before_summary()
         if dist.is_initialized():
             dist.all_reduce(summary)
-        divisors = torch.tensor([self.loss_ranks, 1.0] + [self.loss_ranks] * len(names),
-                                device=self.device)
-        loss_mean, stop_votes, *metric_means = (summary / divisors).tolist()
+        divisors = torch.tensor([self.loss_ranks, 1.0, 1.0, self.world_size]
+                                + [self.loss_ranks] * len(names), device=self.device)
+        loss_mean, stop_votes, data_failures, wait_mean, *metric_means = \
+            (summary / divisors).tolist()
+        ledger = self._ledger(step_data.ids) if self.config.data.ledger else None
+        # Only the rank that failed to read raises (with its file's name); its peers stop.
+        self.data_failure = next_error
         self.step += 1
         self.samples_seen += cfg.global_batch_size
         report = StepReport(rank=self.rank, step=self.step, loss=loss_mean, lr=lr,
                             tokens=tokens * self.dp_size, step_time_s=time.perf_counter() - t0,
                             time=time.time(), samples_seen=self.samples_seen,
-                            local_s=local.seconds(),
+                            local_s=local.seconds(), data_wait_s=wait_mean,
+                            ledger=ledger if self.rank == 0 else None,
                             metrics=dict(zip(names, metric_means, strict=True)))
-        return report, stop_votes > 0
+        return report, stop_votes > 0 or data_failures > 0
+
+    def _step_ranges(self, position: int) -> list[tuple[int, int]]:
+        """The global sample ranges this rank reads for the step starting at `position`: its
+        slice whole for a pipeline (the schedule splits it), else one per micro-batch."""
+        cfg = self.config.train
+        start, count = rank_slice(position, cfg.global_batch_size, self.dp_rank, self.dp_size)
+        if self.pipeline is not None:
+            return [(start, count)]
+        mb = cfg.micro_batch_size
+        return [(start + i * mb, mb) for i in range(self.accum)]
+
+    def _ledger(self, ids: SampleIds) -> SampleIds:
+        """The whole global batch's sample ids, gathered from every data-parallel rank (each
+        fills its slice; tensor and pipeline peers fill the same one, hence the division)."""
+        g = self.config.train.global_batch_size
+        per_rank = g // self.dp_size
+        table = torch.zeros(g, 3, dtype=torch.float64, device=self.device)
+        mine = np.stack([ids.epoch, ids.file, ids.row], axis=1).astype(np.float64)
+        table[self.dp_rank * per_rank:(self.dp_rank + 1) * per_rank] = torch.from_numpy(mine)
+        if dist.is_initialized():
+            dist.all_reduce(table)
+            table /= self.world_size // self.dp_size
+        whole = table.round().to(torch.int64).cpu().numpy()
+        return SampleIds(epoch=whole[:, 0], file=whole[:, 1], row=whole[:, 2], files=ids.files)
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         return compute_loss(self.task, self.model, batch, takes_batch=self.takes_batch)
@@ -340,6 +383,14 @@ class TrainEngine:
             raise RestoredStepMismatch(
                 f"the ranks of this world restored different steps (from {lowest} to "
                 f"{highest}; rank {self.rank} has {self.step}): it must not train on")
+
+    def data_identity(self) -> dict[str, Any]:
+        """What the training stream's order depends on (for manifests); {} for map-style."""
+        return self.train_data.identity() if isinstance(self.train_data, StreamDataset) else {}
+
+    def close(self) -> None:
+        """Stop reading ahead: the engine's world has ended."""
+        self.feeder.close()
 
     def tier_view(self) -> StateAccess:
         """This engine as the in-memory checkpoint tier sees it."""

@@ -10,6 +10,7 @@ import numpy as np
 
 from stalwart.core.batch import compute_loss, loss_takes_batch
 from stalwart.parallel.meta_init import on_meta, tied_groups
+from stalwart.workers.feeder import bind_dataset
 
 if TYPE_CHECKING:
     from stalwart.core.config import JobConfig
@@ -27,6 +28,9 @@ def warm_model(task: TrainTask, config: JobConfig) -> list[list[str]]:
     """
     model = task.build_model(config)
     data = task.train_dataset(config)
+    # A stream indexes its files here, before any world forms (the index is cached).
+    bind_dataset(data, seed=config.train.seed, global_batch=config.train.global_batch_size,
+                 cache_dir=config.data.cache_dir)
     batch = data.get_batch(np.arange(min(len(data), config.train.micro_batch_size)))
     task.count_tokens(batch)  # a batch it cannot count fails here, before the world forms
     if not on_meta(model):  # one built on the meta device is too big to hold whole here

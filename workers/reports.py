@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from stalwart.checkpointing.memory.limits import MemoryLimit
 from stalwart.checkpointing.storage.commit_report import CommitReport
+from stalwart.core.stream import SampleIds
 from stalwart.workers.faults import FaultFired
 
 
@@ -37,6 +38,10 @@ class StepReport:
     validation step."""
     samples: list[dict[str, str]] = field(default_factory=list)
     """Rank 0's `validation_samples` on a validation step (empty otherwise)."""
+    data_wait_s: float = 0.0
+    """Seconds the step waited for its data, the mean over ranks."""
+    ledger: SampleIds | None = None
+    """Rank 0's, with data.ledger on: every sample of the global batch, in order."""
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -34,6 +34,7 @@ from stalwart.checkpointing.storage.retention import BestRule
 from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.checkpointing.storage.writer import StorageCheckpointer
 from stalwart.core.config import FaultSpec, JobConfig, config_from_dict
+from stalwart.core.errors import DataUnavailable
 from stalwart.core.events import WorkerPlace
 from stalwart.core.ray_private import actor_name_log_marker
 from stalwart.core.task import TaskLike, TrainTask, resolve_task, shipped_task
@@ -284,7 +285,8 @@ class Worker:
             manifest_extra={"world_size": world_size, "task": self.config.task.path,
                             **({"tied": self._tied} if self._tied else {}),
                             **(self.task.checkpoint_identity(self.config) if rank == 0
-                               else {})},
+                               else {}),
+                            **(self.engine.data_identity() if rank == 0 else {})},
             trust=self.trust, keep_best=keep_best_rule(self.config),
             export_files=self.task.export_files(self.config) if rank == 0 else None)
         ck = self.config.checkpoint
@@ -417,6 +419,11 @@ class Worker:
             self._busy = "saving a checkpoint"
             self._commits.extend(ckpt.wait())
             self._busy = None
+            if engine.data_failure is not None:
+                # After the checkpoint of the last whole step: the run resumes from it.
+                raise DataUnavailable(f"stopped after step {engine.step} (checkpointed): "
+                                      f"{engine.data_failure}; resume the run once the data "
+                                      f"is readable again")
             self._done = True
         except BaseException as exc:  # reported to the controller by poll(); the thread ends
             self._error_kind = classify_exception(exc)
@@ -538,6 +545,8 @@ class Worker:
         self.tier.leave()  # its store stays: the next world may restore from it
         # No gc.collect(): refcounts free the engine, and a full collection costs 0.2 s
         # while every peer waits for the next world.
+        if self.engine is not None:
+            self.engine.close()
         self.engine = None
         destroy_process_group()
         self._close_rendezvous()  # hosted for a world that never formed

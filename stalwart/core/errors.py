@@ -46,3 +46,13 @@ class DeviceUnhealthy(StalwartError):
         # Ray pickles it back to the driver; an exception's own reduce would rebuild it from
         # its message alone, which is not this constructor's signature.
         return type(self), (self.device, self.reasons, self.node_ip, self.pid)
+
+
+class DataError(TaskError):
+    """A dataset's files cannot serve the run: missing, unreadable, of another schema, or
+    changed since the run started. Names the file (and the row group or line) and the fix."""
+
+
+class DataUnavailable(DataError):
+    """A file the run was reading went away or failed mid-run. The run stops after
+    checkpointing the last whole step and resumes from it once the file is back."""

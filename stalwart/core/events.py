@@ -399,14 +399,18 @@ class MetricsRow:
     """How many steps the window holds."""
     val_loss: float | None = None
     """On validation steps only."""
+    data_wait_s: float | None = None
+    """Seconds the window's steps waited for their data (the mean over ranks, summed over the
+    steps): reading that did not keep up with training."""
     task_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     """The task's own metrics at this step (`val_<name>` on validation steps): columns of
     their own in the file, next to the ones above."""
 
     def to_row(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)
-        if row["val_loss"] is None:
-            del row["val_loss"]
+        for key in ("val_loss", "data_wait_s"):
+            if row[key] is None:
+                del row[key]
         row.update(row.pop("task_metrics"))
         return row
 

@@ -377,9 +377,16 @@ class DataConfig:
     """Compute the validation loss every this many steps (and at the last); 0 disables it."""
     val_batches: int = 4
     """Size of the fixed validation set, in global batches (the same samples for any world size)."""
+    prefetch: int = 2
+    """Steps of data each rank reads ahead on a background thread; 0 reads on the step's own thread."""
+    ledger: bool = False
+    """Write which samples each step trained on to `<run dir>/ledger.parquet` (step, epoch, file, row); `stalwart report` checks each sample was trained exactly once per epoch."""
+    accept_changed_files: bool = False
+    """Resume a streamed dataset whose files changed since the checkpoint (added, removed or rewritten); the order then follows the new file list. Off: such a resume is refused, naming the files."""
 
     def __post_init__(self) -> None:
         _check_kinds(self, "data")
+        _require(0 <= self.prefetch <= 64, "data.prefetch", self.prefetch, "must be 0 to 64")
         _require(bool(self.cache_dir.strip()), "data.cache_dir", self.cache_dir,
                  "must name a directory; leave it unset for the default "
                  f"({DataConfig.cache_dir})")
