@@ -330,6 +330,7 @@ class Trainer:
             self.run_dir.check_resumable()
         # The task before the storage: its module may register the filesystem the URL names.
         from stalwart.core.task import resolve_task
+        from stalwart.data.changes import check_data_files
         from stalwart.orchestrator.controller import Controller
         from stalwart.orchestrator.policies import default_policies
         from stalwart.orchestrator.worker_group import ElasticGroup, GroupFailed
@@ -351,6 +352,8 @@ class Trainer:
         for checkpoint in (resume_from, origin):  # a base model changed since, for one
             if checkpoint is not None:
                 task.check_checkpoint(checkpoint.manifest, self.config)
+        data_changes = [] if resume_from is None else check_data_files(
+            resume_from.manifest, accept=self.config.data.accept_changed_files)
         started_ray = self._connect()
         display = None
         try:
@@ -367,6 +370,8 @@ class Trainer:
             self._claim_storage(storage_url, owner)
             for message in skipped:
                 self.run_dir.events.emit(ev.CheckpointSkipped(message=message))
+            if data_changes:  # accepted: data.accept_changed_files
+                self.run_dir.events.emit(ev.DataFilesChanged(changes=data_changes))
             if resume_from is not None:
                 self._note_unsigned(resume_from)
                 self.run_dir.events.emit(ev.Resumed(from_step=resume_from.step,

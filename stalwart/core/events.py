@@ -279,6 +279,16 @@ class CheckpointCommitted(Event):
 
 
 @dataclass(frozen=True, kw_only=True)
+class DataFilesChanged(Event):
+    """A resume went on although the stream's files changed since its checkpoint
+    (data.accept_changed_files): the order follows the new file list from here."""
+
+    kind: ClassVar[str] = "data_files_changed"
+    changes: list[str]
+    """What changed, a line per kind: added, removed, rewritten, with the files."""
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointSkipped(Event):
     """A checkpoint was skipped: damaged, incomplete, or it failed to load. The next older
     valid one is used."""
@@ -421,7 +431,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (
         Started, Resumed, StartedFrom, WorkersStarted, Finished, Stopped, Failed, Interrupted,
         Failure, CheckpointChosen, Recovered, Resized, Straggler, CheckpointCommitted,
-        CheckpointSkipped, UnsignedCheckpointAccepted, MemoryTier, FaultInjected, FaultSkipped,
+        CheckpointSkipped, DataFilesChanged, UnsignedCheckpointAccepted, MemoryTier, FaultInjected, FaultSkipped,
         ProfileSaved, ValidationSamples)
 }
 

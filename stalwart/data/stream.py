@@ -67,7 +67,9 @@ class FileStream:
             raise DataError(f"{self.what}: the global batch ({global_batch}) is larger than the "
                             f"dataset ({total} rows in {len(self.files)} file(s)); lower "
                             f"train.global_batch_size or add data")
-        lanes = self.lanes or default_lanes(global_batch, len(units), self.window)
+        # Unshuffled, the rows come in file order unless lanes are asked for.
+        lanes = self.lanes or (default_lanes(global_batch, len(units), self.window)
+                               if self.shuffle else 1)
         if global_batch % lanes:
             raise DataError(f"{self.what}: lanes = {lanes} must divide the global batch "
                             f"({global_batch})")
