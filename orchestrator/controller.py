@@ -34,6 +34,7 @@ from stalwart.orchestrator.failure_log import FailureLog
 from stalwart.orchestrator.failures import FailDecision, RetryDecision, WorkerFailure
 from stalwart.orchestrator.fault_watch import FaultWatch
 from stalwart.orchestrator.interrupt import StopRequest
+from stalwart.orchestrator.ledger import ledger_observers
 from stalwart.orchestrator.observers import ControllerObserver, Display, Restored
 from stalwart.orchestrator.outcome import Outcome
 from stalwart.orchestrator.resize_plan import ResizePlan
@@ -96,7 +97,7 @@ class Controller:
         # steps of the same answer, a recovery's `recovered` before the step's metrics row.
         self.observers: list[ControllerObserver] = [
             self.faults, reporting.ProfileSaver(events), reporting.SampleLog(events),
-            reporting.TierReporter(config, events),
+            *ledger_observers(config, events), reporting.TierReporter(config, events),
             self.stragglers, self.detector, RecoveryTimer(events), self.throughput,
             self.best_metric, *observers]
         self.state: State = Scheduling(generation=0, since=self.clock.time())
@@ -139,6 +140,7 @@ class Controller:
             self.stop.settle()  # the stop's deadline is met (or moot) once the loop ends
             self.group.shutdown(graceful=isinstance(self.state, Finished | Stopped))
             self.stop.uninstall()
+            self._notify("on_end", self.state)
         if isinstance(self.state, Failed):
             self.storage.log_unreported_commit()
         return self.state
@@ -348,6 +350,7 @@ class Controller:
         self.commits.reported(commits)
         if commits:
             self.scaling.checkpoint_committed()
+            self._notify("on_commit", max(c.step for c in commits))
 
     def _on_all_done(self, state: Running) -> State:
         if not any(st.stopped_early for st in self._done.values()):

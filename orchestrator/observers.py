@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Protocol
 if TYPE_CHECKING:
     from stalwart.core.events import WorkerPlace
     from stalwart.orchestrator.failures import WorkerFailure
-    from stalwart.orchestrator.states import Running
+    from stalwart.orchestrator.states import Running, State
     from stalwart.workers.reports import StepReport, WorkerStatus
 
 
@@ -62,6 +62,10 @@ class ControllerObserver:
     def on_step(self, report: StepReport) -> None:
         """A step completed (rank 0's report: the loss is the global mean)."""
 
+    def on_commit(self, step: int) -> None:
+        """Rank 0 reported storage checkpoints committed, the newest at `step` (in a poll,
+        before that poll's steps are taken in; as a world ends, after them)."""
+
     def after_poll(self, state: Running, last_step: int, now: float) -> None:
         """Every answering rank of a poll was taken in."""
 
@@ -70,3 +74,7 @@ class ControllerObserver:
 
     def after_recovery_teardown(self, survivor_steps: list[int], now: float) -> None:
         """The survivors left their world (survivor_steps: their engine steps)."""
+
+    def on_end(self, state: State) -> None:
+        """The run ended in `state`: a terminal one, or the state it was in when an
+        exception (a second Ctrl-C, Tune stopping a trial) ended it. The workers are gone."""

@@ -1,9 +1,10 @@
 """`stalwart report RUN_DIR`: where a run's time went, from its run directory alone.
 
 Reads config.toml, events.jsonl and metrics.jsonl (a run that is still going may have left a
-half-written last line: it is skipped), prints the summary as a table or JSON, and draws the
-figure (stalwart.report.plot, needs matplotlib). What each number means: summary.py and
-docs/reports.md.
+half-written last line: it is skipped) and, when the run kept one, the data ledger
+(ledger.parquet, checked by stalwart.report.ledger), prints the summary as a table or JSON,
+and draws the figure (stalwart.report.plot, needs matplotlib). What each number means:
+summary.py and docs/reports.md.
 """
 
 from __future__ import annotations
@@ -71,6 +72,7 @@ def main(run_dir: str, *, out: str | None = None, as_json: bool = False) -> int:
     not ours to write) is skipped with a note; an `out` that cannot be written is an error.
     Either is written whole and renamed into place: a symbolic link at its name is replaced,
     not written through."""
+    from stalwart.report.ledger import check_run  # pyarrow: not for summarize's users
     from stalwart.report.plot import MatplotlibMissing, write_png
 
     if out is not None:
@@ -78,6 +80,7 @@ def main(run_dir: str, *, out: str | None = None, as_json: bool = False) -> int:
     path = Path(run_dir)
     now = time.time()
     summary, events, rows = load(path, now=now)
+    ledger = check_run(path, first_step=summary.start_step + 1)
     png: Path | None = Path(out) if out else path / "report.png"
     problem: StalwartError | None = None
     try:
@@ -90,10 +93,13 @@ def main(run_dir: str, *, out: str | None = None, as_json: bool = False) -> int:
                               f"{exc.strerror or exc}") from None
         png, problem = None, ReportError(f"cannot write {png}: {exc.strerror or exc}")
     if as_json:
-        print(json.dumps({**summary.to_dict(), "png": None if png is None else str(png)},
-                         indent=2))
+        print(json.dumps({**summary.to_dict(),
+                          "ledger": None if ledger is None else ledger.to_dict(),
+                          "png": None if png is None else str(png)}, indent=2))
     else:
         print(format_summary(summary, str(path)))
+        if ledger is not None:
+            print(ledger.line())
         if png is not None:
             print(f"figure: {png}")
     if problem is not None:

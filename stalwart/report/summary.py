@@ -84,6 +84,9 @@ class Summary:
     untimed_steps: int | None
     """Kept steps with no time on record (None when the rows carry no window)."""
     goodput: float | None
+    data_wait: float | None = None
+    """The share of step time the steps waited for their data: the rows' data_wait_s over
+    their window_s (None when no row carries data_wait_s)."""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -180,6 +183,16 @@ def tokens_per_step(rows: list[ev.MetricsRow]) -> int | None:
     return round(statistics.median(per_step)) if per_step else None
 
 
+def data_wait(rows: list[ev.MetricsRow]) -> float | None:
+    """Sum of data_wait_s over sum of window_s, over the rows that carry both (every
+    attempt's: a lost one waited too)."""
+    timed = [r for r in rows if r.data_wait_s is not None and r.window_s is not None]
+    window = sum(r.window_s or 0.0 for r in timed)
+    if not timed or window <= 0:
+        return None
+    return sum(r.data_wait_s or 0.0 for r in timed) / window
+
+
 def summarize(events: list[ev.Event], rows: list[ev.MetricsRow], *, now: float,
               steps_total: int | None = None, async_save: bool = True) -> Summary:
     if not events:
@@ -232,4 +245,4 @@ def summarize(events: list[ev.Event], rows: list[ev.MetricsRow], *, now: float,
                  for e in events if isinstance(e, ev.Resized)],
         checkpoints=len(saves), checkpoint_save_s=sum(e.save_s or 0.0 for e in saves),
         async_save=async_save, productive_s=productive, untimed_steps=untimed,
-        goodput=goodput, notes=notes)
+        goodput=goodput, data_wait=data_wait(rows), notes=notes)

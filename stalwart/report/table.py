@@ -54,5 +54,7 @@ def format_summary(s: Summary, run_dir: str) -> str:
     ]
     width = max(len(k) for k, _ in lines)
     out = [f"{k:<{width}}  {v}" for k, v in lines]
+    if s.data_wait is not None:
+        out.append(f"data wait: {100 * s.data_wait:.1f}% of step time")
     out += [f"note: {n}" for n in s.notes]
     return "\n".join(out)
