@@ -3,6 +3,7 @@
 Each takes files, directories or globs (local paths or fsspec URLs such as `s3://b/x/*.parquet`)
 and the same options: `columns` to read, a batch `transform`, `shuffle`, the shuffle `window`
 (units per lane shuffled together) and `lanes` (see stalwart.data.order and docs/data.md).
+`from_ray` takes a Ray Data pipeline over files instead of paths.
 """
 
 from __future__ import annotations
@@ -61,5 +62,32 @@ def from_huggingface(dataset: Any, *, columns: Sequence[str] | None = None,
         raise DataError("from_huggingface: the dataset has an indices mapping (select, "
                         "shuffle, filter or train_test_split); call "
                         "dataset.flatten_indices() first so its files hold its rows")
-    return FileStream(ArrowFormat(), files, columns=columns, transform=transform,
-                      shuffle=shuffle, window=window, lanes=lanes, what="from_huggingface")
+    stream = FileStream(ArrowFormat(), files, columns=columns, transform=transform,
+                        shuffle=shuffle, window=window, lanes=lanes, what="from_huggingface")
+    # A contiguous select() or a shard() is a slice of the same files, with no indices
+    # mapping: the files would then hold more rows than the dataset.
+    stream.expected_rows = len(dataset)
+    return stream
+
+
+def from_ray(dataset: Any, *, columns: Sequence[str] | None = None,
+             transform: Transform | None = None, shuffle: bool = True, window: int = 2,
+             lanes: int | None = None) -> FileStream:
+    """A Ray Data pipeline over files (`ray.data.read_parquet(...).map_batches(f)...`),
+    streamed a file at a time: stalwart orders the files and rows, and Ray Data runs the
+    pipeline on each file when the stream reads it (docs/data-ray.md).
+
+    After the read, only operations that map each file's rows on their own are allowed:
+    map, map_batches, filter, flat_map, add_column, drop_columns, select_columns,
+    rename_columns, with_column. Their functions must be deterministic (the same rows for the
+    same file every time): each file is run once to count its rows, and again whenever the
+    stream reads it. Operations that mix files or reorder rows (random_shuffle, sort, groupby,
+    union, zip, join, limit, repartition with shuffle, ...) and sources that are not files
+    (from_items, range, from_pandas, ...) are refused with what to do instead.
+
+    A sample's row in the data ledger is its row in the pipeline's output for its file.
+    """
+    from stalwart.data.ray_source import ray_stream
+
+    return ray_stream(dataset, columns=columns, transform=transform, shuffle=shuffle,
+                      window=window, lanes=lanes)

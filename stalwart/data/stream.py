@@ -36,7 +36,9 @@ class FileStream:
     def __init__(self, fmt: Format, paths: str | Sequence[str], *,
                  columns: Sequence[str] | None = None, transform: Transform | None = None,
                  shuffle: bool = True, window: int = 2, lanes: int | None = None,
-                 what: str = "stream") -> None:
+                 what: str = "stream", files: Sequence[FileInfo] | None = None) -> None:
+        """`files`, when given, are the stream's files as its source names them (a Ray Data
+        pipeline's inputs), and `paths` only what the user gave, for the manifest."""
         if window < 1:
             raise DataError(f"{what}: window = {window} must be >= 1 unit")
         if lanes is not None and lanes < 1:
@@ -46,11 +48,14 @@ class FileStream:
                             f"got {type(transform).__name__}")
         self.fmt, self.what = fmt, what
         self.patterns = [paths] if isinstance(paths, str) else [str(p) for p in paths]
-        self.files: list[FileInfo] = list_files(self.patterns, fmt.suffixes, what=what)
+        self.files: list[FileInfo] = (list(files) if files is not None
+                                      else list_files(self.patterns, fmt.suffixes, what=what))
         self.columns = list(columns) if columns is not None else None
         self.transform = transform
         self.shuffle, self.window, self.lanes = shuffle, window, lanes
         self.units: list[Unit] | None = None
+        self.expected_rows: int | None = None
+        """Rows the files must hold, when the caller knows (a Hugging Face dataset)."""
         self.schema: pa.Schema | None = None
         self.order: StreamOrder | None = None
         self._cache: OrderedDict[int, pa.Table] = OrderedDict()
@@ -84,11 +89,13 @@ class FileStream:
             self.fmt.cache_dir = cache_dir
         with ThreadPoolExecutor(min(_INDEXERS, len(self.files))) as pool:
             found = list(pool.map(self._file_units, range(len(self.files))))
-        schema = found[0][1]
-        for (_, other), info in zip(found, self.files, strict=True):
-            if not _same_fields(other, schema):
+        # A file with no rows (a pipeline may filter all of them out) has no schema to match.
+        first = next((i for i, (units, _) in enumerate(found) if units), 0)
+        schema = found[first][1]
+        for (units, other), info in zip(found, self.files, strict=True):
+            if units and not _same_fields(other, schema):
                 raise DataError(f"{self.what}: {info.url} has schema {_fields(other)}, but "
-                                f"{self.files[0].url} has {_fields(schema)}: every file of a "
+                                f"{self.files[first].url} has {_fields(schema)}: every file of a "
                                 f"stream must have the same columns and types")
         self.schema = schema
         if self.columns:
@@ -97,6 +104,12 @@ class FileStream:
                 raise DataError(f"{self.what}: columns {missing} are not in the data; it has "
                                 f"{schema.names}")
         self.units = [u for units, _ in found for u in units]
+        total = sum(u.rows for u in self.units)
+        if self.expected_rows is not None and total != self.expected_rows:
+            raise DataError(f"{self.what}: the dataset has {self.expected_rows} rows but its "
+                            f"files hold {total}: it is a slice of them (select, shard, "
+                            f"train_test_split); save it with save_to_disk and load_from_disk, "
+                            f"or call flatten_indices() first")
         if not any(u.rows for u in self.units):
             raise DataError(f"{self.what}: the dataset is empty (0 rows in "
                             f"{len(self.files)} file(s): {self.files[0].url}, ...)")

@@ -212,3 +212,21 @@ def test_options_are_checked(tmp_path):
     with pytest.raises(DataError, match="transform must be a function"):
         read_parquet(str(tmp_path / "d"), transform="tokenize")
     assert json.dumps(_bound(read_parquet(str(tmp_path / "d")), tmp_path).identity())
+
+
+def test_a_hugging_face_dataset_streams_from_its_arrow_files(tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from stalwart.data import from_huggingface
+
+    ds = datasets.Dataset.from_dict({"x": list(range(300)), "t": ["a"] * 300})
+    ds.save_to_disk(str(tmp_path / "saved"), max_shard_size="2KB")
+    loaded = datasets.load_from_disk(str(tmp_path / "saved"))
+    stream = _bound(from_huggingface(loaded, columns=["x"]), tmp_path, g=10)
+    assert len(stream) == 300
+    assert sorted(stream.read(0, 300)[0]["x"].tolist()) == list(range(300))
+    with pytest.raises(DataError, match="flatten_indices"):
+        from_huggingface(loaded.select([0, 5, 2]))
+    with pytest.raises(DataError, match=r"has 10 rows but its files hold \d+"):
+        _bound(from_huggingface(loaded.select(range(10))), tmp_path, g=1)
+    with pytest.raises(DataError, match="no Arrow files"):
+        from_huggingface(datasets.Dataset.from_dict({"x": [1]}))
