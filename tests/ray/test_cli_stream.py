@@ -167,6 +167,15 @@ def test_kill_node_loss_and_a_vanished_file_keep_the_order_and_the_weights(setup
     assert stopped_at == read_jsonl(run_dir / "metrics.jsonl")[-1]["step"], \
         "the last step trained is the checkpointed one"
 
+    # A file added since the checkpoint changes the order: the resume is refused, naming it,
+    # before anything starts.
+    stray = root / "data" / "part-00009.parquet"
+    stray.write_bytes((root / "data" / "part-00000.parquet").read_bytes())
+    refused = stalwart_here("run", "stream.toml", *sets(*world4), "--address", cluster.address,
+                            "--run-dir", "chaos", "--resume", cwd=root, check=2)
+    assert "part-00009.parquet" in refused.stderr and "accept_changed_files" in refused.stderr
+    stray.unlink()
+
     # The file is back: the run resumes from its last step and finishes.
     stalwart_here("run", "stream.toml", *sets(*world4), "--address", cluster.address,
                   "--run-dir", "chaos", "--resume", cwd=root)
