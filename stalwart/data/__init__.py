@@ -7,10 +7,11 @@ order that any world resumes exactly (docs/data.md).
 
 from stalwart.data.readers import (
     from_huggingface,
+    from_ray,
     read_arrow,
     read_json,
     read_parquet,
     read_text,
 )
 
-__all__ = ["from_huggingface", "read_arrow", "read_json", "read_parquet", "read_text"]
+__all__ = ["from_huggingface", "from_ray", "read_arrow", "read_json", "read_parquet", "read_text"]
