@@ -49,18 +49,24 @@ class Feeder:
         self._ahead: deque[tuple[int, Future[StepData]]] = deque()
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="stalwart-data")
                       if depth > 0 else None)
+        self.waiting = False
+        """True while the step's thread waits for data: slow work, not a hang (the worker
+        reports it busy, which lengthens the controller's hang limit)."""
 
     def take(self, position: int) -> tuple[StepData, float]:
         """The step at `position`, and the seconds this call waited for it."""
         t0 = time.perf_counter()
-        if self._pool is None:
-            data = self.load(position)
-            return data, time.perf_counter() - t0
-        if not self._ahead or self._ahead[0][0] != position:
-            self._drop()
-        self._fill(position)
-        _, future = self._ahead.popleft()
-        data = future.result()
+        self.waiting = True
+        try:
+            if self._pool is None:
+                return self.load(position), time.perf_counter() - t0
+            if not self._ahead or self._ahead[0][0] != position:
+                self._drop()
+            self._fill(position)
+            _, future = self._ahead.popleft()
+            data = future.result()
+        finally:
+            self.waiting = False
         waited = time.perf_counter() - t0
         self._fill(position + self.step_size)
         return data, waited
@@ -72,9 +78,14 @@ class Feeder:
         if self._pool is None:
             return None, 0.0
         t0 = time.perf_counter()
+        if self._ahead and self._ahead[0][0] != position:
+            self._drop()
         self._fill(position)
-        future = self._ahead[0][1]
-        error = future.exception()
+        self.waiting = True
+        try:
+            error = self._ahead[0][1].exception()
+        finally:
+            self.waiting = False
         waited = time.perf_counter() - t0
         return (None if error is None else f"{type(error).__name__}: {error}"), waited
 

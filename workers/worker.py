@@ -463,7 +463,12 @@ class Worker:
                             error=error, error_kind=self._error_kind, faults=faults,
                             profiles=profiles, preempted=self._preempted,
                             snapshot_bytes=self.tier.nbytes(), tier_limit=self.tier.limit,
-                            busy=self._busy, flight_record=self._record_if_quiet(bool(steps)))
+                            busy=self._busy or self._reading(),
+                            flight_record=self._record_if_quiet(bool(steps)))
+
+    def _reading(self) -> str | None:
+        engine = self.engine
+        return "reading data" if engine is not None and engine.feeder.waiting else None
 
     # Seconds between two flight records of a quiet thread (each one costs a dump).
     RECORD_EVERY_S = 5.0

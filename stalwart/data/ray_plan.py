@@ -58,7 +58,7 @@ _REFUSED = {
     "Join": (".join()", "join beforehand and write the result to parquet"),
     "Mix": (".mix()", "read all the files in one dataset"),
     "Limit": (".limit()", "stalwart reads every row once per epoch; to train on fewer rows, "
-              "give fewer files or set train.max_steps"),
+              "give fewer files, or train fewer train.steps"),
 }
 
 _NOT_FILES = ("its source is {source}, which is not files: write it to parquet "

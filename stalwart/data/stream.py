@@ -6,6 +6,7 @@ need (an LRU of `lanes x window + window` units) and the files' indexes, never t
 
 from __future__ import annotations
 
+import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -27,6 +28,12 @@ Transform = Callable[[dict[str, Any]], Batch]
 for the task's loss. Runs on the reading thread, ahead of the step."""
 
 _READERS = 4  # units read at once (I/O and decoding release the GIL)
+# Decoded units outlive an engine: a survivor of a failure builds a new stream for its next
+# world and finds what it had read here, keyed by all the units' contents depend on. Two
+# streams' worth: a training and a validation stream.
+_SHARED: OrderedDict[str, tuple[OrderedDict[int, pa.Table], threading.Lock]] = OrderedDict()
+_SHARED_LOCK = threading.Lock()
+_SHARED_STREAMS = 2
 _INDEXERS = 8  # files indexed at once (one footer request each)
 
 
@@ -81,6 +88,8 @@ class FileStream:
         self.order = StreamOrder([u.rows for u in units], seed=seed, global_batch=global_batch,
                                  lanes=lanes, window=self.window, shuffle=self.shuffle)
         self._capacity = lanes * self.window + self.window + 2
+        self._cache, self._lock = _shared_cache(
+            json.dumps([self.identity(), self.columns], sort_keys=True, default=str))
 
     def _index(self, cache_dir: str | None = None) -> list[Unit]:
         if self.units is not None:
@@ -228,6 +237,18 @@ class FileStream:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
+
+
+def _shared_cache(key: str) -> tuple[OrderedDict[int, pa.Table], threading.Lock]:
+    with _SHARED_LOCK:
+        entry = _SHARED.get(key)
+        if entry is None:
+            entry = _SHARED[key] = (OrderedDict(), threading.Lock())
+            while len(_SHARED) > _SHARED_STREAMS:
+                _SHARED.popitem(last=False)
+        else:
+            _SHARED.move_to_end(key)
+        return entry
 
 
 def columns_of(table: pa.Table) -> dict[str, Any]:

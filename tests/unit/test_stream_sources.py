@@ -13,6 +13,7 @@ import pytest
 
 from stalwart.core.errors import DataError, DataUnavailable
 from stalwart.data import read_arrow, read_json, read_parquet, read_text
+from stalwart.data import stream as stream_module
 from stalwart.data.changes import check_data_files
 from stalwart.examples.stream.make_data import write
 
@@ -50,11 +51,15 @@ def test_a_fresh_stream_resumes_deep_in_the_order_with_no_replay(tmp_path):
     whole = _bound(read_parquet(str(tmp_path / "d")), tmp_path)
     reference = whole.read(0, 4100)[0]["id"].tolist()
     for k in (0, 1237, 3990):
-        fresh = _bound(read_parquet(str(tmp_path / "d")), tmp_path)
-        got = fresh.read(k, 16)[0]["id"].tolist()
+        stream_module._SHARED.clear()  # a fresh process: nothing read yet
+        fresh = read_parquet(str(tmp_path / "d"))
+        reads = []
+        counted = fresh.fmt.read
+        fresh.fmt.read = lambda *a, c=counted, r=reads: r.append(a[1]) or c(*a)
+        got = _bound(fresh, tmp_path).read(k, 16)[0]["id"].tolist()
         assert got == reference[k:k + 16]
         # Only the windows around k were read: one per lane, of 40 units in all.
-        assert len(fresh._cache) <= fresh._capacity < len(fresh.units)
+        assert 0 < len(reads) <= fresh._capacity < len(fresh.units)
 
 
 def test_default_batch_is_the_numeric_columns_and_a_transform_sees_every_column(tmp_path):
@@ -92,6 +97,18 @@ def test_a_hugging_face_style_arrow_stream_file_is_read_by_record_batch(tmp_path
     stream = _bound(read_arrow(str(tmp_path), shuffle=False), tmp_path, g=10)
     assert len(stream.units) == 5
     assert stream.read(0, 250)[0]["x"].tolist() == list(range(250))
+
+
+def test_a_new_stream_of_the_same_files_finds_the_units_already_read(tmp_path):
+    # A survivor of a failure builds its next world's stream anew: what it read stays.
+    write(str(tmp_path / "d"), rows=200, files=2, row_group=50, features=2, classes=2,
+          fmt="parquet", seed=0)
+    first = _bound(read_parquet(str(tmp_path / "d")), tmp_path)
+    first.read(0, 8)
+    second = _bound(read_parquet(str(tmp_path / "d")), tmp_path)
+    assert second._cache is first._cache and len(second._cache) > 0
+    other = _bound(read_parquet(str(tmp_path / "d"), columns=["id"]), tmp_path)
+    assert other._cache is not first._cache
 
 
 def test_a_json_index_is_cached_and_reused(tmp_path):
