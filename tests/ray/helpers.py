@@ -84,3 +84,14 @@ def driving(cluster):
         yield cluster
     finally:
         ray.shutdown()
+
+
+@contextlib.contextmanager
+def driven_cluster(worker_nodes: int):
+    """`local_cluster(worker_nodes)` with this process as its driver, shut down after."""
+    c = local_cluster(worker_nodes)
+    try:
+        with driving(c):
+            yield c
+    finally:
+        c.shutdown()

@@ -19,7 +19,7 @@ from tests.cli_helpers import (
     stalwart_here,
     wait_for_event,
 )
-from tests.ray.helpers import ELASTIC, consumed_samples, driving, local_cluster
+from tests.ray.helpers import ELASTIC, consumed_samples, driven_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -47,12 +47,8 @@ WORLD4 = [*ELASTIC, "train.steps=120", "scaling.num_workers=4", "scaling.min_wor
 @pytest.fixture(scope="module")
 def cluster():
     """A driver-only head node and two worker nodes of 2 CPUs each."""
-    c = local_cluster(2)
-    try:
-        with driving(c):
-            yield c
-    finally:
-        c.shutdown()
+    with driven_cluster(2) as c:
+        yield c
 
 
 def test_node_loss_shrinks_then_grows_back_bit_identical(tmp_path, cluster):

@@ -25,7 +25,7 @@ from tests.cli_helpers import (
     wait_for_event,
     wait_for_step,
 )
-from tests.ray.helpers import driving, local_cluster
+from tests.ray.helpers import driven_cluster
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(900)]
 
@@ -90,12 +90,8 @@ PATIENT_TASK = textwrap.dedent('''
 @pytest.fixture(scope="module")
 def cluster():
     """A driver-only head node and two worker nodes of 2 CPUs each."""
-    c = local_cluster(2)
-    try:
-        with driving(c):
-            yield c
-    finally:
-        c.shutdown()
+    with driven_cluster(2) as c:
+        yield c
 
 
 @pytest.fixture(scope="module")
