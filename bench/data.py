@@ -218,19 +218,24 @@ def _label_rows(batch: dict[str, Any]) -> int:
     return len(batch["label"])
 
 
+def as_tensors(table: Any, what: str) -> dict[str, Any]:
+    """A table's numeric columns as tensors, converted as the stream converts its units."""
+    from stalwart.data.columns import decode, numeric_batch
+
+    return numeric_batch(decode(table).dense, table.schema, what)
+
+
 def raw_run(directory: Path, args: argparse.Namespace) -> dict[str, Any]:
     """pyarrow.dataset's scan in file order, each record batch made a torch batch by the
     stream's own conversion: the ceiling of what reading and converting costs."""
     import pyarrow as pa
     import pyarrow.dataset as ds
 
-    from stalwart.data.stream import numeric_batch
-
     def batches() -> Iterator[dict[str, Any]]:
         for rb in ds.dataset(str(directory), format="parquet").to_batches(
                 batch_size=args.global_batch, columns=COLUMNS):
             if rb.num_rows:
-                yield numeric_batch(pa.Table.from_batches([rb]), "raw")
+                yield as_tensors(pa.Table.from_batches([rb]), "raw")
     return _timed(batches(), _label_rows)
 
 
@@ -245,8 +250,6 @@ class RowGroups(torch.utils.data.IterableDataset):
         import pyarrow as pa
         import pyarrow.parquet as pq
 
-        from stalwart.data.stream import numeric_batch
-
         info = torch.utils.data.get_worker_info()
         mine = self.row_groups[info.id::info.num_workers] if info else self.row_groups
         files: dict[int, Any] = {}
@@ -259,10 +262,10 @@ class RowGroups(torch.utils.data.IterableDataset):
                 table = pa.concat_tables([carry, table])
             whole = table.num_rows - table.num_rows % self.rows
             for lo in range(0, whole, self.rows):
-                yield numeric_batch(table.slice(lo, self.rows), "DataLoader")
+                yield as_tensors(table.slice(lo, self.rows), "DataLoader")
             carry = table.slice(whole) if whole < table.num_rows else None
         if carry is not None:
-            yield numeric_batch(carry, "DataLoader")
+            yield as_tensors(carry, "DataLoader")
 
 
 def _one_thread(_: int) -> None:

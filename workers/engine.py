@@ -37,7 +37,7 @@ from stalwart.parallel.invariant_reduce import PairwiseAccumulator
 from stalwart.parallel.meta_init import materialize, on_meta
 from stalwart.parallel.recipe import parallelize
 from stalwart.workers.errors import RestoredStepMismatch
-from stalwart.workers.feeder import Feeder, bind_dataset
+from stalwart.workers.feeder import Feeder, bind_dataset, step_ranges
 from stalwart.workers.local_timer import LocalTimer
 from stalwart.workers.reports import StepReport
 from stalwart.workers.sampler import rank_slice
@@ -132,7 +132,12 @@ class TrainEngine:
         bind_dataset(self.train_data, seed=t.seed, global_batch=t.global_batch_size,
                      cache_dir=data_cfg.cache_dir)
         bind_dataset(self.val_data, seed=t.seed, global_batch=1, cache_dir=data_cfg.cache_dir)
-        self.feeder = Feeder(self.train_data, seed=t.seed, plan=self._step_ranges,
+        # The plan holds numbers, not the engine: a cycle through it would keep the engine
+        # (and its world's process groups) alive past its world, until a full collection.
+        plan = partial(step_ranges, global_batch=t.global_batch_size, dp_rank=self.dp_rank,
+                       dp_size=self.dp_size, micro_batch=t.micro_batch_size,
+                       micro_batches=1 if self.pipeline is not None else self.accum)
+        self.feeder = Feeder(self.train_data, seed=t.seed, plan=plan,
                              step_size=t.global_batch_size, depth=data_cfg.prefetch)
         self.sampler = self.feeder.sampler
         self.data_failure: str | None = None
@@ -245,16 +250,6 @@ class TrainEngine:
                             ledger=ledger if self.rank == 0 else None,
                             metrics=dict(zip(names, metric_means, strict=True)))
         return report, stop_votes > 0 or data_failures > 0
-
-    def _step_ranges(self, position: int) -> list[tuple[int, int]]:
-        """The global sample ranges this rank reads for the step starting at `position`: its
-        slice whole for a pipeline (the schedule splits it), else one per micro-batch."""
-        cfg = self.config.train
-        start, count = rank_slice(position, cfg.global_batch_size, self.dp_rank, self.dp_size)
-        if self.pipeline is not None:
-            return [(start, count)]
-        mb = cfg.micro_batch_size
-        return [(start + i * mb, mb) for i in range(self.accum)]
 
     def _ledger(self, ids: SampleIds) -> SampleIds:
         """The whole global batch's sample ids, gathered from every data-parallel rank (each

@@ -20,7 +20,7 @@ import numpy as np
 
 from stalwart.core.batch import Batch
 from stalwart.core.stream import SampleIds, StreamDataset
-from stalwart.workers.sampler import GlobalSampler
+from stalwart.workers.sampler import GlobalSampler, rank_slice
 
 
 @dataclass(frozen=True)
@@ -29,6 +29,17 @@ class StepData:
     """One per range of the step's plan (micro-batches, or the pipeline's whole slice)."""
     ids: SampleIds
     """Every sample of the step on this rank, in batch order."""
+
+
+def step_ranges(position: int, *, global_batch: int, dp_rank: int, dp_size: int,
+                micro_batch: int, micro_batches: int) -> list[tuple[int, int]]:
+    """The global sample ranges a data-parallel rank reads for the step starting at
+    `position`: one per micro-batch, or its whole slice in one (a pipeline's schedule splits
+    it itself)."""
+    start, count = rank_slice(position, global_batch, dp_rank, dp_size)
+    if micro_batches == 1:
+        return [(start, count)]
+    return [(start + i * micro_batch, micro_batch) for i in range(micro_batches)]
 
 
 def bind_dataset(data: Any, *, seed: int, global_batch: int, cache_dir: str) -> None:

@@ -74,21 +74,30 @@ class StreamOrder:
         plan = self._epochs.get(epoch)
         if plan is None:
             plan = self._epochs[epoch] = _Epoch(self, epoch)
-            while len(self._epochs) > 2:  # a step spans at most two epochs
+            while len(self._epochs) > 3:  # a step spans two; reading ahead may touch a third
                 self._epochs.popitem(last=False)
         return plan
 
-    def window_permutation(self, epoch: int, lane: int, window: int, size: int) -> np.ndarray:
-        key = (epoch, lane, window)
-        perm = self._windows.get(key)
-        if perm is None:
-            rng = np.random.default_rng([self.seed, epoch, lane, window])
-            perm = self._windows[key] = rng.permutation(size)
-            while len(self._windows) > _WINDOW_CACHE:
-                self._windows.popitem(last=False)
-        else:
+    def window_rows(self, plan: _Epoch, lane: int, window: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+        """(unit, row in unit) of each row of one lane's window, in shuffled order: built once
+        per window, then every position in it is one lookup."""
+        key = (plan.epoch, lane, window)
+        found = self._windows.get(key)
+        if found is not None:
             self._windows.move_to_end(key)
-        return perm
+            return found
+        cum, units = plan.lane_cum[lane], plan.lane_units[lane]
+        first, last = window * self.window, min((window + 1) * self.window, len(units))
+        index = np.arange(cum[first], cum[last], dtype=np.int64)
+        if self.shuffle:
+            rng = np.random.default_rng([self.seed, plan.epoch, lane, window])
+            index = index[rng.permutation(len(index))]
+        at = np.searchsorted(cum, index, side="right") - 1
+        found = self._windows[key] = (units[at], index - cum[at])
+        while len(self._windows) > _WINDOW_CACHE:
+            self._windows.popitem(last=False)
+        return found
 
 
 class _Epoch:
@@ -102,6 +111,9 @@ class _Epoch:
         self.lane_units = [perm[j::order.lanes] for j in range(order.lanes)]
         self.lane_cum = [np.concatenate([[0], np.cumsum(order.unit_rows[u])])
                          for u in self.lane_units]
+        # Each window's first row in its lane (windows of `window` units).
+        self.window_starts = [c[:-1][::order.window] if len(c) > 1 else c
+                              for c in self.lane_cum]
         lengths = np.array([c[-1] for c in self.lane_cum], dtype=np.int64)
         self.width = order.global_batch // order.lanes  # rows per lane per global batch
         self.full_steps = int(lengths.min()) // self.width
@@ -129,17 +141,13 @@ class _Epoch:
 
     def _lane_rows(self, lane: int, index: np.ndarray, order: StreamOrder
                    ) -> tuple[np.ndarray, np.ndarray]:
-        cum, units = self.lane_cum[lane], self.lane_units[lane]
-        if order.shuffle:
-            at = np.searchsorted(cum, index, side="right") - 1
-            windows = at // order.window
-            shuffled = np.empty_like(index)
-            for w in np.unique(windows):
-                mask = windows == w
-                start = cum[w * order.window]
-                end = cum[min((w + 1) * order.window, len(units))]
-                perm = order.window_permutation(self.epoch, lane, int(w), int(end - start))
-                shuffled[mask] = start + perm[index[mask] - start]
-            index = shuffled
-        at = np.searchsorted(cum, index, side="right") - 1
-        return units[at], index - cum[at]
+        starts = self.window_starts[lane]
+        windows = np.searchsorted(starts, index, side="right") - 1
+        units = np.empty_like(index)
+        rows = np.empty_like(index)
+        for w in np.unique(windows):
+            mask = windows == w
+            window_units, window_rows = order.window_rows(self, lane, int(w))
+            offset = index[mask] - starts[w]
+            units[mask], rows[mask] = window_units[offset], window_rows[offset]
+        return units, rows

@@ -10,16 +10,23 @@ import json
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
 import pyarrow as pa
-import torch
 
 from stalwart.core.batch import Batch
 from stalwart.core.errors import DataError, DataUnavailable
 from stalwart.core.stream import SampleIds
+from stalwart.data.columns import (
+    DecodedUnit,
+    decode,
+    gather,
+    is_dense,
+    is_number_list,
+    numeric_batch,
+)
 from stalwart.data.order import StreamOrder, default_lanes
 from stalwart.data.sources import FileInfo, Format, Unit, list_files
 
@@ -31,7 +38,7 @@ _READERS = 4  # units read at once (I/O and decoding release the GIL)
 # Decoded units outlive an engine: a survivor of a failure builds a new stream for its next
 # world and finds what it had read here, keyed by all the units' contents depend on. Two
 # streams' worth: a training and a validation stream.
-_SHARED: OrderedDict[str, tuple[OrderedDict[int, pa.Table], threading.Lock]] = OrderedDict()
+_SHARED: OrderedDict[str, tuple[OrderedDict[int, DecodedUnit], threading.Lock]] = OrderedDict()
 _SHARED_LOCK = threading.Lock()
 _SHARED_STREAMS = 2
 _INDEXERS = 8  # files indexed at once (one footer request each)
@@ -65,7 +72,9 @@ class FileStream:
         """Rows the files must hold, when the caller knows (a Hugging Face dataset)."""
         self.schema: pa.Schema | None = None
         self.order: StreamOrder | None = None
-        self._cache: OrderedDict[int, pa.Table] = OrderedDict()
+        self._cache: OrderedDict[int, DecodedUnit] = OrderedDict()
+        self._ahead: dict[int, Future[DecodedUnit]] = {}
+        self._entered = False
         self._capacity = 2 * window + 2
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -87,7 +96,9 @@ class FileStream:
                             f"({global_batch})")
         self.order = StreamOrder([u.rows for u in units], seed=seed, global_batch=global_batch,
                                  lanes=lanes, window=self.window, shuffle=self.shuffle)
-        self._capacity = lanes * self.window + self.window + 2
+        # This window and the next of every lane, and the tail's.
+        self._capacity = 2 * lanes * self.window + self.window + 2
+        self._window_span = max(1, total * self.window * lanes // max(1, len(units)))
         self._cache, self._lock = _shared_cache(
             json.dumps([self.identity(), self.columns], sort_keys=True, default=str))
 
@@ -113,6 +124,9 @@ class FileStream:
                 raise DataError(f"{self.what}: columns {missing} are not in the data; it has "
                                 f"{schema.names}")
         self.units = [u for units, _ in found for u in units]
+        self._unit_file = np.array([u.file for u in self.units], dtype=np.int64)
+        self._unit_first = np.array([u.first_row for u in self.units], dtype=np.int64)
+        self._file_urls = tuple(f.url for f in self.files)
         total = sum(u.rows for u in self.units)
         if self.expected_rows is not None and total != self.expected_rows:
             raise DataError(f"{self.what}: the dataset has {self.expected_rows} rows but its "
@@ -152,13 +166,16 @@ class FileStream:
             raise DataError(f"{self.what}: read before bind(); the engine binds a stream to "
                             f"the run's seed and global batch first")
         epochs, units, rows = self.order.locate(np.arange(start, start + count))
-        table = self._rows(units, rows)
-        assert self.units is not None
-        files = np.array([self.units[u].file for u in units.tolist()], dtype=np.int64)
-        first = np.array([self.units[u].first_row for u in units.tolist()], dtype=np.int64)
-        ids = SampleIds(epoch=epochs, file=files, row=first + rows,
-                        files=tuple(f.url for f in self.files))
-        return self._batch(table), ids
+        self._entered = False
+        columns = self._rows(units, rows)
+        if self._entered:
+            # This read entered units it had not held: read the same rows one window further
+            # on, so a lane's next window is read while this one trains, not all lanes' at
+            # once when they switch.
+            self._read_ahead(start + self._window_span, count)
+        ids = SampleIds(epoch=epochs, file=self._unit_file[units],
+                        row=self._unit_first[units] + rows, files=self._file_urls)
+        return self._batch(columns), ids
 
     def get_batch(self, indices: Any) -> Batch:
         """Rows by their index in file order, for a fixed validation set."""
@@ -168,42 +185,57 @@ class FileStream:
         at = np.searchsorted(cum, idx, side="right") - 1
         return self._batch(self._rows(at, idx - cum[at]))
 
-    def _rows(self, units: np.ndarray, rows: np.ndarray) -> pa.Table:
-        """The rows (unit, row in unit), in the order given, from the cache or the files."""
-        needed = list(dict.fromkeys(units.tolist()))
-        tables = self._tables(needed)
-        order = np.argsort(units, kind="stable")
-        parts, bounds = [], np.searchsorted(units[order], needed, side="left")
-        sorted_rows = rows[order]
-        pieces = []
-        for u, lo in zip(needed, bounds.tolist(), strict=True):
-            hi = lo + int((units == u).sum())
-            pieces.append(tables[u].take(pa.array(sorted_rows[lo:hi])))
-            parts.append(order[lo:hi])
-        inverse = np.empty(len(units), dtype=np.int64)
-        inverse[np.concatenate(parts)] = np.arange(len(units))
-        return pa.concat_tables(pieces).take(pa.array(inverse))
+    def _rows(self, units: np.ndarray, rows: np.ndarray) -> dict[str, Any]:
+        """The columns of rows (unit, row in unit), in the order given."""
+        assert self.schema is not None
+        others = [f.name for f in self.schema
+                  if (self.columns is None or f.name in self.columns) and not is_dense(f.type)
+                  and (self.transform is not None or is_number_list(f.type))]
+        return gather(self._decoded(np.unique(units).tolist()), units, rows, others=others)
 
-    def _tables(self, needed: list[int]) -> dict[int, pa.Table]:
+    def _decoded(self, needed: list[int]) -> dict[int, DecodedUnit]:
+        """The units, from the cache, from a read ahead in flight, or read now (in parallel)."""
         with self._lock:
             have = {u: self._cache[u] for u in needed if u in self._cache}
             for u in have:
                 self._cache.move_to_end(u)
+            ahead = {u: self._ahead.pop(u) for u in needed
+                     if u not in have and u in self._ahead}
+        for u, future in ahead.items():
+            if future.exception() is None:  # a read ahead that failed is read again: its
+                have[u] = future.result()    # error is raised by the step that needs it
         missing = [u for u in needed if u not in have]
         if len(missing) > 1:
-            if self._pool is None:
-                self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="stalwart-read")
-            have.update(zip(missing, self._pool.map(self._read_unit, missing), strict=True))
+            have.update(zip(missing, self._readers().map(self._read_unit, missing),
+                            strict=True))
         elif missing:
             have[missing[0]] = self._read_unit(missing[0])
-        with self._lock:
-            for u in missing:
-                self._cache[u] = have[u]
-            while len(self._cache) > max(self._capacity, len(needed)):
-                self._cache.popitem(last=False)
+        self._keep({u: have[u] for u in missing + list(ahead)}, len(needed))
+        self._entered = bool(missing or ahead)
         return have
 
-    def _read_unit(self, u: int) -> pa.Table:
+    def _read_ahead(self, start: int, count: int) -> None:
+        assert self.order is not None
+        _, units, _ = self.order.locate(np.arange(start, start + count))
+        with self._lock:
+            wanted = [u for u in np.unique(units).tolist()
+                      if u not in self._cache and u not in self._ahead]
+            for u in wanted:
+                self._ahead[u] = self._readers().submit(self._read_unit, u)
+
+    def _keep(self, decoded: dict[int, DecodedUnit], needed: int) -> None:
+        with self._lock:
+            for u, unit in decoded.items():
+                self._cache[u] = unit
+            while len(self._cache) > max(self._capacity, needed):
+                self._cache.popitem(last=False)
+
+    def _readers(self) -> ThreadPoolExecutor:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="stalwart-read")
+        return self._pool
+
+    def _read_unit(self, u: int) -> DecodedUnit:
         assert self.units is not None and self.schema is not None
         unit = self.units[u]
         info = self.files[unit.file]
@@ -222,16 +254,17 @@ class FileStream:
             raise DataUnavailable(f"data file {info.url}, {_part_name(self.fmt.name)} "
                                   f"{unit.part}: {table.num_rows} rows where the index has "
                                   f"{unit.rows}: the file changed since the run started")
-        return table
+        return decode(table)
 
-    def _batch(self, table: pa.Table) -> Batch:
+    def _batch(self, columns: dict[str, Any]) -> Batch:
         if self.transform is not None:
-            return self.transform(columns_of(table))
-        return numeric_batch(table, self.what)
+            return self.transform(columns)
+        assert self.schema is not None
+        return numeric_batch(columns, self.schema, self.what)
 
     def __getstate__(self) -> dict[str, Any]:
         state = dict(self.__dict__)
-        state.update(_cache=OrderedDict(), _lock=None, _pool=None)
+        state.update(_cache=OrderedDict(), _lock=None, _pool=None, _ahead={})
         return state
 
     def __setstate__(self, state: dict[str, Any]) -> None:
@@ -239,7 +272,7 @@ class FileStream:
         self._lock = threading.Lock()
 
 
-def _shared_cache(key: str) -> tuple[OrderedDict[int, pa.Table], threading.Lock]:
+def _shared_cache(key: str) -> tuple[OrderedDict[int, DecodedUnit], threading.Lock]:
     with _SHARED_LOCK:
         entry = _SHARED.get(key)
         if entry is None:
@@ -249,51 +282,6 @@ def _shared_cache(key: str) -> tuple[OrderedDict[int, pa.Table], threading.Lock]
         else:
             _SHARED.move_to_end(key)
         return entry
-
-
-def columns_of(table: pa.Table) -> dict[str, Any]:
-    """A table's columns for a transform: numpy arrays, lists for strings and nested values."""
-    out: dict[str, Any] = {}
-    for name, column in zip(table.column_names, table.columns, strict=True):
-        kind = column.type
-        if pa.types.is_integer(kind) or pa.types.is_floating(kind) or pa.types.is_boolean(kind):
-            out[name] = column.to_numpy()
-        elif _is_numeric_list(kind):
-            out[name] = _list_array(column)
-        else:
-            out[name] = column.to_pylist()
-    return out
-
-
-def numeric_batch(table: pa.Table, what: str) -> dict[str, torch.Tensor]:
-    """The default batch: every numeric column (and list of numbers of one length) as a tensor."""
-    out: dict[str, torch.Tensor] = {}
-    for name, value in columns_of(table).items():
-        if isinstance(value, np.ndarray):
-            out[name] = torch.from_numpy(np.require(value, requirements=["C", "W"]))
-    if not out:
-        raise DataError(f"{what}: no numeric column to batch (columns: "
-                        f"{', '.join(f'{n}: {t}' for n, t in zip(table.column_names, table.schema.types, strict=True))}); "
-                        f"pass transform= to turn rows into tensors (docs/data.md)")
-    return out
-
-
-def _is_numeric_list(kind: pa.DataType) -> bool:
-    if not (pa.types.is_list(kind) or pa.types.is_large_list(kind)
-            or pa.types.is_fixed_size_list(kind)):
-        return False
-    inner = kind.value_type
-    return pa.types.is_integer(inner) or pa.types.is_floating(inner)
-
-
-def _list_array(column: pa.ChunkedArray) -> np.ndarray | list:
-    """Lists of one length as a 2-D array; ragged lists as a list of arrays."""
-    array = column.combine_chunks()
-    lengths = array.value_lengths().to_numpy(zero_copy_only=False)
-    values = array.flatten().to_numpy(zero_copy_only=False)
-    if len(lengths) and (lengths == lengths[0]).all():
-        return values.reshape(len(lengths), int(lengths[0]))
-    return np.split(values, np.cumsum(lengths)[:-1])
 
 
 def _same_fields(a: pa.Schema, b: pa.Schema) -> bool:
