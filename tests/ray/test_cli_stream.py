@@ -38,6 +38,10 @@ path = "patient_task:PatientTask"
 data = "{data}"
 hidden = 16
 n_features = 8
+# Two lanes of one unit's window: a rank holds few units, so it reads the files again and
+# again (the vanished file is missed within steps).
+lanes = 2
+window = 1
 
 [scaling]
 num_workers = 1
