@@ -544,8 +544,9 @@ def stream_memory(directory: Path, args: argparse.Namespace, cache: str, steps: 
     pool = pa.default_memory_pool()
     with PeakRSS() as rss:
         run = stream_run(directory, args, cache, steps=steps)
-    # What the stream's LRU of units may hold (FileStream: lanes x window + window + 2 units).
-    cached = run["lanes"] * run["window"] + run["window"] + 2
+    # What the stream's LRU of units may hold (FileStream: each lane's window and the next
+    # one, read ahead, and the tail's: 2 x lanes x window + window + 2 units).
+    cached = 2 * run["lanes"] * run["window"] + run["window"] + 2
     return run, {"rss_before": rss.before, "peak_rss": rss.peak, "hwm_reset": rss.reset,
                  "dataset_over_peak": size / rss.peak, "cached_units": cached,
                  "cached_bytes": cached * size / run["units"],

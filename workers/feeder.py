@@ -58,6 +58,8 @@ class Feeder:
         self.sampler = None if self.stream else GlobalSampler(len(data), seed=seed)
         self.plan, self.step_size, self.depth = plan, step_size, depth
         self._ahead: deque[tuple[int, Future[StepData]]] = deque()
+        # One thread: steps are read in order, and a task's own dataset need not be safe on
+        # two (a stream reads its units on threads of its own).
         self._pool = (ThreadPoolExecutor(1, thread_name_prefix="stalwart-data")
                       if depth > 0 else None)
         self.waiting = False

@@ -48,7 +48,8 @@ def _is_number(kind: pa.DataType) -> bool:
 
 
 def _dense(column: pa.ChunkedArray) -> np.ndarray:
-    array = column.combine_chunks()
+    # One chunk (a row group's column) is viewed, not copied: combine_chunks would copy it.
+    array = column.chunk(0) if column.num_chunks == 1 else column.combine_chunks()
     if pa.types.is_fixed_size_list(array.type):
         values = array.flatten().to_numpy(zero_copy_only=False)
         return values.reshape(len(array), array.type.list_size)

@@ -74,7 +74,6 @@ class FileStream:
         self.order: StreamOrder | None = None
         self._cache: OrderedDict[int, DecodedUnit] = OrderedDict()
         self._ahead: dict[int, Future[DecodedUnit]] = {}
-        self._entered = False
         self._capacity = 2 * window + 2
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
@@ -166,9 +165,8 @@ class FileStream:
             raise DataError(f"{self.what}: read before bind(); the engine binds a stream to "
                             f"the run's seed and global batch first")
         epochs, units, rows = self.order.locate(np.arange(start, start + count))
-        self._entered = False
-        columns = self._rows(units, rows)
-        if self._entered:
+        columns, entered = self._rows(units, rows)
+        if entered:
             # This read entered units it had not held: read the same rows one window further
             # on, so a lane's next window is read while this one trains, not all lanes' at
             # once when they switch.
@@ -183,17 +181,19 @@ class FileStream:
         idx = np.asarray(indices, dtype=np.int64)
         cum = np.cumsum([0] + [u.rows for u in units])
         at = np.searchsorted(cum, idx, side="right") - 1
-        return self._batch(self._rows(at, idx - cum[at]))
+        return self._batch(self._rows(at, idx - cum[at])[0])
 
-    def _rows(self, units: np.ndarray, rows: np.ndarray) -> dict[str, Any]:
-        """The columns of rows (unit, row in unit), in the order given."""
+    def _rows(self, units: np.ndarray, rows: np.ndarray) -> tuple[dict[str, Any], bool]:
+        """The columns of rows (unit, row in unit), in the order given, and whether a unit
+        was not yet held."""
         assert self.schema is not None
         others = [f.name for f in self.schema
                   if (self.columns is None or f.name in self.columns) and not is_dense(f.type)
                   and (self.transform is not None or is_number_list(f.type))]
-        return gather(self._decoded(np.unique(units).tolist()), units, rows, others=others)
+        decoded, entered = self._decoded(np.unique(units).tolist())
+        return gather(decoded, units, rows, others=others), entered
 
-    def _decoded(self, needed: list[int]) -> dict[int, DecodedUnit]:
+    def _decoded(self, needed: list[int]) -> tuple[dict[int, DecodedUnit], bool]:
         """The units, from the cache, from a read ahead in flight, or read now (in parallel)."""
         with self._lock:
             have = {u: self._cache[u] for u in needed if u in self._cache}
@@ -211,8 +211,7 @@ class FileStream:
         elif missing:
             have[missing[0]] = self._read_unit(missing[0])
         self._keep({u: have[u] for u in missing + list(ahead)}, len(needed))
-        self._entered = bool(missing or ahead)
-        return have
+        return have, bool(missing or ahead)
 
     def _read_ahead(self, start: int, count: int) -> None:
         assert self.order is not None
