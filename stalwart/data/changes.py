@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import fsspec
-
 from stalwart.core.errors import DataError
-from stalwart.data.sources import ArrowFormat, LinesFormat, ParquetFormat, list_files
+from stalwart.data.sources import (
+    ArrowFormat,
+    LinesFormat,
+    ParquetFormat,
+    list_files,
+    stat_file,
+)
 
 _SUFFIXES = {"parquet": ParquetFormat.suffixes, "arrow": ArrowFormat.suffixes,
              "json": LinesFormat("json").suffixes, "text": LinesFormat("text").suffixes}
@@ -33,7 +37,7 @@ def changed_files(recorded: dict[str, Any]) -> dict[str, list[str]]:
         now = {i.url: (i.size, i.version) for i in infos}
     else:  # files named one by one (a Ray Data source): only these can change
         for url in before:
-            stat = _stat(url)
+            stat = stat_file(url)
             if stat is not None:
                 now[url] = stat
     return {"added": sorted(set(now) - set(before)),
@@ -58,14 +62,3 @@ def check_data_files(manifest: dict[str, Any], *, accept: bool) -> list[str]:
                         f"resume would not continue the same order. Restore the files, or "
                         f"set data.accept_changed_files = true to go on in the new order")
     return lines
-
-
-def _stat(url: str) -> tuple[int, str] | None:
-    from stalwart.data.sources import _version
-
-    try:
-        fs, path = fsspec.core.url_to_fs(url)
-        info = fs.info(path)
-    except (FileNotFoundError, OSError):
-        return None
-    return int(info.get("size") or 0), _version(info)

@@ -19,7 +19,7 @@ import pyarrow as pa
 
 from stalwart.core.errors import DataError, DataUnavailable
 from stalwart.data.ray_plan import WHAT, RayPlan, SourceFile
-from stalwart.data.sources import FileInfo, Format, Unit, _load_index, _store_index
+from stalwart.data.sources import FileInfo, Format, Unit, load_index, stat_file, store_index
 from stalwart.data.stream import FileStream, Transform
 
 _STATS = 16  # files stat'ed at once (one metadata request each)
@@ -38,10 +38,10 @@ class RayFormat(Format):
 
     def units(self, file: int, info: FileInfo) -> tuple[list[Unit], pa.Schema]:
         key = self._key(info)
-        cached = _cached(_load_index(self.cache_dir, key))
+        cached = _cached(load_index(self.cache_dir, key))
         if cached is None:
             cached = self.plan.count(self.sources[info.url])
-            _store_index(self.cache_dir, key, {"rows": cached[0],
+            store_index(self.cache_dir, key, {"rows": cached[0],
                                                "schema": _encode(cached[1])})
         rows, schema = cached
         return ([Unit(file, 0, 0, rows)] if rows else []), schema or pa.schema([])
@@ -85,10 +85,8 @@ def ray_stream(dataset: Any, *, columns: Sequence[str] | None, transform: Transf
 
 def _infos(files: Sequence[SourceFile]) -> list[FileInfo]:
     """Each file's size and version, as the resume check reads them (fsspec)."""
-    from stalwart.data.changes import _stat
-
     with ThreadPoolExecutor(min(_STATS, len(files))) as pool:
-        stats = list(pool.map(lambda f: _stat(f.url), files))
+        stats = list(pool.map(lambda f: stat_file(f.url), files))
     missing = [f.url for f, s in zip(files, stats, strict=True) if s is None]
     if missing:
         raise DataError(f"{WHAT}: {len(missing)} of the dataset's files cannot be stat'ed "

@@ -16,6 +16,7 @@ from typing import Any
 import fsspec
 
 from stalwart.core.errors import TaskError
+from stalwart.data.sources import url_of
 
 SUFFIXES = (".jsonl", ".json", ".parquet", ".txt")
 KINDS = ("messages", "prompt_completion", "text")
@@ -55,7 +56,7 @@ def data_files(data: str, *, field: str = "task.args.data") -> list[str]:
     if not files:
         raise TaskError(f"{field} = {data!r} matches no data file; give a file, a directory or "
                         f"a glob of {', '.join(SUFFIXES)} files (local or an fsspec URL)")
-    return sorted(_url(fs, f) for f in set(files))
+    return sorted(url_of(fs, f) for f in set(files))
 
 
 def _directory_files(fs: Any, path: str) -> list[str]:
@@ -69,11 +70,6 @@ def _check_suffix(path: str, data: str, field: str) -> None:
     if not path.endswith(SUFFIXES):
         raise TaskError(f"{field} = {data!r} matches {path!r}, whose suffix is not a data "
                         f"file's; allowed: {', '.join(SUFFIXES)}")
-
-
-def _url(fs: Any, path: str) -> str:
-    protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
-    return path if "file" in protocols else fs.unstrip_protocol(path)
 
 
 def _basename(path: str) -> str:

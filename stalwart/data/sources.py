@@ -13,6 +13,7 @@ import io
 import json
 import os
 import threading
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -80,8 +81,8 @@ def list_files(patterns: str | Sequence[str], suffixes: tuple[str, ...], *, what
             if not details and not fs.isdir(path) and not path.endswith(suffixes):
                 raise DataError(f"{what}: {path!r} is not a {' / '.join(suffixes)} file")
             for p, info in details.items():
-                url = _url(fs, p)
-                found[url] = FileInfo(url, int(info.get("size") or 0), _version(info))
+                url = url_of(fs, p)
+                found[url] = FileInfo(url, int(info.get("size") or 0), version_of(info))
     if not found:
         raise DataError(f"{what}: {list(patterns)} match no {' / '.join(suffixes)} file")
     return [found[u] for u in sorted(found)]
@@ -96,14 +97,26 @@ def _details(fs: Any, path: str, suffixes: tuple[str, ...]) -> dict[str, dict]:
     return {path: info} if path.endswith(suffixes) else {}
 
 
-def _version(info: dict) -> str:
+def version_of(info: dict) -> str:
+    """A file's version as its store reports it: ETag, generation or modification time."""
     for key in ("ETag", "etag", "md5Hash", "generation", "mtime", "LastModified", "created"):
         if info.get(key) is not None:
             return str(info[key])
     return ""
 
 
-def _url(fs: Any, path: str) -> str:
+def stat_file(url: str) -> tuple[int, str] | None:
+    """(size, version) of the file at `url`, None when it cannot be found."""
+    try:
+        fs, path = fsspec.core.url_to_fs(url)
+        info = fs.info(path)
+    except (FileNotFoundError, OSError):
+        return None
+    return int(info.get("size") or 0), version_of(info)
+
+
+def url_of(fs: Any, path: str) -> str:
+    """A listed path as stalwart names files: a plain path on this machine, else a URL."""
     protocols = fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,)
     return path if "file" in protocols or "local" in protocols else fs.unstrip_protocol(path)
 
@@ -123,18 +136,20 @@ def open_file(url: str) -> Any:
         raise DataUnavailable(f"data file {url} cannot be read: {type(e).__name__}: {e}") from e
 
 
-class Format:
+class Format(ABC):
     """How one kind of file is split into units and read."""
 
     name = ""
     suffixes: tuple[str, ...] = ()
 
+    @abstractmethod
     def units(self, file: int, info: FileInfo) -> tuple[list[Unit], pa.Schema]:
-        raise NotImplementedError
+        """The file's units and its schema."""
 
+    @abstractmethod
     def read(self, info: FileInfo, unit: Unit, columns: list[str] | None,
              schema: pa.Schema) -> pa.Table:
-        raise NotImplementedError
+        """One unit's rows."""
 
 
 class ParquetFormat(Format):
@@ -243,10 +258,10 @@ class LinesFormat(Format):
         self.cache_dir = cache_dir
 
     def units(self, file: int, info: FileInfo) -> tuple[list[Unit], pa.Schema]:
-        cached = _load_index(self.cache_dir, info)
+        cached = load_index(self.cache_dir, info)
         if cached is None:
             cached = self._scan(info)
-            _store_index(self.cache_dir, info, cached)
+            store_index(self.cache_dir, info, cached)
         units = [Unit(file, i, first, rows, start, end)
                  for i, (first, rows, start, end) in enumerate(cached["units"])]
         if self.name == "text":
@@ -314,7 +329,7 @@ def _index_path(cache_dir: str | None, info: FileInfo) -> str | None:
     return os.path.join(os.path.expanduser(cache_dir), "stream-index", info.key() + ".json")
 
 
-def _load_index(cache_dir: str | None, info: FileInfo) -> dict[str, Any] | None:
+def load_index(cache_dir: str | None, info: FileInfo) -> dict[str, Any] | None:
     path = _index_path(cache_dir, info)
     try:
         with open(path) as f:  # type: ignore[arg-type]
@@ -324,7 +339,7 @@ def _load_index(cache_dir: str | None, info: FileInfo) -> dict[str, Any] | None:
         return None
 
 
-def _store_index(cache_dir: str | None, info: FileInfo, index: dict[str, Any]) -> None:
+def store_index(cache_dir: str | None, info: FileInfo, index: dict[str, Any]) -> None:
     path = _index_path(cache_dir, info)
     if path is None:
         return
