@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from datetime import datetime
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from stalwart.checkpointing.storage.catalog import list_step_dirs
 from stalwart.core import events as ev
@@ -25,6 +25,9 @@ from stalwart.core.config import JobConfig, dump_config
 from stalwart.core.errors import RunDirError
 from stalwart.core.run_logs import EventLog, MetricsLog
 from stalwart.core.safe_files import write_file_atomically
+
+if TYPE_CHECKING:
+    from stalwart.checkpointing.storage.owner import Owner
 
 __all__ = ["RunDir"]
 
@@ -46,7 +49,36 @@ class RunDir:
         return Path("runs") / f"{config.run.name}-{datetime.now():%Y%m%d-%H%M%S}"
 
     def storage_url(self, config: JobConfig) -> str:
-        return config.checkpoint.storage or str((self.path / "checkpoints").resolve())
+        return config.checkpoint.storage or self.own_storage()
+
+    def own_storage(self) -> str:
+        """Where checkpoints go unless checkpoint.storage says otherwise."""
+        return str((self.path / "checkpoints").resolve())
+
+    def check_owner(self, storage_url: str, me: Owner, owner: Owner | None) -> None:
+        """Refuse storage that another run owns, in the words of what the user chose: the
+        run dir (its own checkpoints/), or checkpoint.storage when that was set."""
+        if owner is None or owner.run_id == me.run_id:
+            return
+        if storage_url != self.own_storage():
+            raise RunDirError(
+                f"checkpoint.storage {storage_url} belongs to another run (run dir "
+                f"{_shown(owner.run_dir)}, task {owner.task}); one storage holds one run's "
+                f"checkpoints: --resume that run, or choose another checkpoint.storage")
+        if self.run_id_file.exists() and self.run_id_file.read_text().strip() == me.run_id:
+            raise RunDirError(f"run dir {self.path}: its checkpoints belong to another run "
+                              f"(run dir {_shown(owner.run_dir)}, task {owner.task}) than its "
+                              f"run_id names; choose another --run-dir")
+        if owner.run_dir != str(self.path.resolve()):
+            raise RunDirError(f"run dir {self.path} holds the checkpoints of the run in run dir "
+                              f"{_shown(owner.run_dir)} (task {owner.task}); continue that run "
+                              f"with --resume --run-dir {_shown(owner.run_dir)}, or choose "
+                              f"another --run-dir")
+        if self.config_file.exists():
+            self.check_new(storage_url)  # it holds a run: refused as any run dir that does
+        raise RunDirError(f"run dir {self.path} holds another run's checkpoints (task "
+                          f"{owner.task}) and no config.toml, so that run cannot be continued; "
+                          f"choose another --run-dir")
 
     def check_new(self, storage_url: str) -> None:
         """Refuse to start a fresh run where one already left checkpoints."""
@@ -77,7 +109,7 @@ class RunDir:
                     f"--auto-resume: {storage_url} holds checkpoints (steps "
                     f"{[s for s, _ in steps][-3:]}) but run dir {self.path} holds no "
                     f"config.toml, so nothing says which run they are; choose another "
-                    f"--run-dir or checkpoint.storage")
+                    f"--run-dir{'' if storage_url == self.own_storage() else ' or checkpoint.storage'}")
             return "new"
         return "resume" if any(done for _, done in steps) else "again"
 
@@ -119,3 +151,11 @@ class RunDir:
             elif e.get("kind") == ev.CheckpointCommitted.kind and isinstance(e.get("step"), int):
                 newest = e["step"] if newest is None else max(newest, e["step"])
         return newest
+
+
+def _shown(path: str) -> str:
+    """A path as short as it reads: relative to the working directory when under it."""
+    try:
+        return str(Path(path).relative_to(Path.cwd()))
+    except ValueError:
+        return path

@@ -143,8 +143,9 @@ class Trainer:
         self.key_file, self.trusted_key_files = key_file, tuple(trusted_key_files)
         self.allow_rollback = allow_rollback
         self.workdir = str(Path(workdir).resolve()) if workdir else os.getcwd()
-        # run.loggers: each tracker is one more callback (a missing package fails here).
-        self.callbacks = [*callbacks, *logger_callbacks(config, self.run_dir.path)]
+        # run.loggers: each tracker is one more callback (a missing package or key fails
+        # here); a tracker's error at run time is a warning in the run dir's events.
+        self.callbacks = [*callbacks, *logger_callbacks(config, self.run_dir)]
 
         self._last_metrics = LastMetrics()
 
@@ -258,14 +259,14 @@ class Trainer:
         """This run as the storage's owner; refuses storage another run owns. Reads only."""
         me = Owner(run_id=run_id, task=self.config.task.path,
                    run_dir=str(self.run_dir.path.resolve()))
-        _refuse_other_owner(storage_url, me, read_owner(storage_url))
+        self.run_dir.check_owner(storage_url, me, read_owner(storage_url))
         return me
 
     def _claim_storage(self, storage_url: str, me: Owner) -> None:
         """Record this run in its run dir and as the storage's owner, before any worker."""
         if not self.run_dir.run_id_file.exists():
             self.run_dir.write_run_id(me.run_id)
-        _refuse_other_owner(storage_url, me, claim(storage_url, me))
+        self.run_dir.check_owner(storage_url, me, claim(storage_url, me))
 
     # ------------------------------------------------------------------ Ray
 
@@ -500,12 +501,3 @@ def _refuse_rollback(rd: RunDir, flag: str, checkpoint: CheckpointInfo,
                       f"resuming would lose steps {checkpoint.step + 1}-{newest}. Restore "
                       f"step {newest}, or pass --allow-rollback to resume from step "
                       f"{checkpoint.step}")
-
-
-def _refuse_other_owner(storage_url: str, me: Owner, owner: Owner | None) -> None:
-    if owner is None or owner.run_id == me.run_id:
-        return
-    raise RunDirError(
-        f"checkpoint.storage {storage_url} belongs to another run (run dir {owner.run_dir}, "
-        f"task {owner.task}); one storage holds one run's checkpoints: --resume that run, "
-        f"or choose another checkpoint.storage")
