@@ -22,6 +22,16 @@ def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     return max(1, min(4, len(os.sched_getaffinity(0))))
 
 
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`--dist loadfile` (addopts), with a worker's death reported once instead of hanging
+    the session: tests/xdist_scheduling.py."""
+    if config.getvalue("dist") != "loadfile":
+        return None
+    from tests.xdist_scheduling import CrashSafeLoadFileScheduling
+
+    return CrashSafeLoadFileScheduling(config, log)
+
+
 def session_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """This session's temp root, the same for all of pytest-xdist's workers (each has its own
     base temp below it)."""
