@@ -17,10 +17,12 @@ them escape.
 
 from __future__ import annotations
 
+import heapq
 import os
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections import Counter, deque
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -107,6 +109,31 @@ def _answers(refs: list[Any], *, timeout: float) -> list[Any]:
         except Exception:
             out.append(None)
     return out
+
+
+def spread_first(taken: Sequence[str], idle: Sequence[Worker],
+                 node_of: Callable[[Worker], str]) -> list[Worker]:
+    """`idle` in the order that spreads a world over the most nodes: each next worker from the
+    node that holds the fewest of the world so far (`taken`: the survivors' nodes), ties to
+    the node whose first worker warmed first; one node's workers keep their warm order.
+
+    Ray's SPREAD places actors one at a time and only as far as it can: with more workers
+    than nodes (the spares count), some node holds two. The ranks are taken from idle in this
+    order, so the spares are the workers left on the nodes that hold the most."""
+    by_node: dict[str, deque[Worker]] = {}
+    for w in idle:
+        by_node.setdefault(node_of(w), deque()).append(w)
+    counts = Counter(taken)
+    heap = [(counts[node], i, node) for i, node in enumerate(by_node)]
+    heapq.heapify(heap)
+    order: list[Worker] = []
+    while heap:
+        count, first, node = heapq.heappop(heap)
+        workers = by_node[node]
+        order.append(workers.popleft())
+        if workers:
+            heapq.heappush(heap, (count + 1, first, node))
+    return order
 
 
 def task_name(rank: int, generation: int) -> str:
@@ -249,9 +276,14 @@ class ElasticGroup(WorkerGroup):
     # ------------------------------------------------------------------ one generation
 
     def pick(self, world_size: int, generation: int) -> list[WorkerPlace]:
-        """Choose a world of `world_size` ranks: survivors keep their order, then idle actors.
-        Returns where each member runs, in rank order."""
-        pool = self.members + self.idle
+        """Choose a world of `world_size` ranks: survivors keep their order, then idle actors
+        (under SPREAD, those on the nodes the world has least of first). Returns where each
+        member runs, in rank order."""
+        idle = self.idle
+        if self.config.scaling.placement_strategy == "SPREAD":
+            idle = spread_first([self._place(w).node_id for w in self.members], idle,
+                                lambda w: self._place(w).node_id)
+        pool = self.members + idle
         self.members, self.idle = pool[:world_size], pool[world_size:]
         self.generation = generation
         return self.places()
