@@ -381,6 +381,23 @@ class ProfileSaved(Event):
     """Seconds the rank spent stopping the profiler and exporting the trace."""
 
 
+# ---------------------------------------------------------------- trackers
+
+
+@dataclass(frozen=True, kw_only=True)
+class TrackerFailed(Event):
+    """An experiment tracker (run.loggers) raised an error: a warning, the run goes on. That
+    tracker gets nothing more in this invocation (docs/trackers.md)."""
+
+    kind: ClassVar[str] = "tracker_failed"
+    tracker: str
+    """The logger's name: tensorboard, mlflow or wandb."""
+    message: str
+    """The error, as `Type: message`."""
+    step: int | None = None
+    """The step of the row, event or end the tracker failed at, if it has one."""
+
+
 # ---------------------------------------------------------------- metrics.jsonl
 
 
@@ -432,7 +449,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         Started, Resumed, StartedFrom, WorkersStarted, Finished, Stopped, Failed, Interrupted,
         Failure, CheckpointChosen, Recovered, Resized, Straggler, CheckpointCommitted,
         CheckpointSkipped, DataFilesChanged, UnsignedCheckpointAccepted, MemoryTier, FaultInjected, FaultSkipped,
-        ProfileSaved, ValidationSamples)
+        ProfileSaved, ValidationSamples, TrackerFailed)
 }
 
 T = TypeVar("T")
