@@ -187,7 +187,7 @@ class MemoryTier:
 
         def remote(src: int) -> Shard:
             array, values, crc = fetch(src)
-            return Shard(step=step, layout=layouts[src], buffer=torch.from_numpy(array),
+            return Shard(step=step, layout=layouts[src], buffer=fetched_bytes(array),
                          values=values, crc=crc)
 
         state = engine.state_dict()
@@ -206,3 +206,18 @@ class MemoryTier:
                 raise
         engine.load_state_dict(state)
         return reader.fetched
+
+
+def fetched_bytes(array: Any) -> torch.Tensor:
+    """A fetched shard's bytes as a tensor over the same memory, without a copy.
+
+    Ray hands a numpy array it fetched over as a read-only view of its object store. A
+    restore only reads a fetched shard (its CRC32, then copies out of it), so the view is
+    used as it is: torch's warning that it cannot enforce the read-only flag is silenced
+    here rather than paid for with a copy of the whole shard."""
+    if array.flags.writeable:
+        return torch.from_numpy(array)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable",
+                                category=UserWarning)
+        return torch.from_numpy(array)

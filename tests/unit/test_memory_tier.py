@@ -22,7 +22,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from stalwart.checkpointing.errors import SnapshotCorrupt
 from stalwart.checkpointing.memory.direct_restore import restore_directly
 from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
-from stalwart.checkpointing.memory.tier import MemoryTier
+from stalwart.checkpointing.memory.tier import MemoryTier, fetched_bytes
 from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager, build_layout
 from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
 from stalwart.core.config import JobConfig, load_config
@@ -489,3 +489,24 @@ def test_the_tier_restores_its_own_layout_directly_and_a_fetch_is_recorded(gpt) 
 
 def _no_fetch_list(sources: list[int]) -> Shard:
     raise AssertionError(f"{sources} asked for although no layout matches")
+
+
+def _read_only(array: Any) -> Any:
+    """An array as Ray hands one over from its object store: a view that may not be written."""
+    array.setflags(write=False)
+    return array
+
+
+def test_a_shard_fetched_read_only_restores_without_a_warning_or_a_copy(gpt) -> None:
+    run = _staged_run(gpt)
+    fresh = _engine(gpt)
+    fetched_array = _read_only(run.shard.buffer.numpy().copy())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "not writable" UserWarning would raise
+        fetched = MemoryTier().restore(
+            fresh.tier_view(), generation=0, step=STAGED_AT, layouts={0: run.shard.layout},
+            fetch=lambda src: (fetched_array, dict(run.shard.values), run.shard.crc))
+        # The shard's tensor views the fetched memory itself: no copy of it is made.
+        assert fetched_bytes(fetched_array).data_ptr() == fetched_array.ctypes.data
+    assert fetched == [0]
+    _assert_equal_tensors(_tensors(fresh), run.tensors)
