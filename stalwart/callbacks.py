@@ -9,7 +9,10 @@ it goes, through exactly what the run writes to its run directory.
 
 Both hooks run on the driver, in the controller's loop, right after the row is written: keep
 them quick (the controller polls worker health from the same loop). An exception raised in a
-hook ends the run as an interrupted driver would: workers are stopped, checkpoints stay.
+hook ends the run as an interrupted driver would: workers are stopped, checkpoints stay (a way
+to stop a run from its own metrics). The experiment trackers of `run.loggers` are the
+exception: theirs is a warning, and the run goes on without that tracker
+(stalwart/integrations/loggers.py).
 """
 
 from __future__ import annotations

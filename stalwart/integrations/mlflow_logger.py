@@ -23,9 +23,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stalwart.callbacks import Callback
 from stalwart.core.errors import ConfigError
 from stalwart.core.events import Event, MetricsRow
+from stalwart.integrations.loggers import Tracker
 from stalwart.integrations.run_log import (
     EventScalars,
     describe,
@@ -50,7 +50,9 @@ def check_available() -> None:
                           "pip install 'stalwart[mlflow]'")
 
 
-class MLflowLogger(Callback):
+class MLflowLogger(Tracker):
+    name = "mlflow"
+
     def __init__(self, config: JobConfig, run_dir: Path) -> None:
         check_available()
         self.config = config
@@ -118,4 +120,9 @@ class MLflowLogger(Callback):
             atexit.unregister(self._end)
             self._client.set_tag(self.run_id, "stalwart.state", state)
             self._client.set_terminated(self.run_id, status=STATUS.get(state, "FAILED"))
+            self._client = None
+
+    def abandon(self) -> None:
+        with self._lock:  # its MLflow run stays as it is (RUNNING): nothing more is sent
+            atexit.unregister(self._end)
             self._client = None

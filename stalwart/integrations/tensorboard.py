@@ -1,10 +1,12 @@
 """TensorBoard: a run's metrics, and its failures, recoveries and resizes, as TensorBoard event
 files under RUN_DIR/tensorboard/ (`tensorboard --logdir RUN_DIR/tensorboard`).
 
-A Callback (stalwart/callbacks.py): it sees exactly the rows the run writes to metrics.jsonl and
-events.jsonl, on the driver, so it adds no work on the workers. The Trainer adds it when
-`run.tensorboard` is true. It writes with tensorboardX, which is light (numpy and protobuf) and
-comes with Ray's train and tune extras anyway; TensorBoard itself is only needed to look.
+A tracker (stalwart/integrations/loggers.py): it sees exactly the rows the run writes to
+metrics.jsonl and events.jsonl, on the driver, so it adds no work on the workers. The Trainer
+adds it when `run.loggers` names it or `run.tensorboard` is true; an error of its own is a
+warning, and the run goes on without it. It writes with tensorboardX, which is light (numpy
+and protobuf) and comes with Ray's train and tune extras anyway; TensorBoard itself is only
+needed to look.
 
 Scalars, against the training step (wall time: when the step ended on the workers): the
 names every tracker logs (stalwart/integrations/run_log.py).
@@ -27,10 +29,10 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from stalwart.callbacks import Callback
 from stalwart.core.errors import ConfigError
 from stalwart.core.events import Event, MetricsRow
 from stalwart.core.safe_files import make_dir_nofollow
+from stalwart.integrations.loggers import Tracker
 from stalwart.integrations.run_log import EventScalars, describe, event_step, row_scalars
 
 # How often the writer's thread flushes to disk: a TensorBoard that is watching a run shows
@@ -45,13 +47,15 @@ def check_available() -> None:
                           "pip install 'stalwart[tensorboard]'")
 
 
-class TensorBoardLogger(Callback):
+class TensorBoardLogger(Tracker):
     """Writes metrics rows and run events to TensorBoard event files in `log_dir`.
 
     The directory and its file are created at the first row or event, so a run that is
     refused before it starts leaves nothing behind. Hooks come from the controller's loop;
     the lock covers a close() from the interpreter's exit while a hook runs.
     """
+
+    name = "tensorboard"
 
     def __init__(self, log_dir: str | Path) -> None:
         check_available()
@@ -100,3 +104,8 @@ class TensorBoardLogger(Callback):
                 self._writer.close()
                 self._writer = None
                 atexit.unregister(self.close)
+
+    def abandon(self) -> None:
+        with self._lock:
+            atexit.unregister(self.close)
+            self._writer = None  # its thread is a daemon: nothing waits for it at exit

@@ -21,9 +21,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stalwart.callbacks import Callback
 from stalwart.core.errors import ConfigError
 from stalwart.core.events import Event, MetricsRow
+from stalwart.integrations.loggers import Tracker
 from stalwart.integrations.run_log import EventScalars, describe, event_step, row_scalars
 
 if TYPE_CHECKING:
@@ -36,7 +36,9 @@ def check_available() -> None:
                           "pip install 'stalwart[wandb]'")
 
 
-class WandbLogger(Callback):
+class WandbLogger(Tracker):
+    name = "wandb"
+
     def __init__(self, config: JobConfig, run_dir: Path) -> None:
         check_available()
         self.config = config
@@ -90,4 +92,9 @@ class WandbLogger(Callback):
             atexit.unregister(self._end)
             self.run.summary["stalwart/state"] = state
             self.run.finish(exit_code=0 if state in ("FINISHED", "STOPPED") else 1)
+            self.run = None
+
+    def abandon(self) -> None:
+        with self._lock:  # wandb's own exit hook finishes whatever it holds
+            atexit.unregister(self._end)
             self.run = None

@@ -13,6 +13,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from stalwart.core.config import load_config
 from stalwart.core.errors import ConfigError
 from stalwart.core.events import MetricsRow, parse_event
+from stalwart.integrations.loggers import TrackerGuard
 from stalwart.integrations.tensorboard import TensorBoardLogger
 from stalwart.trainer import Trainer
 
@@ -114,12 +115,16 @@ def test_failures_recoveries_and_resizes_line_up_with_the_loss(tmp_path: Path) -
                                                                 "resized", "failed"}
 
 
+def trackers(trainer: Trainer) -> list[Any]:
+    """The trackers among a Trainer's callbacks (each behind its guard)."""
+    return [cb.tracker for cb in trainer.callbacks if isinstance(cb, TrackerGuard)]
+
+
 def test_off_by_default_and_on_with_the_config_key(tmp_path: Path) -> None:
-    assert not any(isinstance(cb, TensorBoardLogger)
-                   for cb in Trainer(load_config(None), run_dir=tmp_path / "a").callbacks)
+    assert trackers(Trainer(load_config(None), run_dir=tmp_path / "a")) == []
     config = load_config(None, ["run.tensorboard=true"])
-    (tb,) = [cb for cb in Trainer(config, run_dir=tmp_path / "b").callbacks
-             if isinstance(cb, TensorBoardLogger)]
+    (tb,) = trackers(Trainer(config, run_dir=tmp_path / "b"))
+    assert isinstance(tb, TensorBoardLogger)
     assert tb.log_dir == tmp_path / "b" / "tensorboard"
     assert not (tmp_path / "b").exists(), "a Trainer that has not started writes nothing"
 

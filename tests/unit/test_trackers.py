@@ -1,6 +1,7 @@
 """run.loggers: MLflow against a real local file store, read back with MLflow's own client, and
 Weights & Biases in offline mode, read back from the run file it writes. The loggers see the
-same typed rows and events a run writes (stalwart/callbacks.py)."""
+same typed rows and events a run writes (stalwart/callbacks.py), each behind its guard
+(stalwart/integrations/loggers.py)."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from stalwart.core.events import MetricsRow, parse_event
 from stalwart.integrations.loggers import logger_callbacks
 from stalwart.integrations.run_log import flat_config
 from stalwart.integrations.tensorboard import TensorBoardLogger
+from stalwart.run_dir import RunDir
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
@@ -45,6 +47,11 @@ EVENTS = [
 ]
 
 
+def _trackers(config: Any, path: Path) -> list[Any]:
+    """The trackers of `config` for a run dir at `path`, as the Trainer makes them."""
+    return logger_callbacks(config, RunDir(path))
+
+
 def _feed(logger: Any) -> None:
     logger.on_event(parse_event(EVENTS[0]))
     logger.on_metrics(_row(10, 2.5, task_metrics={"accuracy": 0.5}))
@@ -54,7 +61,8 @@ def _feed(logger: Any) -> None:
                                                                 "val_accuracy": 0.55}))
     logger.on_metrics(_row(30, 1.0, task_metrics={"accuracy": 0.7}))
     logger.on_event(parse_event(EVENTS[3]))
-    logger.on_end(SimpleNamespace(state="FINISHED"))
+    logger.on_end(SimpleNamespace(state="FINISHED", step=30))
+    assert not logger.failed
 
 
 def test_mlflow_run_reads_back_through_mlflows_client(tmp_path: Path, monkeypatch) -> None:
@@ -64,14 +72,14 @@ def test_mlflow_run_reads_back_through_mlflows_client(tmp_path: Path, monkeypatc
     uri = (tmp_path / "mlruns").as_uri()
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")  # MLflow 3's local file store
-    (logger,) = logger_callbacks(load_config(None, ["run.name=trackers",
-                                                    'run.loggers=["mlflow"]']), tmp_path / "run")
+    (logger,) = _trackers(load_config(None, ["run.name=trackers", 'run.loggers=["mlflow"]']),
+                          tmp_path / "run")
     _feed(logger)
 
     client = MlflowClient(tracking_uri=uri)
     experiment = client.get_experiment_by_name("trackers")
     (run,) = client.search_runs([experiment.experiment_id])
-    assert run.info.run_id == logger.run_id and run.info.run_name == "run"
+    assert run.info.run_id == logger.tracker.run_id and run.info.run_name == "run"
     assert run.info.status == "FINISHED"
     params = run.data.params
     assert params["train.lr"] == "0.003" and params["run.loggers"] == "['mlflow']"
@@ -125,7 +133,7 @@ def test_wandb_offline_run_holds_the_config_metrics_and_events(tmp_path: Path,
     pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_PROJECT", "trackers-test")
-    (logger,) = logger_callbacks(load_config(None, ['run.loggers=["wandb"]']), tmp_path / "run")
+    (logger,) = _trackers(load_config(None, ['run.loggers=["wandb"]']), tmp_path / "run")
     _feed(logger)
 
     (run_file,) = (tmp_path / "run" / "wandb").glob("offline-run-*/run-*.wandb")
@@ -159,16 +167,17 @@ def test_wandb_offline_run_holds_the_config_metrics_and_events(tmp_path: Path,
     assert summary["stalwart/events"][0].startswith("worker_died at step 12")
 
 
-def test_loggers_by_name_and_the_tensorboard_alias(tmp_path: Path) -> None:
+def test_loggers_by_name_and_the_tensorboard_alias(tmp_path: Path, monkeypatch) -> None:
     pytest.importorskip("mlflow")
     pytest.importorskip("wandb")
     from stalwart.integrations.mlflow_logger import MLflowLogger
     from stalwart.integrations.wandb_logger import WandbLogger
 
+    monkeypatch.setenv("WANDB_MODE", "offline")
     config = load_config(None, ['run.loggers=["wandb", "mlflow"]', "run.tensorboard=true"])
-    kinds = [type(cb) for cb in logger_callbacks(config, tmp_path)]
+    kinds = [type(cb.tracker) for cb in _trackers(config, tmp_path)]
     assert kinds == [WandbLogger, MLflowLogger, TensorBoardLogger]
-    assert logger_callbacks(load_config(None), tmp_path) == []
+    assert _trackers(load_config(None), tmp_path) == []
     assert not list(tmp_path.iterdir()), "nothing is written before the first row or event"
 
 
@@ -179,7 +188,7 @@ def test_a_missing_tracker_package_is_one_clear_error(tmp_path: Path, monkeypatc
     config = load_config(None, [f'run.loggers=["{name}"]'])
     with pytest.raises(ConfigError, match=rf"needs the {module} package: pip install "
                                           rf"'stalwart\[{name}\]'"):
-        logger_callbacks(config, tmp_path)
+        _trackers(config, tmp_path)
 
 
 def test_run_loggers_are_checked_by_name() -> None:
