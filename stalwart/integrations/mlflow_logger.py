@@ -2,7 +2,11 @@
 MLflow run (`run.loggers = ["mlflow"]`).
 
 Where it goes is MLflow's own setting: `MLFLOW_TRACKING_URI` (a tracking server, a database, or
-a local directory), and the experiment `MLFLOW_EXPERIMENT_NAME`, else the run's `run.name`.
+a local directory) or `mlflow.set_tracking_uri` in the driver's process. With neither, a file
+store in the run directory, RUN_DIR/mlruns: MLflow 3's own default (sqlite:///mlflow.db in the
+working directory) needs the database layer of the full `mlflow` package, which mlflow-skinny
+(the `mlflow` extra) lacks, so it would fail at the first row. The experiment is
+`MLFLOW_EXPERIMENT_NAME`, else the run's `run.name`.
 The MLflow run is named after the run directory and tagged with it. Written on the driver from
 the rows and events the run writes (a Callback), through MlflowClient with an explicit run id,
 so several runs in one process (Tune trials) never share MLflow's global active run.
@@ -42,6 +46,10 @@ PARAM_CHARS = 6000
 TAG_CHARS = 5000
 BATCH = 100
 STATUS = {"FINISHED": "FINISHED", "FAILED": "FAILED", "STOPPED": "KILLED"}
+# The file store a run logs to when MLflow is given no tracking URI, in its run directory.
+DEFAULT_STORE = "mlruns"
+# Tracking URI schemes of MLflow's database store, which needs SQLAlchemy (full `mlflow`).
+DATABASE_SCHEMES = ("sqlite", "postgresql", "mysql", "mssql")
 
 
 def check_available() -> None:
@@ -50,11 +58,43 @@ def check_available() -> None:
                           "pip install 'stalwart[mlflow]'")
 
 
+def check_settings() -> None:
+    """Refuse, before the run starts, a database tracking URI that this MLflow cannot open
+    (mlflow-skinny has no database store): it would fail at the first row."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+    scheme = uri.partition(":")[0].partition("+")[0].lower()
+    if scheme in DATABASE_SCHEMES and importlib.util.find_spec("sqlalchemy") is None:
+        raise ConfigError(f"MLFLOW_TRACKING_URI {uri!r} is a database, which needs the full "
+                          f"mlflow package (pip install mlflow); or point it at a tracking "
+                          f"server (http://...), or unset it to log to a file store in the "
+                          f"run directory (RUN_DIR/{DEFAULT_STORE})")
+
+
+def tracking_uri(run_dir: Path) -> str | None:
+    """The URI to log to: None where MLflow's own setting names one (MlflowClient reads it),
+    else the run directory's file store."""
+    if _tracking_uri_is_set():
+        return None
+    # MLflow 3 refuses a file store unless this is set (the store is in maintenance mode, and
+    # still works); MLflow 2 ignores it. Set in the driver's process only.
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return (run_dir / DEFAULT_STORE).resolve().as_uri()
+
+
+def _tracking_uri_is_set() -> bool:
+    try:  # also sees mlflow.set_tracking_uri() in this process
+        from mlflow.tracking._tracking_service.utils import is_tracking_uri_set
+    except ImportError:  # a release that moved it: the variable is MLflow's documented way
+        return bool(os.environ.get("MLFLOW_TRACKING_URI"))
+    return bool(is_tracking_uri_set())
+
+
 class MLflowLogger(Tracker):
     name = "mlflow"
 
     def __init__(self, config: JobConfig, run_dir: Path) -> None:
         check_available()
+        check_settings()
         self.config = config
         self.run_dir = Path(run_dir)
         self._client: Any = None
@@ -70,7 +110,7 @@ class MLflowLogger(Tracker):
             from mlflow import MlflowClient
             from mlflow.entities import Param
 
-            client = MlflowClient()  # MLFLOW_TRACKING_URI, else MLflow's default
+            client = MlflowClient(tracking_uri=tracking_uri(self.run_dir))
             name = os.environ.get("MLFLOW_EXPERIMENT_NAME") or self.config.run.name
             experiment = client.get_experiment_by_name(name)
             experiment_id = (experiment.experiment_id if experiment is not None

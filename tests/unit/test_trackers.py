@@ -5,6 +5,7 @@ same typed rows and events a run writes (stalwart/callbacks.py), each behind its
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import struct
 import sys
@@ -100,6 +101,41 @@ def test_mlflow_run_reads_back_through_mlflows_client(tmp_path: Path, monkeypatc
         "worker_died at step 12 (ranks [1], attempt 1, recovering): worker rank 1 died: SIGKILL")
     assert tags["stalwart.event.002.recovered"].startswith("recovered from step 12 (memory)")
     assert tags["stalwart.event.003.finished"] == "finished at step 30"
+
+
+def test_mlflow_without_a_tracking_uri_logs_to_the_run_directory(tmp_path: Path,
+                                                                 monkeypatch) -> None:
+    """MLflow 3's own default (sqlite:///mlflow.db) fails under mlflow-skinny at the first
+    row: with no URI set, the run's own file store is used, with either package."""
+    pytest.importorskip("mlflow")
+    from mlflow import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "unset below")  # restored after the test
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    monkeypatch.chdir(tmp_path)
+    (logger,) = _trackers(load_config(None, ["run.name=trackers", 'run.loggers=["mlflow"]']),
+                          tmp_path / "run")
+    _feed(logger)
+
+    client = MlflowClient(tracking_uri=(tmp_path / "run" / "mlruns").as_uri())
+    (run,) = client.search_runs([client.get_experiment_by_name("trackers").experiment_id])
+    assert run.info.run_id == logger.tracker.run_id and run.info.status == "FINISHED"
+    assert [m.value for m in client.get_metric_history(run.info.run_id, "loss")] == \
+        [2.5, 2.0, 1.0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"], "nothing in the working dir"
+
+
+def test_a_database_tracking_uri_without_its_store_is_refused_up_front(tmp_path: Path,
+                                                                      monkeypatch) -> None:
+    pytest.importorskip("mlflow")
+    if importlib.util.find_spec("sqlalchemy") is not None:
+        pytest.skip("the full mlflow package (with its database store) is installed")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{tmp_path}/mlflow.db")
+    with pytest.raises(ConfigError, match=r"is a database, which needs the full mlflow package "
+                                          r"\(pip install mlflow\).*unset it to log to a file "
+                                          r"store in the run directory \(RUN_DIR/mlruns\)"):
+        _trackers(load_config(None, ['run.loggers=["mlflow"]']), tmp_path / "run")
 
 
 def _wandb_records(path: Path) -> list[Any]:
