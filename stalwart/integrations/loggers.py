@@ -1,8 +1,9 @@
 """run.loggers: the experiment trackers a run writes to, as Callbacks on the driver, each behind a
 guard so that a tracker never ends a run.
 
-Each one's package is checked when the Trainer is made, so a missing one is a single clear
-error before Ray or any worker starts. What each logs is in stalwart/integrations/run_log.py.
+Each one's package and settings are checked when the Trainer is made, so a missing package or a
+W&B with neither an API key nor offline mode is a single clear error before Ray or any worker
+starts. What each logs is in stalwart/integrations/run_log.py.
 
 At run time a tracker's error (at its start, at a row, an event or the run's end) is a warning:
 a `tracker_failed` event, one line on the console, and the run goes on. That tracker gets
