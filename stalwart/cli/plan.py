@@ -33,8 +33,9 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
         pl.add_argument(flag, type=int, metavar="N", help=f"with --params: {what}")
     pl.add_argument("--devices", type=int, metavar="N",
                     help="devices (ranks) to plan for (default: scaling.num_workers, else 1)")
-    pl.add_argument("--memory-gb", type=float, default=80.0, metavar="G",
-                    help="memory per device in GiB (default 80)")
+    pl.add_argument("--memory-gb", type=float, metavar="G",
+                    help="memory per device in GiB (default: this machine's devices: its GPUs' "
+                    "memory, or for CPU workers its memory shared by them)")
     pl.add_argument("--micro-batch", type=int, metavar="B",
                     help="sequences per forward (default: train.micro_batch_size, else 1)")
     pl.add_argument("--precision", choices=PRECISIONS, help="parallel.mixed_precision")
@@ -74,7 +75,8 @@ def check_ranges(args: argparse.Namespace, devices: int, *, from_config: bool) -
         if value is not None and not 1 <= value <= MAX_INT_FLAG:
             raise PlanError(f"--{name.replace('_', '-')} must be an integer from 1 to "
                             f"{MAX_INT_FLAG}, got {value}")
-    if not MIN_MEMORY_GB <= args.memory_gb <= MAX_MEMORY_GB:  # NaN fails both
+    if args.memory_gb is not None and not (
+            MIN_MEMORY_GB <= args.memory_gb <= MAX_MEMORY_GB):  # NaN fails both
         raise PlanError(f"--memory-gb must be a number of GiB from {MIN_MEMORY_GB} to "
                         f"{MAX_MEMORY_GB:.0f} (1 PiB), got {args.memory_gb}")
 
@@ -117,8 +119,10 @@ def _plan_model(args: argparse.Namespace, config: JobConfig | None) -> tuple[Mod
 
 def cmd_plan(args: argparse.Namespace) -> int:
     from stalwart.core.config import ParallelConfig, load_config
+    from stalwart.plan.devices import planned_devices
     from stalwart.plan.estimate import PlanError, PlanLayout
     from stalwart.plan.search import (
+        NoLayoutFits,
         format_bytes,
         format_plan,
         plan,
@@ -126,6 +130,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         refused,
         runnable_check,
         valid_layouts,
+        why_recommended,
     )
 
     if args.config is None and args.params is None:
@@ -155,7 +160,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         micro_batch_size=args.micro_batch or (train.micro_batch_size if train else 1),
         pp_microbatches=pick(args.pp_microbatches, "pp_microbatches", None),
         pp_schedule=pick(args.pp_schedule, "pp_schedule", "1f1b"))
-    memory = round(args.memory_gb * 2**30)
+    # The devices: --memory-gb, else this machine's (a CPU-only one's memory, shared).
+    target = planned_devices(args.memory_gb, devices, config)
+    memory = target.bytes
     # With a config, only the layouts a run of it would start (the others are listed apart).
     check = runnable_check(config) if config is not None else None
     candidates = plan(shape, devices, memory, options, max_tp=args.devices_per_node,
@@ -168,10 +175,17 @@ def cmd_plan(args: argparse.Namespace) -> int:
                       getattr(par, "pp", 1))
     print(format_plan(candidates, shape=shape, source=source, devices=devices,
                       memory_bytes=memory, options=options, configured=configured,
-                      left_out=left_out))
-    best = recommend(candidates, memory)  # raises NoLayoutFits, naming the smallest estimate
+                      left_out=left_out, memory_source=target.source))
+    try:
+        best = recommend(candidates, memory)  # NoLayoutFits names the smallest estimate
+    except NoLayoutFits as exc:
+        if target.source == "--memory-gb":
+            raise
+        raise NoLayoutFits(f"{exc} (the devices are {target.source}; --memory-gb G plans "
+                           f"for others)") from None
     print(f"recommended: {best.layout.describe()}: {format_bytes(best.estimate.device)}"
           f"{'' if best.estimate.complete else '+'} of {format_bytes(memory)} per device")
+    print(f"  {why_recommended(best)}")
     # Only the degrees this version's [parallel] has (pp comes with pipeline parallelism).
     keys = {f.name for f in dataclasses.fields(ParallelConfig)}
     degrees = {"dp_replicate": best.layout.dp_replicate, "dp_shard": best.layout.dp_shard,

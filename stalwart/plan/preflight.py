@@ -95,14 +95,19 @@ def local_worker_memory(config: JobConfig) -> WorkerMemory | None:
         if not gpus:
             return None  # no GPU here: Ray has none either, and says so before start
         return WorkerMemory(bytes=max(gpus), what="of this machine's largest GPU")
-    from stalwart.checkpointing.memory.limits import cgroup_memory_limit, physical_memory
-
-    total = min(n for n in (cgroup_memory_limit(), physical_memory()) if n)
+    total = machine_memory()
     if workers == 1:
         return WorkerMemory(bytes=total, what="that this machine has")
     return WorkerMemory(bytes=total // workers,
                         what=f"each of the {workers} workers has (this machine's "
                              f"{format_bytes(total)}, shared)")
+
+
+def machine_memory() -> int:
+    """This machine's memory: its RAM, or its cgroup's limit when lower."""
+    from stalwart.checkpointing.memory.limits import cgroup_memory_limit, physical_memory
+
+    return min(n for n in (cgroup_memory_limit(), physical_memory()) if n)
 
 
 def gpu_memory() -> list[int]:

@@ -21,6 +21,10 @@ from stalwart.plan.estimate import MemoryEstimate, ModelShape, PlanError, PlanLa
 if TYPE_CHECKING:
     from stalwart.core.config import JobConfig
 
+# The share of a device the estimate leaves out (CUDA context, fragmentation, workspaces):
+# a layout chosen for speed over memory must leave it free.
+HEADROOM = 0.10
+
 LayoutCheck = Callable[[PlanLayout], "str | None"]
 """Why a layout cannot run (one line), or None when it can."""
 
@@ -35,6 +39,9 @@ class Candidate(NamedTuple):
     fits: bool
     """The estimate's device bytes are at most the device memory (a lower bound check when
     the estimate is not complete)."""
+    roomy: bool = False
+    """Unsharded, and fits with HEADROOM to spare: the fastest data-parallel layout (see
+    `preference`)."""
 
 
 def divisors(n: int) -> list[int]:
@@ -95,7 +102,7 @@ def runnable_check(config: JobConfig) -> LayoutCheck:
 
 
 def preference(candidate: Candidate) -> tuple[int, ...]:
-    """Sort key of the recommendation rule, best first.
+    """Sort key of the recommendation rule, best first: speed among the layouts that fit.
 
     1. a layout that fits;
     2. the least model parallelism (tp x pp): it adds communication inside every layer or a
@@ -103,13 +110,24 @@ def preference(candidate: Candidate) -> tuple[int, ...]:
        the most data parallel layout usually has the best throughput;
     3. at the same degree, tensor before pipeline parallelism (lower pp): tp stays inside a
        node on fast links, pp pays a bubble of (pp - 1) / microbatches;
-    4. the lowest device memory: headroom for a larger micro-batch and for fragmentation
-       (among data-parallel splits this picks the widest sharding, dp_replicate = 1);
-    5. the layout itself, so that the order is total and the same on every run.
+    4. unsharded (dp_shard = 1: DDP, whole replicas) when it leaves HEADROOM of the device
+       free by a complete estimate: sharding gathers every block's parameters in forward
+       and again in backward, on top of the gradient reduction DDP makes too, so a model
+       whose replicas fit trains faster unsharded. Sharding is for memory, not speed;
+    5. otherwise the lowest device memory: headroom for a larger micro-batch and for
+       fragmentation (among data-parallel splits this picks the widest sharding);
+    6. the layout itself, so that the order is total and the same on every run.
     """
     layout = candidate.layout
-    return (not candidate.fits, layout.tp * layout.pp, layout.pp, candidate.estimate.device,
-            layout.dp_replicate, layout.dp_shard, layout.tp, layout.pp)
+    return (not candidate.fits, layout.tp * layout.pp, layout.pp, not candidate.roomy,
+            candidate.estimate.device, layout.dp_replicate, layout.dp_shard, layout.tp,
+            layout.pp)
+
+
+def roomy(layout: PlanLayout, est: MemoryEstimate, memory_bytes: int) -> bool:
+    """An unsharded layout whose complete estimate leaves HEADROOM of the device free."""
+    return (layout.dp_shard == 1 and est.complete
+            and est.device <= (1 - HEADROOM) * memory_bytes)
 
 
 def plan(shape: ModelShape, devices: int, memory_bytes: int, options: PlanLayout | None = None, *,
@@ -130,7 +148,8 @@ def plan(shape: ModelShape, devices: int, memory_bytes: int, options: PlanLayout
         if layout in skip:
             continue
         est = estimate(shape, layout)
-        candidates.append(Candidate(layout, est, est.device <= memory_bytes))
+        candidates.append(Candidate(layout, est, est.device <= memory_bytes,
+                                    roomy(layout, est, memory_bytes)))
     return sorted(candidates, key=preference)
 
 
@@ -166,6 +185,22 @@ def recommend(candidates: list[Candidate], memory_bytes: int) -> Candidate:
         f"take {format_bytes(state)}, at least {need} devices of this size")
 
 
+def why_recommended(best: Candidate) -> str:
+    """One line: why the rule of `preference` chose `best`."""
+    layout = best.layout
+    model = "" if layout.tp * layout.pp == 1 else "the least model parallelism that fits; "
+    free = f"{HEADROOM:.0%} of the device free"
+    if best.roomy:
+        return (f"{model}unsharded: it leaves {free}, and sharding would add a gather of "
+                f"every block's parameters in forward and again in backward")
+    if layout.dp_shard == 1:
+        return f"{model}it fits, but leaves less than {free}: a tight fit"
+    if not best.estimate.complete:
+        return (f"{model}sharded, the least memory: the activations are unknown (give the "
+                f"shape flags), so no unsharded layout is known to leave {free}")
+    return f"{model}sharded, the least memory: no unsharded layout leaves {free}"
+
+
 def format_bytes(n: float) -> str:
     """Binary units with three significant digits: 512 B, 12.4 MiB, 1.30 GiB, 104 GiB."""
     value, unit = float(n), "B"
@@ -182,7 +217,8 @@ def format_bytes(n: float) -> str:
 def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, devices: int,
                 memory_bytes: int, options: PlanLayout,
                 configured: tuple[int, int, int, int] | None = None,
-                left_out: list[tuple[PlanLayout, str]] = ()) -> str:
+                left_out: list[tuple[PlanLayout, str]] = (),
+                memory_source: str | None = None) -> str:
     """The plan as plain aligned text: a header, one row per layout (best first), notes,
     then the layouts left out because a run would refuse them."""
     o = options
@@ -193,7 +229,10 @@ def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, 
     lines = [
         f"model: {shape.n_params:,} parameters ({_count(shape.n_params)})"
         f"{'; ' + sizes if sizes else ''} [{source}]",
-        f"devices: {devices} x {format_bytes(memory_bytes)}",
+        f"devices: {devices} x {format_bytes(memory_bytes)}" + (
+            "" if memory_source is None else f" ({memory_source}" + (
+                ")" if memory_source == "--memory-gb"
+                else "; --memory-gb G plans for other devices)")),
         f"options: micro-batch {o.micro_batch_size}, {o.mixed_precision}, "
         f"reshard_after_forward={o.zero3}, cpu_offload={o.cpu_offload}, "
         f"activation_checkpointing={o.activation_checkpointing}, pipeline {o.pp_schedule} "
@@ -204,7 +243,7 @@ def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, 
             "buffers", "activations", "total"] + (["host"] if o.cpu_offload else []) + [
             "fits", ""]
     rows = []
-    for i, (layout, est, fits) in enumerate(candidates):
+    for i, (layout, est, fits, _) in enumerate(candidates):
         notes = (["recommended"] if i == 0 and fits else []) + (
             ["config"] if configured == (layout.dp_replicate, layout.dp_shard, layout.tp,
                                          layout.pp) else [])
