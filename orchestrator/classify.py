@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from stalwart.core.errors import DeviceUnhealthy
+from stalwart.core.task_errors import TaskCodeError
 from stalwart.orchestrator.failures import FailureKind, WorkerFailure
 
 if TYPE_CHECKING:
@@ -92,8 +93,10 @@ def node_silent(rank: int, pid: int, node_id: str, late_s: float, seen_at: float
 def warm_up_failed(cause: BaseException, now: float) -> WorkerFailure:
     """A worker's warm-up raised `cause`. A device that failed its health check is a failure
     of its node (NODE_DIED): the worker is dropped before it joins a world, and the run goes
-    on without it. Anything else means the task cannot load there (START_ERROR), which
-    another worker would not mend."""
+    on without it. The task's code failing one of its phases (its model, a batch, the forward
+    pass, the loss: a TaskCodeError) is an error in the task's code (USER_ERROR), named by
+    the phase, with its traceback. Anything else means the task cannot load there
+    (START_ERROR), which another worker would not mend."""
     if isinstance(cause, DeviceUnhealthy):
         pid = f", worker pid {cause.pid}" if cause.pid is not None else ""
         return WorkerFailure(
@@ -103,6 +106,9 @@ def warm_up_failed(cause: BaseException, now: float) -> WorkerFailure:
             message=f"device unhealthy on node {cause.node_ip or '(unknown)'} "
                     f"({cause.device}{pid}): {'; '.join(cause.reasons)}; the worker was "
                     f"dropped before it joined a world")
+    if isinstance(cause, TaskCodeError):
+        return WorkerFailure(kind=FailureKind.USER_ERROR, rank=None, detected_at=now,
+                             message=str(cause.where("on a worker, before training")))
     return start_error(f"a worker could not load the task: {cause}", now)
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from stalwart.core import events as ev
 from stalwart.orchestrator.failures import (
     FailDecision,
+    FailureKind,
     FailurePolicy,
     RetryDecision,
     WorkerFailure,
@@ -37,11 +38,15 @@ class FailureLog:
         # A worker that never joined a world (its device failed its check) has no place in
         # one: the failure names its node and pid itself.
         pids = [p.pid for p in failed] or list(failure.pids)
+        # A user error's message is its one-line summary, then the task's traceback.
+        message, traceback = failure.message, ""
+        if failure.kind is FailureKind.USER_ERROR:
+            message, _, traceback = failure.message.partition("\n")
         self.events.emit(ev.Failure(failure_kind=failure.kind.value, rank=failure.rank,
                          ranks=list(failure.failed_ranks),
                          nodes=sorted({p.node_ip for p in failed} | set(failure.nodes)),
                          pids=pids,
-                         message=failure.message, step=step,
+                         message=message, traceback=traceback, step=step,
                          retry=not isinstance(decision, FailDecision),
                          detection_s=detection, attempt=self.policy.failures))
         return decision

@@ -33,7 +33,8 @@ class WorkerFailure:
     rank: int | None
     """The rank to blame first (None: the group as a whole)."""
     message: str
-    """One line for humans; for USER_ERROR the full traceback."""
+    """One line for humans; for USER_ERROR that line (where, the task's phase, the error),
+    then the traceback trimmed to the task's frames (stalwart.core.task_errors)."""
     detected_at: float
     """time.time() when the controller noticed."""
     ranks: tuple[int, ...] = ()

@@ -38,6 +38,15 @@ from stalwart.core.errors import DataUnavailable
 from stalwart.core.events import WorkerPlace
 from stalwart.core.ray_private import actor_name_log_marker
 from stalwart.core.task import TaskLike, TrainTask, resolve_task, shipped_task
+from stalwart.core.task_errors import (
+    PREPARE,
+    TaskCodeError,
+    frames_of,
+    infer_phase,
+    task_failure,
+    task_phase,
+)
+from stalwart.parallel.data_parallel import unwrapped
 from stalwart.parallel.distributed import (
     RendezvousAddress,
     RendezvousHost,
@@ -216,7 +225,8 @@ class Worker:
                           flush=True)
             task = resolve_task(self.config.task.path, self.config.task.args,
                                 self._supplied_task)
-            task.prepare_data(self.config)
+            with task_phase(PREPARE):
+                task.prepare_data(self.config)
             self._tied = warm_model(task, self.config)
             if self.config.run.profile_window is not None:
                 init_profiler_here()  # on the actor's thread, not the training thread
@@ -427,13 +437,27 @@ class Worker:
             self._done = True
         except BaseException as exc:  # reported to the controller by poll(); the thread ends
             self._error_kind = classify_exception(exc)
-            error = traceback.format_exc()
             if self._error_kind == "collective":  # which collective, and in which group
+                error = traceback.format_exc()
                 record = self._flight_summary()
                 error += f"flight recorder: {record}\n" if record else ""
+            else:  # the task's code (or ours): where it failed, in the task's frames
+                error = str(self._step_failure(exc))
             self._error = error
         finally:
             profiler.discard()  # a failure inside the window: no trace (see StepProfiler)
+
+    def _step_failure(self, exc: BaseException) -> TaskCodeError:
+        """What the training thread's error was, in the task's terms: the rank and step, the
+        phase its traceback shows (the forward pass of which module, the loss, a batch, ...)
+        and its frames in the task's code."""
+        engine = self.engine
+        model = unwrapped(engine.model) if engine is not None else None
+        frames = frames_of(exc, model)
+        where = f"worker rank {self.rank}"
+        if engine is not None and engine.step < self.config.train.steps:
+            where += f", step {engine.step + 1}"
+        return task_failure(infer_phase(frames), exc, frames).where(where)
 
     def ack_faults(self) -> None:
         """The controller has the poll that reported the faults: carry them out now."""

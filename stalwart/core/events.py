@@ -175,7 +175,9 @@ class Failure(Event):
     pids: list[int] = field(default_factory=list)
     """Process ids of the failed ranks on their nodes (the ranks' order)."""
     message: str
-    """One line; the traceback for a user error."""
+    """One line. For a user error: where it failed (rank, step), the phase of the task (building the model, a batch with its samples, the forward pass and its module, the loss, ...) and the error."""
+    traceback: str = ""
+    """For a user error: its traceback, trimmed to the frames in the task's own code (the last few when none is), ending with the error; empty otherwise."""
     step: int
     """The last completed step the controller had heard of."""
     retry: bool

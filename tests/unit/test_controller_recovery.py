@@ -314,7 +314,9 @@ def test_user_error_fails_at_once_even_with_budget_left(
     assert w.shutdowns() == [False]
     fail = w.event("failure")
     assert fail["failure_kind"] == "user_error" and fail["rank"] == 0 and fail["ranks"] == [0]
-    assert fail["retry"] is False and fail["step"] == 1 and fail["message"] == USER_ERROR
+    assert fail["retry"] is False and fail["step"] == 1
+    # the message's first line, then the traceback, as the worker reported them
+    assert f"{fail['message']}\n{fail['traceback']}" == USER_ERROR
 
 
 def test_user_error_is_recovered_when_configured(tmp_path: Path,
