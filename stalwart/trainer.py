@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import pickle
+import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -45,7 +47,7 @@ from stalwart.run_dir import RunDir
 # The task contract and the controller load torch: Trainer.fit imports them once the run dir
 # is checked, so that a wrong run dir fails in a fraction of a second.
 if TYPE_CHECKING:
-    from stalwart.core.task import TaskLike
+    from stalwart.core.task import TaskLike, TrainTask
     from stalwart.orchestrator.states import State
 
 # Keys that define what is being trained: changing them on --resume would silently mix two
@@ -268,6 +270,28 @@ class Trainer:
             self.run_dir.write_run_id(me.run_id)
         self.run_dir.check_owner(storage_url, me, claim(storage_url, me))
 
+    def _check_task(self, task: TrainTask) -> None:
+        """Try the task's model, a batch and its loss on the driver (task.check): a bug in
+        its code fails here in seconds, with its traceback, before Ray or any worker starts."""
+        from stalwart.core.task import TrainTask
+        from stalwart.task_check import check_task
+
+        if isinstance(self.task, TrainTask):
+            # A handed-over instance is shipped to the workers as it is: try a copy, so
+            # nothing the check leaves on it (a counter, a cached dataset) goes along.
+            import cloudpickle
+
+            task = pickle.loads(cloudpickle.dumps(task))
+        note = check_task(task, self.config, where="local" if self._ray_here() else "cluster")
+        if note is not None:
+            _say(note)
+
+    def _ray_here(self) -> bool:
+        """Whether the run's workers are on this machine: its own Ray, started by this run."""
+        if self.address is not None:
+            return False
+        return not ("ray" in sys.modules and sys.modules["ray"].is_initialized())
+
     # ------------------------------------------------------------------ Ray
 
     def _connect(self) -> bool:
@@ -355,6 +379,7 @@ class Trainer:
                 task.check_checkpoint(checkpoint.manifest, self.config)
         data_changes = [] if resume_from is None else check_data_files(
             resume_from.manifest, accept=self.config.data.accept_changed_files)
+        self._check_task(task)  # last: it runs the task's code (seconds, not a fraction)
         started_ray = self._connect()
         display = None
         try:

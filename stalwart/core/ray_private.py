@@ -8,7 +8,8 @@ Ray 2.60.0. Ray is imported inside each function, so the basement stays light to
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,23 @@ def tune_trial_storage() -> tuple[Any, str] | None:
         return storage.storage_filesystem, storage.trial_fs_path
     except Exception:
         return None
+
+
+@contextmanager
+def ray_auto_start_off() -> Iterator[None]:
+    """Ray's automatic start off while it lasts: the task's code that the driver tries before
+    the run's Ray is up (its dataset) must not start a Ray of its own with Ray's defaults, as
+    a lazy Ray Data pipeline's first call does. The public switch, RAY_ENABLE_AUTO_CONNECT=0,
+    is read once, when Ray is imported; this sets the flag it sets. If the flag moved, Ray
+    may start itself as before."""
+    try:
+        from ray._private import auto_init_hook
+    except Exception:  # moved, or a half-installed Ray
+        yield
+        return
+    saved = getattr(auto_init_hook, "enable_auto_connect", True)
+    auto_init_hook.enable_auto_connect = False
+    try:
+        yield
+    finally:
+        auto_init_hook.enable_auto_connect = saved

@@ -73,18 +73,26 @@ def _check_kinds(section: Any, prefix: str) -> None:
             _require("\0" not in value, name, value, "must not contain a NUL character")
 
 
+# task.check, from the most tried to nothing (stalwart/task_check.py).
+TASK_CHECKS = ("auto", "full", "build", "off")
+
+
 @dataclass(frozen=True, kw_only=True)
 class TaskConfig:
     path: str = "stalwart.examples.gpt.task:GPTTask"
     """The TrainTask to run, as `module:attribute` (importable from the current directory or the environment)."""
     args: dict[str, Any] = field(default_factory=dict)
     """Keyword arguments passed to the task's constructor (for GPTTask: any `GPTConfig` field, e.g. `d_model`, `n_layers`, `seq_len`, and `val_fraction`). On this machine's Ray, a model that does not fit the workers' memory by the estimate of `stalwart plan` is refused before start."""
+    check: str = "auto"
+    """How far the driver tries the task before Ray starts, so a bug in its code fails in seconds with its traceback (docs/tasks.md): `auto` builds the model and, when that is cheap (CPU workers, at most 20M parameters, no `tp`/`pp`, a model not built on the meta device, map-style data readable here), runs two samples forward and backward through the loss on the CPU; `full` runs them whatever the model's size or device; `build` only builds the model (on the meta device); `off` tries nothing. `stalwart submit` goes as far as `build`."""
 
     def __post_init__(self) -> None:
         _check_kinds(self, "task")
         mod, _, attr = self.path.partition(":")
         _require(bool(mod) and bool(attr), "task.path", self.path,
                  "expected 'module:attribute', e.g. 'stalwart.examples.gpt.task:GPTTask'")
+        _require(self.check in TASK_CHECKS, "task.check", self.check,
+                 f"allowed: {', '.join(TASK_CHECKS)}")
 
 
 @dataclass(frozen=True, kw_only=True)
