@@ -25,6 +25,7 @@ from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.core import events as ev
+from stalwart.core.ray_log import RAY_LOG, RayLog
 from stalwart.orchestrator import classify, reporting
 from stalwart.orchestrator.accounting import RecoveryTimer, Throughput
 from stalwart.orchestrator.best_metric import BestMetricCheck
@@ -122,6 +123,13 @@ class Controller:
     # ------------------------------------------------------------------ driver loop
 
     def run(self) -> State:
+        # Ray's own paragraphs on the faults handled here (a worker's death, a node marked
+        # dead) go to the run dir's ray.log, through the teardown too; the console gets the
+        # controller's one line for each.
+        with RayLog(self.events.path.parent / RAY_LOG):
+            return self._run()
+
+    def _run(self) -> State:
         self.stop.install()
         try:
             while not self.state.terminal:

@@ -71,6 +71,32 @@ def actor_name_log_marker() -> str | None:
     return LOG_PREFIX_ACTOR_NAME
 
 
+def route_driver_printing(route: Callable[[dict[str, Any]], Any | None]) -> bool:
+    """Have Ray's driver print each batch of lines to the file `route(batch)` names instead of
+    its console (None: the console, as Ray does). A batch is Ray's dict: `pid` is the
+    process's id, or "raylet", "gcs_server" or "autoscaler" for Ray's daemons and for the
+    errors the raylet and GCS publish (a worker that died, a node marked dead). Ray prints
+    every batch through ray._private.worker.print_worker_logs, looked up at each call, from
+    both of its printing threads. Called again, the new route replaces the old. False if the
+    name moved: Ray then prints everything as it does."""
+    try:
+        from ray._private import worker
+    except Exception:  # moved, or a half-installed Ray
+        return False
+    printer = getattr(worker, "print_worker_logs", None)
+    if printer is None:
+        return False
+    original = getattr(printer, "stalwart_original", printer)
+
+    def routed(data: dict[str, Any], print_file: Any, ignore_prefix: bool = False) -> None:
+        sink = route(data)
+        original(data, print_file if sink is None else sink, ignore_prefix)
+
+    routed.stalwart_original = original  # type: ignore[attr-defined]
+    worker.print_worker_logs = routed
+    return True
+
+
 def job_auth_headers() -> dict[str, str]:
     """The headers Ray's own Jobs client sends when the cluster requires a token, for the
     dashboard probe stalwart makes before it (Ray's client has no timeout on its requests)."""

@@ -1,0 +1,82 @@
+"""Ray's own messages during a run go to RUN_DIR/ray.log, not to the user's console.
+
+Besides the workers' output, Ray's driver prints what its daemons log and the errors the
+raylet and GCS publish: a paragraph for each worker that died (which guesses at the OOM
+killer whatever killed it), one for each node marked dead. stalwart handles those faults and
+prints one line of its own for each; Ray's account of them is kept in ray.log, next to
+events.jsonl. The workers' own output (the task's prints, its logging, warnings) stays on the
+console, as Ray prefixes it with the rank's actor name: it is the task's, and Ray cannot tell
+it apart from anything else a worker process writes.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from stalwart.core.ray_private import route_driver_printing
+
+RAY_LOG = "ray.log"
+# Ray's batches from its daemons, and the errors its raylet and GCS publish (as "raylet").
+RAY_SOURCES = frozenset({"raylet", "gcs_server", "autoscaler"})
+_COLOUR = re.compile(r"\x1b\[[0-9;]*m")
+
+_active: list[RayLog] = []  # the runs of this process that route Ray's messages, newest last
+_lock = threading.Lock()
+
+
+class RayLog:
+    """While entered, Ray's own messages on this driver are appended to `path`.
+
+    Nothing is written, and the file not created, until Ray says something. Runs in one
+    process nest (a run inside a callback, tests): the newest run entered gets them. Without
+    Ray loaded there is nothing to route, and nothing is imported."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._partial = ""
+        self._write_lock = threading.Lock()
+
+    def __enter__(self) -> RayLog:
+        if "ray" in sys.modules and route_driver_printing(_route):
+            with _lock:
+                _active.append(self)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with _lock:
+            if self in _active:
+                _active.remove(self)
+
+    # -- the file Ray prints to (its printing threads call these)
+
+    def write(self, text: str) -> int:
+        """Whole lines are appended, stamped with the time and without Ray's colours. A
+        file that cannot be written drops the line: Ray's printing thread must not die."""
+        with self._write_lock:
+            lines = (self._partial + _COLOUR.sub("", text)).split("\n")
+            self._partial = lines.pop()
+            if lines:
+                stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+                try:
+                    with self.path.open("a") as f:
+                        f.writelines(f"{stamp} {line}\n" for line in lines)
+                except OSError:
+                    pass
+        return len(text)
+
+    def flush(self) -> None:
+        """Lines are written as they end."""
+
+
+def _route(data: dict[str, Any]) -> RayLog | None:
+    """Where one of Ray's batches goes: the newest run's ray.log for Ray's own, else None
+    (the console)."""
+    if data.get("pid") not in RAY_SOURCES:
+        return None
+    with _lock:
+        return _active[-1] if _active else None
