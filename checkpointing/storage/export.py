@@ -10,7 +10,8 @@ The output is safetensors (`.safetensors`) or a plain `torch.save` state dict (`
 Without a step, the newest checkpoint that verifies and loads is exported; each one passed
 over is reported to `on_skip` with the reason. The file is written under a fresh, unique
 name next to `--out` (created with O_EXCL, so nothing planted there is followed), then
-renamed: `--out` appears whole or not at all.
+renamed: `--out` appears whole or not at all, with the mode any new file gets (0644 under the
+usual umask 022).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 from stalwart.checkpointing.errors import CheckpointError, describe_load_error
 from stalwart.checkpointing.storage.catalog import CheckpointInfo, find_step, newest_valid
 from stalwart.checkpointing.storage.signing import CheckpointTrust
+from stalwart.core.safe_files import new_mode
 
 if TYPE_CHECKING:
     import torch
@@ -127,6 +129,9 @@ def write_weights(weights: dict[str, torch.Tensor], step: int, out: Path) -> Pat
             import torch
 
             torch.save(weights, tmp)
+        # The export is the user's file, as any they write: the private mode (mkstemp's,
+        # or the safetensors writer's own 0600) was for the name being written alone.
+        tmp.chmod(new_mode())
         tmp.replace(out)
     except OSError as exc:
         raise CheckpointError(f"--out {str(out)!r}: writing it failed: "

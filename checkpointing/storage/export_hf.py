@@ -17,7 +17,6 @@ not at all, and an existing one is never touched.
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import tempfile
@@ -29,6 +28,7 @@ from stalwart.checkpointing.errors import CheckpointError
 from stalwart.checkpointing.storage.catalog import CheckpointInfo
 from stalwart.checkpointing.storage.export import check_new_path
 from stalwart.checkpointing.storage.layout import EXPORT_PREFIX, check_file_name, filesystem
+from stalwart.core.safe_files import new_mode
 
 if TYPE_CHECKING:
     import torch
@@ -145,10 +145,8 @@ def write_new_dir(out: Path, fill: Callable[[Path], None]) -> Path:
     try:
         fill(tmp)
         # mkdtemp's directory is private (0700); the model directory is as any other.
-        umask = os.umask(0)
-        os.umask(umask)
         for path in [tmp, *tmp.iterdir()]:
-            path.chmod((0o777 if path.is_dir() else 0o666) & ~umask)
+            path.chmod(new_mode(directory=path.is_dir()))
         tmp.rename(out)
     except OSError as exc:
         raise CheckpointError(f"--out {str(out)!r}: writing it failed: "

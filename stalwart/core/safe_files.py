@@ -20,7 +20,8 @@ from typing import BinaryIO, TextIO
 
 from stalwart.core.errors import RunDirError
 
-__all__ = ["make_dir_nofollow", "open_append_nofollow", "replacing", "write_file_atomically"]
+__all__ = ["make_dir_nofollow", "new_mode", "open_append_nofollow", "replacing",
+           "write_file_atomically"]
 
 # O_NONBLOCK: a FIFO planted at the name fails the open (ENXIO) instead of blocking the
 # writer until someone reads it; a regular file ignores the flag.
@@ -44,6 +45,13 @@ def _umask() -> int:
     return mask
 
 
+def new_mode(*, directory: bool = False) -> int:
+    """The mode open() or mkdir() gives a new file or directory under the process's umask:
+    for what is written under a private name (mkstemp, mkdtemp: 0600, 0700) and then handed
+    over as an ordinary file."""
+    return (0o777 if directory else 0o666) & ~_umask()
+
+
 @contextlib.contextmanager
 def replacing(path: Path) -> Iterator[BinaryIO]:
     """A binary file for `path`'s new contents. A clean exit renames it over `path` (a link
@@ -51,7 +59,7 @@ def replacing(path: Path) -> Iterator[BinaryIO]:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
         # mkstemp makes the file 0600; the file it replaces was made as open() makes one.
-        os.fchmod(fd, 0o666 & ~_umask())
+        os.fchmod(fd, new_mode())
         with os.fdopen(fd, "wb") as f:
             fd = -1  # the file object owns it now
             yield f
