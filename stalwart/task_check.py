@@ -52,6 +52,8 @@ Where = Literal["local", "cluster", "submit"]
 """Where the run's workers are: on this machine's Ray (`local`), on a cluster this driver
 joined (`cluster`), or on the cluster a job is submitted to (`submit`)."""
 
+SUBMITTED = ("its data and forward pass are tried where the job runs, before its workers "
+             "start")
 HINT = ('(the task was tried on the driver before Ray started; task.check = "build" tries '
         'only its model, "off" nothing)')
 
@@ -120,7 +122,7 @@ def _not_here(task: TrainTask, config: JobConfig, mode: str, where: Where,
     if mode == "build":
         return "task.check = \"build\""
     if where == "submit":
-        return "its data is read where the job runs"
+        return SUBMITTED
     par = config.parallel
     if par.tp > 1 or par.pp > 1:
         return (f"parallel.tp = {par.tp} and parallel.pp = {par.pp} split it, and the unsplit "
@@ -144,5 +146,5 @@ def _prepares_data(task: TrainTask) -> bool:
 def _note(n_params: int, why: str, mode: str) -> str | None:
     if mode == "build":  # what was asked for: nothing to explain
         return None
-    return (f"task check: the model builds ({n_params:,} parameters); its data and forward "
-            f"pass are tried on the workers: {why}")
+    rest = why if why == SUBMITTED else f"its data and forward pass are left to the workers: {why}"
+    return f"task check: the model builds ({n_params:,} parameters); {rest}"

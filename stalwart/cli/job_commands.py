@@ -113,6 +113,7 @@ def _submit(args: argparse.Namespace) -> int:
         print(f"entrypoint: {spec.entrypoint()}\nnothing submitted (--dry-run)")
         return EXIT_OK
 
+    jobs.check_task_here(config, cwd)  # the task as the job's `stalwart run` would check it
     client = jobs.job_client(address)
     print(f"uploading {shipped.summary()} from {cwd}", flush=True)
     job_id = jobs.submit(client, spec, cwd=cwd, storage=config.checkpoint.storage,

@@ -3,6 +3,8 @@
 The job is Ray's (`ray.job_submission.JobSubmissionClient`), so `ray job status/logs/stop` and
 the dashboard see it like any other. This module adds what a training run needs on top:
 - the address of the job API, taken like `ray job` takes it, but an explicit one always wins;
+- the task checked here as the job's `stalwart run` would check it before Ray starts
+  (`check_task_here`), before the cluster is contacted;
 - a check, in seconds and before anything is uploaded, that the cluster answers, accepts our
   token and runs this machine's Ray version (the config is checked here, against this
   machine's stalwart and Ray; the job runs on the cluster's, and a difference would show late,
@@ -23,6 +25,7 @@ import logging
 import math
 import os
 import shlex
+import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -40,6 +43,8 @@ from stalwart.core.ray_private import PACKAGING_LOGGER
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
+
+    from stalwart.core.config import JobConfig
 
 # Where `ray job` looks for the job API when --address is not given, in this order.
 ADDRESS_ENV_VARS = ("RAY_API_SERVER_ADDRESS", "RAY_ADDRESS")
@@ -165,6 +170,28 @@ def check_storage(storage: str) -> None:
                           f"a temporary copy of the working directory; give an absolute path "
                           f"or a URL every node can write, or leave it empty (<run dir>/"
                           f"checkpoints)")
+
+
+def check_task_here(config: JobConfig, cwd: Path) -> None:
+    """What the job's `stalwart run` checks of its task before Ray starts, done here before
+    the cluster is contacted: the task imports from the working directory the job ships (and
+    so do its dependencies, installed here as they must be on the cluster), its constructor
+    takes task.args, it accepts the layout, and its model builds (task.check, as far as
+    `build`: the data is read where the job runs, by the job's own check). A task error is
+    raised as `stalwart run` raises it; a note is printed."""
+    # Found as the job's `stalwart run` finds it in its copy of this directory: appended, so
+    # a file here never shadows a library.
+    if str(cwd) not in sys.path:
+        sys.path.append(str(cwd))
+    from stalwart.core.task import resolve_task
+    from stalwart.parallel.dims import ParallelDims
+    from stalwart.task_check import check_task
+
+    task = resolve_task(config.task.path, config.task.args)
+    task.check_layout(ParallelDims.from_config(config.parallel, config.scaling.num_workers))
+    note = check_task(task, config, where="submit")
+    if note is not None:
+        print(note, flush=True)
 
 
 def absolute_run_dir(run_dir: str | Path | None, default: Path, cwd: Path) -> Path:

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from stalwart.core.batch import Batch, default_token_count, loss_takes_batch
 from stalwart.core.errors import TaskError
+from stalwart.core.task_errors import error_line, task_traceback
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -215,7 +216,7 @@ def load_task_class(path: str) -> type[TrainTask]:
         module = importlib.import_module(module_name)
     except Exception as exc:  # any import-time error of user code belongs in the message
         raise TaskError(f"task path {path!r}: cannot import module {module_name!r}: "
-                        f"{type(exc).__name__}: {exc}") from exc
+                        f"{type(exc).__name__}: {exc}{task_traceback(exc)}") from exc
     try:
         obj = getattr(module, attr)
     except AttributeError:
@@ -287,12 +288,18 @@ def resolve_task(path: str, args: dict[str, Any], supplied: TaskLike | None = No
 
 
 def _construct(cls: type[TrainTask], args: dict[str, Any], path: str) -> TrainTask:
+    """The task constructed with `args`: its TaskError, ValueError or TypeError refuses them
+    (the message names the key); anything else is a bug in its constructor, told with its
+    traceback."""
     try:
         return cls(**args)
     except TaskError:
         raise
     except (TypeError, ValueError) as exc:
         raise TaskError(f"task.args for {path!r} are invalid: {exc}") from exc
+    except Exception as exc:
+        raise TaskError(f"constructing the task {path!r} failed: {error_line(exc)}"
+                        f"{task_traceback(exc)}") from exc
 
 
 def shipped_task(task: TaskLike | bytes | None, import_paths: Sequence[str]

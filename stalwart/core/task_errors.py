@@ -233,6 +233,15 @@ def task_failure(phase: Phase | str | None, exc: BaseException, frames: Sequence
 # ---------------------------------------------------------------------------- live frames
 
 
+def task_traceback(exc: BaseException) -> str:
+    """`exc`'s traceback trimmed to the task's frames, on lines of its own after a newline;
+    empty when none of its frames is the task's (a module that is not there at all)."""
+    frames = frames_of(exc)
+    if not any(map(is_task_frame, frames)):
+        return ""
+    return "\n" + format_traceback(frames, error_line(exc))
+
+
 def frames_of(exc: BaseException, model: Any = None) -> list[Frame]:
     """The frames of `exc`'s traceback as text. `model` (a torch module): a frame running the
     forward of one of its modules says which one (`Frame.in_model`)."""

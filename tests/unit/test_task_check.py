@@ -161,7 +161,7 @@ def test_a_model_over_the_limit_is_built_on_meta_only_with_a_note() -> None:
 @pytest.mark.parametrize(("cfg", "where", "why"), [
     (config(scaling={"gpus_per_worker": 1.0}), "local", "the workers train on GPUs"),
     (config(scaling={"num_workers": 2}, parallel={"tp": 2}), "local", "parallel.tp = 2"),
-    (config(), "submit", "its data is read where the job runs"),
+    (config(), "submit", "its data and forward pass are tried where the job runs"),
 ], ids=["gpus", "tensor-parallel", "submit"])
 def test_what_is_not_cheap_or_safe_here_is_built_only(cfg: JobConfig, where: str,
                                                        why: str) -> None:
@@ -293,3 +293,46 @@ def test_a_workers_warm_up_fails_the_same_way_as_a_user_error() -> None:
     assert summary.startswith("on a worker, before training: the forward pass failed in "
                               "module `fc1`")
     assert traceback == caught.value.traceback
+
+
+# ---------------------------------------------------------------------------- import, construct
+
+
+def test_an_import_error_in_the_tasks_module_shows_its_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from stalwart.core.errors import TaskError
+    from stalwart.core.task import build_task
+
+    (tmp_path / "needs_a_package.py").write_text("import numpy\nimport not_installed_pkg\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(TaskError) as caught:
+        build_task("needs_a_package:Task", {})
+    first, *rest = str(caught.value).splitlines()
+    assert first == ("task path 'needs_a_package:Task': cannot import module "
+                     "'needs_a_package': ModuleNotFoundError: No module named "
+                     "'not_installed_pkg'")
+    assert rest[1:] == [f'  File "{tmp_path / "needs_a_package.py"}", line 2, in <module>',
+                        "    import not_installed_pkg",
+                        "ModuleNotFoundError: No module named 'not_installed_pkg'"]
+    # a module that is not there at all: one line, nothing of importlib's
+    with pytest.raises(TaskError) as missing:
+        build_task("no_such_module_here:Task", {})
+    assert "\n" not in str(missing.value)
+
+
+class Clumsy(TrainTask):
+    def __init__(self, *, width: int = 4) -> None:
+        self.width = width
+        self.layers = {}.pop("layers")  # a bug, not a refused argument
+
+
+def test_a_bug_in_the_constructor_is_told_with_its_line() -> None:
+    from stalwart.core.errors import TaskError
+    from stalwart.core.task import resolve_task
+
+    with pytest.raises(TaskError) as caught:
+        resolve_task("unused:Path", {}, Clumsy)
+    first, *rest = str(caught.value).splitlines()
+    assert first == ("constructing the task 'tests.unit.test_task_check:Clumsy' failed: "
+                     "KeyError: 'layers'")
+    assert '    self.layers = {}.pop("layers")  # a bug, not a refused argument' in rest
