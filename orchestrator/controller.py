@@ -220,26 +220,33 @@ class Controller:
                 return Failed(reason=lost)
         if decision is not None:  # where the world restores from, both candidates and why
             self.events.emit(decision.event(state.generation))
-            self.display.log(decision.message)
+            if decision.source == "none":  # the restore names any other source as it starts
+                self.display.log(f"starting from step 0: {decision.reason}")
         return Restoring(generation=state.generation, checkpoint=checkpoint,
                          memory=decision.memory if decision else None)
 
     def _on_restoring(self, state: Restoring) -> State:
         start_step, source, peer_fetches = 0, "none", 0
         if state.memory is not None:
+            self.display.log(reporting.restore_line("memory", state.memory.step, (
+                f"storage's newest is step {state.checkpoint.step}" if state.checkpoint
+                else "storage has none")))
             try:
                 start_step, fetched = self.group.restore_memory(state.memory)
                 source, peer_fetches = "memory", sum(len(f) for f in fetched)
             except self.group_error as exc:
-                fallback = self.restore.fallback(state.memory, state.checkpoint,
-                                                 exc.failure)  # type: ignore[attr-defined]
+                failure = exc.failure  # type: ignore[attr-defined]
+                fallback = self.restore.fallback(state.memory, state.checkpoint, failure)
                 if fallback is None:
                     raise
                 if fallback.source == "none" and (
                         lost := self.storage.lost(fallback.reason)) is not None:
                     return Failed(reason=lost)
                 self.events.emit(fallback.event(state.generation))
-                self.display.log(fallback.message)
+                self.display.log(f"restoring step {state.memory.step} from memory failed: "
+                                 f"{reporting.failure_line(failure, self.workers)}")
+                if fallback.source == "none":
+                    self.display.log("starting from step 0: storage has no checkpoint")
         if source == "none" and state.checkpoint is not None:
             restored = self._load_storage(state.checkpoint)
             if restored is None:
@@ -275,6 +282,8 @@ class Controller:
     def _load_storage(self, checkpoint: CheckpointInfo) -> int | None:
         """Load `checkpoint` on every rank; one that fails to load is skipped and the next
         older valid one is tried. The step restored, or None when none loads."""
+        # The older ones tried after a failed load are named as they are tried.
+        self.display.log(reporting.restore_line("storage", checkpoint.step))
         for candidate in self.storage.candidates(checkpoint):
             try:
                 return self.group.restore(candidate)
@@ -445,7 +454,8 @@ class Controller:
 
     def _on_recovering(self, state: Recovering) -> State:
         """Kill what failed, let the survivors leave their world (keeping their processes)."""
-        self.display.log(f"recovering from: {state.failure.message.strip().splitlines()[-1]}")
+        self.display.log(f"recovering from: "
+                         f"{reporting.failure_line(state.failure, self.workers)}")
         self._notify("before_recovery", state.failure)
         self.group.remove(state.failure.failed_ranks)
         ended = self.group.disband(after_step=self.last_step)

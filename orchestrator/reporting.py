@@ -1,4 +1,5 @@
-"""Reports on a running world: commits, profiler traces, the memory tier's size, stragglers.
+"""Reports on a running world: commits, profiler traces, the memory tier's size, stragglers,
+and the console's one line for a failure or a restore.
 
 Each writes its own event: `checkpoint_committed`, and as observers of the controller
 (orchestrator/observers.py) `profile_saved`, `memory_tier` and `straggler`. Only the straggler reporter answers back:
@@ -7,10 +8,12 @@ with failure.replace_stragglers, a straggler is a failure for the controller to 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from stalwart.core import events as ev
 from stalwart.orchestrator import classify
+from stalwart.orchestrator.failures import FailureKind
 from stalwart.orchestrator.observers import ControllerObserver
 from stalwart.orchestrator.profiles import save_trace
 from stalwart.orchestrator.stragglers import StragglerDetector
@@ -27,9 +30,30 @@ if TYPE_CHECKING:
     from stalwart.orchestrator.states import Running
     from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
 
+# Characters of a Ray node id that name it on the console (the full id is in events.jsonl).
+NODE_ID_CHARS = 8
+
 # Steps into a world after which its memory tier holds what it will hold from then on (two
 # snapshots of each shard it keeps, the newest of them replicated): when its size is reported.
 TIER_STEADY_AFTER = 3
+
+
+def failure_line(failure: WorkerFailure, workers: Sequence[WorkerPlace]) -> str:
+    """The console's one line for a failure the run recovers from. A lost node is named, with
+    the ranks that ran there (`workers`: the failed world's places); any other failure by
+    its message's last line (a traceback's is the exception)."""
+    ranks = failure.failed_ranks
+    lost = sorted({(w.node_ip, w.node_id) for w in workers if w.rank in ranks})
+    if failure.kind is not FailureKind.NODE_DIED or not lost:
+        return failure.message.strip().splitlines()[-1]
+    nodes = ", ".join(f"{ip} ({node_id[:NODE_ID_CHARS]})" for ip, node_id in lost)
+    return (f"{'node' if len(lost) == 1 else 'nodes'} {nodes} lost, with "
+            f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}")
+
+
+def restore_line(source: str, step: int, why: str | None = None) -> str:
+    """The console's line as a world starts to load the step it goes on from."""
+    return f"restoring step {step} from {source}" + (f" ({why})" if why else "")
 
 
 class CommitLog:

@@ -8,6 +8,9 @@ from pathlib import Path
 import pytest
 
 from stalwart.core.config import parse_fault
+from stalwart.core.events import WorkerPlace
+from stalwart.orchestrator.failures import FailureKind, WorkerFailure
+from stalwart.orchestrator.reporting import failure_line
 from stalwart.orchestrator.states import Failed, Finished
 from stalwart.workers.faults import FaultFired
 from stalwart.workers.reports import WorkerStatus
@@ -132,6 +135,42 @@ def test_ranks_on_a_lost_node_are_a_node_death(tmp_path: Path,
     assert fail["rank"] == 2 and fail["ranks"] == [2, 3] and fail["nodes"] == ["10.0.0.2"]
     assert fail["message"] == ("worker ranks [2, 3] died (node(s) ['node-b']): worker rank 2 "
                                "died: the actor died unexpectedly")
+
+
+def test_a_lost_node_is_named_on_the_console_with_its_ranks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def lose_node_b(w: FakeWorld) -> None:
+        w.group.dead_nodes.add("node-b-0123456789")
+
+    cluster = [*actors(2), *actors(2, first_pid=2000, node="node-b-0123456789", ip="10.0.0.2"),
+               *actors(2, first_pid=3000, node="node-c", ip="10.0.0.3")]
+    w = FakeWorld(tmp_path, monkeypatch, [
+        Plan(polls=[statuses([1, 2], world=4),
+                    Poll([status(0), status(1)], dead=[2, 3], hook=lose_node_b)]),
+        Plan(polls=[statuses([1, 2, 3, 4, 5, 6], world=4, done=True, t0=T1)]),
+    ], ["scaling.num_workers=4", "failure.max_failures=1"], cluster=cluster)
+    assert w.run() == Finished(step=6)
+    # One line, in the worker deaths' style: the node's IP and id (shortened), its ranks.
+    assert "recovering from: node 10.0.0.2 (node-b-0) lost, with ranks 2, 3" in w.display.logs
+
+
+def test_the_console_line_names_each_lost_node_and_every_rank_it_held() -> None:
+    places = [WorkerPlace(rank=r, pid=1000 + r, node_ip=ip, node_id=node) for r, ip, node in [
+        (0, "10.0.0.1", "aaaaaaaaaaaa"), (1, "10.0.0.2", "bbbbbbbbbbbb"),
+        (2, "10.0.0.3", "cccccccccccc")]]
+
+    def line(kind: FailureKind, ranks: tuple[int, ...], message: str = "m") -> str:
+        return failure_line(WorkerFailure(kind=kind, rank=ranks[0], ranks=ranks,
+                                          message=message, detected_at=0.0), places)
+
+    assert line(FailureKind.NODE_DIED, (1,)) == "node 10.0.0.2 (bbbbbbbb) lost, with rank 1"
+    assert line(FailureKind.NODE_DIED, (2, 1)) == (
+        "nodes 10.0.0.2 (bbbbbbbb), 10.0.0.3 (cccccccc) lost, with ranks 2, 1")
+    # Any other failure: its message's last line (a traceback's is the exception).
+    assert line(FailureKind.WORKER_DIED, (1,), "worker rank 1 (pid 1001) exited") == (
+        "worker rank 1 (pid 1001) exited")
+    assert line(FailureKind.USER_ERROR, (1,), "Traceback:\n  ...\nValueError: x\n") == (
+        "ValueError: x")
 
 
 def test_a_collective_error_alone_waits_for_the_grace_period(

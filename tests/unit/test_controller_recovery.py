@@ -174,6 +174,9 @@ def test_recovery_restores_the_newest_valid_checkpoint(
     skipped = w.event("checkpoint_skipped")
     assert skipped["step"] == 4 and "file __0_0.distcp is damaged" in skipped["message"]
     assert any("skipping damaged checkpoint" in m for m in w.display.logs)
+    # Step 4 is passed over on the driver, before any rank loads it.
+    assert [m for m in w.display.logs if m.startswith("restoring")] == [
+        "restoring step 2 from storage"]
     rec = w.event("recovered")
     assert rec["from_step"] == 2 and rec["lost_steps"] == 3 and rec["source"] == "storage"
 
@@ -230,6 +233,9 @@ def test_a_resumed_runs_own_checkpoint_is_not_logged_again_when_a_restore_finds_
     assert w.run() == Finished(step=6)
     assert w.all("checkpoint_committed") == []
     assert w.event("recovered")["from_step"] == 4
+    # The resume's restore and the recovery's, each named as it starts.
+    assert [m for m in w.display.logs if m.startswith("restoring")] == [
+        "restoring step 4 from storage"] * 2
 
 
 def test_a_warm_spare_replaces_a_dead_worker(tmp_path: Path,

@@ -55,6 +55,7 @@ def test_recovery_restores_memory_when_it_is_newest(
     assert chosen["memory_step"] == 5 and chosen["storage_step"] == 2
     rec = w.event("recovered")
     assert rec["source"] == "memory" and rec["from_step"] == 5 and rec["lost_steps"] == 0
+    assert "restoring step 5 from memory (storage's newest is step 2)" in w.display.logs
 
 
 def test_rows_time_their_window_and_a_restore_reports_the_unlogged_steps_it_keeps(
@@ -107,6 +108,8 @@ def test_recovery_restores_storage_when_it_is_newer_than_memory(
     assert chosen["source"] == "storage" and chosen["step"] == 4
     assert "newer than memory's step 3" in chosen["reason"]
     assert w.event("recovered")["source"] == "storage"
+    assert [m for m in w.display.logs if m.startswith("restoring")] == [
+        "restoring step 4 from storage"]
 
 
 def test_recovery_with_nothing_in_memory_says_why(
@@ -136,6 +139,10 @@ def test_a_memory_restore_that_fails_falls_back_to_storage(
     assert "restoring from memory failed: worker rank 0: LookupError: gone" in fallback["reason"]
     assert w.event("recovered")["source"] == "storage"
     assert w.event("recovered")["lost_steps"] == 1
+    assert [m for m in w.display.logs if m.startswith("restoring")] == [
+        "restoring step 5 from memory (storage's newest is step 4)",
+        "restoring step 5 from memory failed: worker rank 0: LookupError: gone",
+        "restoring step 4 from storage"]
 
 
 def test_memory_tier_off_never_asks_for_an_inventory(
@@ -188,6 +195,8 @@ def test_a_storage_checkpoint_that_fails_to_load_falls_back_to_the_next_older(
     assert skipped["step"] == 4 and "failed to load" in skipped["message"]
     assert w.event("recovered")["source"] == "storage"
     assert w.event("recovered")["from_step"] == 2
+    assert [m for m in w.display.logs if m.startswith("restoring")] == [
+        "restoring step 4 from storage", "restoring from storage's step 2 instead"]
 
 
 @pytest.mark.parametrize("tier", ["checkpoint.snapshot_every=1", "checkpoint.snapshot_every=0"])
@@ -228,3 +237,5 @@ def test_a_recovery_with_nothing_ever_committed_starts_over(
     w = _kill_at_5(tmp_path / "checkpoints", [], tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert w.run() == Finished(step=6)
     assert w.event("checkpoint_chosen")["source"] == "none"
+    assert ("starting from step 0: nothing complete in memory (no snapshot is held in memory) "
+            "or in storage") in w.display.logs
