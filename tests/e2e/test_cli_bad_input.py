@@ -388,7 +388,8 @@ def test_malformed_toml(outcome: Outcome) -> None:
 @case("unknown_key")
 def test_unknown_key(outcome: Outcome) -> None:
     line = outcome.only_error()
-    assert "unknown key train.stepz in [train]; allowed: steps, global_batch_size" in line
+    assert ("unknown key train.stepz in [train]; did you mean train.steps? allowed: steps, "
+            "global_batch_size") in line
 
 
 @case("batch")

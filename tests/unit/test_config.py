@@ -148,7 +148,7 @@ def test_unknown_key_in_a_section_names_it_and_lists_allowed() -> None:
     with pytest.raises(ConfigError) as err:
         load_config(None, ["train.stepz=10"])
     msg = str(err.value)
-    assert "unknown key train.stepz in [train]" in msg
+    assert "unknown key train.stepz in [train]; did you mean train.steps? allowed:" in msg
     assert ("allowed: steps, global_batch_size, micro_batch_size, lr, min_lr_ratio, "
             "warmup_steps, weight_decay, grad_clip, seed") in msg
 
@@ -156,6 +156,7 @@ def test_unknown_key_in_a_section_names_it_and_lists_allowed() -> None:
 def test_unknown_key_in_a_toml_file(tmp_path: Path) -> None:
     path = _write(tmp_path, "[checkpoint]\nkeep_lats = 2\n")
     with pytest.raises(ConfigError, match=r"unknown key checkpoint\.keep_lats in \[checkpoint\]; "
+                                          r"did you mean checkpoint\.keep_last\? "
                                           r"allowed: storage, persist_every, keep_last, keep_best, best_metric, best_mode, async_save"):
         load_config(path)
 

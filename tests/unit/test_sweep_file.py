@@ -129,13 +129,15 @@ def test_val_loss_without_validation(tmp_path: Path) -> None:
     ("", ("does not exist",)),
     ("config = ", ("is not valid TOML",)),
     ('metric = "loss"\n[search]\n"train.lr" = 1\n', ('config = "PATH"',)),
-    ('trails = 3\n' + GOOD, ("unknown key 'trails'", "allowed: name, config")),
+    ('trails = 3\n' + GOOD, ("unknown key 'trails'; did you mean trials? allowed: name, "
+                             "config",)),
     (GOOD.replace("trials = 2", "trials = 0"), ("trials: must be >= 1",)),
     (GOOD.replace("trials = 2", "trials = 1.5"), ("1.5 is not allowed",)),
     (GOOD.replace('metric = "loss"', 'metric = "loss"\nmode = "lowest"'), ("min or max",)),
     (GOOD.split("[search]")[0], ("needs at least one key to search",)),
     (GOOD + '[scheduler]\ntype = "hyperband"\n', ("'hyperband' is not allowed: fifo, asha, pbt",)),
-    (GOOD + '[scheduler]\ntype = "asha"\nmax_tt = 5\n', ("unknown key 'max_tt' for asha",)),
+    (GOOD + '[scheduler]\ntype = "asha"\nmax_tt = 5\n', ("unknown key 'max_tt' for asha; "
+                                                         "did you mean max_t? allowed:",)),
     (GOOD + '[scheduler]\ntype = "asha"\nreduction_factor = 1\n', ("an integer > 1",)),
     (GOOD + '[scheduler]\ntype = "pbt"\n', ("needs perturbation_interval",)),
     (GOOD + '[scheduler]\ntype = "pbt"\nperturbation_interval = 50\n',

@@ -16,6 +16,7 @@ from typing import Any
 
 from stalwart.core.config.job import JobConfig
 from stalwart.core.errors import ConfigError
+from stalwart.core.spelling import did_you_mean
 
 
 def _coerce(value: Any, hint: Any, name: str) -> Any:
@@ -81,9 +82,10 @@ def _build(cls: type, data: dict[str, Any], prefix: str) -> Any:
     unknown = sorted(set(data) - set(known))
     if unknown:
         where = f"[{prefix}]" if prefix else "the top level"
+        section = prefix + "." if prefix else ""
         raise ConfigError(
-            f"unknown key {prefix + '.' if prefix else ''}{unknown[0]} in {where}; "
-            f"allowed: {', '.join(known)}")
+            f"unknown key {section}{unknown[0]} in {where}; "
+            f"{did_you_mean(unknown[0], known, prefix=section)}allowed: {', '.join(known)}")
     missing = [f.name for f in dataclasses.fields(cls) if f.name not in data
                and f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING]
     if missing:

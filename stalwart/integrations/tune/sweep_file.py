@@ -34,6 +34,7 @@ from typing import Any
 from stalwart.core.config import JobConfig, apply_overrides, config_from_dict, read_toml
 from stalwart.core.errors import ConfigError, StalwartError
 from stalwart.core.metric_names import is_task_metric
+from stalwart.core.spelling import did_you_mean
 from stalwart.integrations.tune.trainable import as_overrides
 
 # Columns of metrics.jsonl that are numbers a sweep can rank trials by.
@@ -225,7 +226,8 @@ def load_sweep(path: str | Path, overrides: list[str] | tuple[str, ...] = ()) ->
     data = read_toml(p, "sweep file", SweepError)
     unknown = sorted(set(data) - set(TOP_KEYS))
     if unknown:
-        raise _fail(str(p), f"unknown key {unknown[0]!r}; allowed: {', '.join(TOP_KEYS)}")
+        raise _fail(str(p), f"unknown key {unknown[0]!r}; {did_you_mean(unknown[0], TOP_KEYS)}"
+                            f"allowed: {', '.join(TOP_KEYS)}")
     if "config" not in data or not isinstance(data["config"], str):
         raise _fail(str(p), "config = \"PATH\" (the job's TOML config) is required")
     config = (p.parent / data["config"]).resolve()
@@ -330,8 +332,9 @@ def _check_scheduler(p: Path, scheduler: Any, job_with: JobWith, job: JobConfig
         if key == "type":
             continue
         if key not in allowed:
-            raise _fail(where, f"unknown key {key!r} for {kind}; allowed: "
-                               f"{', '.join(['type', *allowed]) }")
+            raise _fail(where, f"unknown key {key!r} for {kind}; "
+                               f"{did_you_mean(key, ['type', *allowed])}allowed: "
+                               f"{', '.join(['type', *allowed])}")
         kind_of, ok, described = allowed[key]
         if not ok(_typed(f"{where} {key}", value, kind_of, described)):
             raise _fail(f"{where} {key}", f"{value!r} is not allowed: {described}")
