@@ -34,7 +34,7 @@ from stalwart.orchestrator.detection import FailureDetector, LastSeen
 from stalwart.orchestrator.failure_log import FailureLog
 from stalwart.orchestrator.failures import FailDecision, RetryDecision, WorkerFailure
 from stalwart.orchestrator.fault_watch import FaultWatch
-from stalwart.orchestrator.interrupt import StopRequest
+from stalwart.orchestrator.interrupt import StopAbandoned, StopRequest
 from stalwart.orchestrator.ledger import ledger_observers
 from stalwart.orchestrator.observers import ControllerObserver, Display, Restored
 from stalwart.orchestrator.outcome import Outcome
@@ -110,6 +110,8 @@ class Controller:
         self.workers: list[ev.WorkerPlace] = []
         self.stop = StopRequest(config.failure.stop_timeout_s)  # the first Ctrl-C or SIGTERM
         self._stop_sent = False
+        self._stop_heard: int | None = None
+        """The last step heard of when the ranks were first asked to stop (None: not yet)."""
         self.resize = ResizePlan(self.scaling, events, display)
         self._started_emitted = False
         self._done: dict[int, WorkerStatus] = {}
@@ -130,6 +132,7 @@ class Controller:
             return self._run()
 
     def _run(self) -> State:
+        abandoned: StopAbandoned | None = None
         self.stop.install()
         try:
             while not self.state.terminal:
@@ -141,17 +144,49 @@ class Controller:
                     check_transition(self.state, new)
                     self.state = new
         except KeyboardInterrupt as exc:
-            if (restored := self.stop.restore(exc)) is exc:
-                raise
-            raise restored from None
+            if not isinstance(restored := self.stop.restore(exc), StopAbandoned):
+                raise  # not the stop's: Tune's, or a signal off the main thread
+            abandoned = restored
+            self._kill_world()
         finally:
             self.stop.settle()  # the stop's deadline is met (or moot) once the loop ends
             self.group.shutdown(graceful=isinstance(self.state, Finished | Stopped))
             self.stop.uninstall()
             self._notify("on_end", self.state)
+        if abandoned is not None:
+            raise self._abandoned(abandoned) from None
         if isinstance(self.state, Failed):
             self.storage.log_unreported_commit()
         return self.state
+
+    def _kill_world(self) -> None:
+        """An abandoned stop: the world's ranks are killed by PID at once. The teardown's own
+        kill (Ray's) returns before the processes are gone, and meanwhile they would train on
+        and commit steps that the driver, leaving, never records."""
+        try:
+            self.group.remove(tuple(range(self.world_size)))
+        except Exception as exc:  # noqa: BLE001 - the teardown's kill follows either way
+            self.display.log(f"could not kill the workers at once: {exc}")
+
+    def _abandoned(self, abandoned: StopAbandoned) -> StopAbandoned:
+        """The abandon as it came out, once the workers are gone. Commits they made that no
+        poll reported are logged (`checkpoint_committed`). One past the last step the driver
+        had heard of when it asked the ranks to stop is the step in flight's checkpoint (or a
+        later one): the run's step is then that one, and the message says it was committed,
+        not given up."""
+        heard = self.last_step if self._stop_heard is None else self._stop_heard
+        try:
+            found = self.commits.found_on_storage(self.storage.storage_url,
+                                                  self.storage.trust)
+        except (OSError, CheckpointError) as exc:
+            self.display.log(f"could not list the checkpoints after the stop: {exc}")
+            found = []
+        if self.commits.newest > heard:
+            self.last_step = max(self.last_step, self.commits.newest)
+            return abandoned.committed(self.commits.newest, in_flight=True)
+        if found:
+            return abandoned.committed(found[-1], in_flight=False)
+        return abandoned
 
     def outcome(self) -> Outcome:
         """What the run came to so far: read once `run` has returned, or raised."""
@@ -296,6 +331,8 @@ class Controller:
     def _on_running(self, state: Running) -> State:
         if self.stop.requested and not self._stop_sent:
             self._stop_sent = True
+            if self._stop_heard is None:  # the step in flight is the next one
+                self._stop_heard = self.last_step
             self.display.log("stopping after the step in flight and checkpointing it "
                              "(Ctrl-C or SIGTERM again abandons the checkpoint)")
             self.group.request_stop()

@@ -2,7 +2,9 @@
 `ray job stop`). The first stops the run after the step in flight and checkpoints it; a second
 of either abandons that checkpoint (StopAbandoned, a KeyboardInterrupt), and so does the
 stop's own deadline (`failure.stop_timeout_s`) when the checkpoint is not committed by then.
-The previous committed checkpoint stays either way.
+The previous committed checkpoint stays either way. The workers may have committed a step
+the driver did not hear of before they were stopped: the controller then tells the abandon
+with that step (`StopAbandoned.committed`), never as a checkpoint given up.
 
 A flag rather than an exception at the first, so the signal never lands half-way through the
 controller's own bookkeeping. The deadline is a timer whose expiry is delivered to the main
@@ -29,14 +31,26 @@ def signal_name(signum: int) -> str:
 
 
 class StopAbandoned(KeyboardInterrupt):
-    """The stop's checkpoint was given up: a second stop signal, or the stop's deadline.
+    """The stop was cut short: a second stop signal, or the stop's deadline.
 
     `signum` is the signal that asked for the stop: a process stopped by SIGTERM exits 143,
-    by Ctrl-C 130, however the stop then ended."""
+    by Ctrl-C 130, however the stop then ended. `cause` says what cut it short; the message
+    adds what came of the step in flight's checkpoint (given up, unless `committed`)."""
 
-    def __init__(self, signum: int, why: str) -> None:
-        super().__init__(why)
-        self.signum = signum
+    def __init__(self, signum: int, cause: str,
+                 outcome: str = "abandoned the checkpoint of the step in flight") -> None:
+        super().__init__(f"{cause}; {outcome}")
+        self.signum, self.cause = signum, cause
+
+    def committed(self, step: int, *, in_flight: bool) -> StopAbandoned:
+        """The same abandon, once the workers are stopped and storage shows that they had
+        committed `step` unheard of; `in_flight`: a step past the last one the driver heard
+        of, so the step in flight's checkpoint was not given up after all."""
+        outcome = (f"stopped the workers at once, after step {step} was checkpointed"
+                   if in_flight else
+                   f"abandoned the checkpoint of the step in flight; step {step} was "
+                   f"checkpointed before it")
+        return StopAbandoned(self.signum, self.cause, outcome)
 
 
 class StopRequest:
@@ -79,12 +93,11 @@ class StopRequest:
         first = self.signum if self.signum is not None else signum
         if self._expired:
             self.abandoned = StopAbandoned(
-                first, f"the step in flight was not checkpointed within failure.stop_timeout_s="
-                       f"{self.timeout_s:g}s of the {signal_name(first)}; abandoned it")
+                first, f"the stop did not end within failure.stop_timeout_s="
+                       f"{self.timeout_s:g}s of the {signal_name(first)}")
             raise self.abandoned
         if self.requested:
-            self.abandoned = StopAbandoned(first, f"{signal_name(signum)} during the stop; "
-                                                  f"abandoned the checkpoint of the step in flight")
+            self.abandoned = StopAbandoned(first, f"{signal_name(signum)} during the stop")
             raise self.abandoned
         self.requested, self.signum = True, signum
         if math.isfinite(self.timeout_s):

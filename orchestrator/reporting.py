@@ -11,6 +11,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from stalwart.checkpointing.errors import CheckpointError
+from stalwart.checkpointing.storage.catalog import list_step_dirs, read_checkpoint, verify
 from stalwart.core import events as ev
 from stalwart.orchestrator import classify
 from stalwart.orchestrator.failures import FailureKind
@@ -21,6 +23,7 @@ from stalwart.orchestrator.stragglers import StragglerDetector
 if TYPE_CHECKING:
     from stalwart.checkpointing.memory.limits import MemoryLimit
     from stalwart.checkpointing.storage.catalog import CheckpointInfo
+    from stalwart.checkpointing.storage.signing import CheckpointTrust
     from stalwart.core.config import JobConfig
     from stalwart.core.events import WorkerPlace
     from stalwart.core.run_logs import EventLog
@@ -74,6 +77,22 @@ class CommitLog:
             self.events.emit(ev.CheckpointCommitted(step=commit.step, path=commit.path,
                              save_s=round(commit.save_s, 3), cleared=list(commit.cleared)))
             self.newest = max(self.newest, commit.step)
+
+    def found_on_storage(self, url: str, trust: CheckpointTrust) -> list[int]:
+        """Every checkpoint that storage holds committed past the newest logged and that
+        verifies, logged as `found` (oldest first); their steps. For the end of a run whose
+        workers may have committed after the driver stopped listening (an abandoned stop)."""
+        steps = []
+        for step, done in list_step_dirs(url):
+            if not done or step <= self.newest:
+                continue
+            try:
+                checkpoint = verify(read_checkpoint(url, step), trust, hashes=False)
+            except CheckpointError:
+                continue  # damaged, or signed by another key: no commit of this run's
+            self.found(checkpoint)
+            steps.append(step)
+        return steps
 
     def found(self, checkpoint: CheckpointInfo | None) -> None:
         """A commit that storage holds but no rank reported: rank 0 writes the manifest

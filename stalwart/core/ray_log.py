@@ -23,34 +23,39 @@ from stalwart.core.ray_private import route_driver_printing
 RAY_LOG = "ray.log"
 # Ray's batches from its daemons, and the errors its raylet and GCS publish (as "raylet").
 RAY_SOURCES = frozenset({"raylet", "gcs_server", "autoscaler"})
+# Seconds a run's log still takes Ray's messages after the run: Ray reports the workers its
+# end killed a moment later, from another thread. Bounded, so that a process that goes on
+# using Ray (a notebook) gets Ray's messages on its console again.
+LINGER_S = 10.0
 _COLOUR = re.compile(r"\x1b\[[0-9;]*m")
 
-_active: list[RayLog] = []  # the runs of this process that route Ray's messages, newest last
+_routes: list[RayLog] = []  # the runs of this process that route Ray's messages, newest last
 _lock = threading.Lock()
 
 
 class RayLog:
-    """While entered, Ray's own messages on this driver are appended to `path`.
+    """While entered, and for LINGER_S after, Ray's own messages on this driver are appended
+    to `path`.
 
     Nothing is written, and the file not created, until Ray says something. Runs in one
-    process nest (a run inside a callback, tests): the newest run entered gets them. Without
-    Ray loaded there is nothing to route, and nothing is imported."""
+    process nest (a run inside a callback, tests): the newest run still running gets them,
+    else the newest that ended within LINGER_S. Without Ray loaded there is nothing to
+    route, and nothing is imported."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        self.ended_at: float | None = None
         self._partial = ""
         self._write_lock = threading.Lock()
 
     def __enter__(self) -> RayLog:
         if "ray" in sys.modules and route_driver_printing(_route):
             with _lock:
-                _active.append(self)
+                _routes.append(self)
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        with _lock:
-            if self in _active:
-                _active.remove(self)
+        self.ended_at = time.monotonic()
 
     # -- the file Ray prints to (its printing threads call these)
 
@@ -74,9 +79,12 @@ class RayLog:
 
 
 def _route(data: dict[str, Any]) -> RayLog | None:
-    """Where one of Ray's batches goes: the newest run's ray.log for Ray's own, else None
-    (the console)."""
+    """Where one of Ray's batches goes: a run's ray.log for Ray's own, else None (the
+    console)."""
     if data.get("pid") not in RAY_SOURCES:
         return None
+    now = time.monotonic()
     with _lock:
-        return _active[-1] if _active else None
+        _routes[:] = [r for r in _routes if r.ended_at is None or now - r.ended_at < LINGER_S]
+        running = [r for r in _routes if r.ended_at is None]
+        return (running or _routes or [None])[-1]

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from ray._private import worker as ray_worker  # Ray loaded, as on a driver: routes install
 
+from stalwart.core import ray_log
 from stalwart.core.ray_log import RayLog
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -42,9 +43,20 @@ def test_rays_paragraphs_go_to_the_run_dir_and_the_workers_output_to_the_console
     assert "\x1b" not in log.read_text()
     assert written[1].endswith("(pid=gcs_server) a line the GCS logged")
 
-    # The run is over: Ray prints on the console again, as it does.
-    _print_as_ray("raylet", "after the run")
-    assert "(raylet)" in capsys.readouterr().out and "after the run" not in log.read_text()
+    # Just after the run: what Ray says of the workers its end killed is still the run's.
+    _print_as_ray("raylet", "the run's last worker died")
+    assert capsys.readouterr().out == "" and "last worker died" in log.read_text()
+
+
+def test_past_its_linger_a_run_leaves_rays_messages_to_the_console(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(ray_log, "LINGER_S", 0.0)
+    log = tmp_path / "ray.log"
+    with RayLog(log):
+        pass
+    _print_as_ray("raylet", "after the run")  # Ray prints on the console, as it does
+    assert "(raylet)" in capsys.readouterr().out and not log.exists()
 
 
 def test_nested_runs_route_to_the_newest_and_nothing_is_written_until_ray_speaks(
@@ -54,7 +66,7 @@ def test_nested_runs_route_to_the_newest_and_nothing_is_written_until_ray_speaks
         with RayLog(inner):
             _print_as_ray("raylet", "to the inner run")
         assert not outer.exists()  # nothing said to it yet
-        _print_as_ray("raylet", "to the outer run")
+        _print_as_ray("raylet", "to the outer run")  # still running: it wins over the ended
     assert "to the inner run" in inner.read_text()
     assert "to the outer run" in outer.read_text() and "inner" not in outer.read_text()
     assert capsys.readouterr().out == ""

@@ -10,7 +10,7 @@ from __future__ import annotations
 import signal
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -85,7 +85,49 @@ def test_a_second_signal_of_either_kind_abandons_the_checkpoint(
     assert isinstance(raised.value, KeyboardInterrupt)  # every interrupt path applies
     assert raised.value.signum == first  # the exit code is the stop's: 143 or 130
     assert w.shutdowns() == [False] and "stopped" not in w.kinds()
+    assert "checkpoint_committed" not in w.kinds()  # storage holds nothing new: none found
     assert _handlers() == before
+
+
+def _commit_then_sigint(step: int) -> Callable[[FakeWorld], None]:
+    """The workers commit `step` and the driver gets its second Ctrl-C before any poll says so."""
+    def hook(w: FakeWorld) -> None:
+        w.commit(step)
+        signal.raise_signal(signal.SIGINT)
+    return hook
+
+
+def test_a_step_in_flight_committed_before_the_second_signal_is_logged_not_abandoned(
+        tmp_path: Path, monkeypatch) -> None:
+    w = FakeWorld(tmp_path, monkeypatch, [Plan(polls=[
+        Poll(statuses([1, 2]), hook=lambda w: signal.raise_signal(signal.SIGINT)),
+        Poll(statuses([3]), hook=_commit_then_sigint(3)),  # its answer never arrives
+    ])])
+    with pytest.raises(StopAbandoned) as raised:
+        w.run()
+    assert str(raised.value) == ("SIGINT during the stop; stopped the workers at once, after "
+                                 "step 3 was checkpointed")
+    assert raised.value.signum == signal.SIGINT
+    # The world was killed by PID before the teardown: nothing could commit after the look.
+    assert [(c.name, c.args) for c in w.named("remove", "shutdown")] == [
+        ("remove", ((0, 1),)), ("shutdown", (False,))]
+    committed = w.event("checkpoint_committed")
+    assert committed["step"] == 3 and committed["found_on_restore"] is True
+    assert w.controller.outcome().step == 3  # the run's step is the checkpoint's
+
+
+def test_an_older_commit_found_after_the_second_signal_is_logged_and_the_stop_abandoned(
+        tmp_path: Path, monkeypatch) -> None:
+    w = FakeWorld(tmp_path, monkeypatch, [Plan(polls=[
+        Poll(statuses([1, 2]), hook=lambda w: signal.raise_signal(signal.SIGINT)),
+        Poll(statuses([3]), hook=_commit_then_sigint(2)),  # a save of step 2, late
+    ])])
+    with pytest.raises(StopAbandoned) as raised:
+        w.run()
+    assert str(raised.value) == ("SIGINT during the stop; abandoned the checkpoint of the step "
+                                 "in flight; step 2 was checkpointed before it")
+    assert w.event("checkpoint_committed")["step"] == 2
+    assert w.controller.outcome().step == 2
 
 
 def test_past_stop_timeout_the_checkpoint_is_abandoned(tmp_path: Path, monkeypatch,
@@ -95,8 +137,9 @@ def test_past_stop_timeout_the_checkpoint_is_abandoned(tmp_path: Path, monkeypat
         Poll(statuses([1, 2]), hook=_sigterm),
         Poll(statuses([3]), hook=_wait_to_be_interrupted),
     ])], overrides=["failure.stop_timeout_s=0.2"])
-    with pytest.raises(StopAbandoned, match=r"not checkpointed within "
-                                            r"failure.stop_timeout_s=0.2s of the SIGTERM"
+    with pytest.raises(StopAbandoned, match=r"the stop did not end within "
+                                            r"failure.stop_timeout_s=0.2s of the SIGTERM; "
+                                            r"abandoned the checkpoint of the step in flight$"
                        ) as raised:
         w.run()
     assert raised.value.signum == signal.SIGTERM
