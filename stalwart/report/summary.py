@@ -67,6 +67,12 @@ class Summary:
     tokens_per_step: int | None
     tokens: int | None
     """Tokens of the steps the run trained (each step once)."""
+    throughput_unit: str
+    """What `tokens` counts: "tokens", or "samples" when the task's count_tokens counts one
+    per sample (stalwart.progress.throughput_unit)."""
+    last_metrics: dict[str, float]
+    """The last row's loss and the task's own metrics, with the last validation's
+    `val_loss` and `val_` metrics."""
     failures: list[dict[str, Any]]
     failures_by_kind: dict[str, int]
     recoveries_by_source: dict[str, int]
@@ -183,6 +189,28 @@ def tokens_per_step(rows: list[ev.MetricsRow]) -> int | None:
     return round(statistics.median(per_step)) if per_step else None
 
 
+def last_metrics(rows: list[ev.MetricsRow]) -> dict[str, float]:
+    """The newest row's loss and task metrics, with the newest validation's values."""
+    if not rows:
+        return {}
+    validation: dict[str, float] = {}
+    for r in rows:
+        if r.val_loss is not None:
+            validation = {"val_loss": r.val_loss, **{k: v for k, v in r.task_metrics.items()
+                                                     if k.startswith("val_")}}
+    own = {k: v for k, v in rows[-1].task_metrics.items() if not k.startswith("val_")}
+    return {"loss": rows[-1].loss, **validation, **own}
+
+
+def unit(rows: list[ev.MetricsRow], per_step: int | None) -> str:
+    """What the rows' tokens_per_s counts (every step trains samples_seen / step samples)."""
+    from stalwart.progress import throughput_unit
+
+    counted = [r for r in rows if r.step > 0]
+    return throughput_unit(per_step, counted[-1].samples_seen / counted[-1].step
+                           if counted else None)
+
+
 def data_wait(rows: list[ev.MetricsRow]) -> float | None:
     """Sum of data_wait_s over sum of window_s, over the rows that carry both (every
     attempt's: a lost one waited too)."""
@@ -234,6 +262,7 @@ def summarize(events: list[ev.Event], rows: list[ev.MetricsRow], *, now: float,
         state=state, wall_s=wall, steps_done=steps_done, steps_total=steps_total,
         start_step=start_step, tokens_per_step=per_step,
         tokens=None if per_step is None else per_step * (steps_done - start_step),
+        throughput_unit=unit(rows, per_step), last_metrics=last_metrics(rows),
         failures=failures,
         failures_by_kind=dict(Counter(f["kind"] for f in failures)),
         recoveries_by_source=dict(Counter(e.source for e in recovered)),

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+from stalwart.progress import metrics_text
 from stalwart.report.summary import Summary
+from stalwart.tables import key_values
 
 
 def _duration(seconds: float) -> str:
@@ -26,7 +28,7 @@ def _counts(counts: dict[str, int]) -> str:
 def format_summary(s: Summary, run_dir: str) -> str:
     total = "?" if s.steps_total is None else str(s.steps_total)
     started = f" (from step {s.start_step})" if s.start_step else ""
-    tokens = "-" if s.tokens is None else f"{s.tokens:,} ({s.tokens_per_step:,} per step)"
+    counted = "-" if s.tokens is None else f"{s.tokens:,} ({s.tokens_per_step:,} per step)"
     if s.goodput is None:
         goodput = "unknown"
     else:
@@ -40,7 +42,7 @@ def format_summary(s: Summary, run_dir: str) -> str:
         ("run", f"{run_dir} ({s.state})"),
         ("wall time", _duration(s.wall_s) + (" so far" if s.state == "running" else "")),
         ("steps", f"{s.steps_done} / {total}{started}"),
-        ("tokens", tokens),
+        (s.throughput_unit, counted),
         ("goodput", goodput),
         ("failures", f"{len(s.failures)}" + (f": {_counts(s.failures_by_kind)}"
                                              if s.failures else "")),
@@ -52,8 +54,9 @@ def format_summary(s: Summary, run_dir: str) -> str:
         ("checkpointing", f"{s.checkpoints} saves, {_duration(s.checkpoint_save_s)} writing "
                           f"({when})"),
     ]
-    width = max(len(k) for k, _ in lines)
-    out = [f"{k:<{width}}  {v}" for k, v in lines]
+    if s.last_metrics:
+        lines.insert(3, ("last metrics", metrics_text(s.last_metrics)))
+    out = [key_values(lines)]
     if s.data_wait is not None:
         out.append(f"data wait: {100 * s.data_wait:.1f}% of step time")
     out += [f"note: {n}" for n in s.notes]
