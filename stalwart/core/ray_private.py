@@ -155,3 +155,14 @@ def ray_auto_start_off() -> Iterator[None]:
         yield
     finally:
         auto_init_hook.enable_auto_connect = saved
+
+
+def restored_run_config(tuner: Any) -> Any | None:
+    """The RunConfig a Tuner restored from an experiment will run with (Tune restores it from
+    the experiment's tuner.pkl, output options included; `Tuner._local_tuner` holds it), so
+    that `stalwart sweep --resume` prints as this command asks. None if it moved: the resumed
+    sweep then prints as it did when it started."""
+    try:
+        return tuner._local_tuner.get_run_config()
+    except Exception:
+        return None

@@ -1,4 +1,6 @@
-"""Running a sweep file with Ray Tune: the Tuner, its resumption, and the results table."""
+"""Running a sweep file with Ray Tune: the Tuner, its resumption, what it prints while it runs
+(a table per round, stalwart.integrations.tune.rounds; Tune's own output with `verbose`), and
+the results table."""
 
 from __future__ import annotations
 
@@ -6,15 +8,18 @@ import json
 import math
 import os
 import stat
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from stalwart.core.errors import RunDirError
 from stalwart.core.ownership import why_not_own
+from stalwart.core.ray_private import restored_run_config
 from stalwart.integrations.tune.sweep_file import Sweep
 from stalwart.integrations.tune.trainable import TRIAL_DRIVER_RESOURCES, trainable
+from stalwart.tables import cell, columns
 
 RESULTS_FILE = "sweep_results.json"
 
@@ -28,6 +33,8 @@ class TrialRow:
     state: str
     """finished, stopped early (the scheduler ended it), or error"""
     path: str
+    error: str | None = None
+    """The last line of a failed trial's error."""
 
 
 def trial_cpus(sweep: Sweep) -> float:
@@ -92,26 +99,71 @@ def embedded_cpus(sweep: Sweep) -> int:
 
 
 def run_sweep(sweep: Sweep, *, resume: bool = False, key_file: str | None = None,
-              trusted_key_files: Sequence[str] = ()) -> Any:
+              trusted_key_files: Sequence[str] = (), verbose: bool = False) -> Any:
     """Run (or resume) the sweep on the connected Ray; returns Tune's ResultGrid.
-    `key_file`, `trusted_key_files`: the trials' checkpoint keys (see Trainer)."""
+    `key_file`, `trusted_key_files`: the trials' checkpoint keys (see Trainer). `verbose`:
+    Tune's own output and each trial's in the terminal, instead of a table per round (the
+    trials' output then goes to output.log in each trial's directory)."""
     from ray import tune
 
     fn = tune.with_resources(trainable(sweep.config, sweep.overrides, metric=sweep.metric,
                                        with_checkpoints=sweep.scheduler_type == "pbt",
                                        key_file=key_file,
-                                       trusted_key_files=trusted_key_files),
+                                       trusted_key_files=trusted_key_files,
+                                       quiet=not verbose),
                              TRIAL_DRIVER_RESOURCES)
     if resume:
-        return tune.Tuner.restore(str(experiment_dir(sweep)), trainable=fn,
-                                  resume_unfinished=True, resume_errored=True).fit()
+        tuner = tune.Tuner.restore(str(experiment_dir(sweep)), trainable=fn,
+                                   resume_unfinished=True, resume_errored=True)
+        # Tune restores the output options the sweep started with: this command's apply.
+        run_config = restored_run_config(tuner)
+        if run_config is not None:
+            run_config.verbose, run_config.callbacks = output_options(sweep, verbose)
+        with tune_output(verbose):
+            return tuner.fit()
+    shown, callbacks = output_options(sweep, verbose)
     tuner = tune.Tuner(
         fn, param_space=sweep.param_space(),
         tune_config=tune.TuneConfig(metric=sweep.metric, mode=sweep.mode,
                                     scheduler=sweep.make_scheduler(), num_samples=sweep.trials,
                                     max_concurrent_trials=concurrency(sweep)),
-        run_config=tune.RunConfig(name=sweep.name, storage_path=str(sweep.storage), verbose=1))
-    return tuner.fit()
+        run_config=tune.RunConfig(name=sweep.name, storage_path=str(sweep.storage),
+                                  verbose=shown, callbacks=callbacks))
+    with tune_output(verbose):
+        return tuner.fit()
+
+
+# Tune's output engine: "0" is its first one, which prints nothing at verbose 0 (the newer
+# one prints the experiment's banner at any verbosity). Read when the Tuner starts.
+OUTPUT_ENGINE_ENV = "RAY_AIR_NEW_OUTPUT"
+
+
+@contextmanager
+def tune_output(verbose: bool) -> Iterator[None]:
+    """Tune's own output on (its default engine) or wholly off, while the Tuner runs."""
+    if verbose:
+        yield
+        return
+    before = os.environ.get(OUTPUT_ENGINE_ENV)
+    os.environ[OUTPUT_ENGINE_ENV] = "0"
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(OUTPUT_ENGINE_ENV, None)
+        else:
+            os.environ[OUTPUT_ENGINE_ENV] = before
+
+
+def output_options(sweep: Sweep, verbose: bool) -> tuple[int, list[Any]]:
+    """Tune's verbosity and the callbacks that print: Tune's default output (verbose 1), or
+    none of it (0) and a table per round."""
+    if verbose:
+        return 1, []
+    from stalwart.integrations.tune.rounds import RoundTable
+
+    return 0, [RoundTable(search=list(sweep.search), metric=sweep.metric, mode=sweep.mode,
+                          steps=sweep.job.train.steps)]
 
 
 def trial_rows(sweep: Sweep, results: Any) -> list[TrialRow]:
@@ -129,8 +181,16 @@ def trial_rows(sweep: Sweep, results: Any) -> list[TrialRow]:
         rows.append(TrialRow(trial_id=str(m.get("trial_id", Path(result.path).name)),
                              params={k: result.config.get(k) for k in sweep.search},
                              step=step, metric=m.get(sweep.metric), state=state,
-                             path=str(result.path)))
+                             path=str(result.path), error=_last_line(result.error)))
     return sorted(rows, key=lambda r: r.trial_id)
+
+
+def _last_line(error: BaseException | None) -> str | None:
+    """What a failed trial's error says last (its traceback is in the trial's directory)."""
+    if error is None:
+        return None
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    return lines[-1] if lines else type(error).__name__
 
 
 def best_row(sweep: Sweep, rows: list[TrialRow]) -> TrialRow | None:
@@ -142,24 +202,18 @@ def best_row(sweep: Sweep, rows: list[TrialRow]) -> TrialRow | None:
     return pick(scored, key=lambda r: r.metric)
 
 
-def _fmt(value: Any) -> str:
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return "-" if value is None else str(value)
-
-
 def format_results(sweep: Sweep, rows: list[TrialRow]) -> str:
-    """The table of trials, the best one as `--set` flags, and where the experiment is."""
+    """The table of trials, why each failed one failed, the best one as `--set` flags, and
+    where the experiment is."""
     heads = ["trial", *sweep.search, "step", sweep.metric, "state"]
-    table = [[r.trial_id, *(_fmt(r.params[k]) for k in sweep.search), _fmt(r.step),
-              _fmt(r.metric), r.state] for r in rows]
-    widths = [max(len(h), *(len(row[i]) for row in table)) for i, h in enumerate(heads)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(heads, widths, strict=True))]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) for row in table]
+    table = [[r.trial_id, *(cell(r.params[k]) for k in sweep.search), cell(r.step),
+              cell(r.metric), r.state] for r in rows]
+    lines = [columns(heads, table)]
+    lines += [f"{r.trial_id}: error: {r.error} (in {r.path})" for r in rows if r.error]
     best = best_row(sweep, rows)
     if best is not None:
         flags = " ".join(f"--set {k}={json.dumps(v)}" for k, v in best.params.items())
-        lines.append(f"best: {best.trial_id} {sweep.metric} {_fmt(best.metric)} at step "
+        lines.append(f"best: {best.trial_id} {sweep.metric} {cell(best.metric)} at step "
                      f"{best.step}: {flags}")
     lines.append(f"experiment: {experiment_dir(sweep)} (resume: stalwart sweep {sweep.path} "
                  f"--resume)")

@@ -21,9 +21,10 @@ its own hyperparameters.
 from __future__ import annotations
 
 import json
+import logging
 import sys
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import nullcontext
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext, redirect_stderr, redirect_stdout
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,26 @@ def _trial_dir() -> Path:
     return Path(tune.get_context().get_trial_dir())
 
 
+OUTPUT_LOG = "output.log"
+"""A quiet trial's output, in its trial directory (appended to by each of its runs)."""
+
+
+@contextmanager
+def _output_to(path: Path) -> Iterator[None]:
+    """This trial's prints and Ray Train's notes into `path` while it lasts. The trial's
+    process is its own, so the whole process's streams are redirected; Ray forwards only
+    what reaches the real ones to the sweep's terminal."""
+    train_logger = logging.getLogger("ray.train")
+    level = train_logger.level
+    train_logger.setLevel(logging.WARNING)  # "Checkpoint successfully created at: ..."
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with path.open("a") as out, redirect_stdout(out), redirect_stderr(out):
+            yield
+    finally:
+        train_logger.setLevel(level)
+
+
 def _next_run_dir(trial_dir: Path) -> Path:
     """Each start of a trial (a PBT exploit, a Tune restore) is a new stalwart run."""
     n = 0
@@ -73,8 +94,8 @@ def _next_run_dir(trial_dir: Path) -> Path:
 
 def trainable(config: str | Path, overrides: Sequence[str] = (), *, metric: str | None = None,
               with_checkpoints: bool = False, workdir: str | Path | None = None,
-              key_file: str | Path | None = None, trusted_key_files: Sequence[str | Path] = ()
-              ) -> Callable[[dict[str, Any]], None]:
+              key_file: str | Path | None = None, trusted_key_files: Sequence[str | Path] = (),
+              quiet: bool = False) -> Callable[[dict[str, Any]], None]:
     """A Tune function trainable running `config` (+ `overrides`) as one stalwart run per trial.
 
     `metric`: Tune's metric; reports wait for it (val_loss exists only from the first
@@ -87,6 +108,8 @@ def trainable(config: str | Path, overrides: Sequence[str] = (), *, metric: str 
     as for `stalwart run`). The config is checked here, before Tune starts.
     `key_file`, `trusted_key_files`: the checkpoint keys, as for Trainer; each is a path on
     the node a trial runs on.
+    `quiet`: a trial's own output (its progress lines, Tune's notes on its checkpoints) goes
+    to `output.log` in its trial directory, not to the sweep's terminal.
     """
     # The file is read here, once: trials on other machines get its contents, not its path.
     data = read_toml(config)
@@ -108,7 +131,8 @@ def trainable(config: str | Path, overrides: Sequence[str] = (), *, metric: str 
         checkpoint = tune.get_checkpoint()
         reporter = TuneReporter(run_dir / ".tune-staging", metric,
                                 with_checkpoints=with_checkpoints, final_step=job.train.steps)
-        with checkpoint.as_directory() if checkpoint else nullcontext(None) as start_from:
+        with (_output_to(run_dir.parent / OUTPUT_LOG) if quiet else nullcontext(),
+              checkpoint.as_directory() if checkpoint else nullcontext(None) as start_from):
             result = Trainer(job, run_dir=run_dir, start_from=start_from, workdir=code_dir,
                              live_progress=False, callbacks=[reporter], key_file=key_file,
                              trusted_key_files=trusted_key_files).fit()
