@@ -14,12 +14,15 @@ Ray is imported inside each function: importing stalwart.data stays light.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import hashlib
 import inspect
 import re
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -132,7 +135,10 @@ class RayPlan:
         """The pipeline's rows for `file`, in order, as one table."""
         import ray
 
-        tables = ray.get(self.on_file(file).to_arrow_refs())
+        try:
+            tables = ray.get(self.on_file(file).to_arrow_refs())
+        finally:
+            _join_executors()
         tables = [t for t in tables if t.num_columns]
         if not tables:
             return pa.table({})
@@ -144,21 +150,58 @@ class RayPlan:
         import ray
         from ray.data.block import BlockAccessor
 
-        rows, schema, first = 0, None, None
-        for bundle in self.on_file(file).iter_internal_ref_bundles():
-            n = bundle.num_rows()
-            if n is None:
-                raise _unexpected("an executed block of the pipeline has no row count")
-            rows += n
-            if n and schema is None:
-                base = getattr(bundle.schema, "base_schema", bundle.schema)
-                if isinstance(base, pa.Schema):
-                    schema = base
-                elif first is None:
-                    first = bundle.block_refs[0]
+        with _executed(self.on_file(file).iter_internal_ref_bundles()) as bundles:
+            rows, schema, first = _tally(bundles)
         if schema is None and first is not None:
             schema = BlockAccessor.for_block(ray.get(first)).to_arrow().schema
         return rows, schema
+
+
+def _tally(bundles: Iterator[Any]) -> tuple[int, pa.Schema | None, Any]:
+    """Rows of executed blocks, their Arrow schema where the metadata has it, else the first
+    non-empty block's reference (to read the schema from)."""
+    rows, schema, first = 0, None, None
+    for bundle in bundles:
+        n = bundle.num_rows()
+        if n is None:
+            raise _unexpected("an executed block of the pipeline has no row count")
+        rows += n
+        if n and schema is None:
+            base = getattr(bundle.schema, "base_schema", bundle.schema)
+            if isinstance(base, pa.Schema):
+                schema = base
+            elif first is None:
+                first = bundle.block_refs[0]
+    return rows, schema, first
+
+
+@contextlib.contextmanager
+def _executed(bundles: Iterator[Any]) -> Iterator[Iterator[Any]]:
+    """An execution's output, closed (its executor shut down) and its thread ended on the
+    way out, raised or not."""
+    try:
+        yield bundles
+    finally:
+        close = getattr(bundles, "close", None)
+        if close is not None:
+            close()
+        _join_executors()
+
+
+# How long an ended execution's thread may take to leave.
+EXECUTOR_EXIT_S = 60.0
+
+
+def _join_executors() -> None:
+    """Wait for the threads of Ray Data's ended executions. Ray gives one 2 s to leave its
+    loop; on a loaded machine it may still be in a `ray.wait` on a task's output stream when
+    Ray shuts down, and Ray's core worker then aborts the whole process."""
+    from ray.data._internal.execution.streaming_executor import StreamingExecutor
+
+    deadline = time.monotonic() + EXECUTOR_EXIT_S
+    for thread in threading.enumerate():
+        if isinstance(thread, StreamingExecutor) and getattr(thread, "_shutdown", False):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 def _dag(dataset: Any) -> Any:
