@@ -273,8 +273,9 @@ class CheckpointCommitted(Event):
     """Seconds from the start of the save to the manifest written; null when found on
     restore."""
     found_on_restore: bool = False
-    """Rank 0 did not live to report it (it died just after the manifest landed); a
-    restore, or the end of a failed run, found it on storage."""
+    """No rank reported it: rank 0 died just after the manifest landed, or the workers
+    committed it after the driver stopped listening (a second Ctrl-C). A restore, or the
+    end of a failed or interrupted run, found it on storage."""
     cleared: list[str] = field(default_factory=list)
     """Files the step directory held before the save began (an earlier attempt's, or
     planted), removed so that the manifest signs only what the save wrote."""

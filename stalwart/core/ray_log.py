@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from stalwart.core.errors import RunDirError
 from stalwart.core.ray_private import route_driver_printing
+from stalwart.core.safe_files import open_append_nofollow
 
 RAY_LOG = "ray.log"
 # Ray's batches from its daemons, and the errors its raylet and GCS publish (as "raylet").
@@ -61,17 +63,19 @@ class RayLog:
 
     def write(self, text: str) -> int:
         """Whole lines are appended, stamped with the time and without Ray's colours. A
-        file that cannot be written drops the line: Ray's printing thread must not die."""
+        log that cannot be written (a symbolic link planted there, which is never written
+        through, a full disk) leaves the lines on the console: Ray's printing thread must
+        not die, and nothing Ray says is lost."""
         with self._write_lock:
             lines = (self._partial + _COLOUR.sub("", text)).split("\n")
             self._partial = lines.pop()
             if lines:
                 stamp = time.strftime("%Y-%m-%d %H:%M:%S")
                 try:
-                    with self.path.open("a") as f:
+                    with open_append_nofollow(self.path) as f:
                         f.writelines(f"{stamp} {line}\n" for line in lines)
-                except OSError:
-                    pass
+                except (OSError, RunDirError):
+                    sys.stderr.writelines(f"{line}\n" for line in lines)
         return len(text)
 
     def flush(self) -> None:

@@ -59,9 +59,18 @@ def test_sigstopped_worker_is_detected_as_hung_and_replaced(tmp_path, straight_r
 
 
 def test_injected_kill_recovers_in_place_from_memory_bit_identical(tmp_path, straight_run):
-    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*RUN, "failure.max_failures=1"),
-                  "--inject", "kill:rank=1,step=25", "--run-dir", "killed", cwd=tmp_path)
+    run = stalwart_here("run", str(REFERENCE_CONFIG), *sets(*RUN, "failure.max_failures=1"),
+                        "--inject", "kill:rank=1,step=25", "--run-dir", "killed", cwd=tmp_path)
     events = events_of(tmp_path / "killed")
+    # The console: stalwart's own line for the death and for the restore, not Ray's paragraph
+    # (which guesses at the OOM killer), which the run dir keeps in ray.log.
+    console = " ".join((run.stdout + run.stderr).split())  # as typed, however it wrapped
+    pid = [e for e in events if e["kind"] == "workers_started"][0]["workers"][1]["pid"]
+    assert f"recovering from: worker rank 1 (pid {pid}) exited" in console
+    assert "restoring step 24 from memory" in console
+    assert "killed by the OOM killer" not in console and "(raylet)" not in console
+    assert "not writable" not in console  # the memory restore's view of a peer's shard
+    assert f"Worker PID: {pid}" in (tmp_path / "killed" / "ray.log").read_text()
     fault = only(events, "fault_injected")
     assert fault == {**fault, "fault": "kill:rank=1,step=25", "rank": 1, "step": 25}
     failure = only(events, "failure")

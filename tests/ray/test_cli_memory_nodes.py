@@ -47,14 +47,20 @@ def cluster():
 
 def test_a_lost_node_is_restored_from_replicas_resharded(tmp_path, cluster):
     run_dir = tmp_path / "node-lost"
-    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*SHARDED4), "--address",
-                  cluster.address, "--inject", "kill-node:node=2,step=15", "--run-dir",
-                  "node-lost", cwd=tmp_path)
+    run = stalwart_here("run", str(REFERENCE_CONFIG), *sets(*SHARDED4), "--address",
+                        cluster.address, "--inject", "kill-node:node=2,step=15", "--run-dir",
+                        "node-lost", cwd=tmp_path)
     events = events_of(run_dir)
     print(*[{k: v for k, v in e.items() if k not in ("workers", "message")} for e in events],
           sep="\n")  # shown when the test fails
     failure = only(events, "failure")
     assert failure["failure_kind"] == "node_died" and failure["step"] == 14
+    # One line of stalwart's names the node and its ranks; Ray's paragraph is in ray.log.
+    (node_ip,) = failure["nodes"]
+    console = " ".join((run.stdout + run.stderr).split())  # as typed, however it wrapped
+    assert (f"recovering from: node {node_ip} (" in console and
+            f"lost, with ranks {', '.join(map(str, failure['ranks']))}" in console), console
+    assert "(raylet)" not in console
     recovered = only(events, "recovered")
     # Every shard of step 14 survived (the lost node's as replicas): nothing is trained twice.
     assert recovered["source"] == "memory"

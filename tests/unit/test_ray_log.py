@@ -72,7 +72,16 @@ def test_nested_runs_route_to_the_newest_and_nothing_is_written_until_ray_speaks
     assert capsys.readouterr().out == ""
 
 
-def test_a_log_that_cannot_be_written_drops_the_line_and_keeps_rays_thread_alive(
-        tmp_path: Path) -> None:
-    with RayLog(tmp_path / "missing" / "ray.log"):
-        _print_as_ray("raylet", "nowhere to go")  # raises nothing
+def test_a_log_that_cannot_be_written_leaves_the_line_on_the_console(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mine = tmp_path / "mine.txt"
+    mine.write_text("my file\n")
+    planted = tmp_path / "planted"
+    planted.mkdir()
+    (planted / "ray.log").symlink_to(mine)
+    for log in (tmp_path / "missing" / "ray.log", planted / "ray.log"):
+        with RayLog(log):
+            _print_as_ray("raylet", f"nowhere to go: {log.parent.name}")  # raises nothing
+    err = capsys.readouterr().err
+    assert "nowhere to go: missing" in err and "nowhere to go: planted" in err
+    assert mine.read_text() == "my file\n"  # never written through the link
