@@ -14,12 +14,14 @@ submitted), 130 Ctrl-C while following (which stops the following, never the job
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from datetime import datetime
 from pathlib import Path, PurePosixPath
 from typing import TYPE_CHECKING
 
 from stalwart.cli import jobs, upload
+from stalwart.cli.continuing import continue_command, trust_flags
 from stalwart.cli.run_options import (
     TRUST_UNSIGNED_HELP,
     add_inject_option,
@@ -29,6 +31,7 @@ from stalwart.cli.run_options import (
     run_config,
 )
 from stalwart.core.errors import ClusterError, ConfigError
+from stalwart.tables import key_values
 
 if TYPE_CHECKING:
     from ray.job_submission import JobDetails, JobSubmissionClient
@@ -118,16 +121,17 @@ def _submit(args: argparse.Namespace) -> int:
     print(f"uploading {shipped.summary()} from {cwd}", flush=True)
     job_id = jobs.submit(client, spec, cwd=cwd, storage=config.checkpoint.storage,
                          job_id=args.job_id)
-    submit_cmd, run_cmd = spec.resume_commands(address)
-    print(f"submitted job {job_id} to {address}\n"
-          f"  run dir:   {spec.run_dir}\n"
-          f"  dashboard: {address}/#/jobs/{job_id}\n"
-          f"  follow:    stalwart logs {job_id} --address {address} --follow\n"
-          f"  stop:      stalwart stop {job_id} --address {address}\n"
-          f"continue the run later (after a stop, or if its driver dies):\n"
-          f"  {submit_cmd}\n"
-          f"  or, on a machine that sees the run dir, without a cluster: {run_cmd}",
-          flush=True)
+    submit_cmd = spec.resume_commands(address)[0]
+    run_cmd = continue_command(spec.run_dir, flags=trust_flags(spec.trust_unsigned))
+    # The run goes on (after a stop, or if its driver dies) with the command that status and
+    # stop print, where the run dir is seen; or as a job again.
+    print(f"submitted job {job_id} to {address}\n" + key_values([
+        ("run dir:", str(spec.run_dir)),
+        ("dashboard:", f"{address}/#/jobs/{job_id}"),
+        ("follow:", f"stalwart logs {job_id} --address {address} --follow"),
+        ("stop:", f"stalwart stop {job_id} --address {address}"),
+        ("continue:", run_cmd),
+        ("as a job:", submit_cmd)], indent=2, gap=1), flush=True)
     if not args.follow:
         return EXIT_OK
     return _follow(client, job_id, address)
@@ -176,23 +180,24 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _describe(job: JobDetails) -> str:
-    lines = [f"job {job.submission_id or job.job_id}: {job.status.value}"]
+    rows: list[tuple[str, str]] = []
     if job.message:
-        lines.append(f"  message:    {job.message}")
-    lines.append(f"  entrypoint: {job.entrypoint}")
+        rows.append(("message:", job.message))
+    rows.append(("entrypoint:", job.entrypoint))
     metadata = job.metadata or {}
     if run_dir := metadata.get("stalwart_run_dir"):
-        lines.append(f"  run dir:    {run_dir}")
-    if job.status.value in ("FAILED", "STOPPED") and (resume := metadata.get("stalwart_resume")):
-        lines.append(f"  continue:   {resume}")
+        rows.append(("run dir:", run_dir))
+    if job.status.value in ("FAILED", "STOPPED") and (command := job_continue(job)):
+        rows.append(("continue:", command))
     times = [datetime.fromtimestamp(t / 1000).isoformat(sep=" ", timespec="seconds")
              for t in (job.start_time, job.end_time) if t]
     if times:
-        lines.append(f"  {'started, ended' if len(times) == 2 else 'started'}: "
-                     f"{', '.join(times)}")
+        rows.append((f"{'started, ended' if len(times) == 2 else 'started'}:",
+                     ", ".join(times)))
     if job.driver_exit_code is not None:
-        lines.append(f"  driver exit code: {job.driver_exit_code}")
-    return "\n".join(lines)
+        rows.append(("driver exit code:", str(job.driver_exit_code)))
+    return (f"job {job.submission_id or job.job_id}: {job.status.value}\n"
+            f"{key_values(rows, indent=2, gap=1)}")
 
 
 def _logs(args: argparse.Namespace) -> int:
@@ -218,6 +223,19 @@ def _stop(args: argparse.Namespace) -> int:
           f"{wait_s} s before it is killed)", flush=True)
     status = jobs.wait_for_end(client, args.job_id, timeout_s=wait_s + 30)
     print(f"job {args.job_id}: {status}")
-    if resume := (job.metadata or {}).get("stalwart_resume"):
-        print(f"continue it with: {resume}")
+    if command := job_continue(job):
+        print(f"  continue:   {command}")
     return EXIT_OK if status == "STOPPED" else EXIT_FAILED
+
+
+def job_continue(job: JobDetails) -> str | None:
+    """The command that continues a job's run, as `stalwart status RUN_DIR` prints it (on a
+    machine that sees the run dir); None for a job that `stalwart submit` did not start."""
+    run_dir = (job.metadata or {}).get("stalwart_run_dir")
+    if not run_dir:
+        return None
+    try:
+        given = shlex.split(job.entrypoint or "")
+    except ValueError:  # not ours to parse
+        given = []
+    return continue_command(run_dir, flags=trust_flags("--trust-unsigned" in given))

@@ -1,9 +1,11 @@
 """The `stalwart` command line: run, export, plan, sweep, report, and Ray jobs (submit,
 status, logs, stop).
 
-Exit codes: 0 finished, 1 the run failed, 2 bad input (nothing was started or changed),
-130 stopped by Ctrl-C and 143 by SIGTERM (128 + the signal), whether the step in flight was
-checkpointed or, on a second signal or past failure.stop_timeout_s, abandoned.
+Exit codes: 0 finished, 1 the run failed, 2 bad input (nothing was started or changed; a
+bare `stalwart` prints the commands and exits 2 too), 130 stopped by Ctrl-C and 143 by SIGTERM
+(128 + the signal), whether the step in flight was checkpointed or, on a second signal or past
+failure.stop_timeout_s, abandoned. Output piped into a reader that stopped reading (`| head`)
+ends the command quietly with 141, as the shell's own tools end (128 + SIGPIPE).
 """
 
 from __future__ import annotations
@@ -11,12 +13,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import shlex
+import signal
 import sys
 import typing
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stalwart.cli.continuing import continue_command, trust_flags
 from stalwart.cli.job_commands import JOB_COMMANDS, add_job_commands, run_job_command
 from stalwart.cli.plan import add_plan_parser, cmd_plan
 from stalwart.cli.run_options import (
@@ -25,16 +28,16 @@ from stalwart.cli.run_options import (
     add_key_options,
     add_resume_options,
     add_set_option,
-    key_args,
     run_config,
 )
 from stalwart.core.errors import StalwartError
+from stalwart.core.spelling import closest
 
 if TYPE_CHECKING:
-    from stalwart.core.config import JobConfig
     from stalwart.trainer import RunResult
 
 EXIT_OK, EXIT_FAILED, EXIT_BAD_INPUT, EXIT_STOPPED = 0, 1, 2, 130
+EXIT_BROKEN_PIPE = 128 + signal.SIGPIPE
 
 
 # Commands that import the user's task: the current directory is searched for it, last.
@@ -64,11 +67,33 @@ class _Parser(argparse.ArgumentParser):
               f"`{self.prog} --help`", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT)
 
+    def _check_value(self, action: argparse.Action, value: typing.Any) -> None:
+        """A command or choice that is not one: the closest one named first."""
+        choices = action.choices
+        if choices is not None and value not in choices and isinstance(value, str):
+            match = closest(value, [str(c) for c in choices])
+            hint = f"did you mean {match!r}? " if match is not None else ""
+            raise argparse.ArgumentError(action, f"invalid choice: {value!r}; {hint}choose "
+                                                 f"from {', '.join(map(repr, choices))}")
+        super()._check_value(action, value)
+
+
+def _version() -> str:
+    """The installed package's version (what pip installed, not a constant in the code)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("stalwart")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown (not installed)"
+
 
 def _parser() -> argparse.ArgumentParser:
     p = _Parser(prog="stalwart", description="Elastic, fault-tolerant PyTorch "
                 "training on Ray.")
-    sub = p.add_subparsers(dest="command", required=True)
+    p.add_argument("--version", action="version", version=f"stalwart {_version()}")
+    # Not required: a bare `stalwart` prints the commands (main), not an error line.
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
 
     run = sub.add_parser("run", help="train a task described by a TOML config")
     run.add_argument("config", help="TOML config file (see examples/gpt/config.toml)")
@@ -119,6 +144,10 @@ def _parser() -> argparse.ArgumentParser:
     sw.add_argument("--address", help="Ray cluster to join (default: start Ray on this machine)")
     sw.add_argument("--resume", action="store_true",
                     help="continue the sweep's Tune experiment (Tune's own restore)")
+    sw.add_argument("--verbose", action="store_true",
+                    help="print Tune's own output and each trial's, instead of a table of "
+                         "the trials per round (their output then goes to output.log in "
+                         "each trial's directory)")
     add_key_options(sw)
     add_job_commands(sub)
 
@@ -155,37 +184,38 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except StopAbandoned as exc:  # a second stop signal, or failure.stop_timeout_s passed
         print(f"stalwart: stopped: {exc}; the newest committed checkpoint is intact",
               file=sys.stderr)
-        print(_resume_line(args, config, trainer.run_dir.path))
+        print(f"continue: {_continue(args, trainer.run_dir.path)}")
         return 128 + exc.signum
     print(closing_summary(result))
     if result.state == "STOPPED":
-        print(_resume_line(args, config, result.run_dir))
+        print(f"  continue: {_continue(args, result.run_dir)}")
         return 128 + result.stop_signal if result.stop_signal else EXIT_STOPPED
     return EXIT_OK if result.state == "FINISHED" else EXIT_FAILED
 
 
-def _resume_line(args: argparse.Namespace, config: JobConfig, run_dir: Path) -> str:
-    """The command that continues a stopped run (its faults are not injected again)."""
-    again = [a for o in args.overrides for a in ("--set", o)]
-    again += ["--trust-unsigned"] if args.trust_unsigned else []
-    again += key_args(args.key_file, args.trusted_key_files)
-    again += ["--auto-resume" if config.run.auto_resume else "--resume"]
-    return (f"resume with: stalwart run {shlex.join([args.config, *again[:-1]])} --run-dir "
-            f"{shlex.quote(str(run_dir))} {again[-1]}")
+def _continue(args: argparse.Namespace, run_dir: Path) -> str:
+    """The command that continues this stopped run (as `stalwart status` prints it)."""
+    return continue_command(run_dir, flags=trust_flags(args.trust_unsigned, args.key_file,
+                                                       args.trusted_key_files))
 
 
 def closing_summary(result: RunResult) -> str:
-    """What `stalwart run` prints when the run ends: state, loss, throughput, checkpoints."""
+    """What `stalwart run` prints when the run ends: state, loss, val_loss and the task's
+    own metrics, throughput (tokens/s or samples/s: stalwart.progress.throughput_unit),
+    checkpoints."""
     from stalwart.core import events as ev
+    from stalwart.progress import metrics_text, row_throughput_unit, task_metrics
 
     commits = [e for e in ev.read_events(result.run_dir / "events.jsonl")
                if isinstance(e, ev.CheckpointCommitted)]
     lines = [f"{result.state} at step {result.step} in {result.wall_s:.1f}s"]
     if result.loss is not None:
-        val = f", val_loss {result.val_loss:.4f}" if result.val_loss is not None else ""
-        lines.append(f"  loss {result.loss:.4f}{val}")
+        val = {"val_loss": result.val_loss} if result.val_loss is not None else {}
+        lines.append("  " + metrics_text({"loss": result.loss, **val,
+                                          **task_metrics(result.metrics)}))
     if result.tokens_per_s is not None:
-        lines.append(f"  throughput {result.tokens_per_s:,.0f} tokens/s")
+        lines.append(f"  throughput {result.tokens_per_s:,.0f} "
+                     f"{row_throughput_unit(result.metrics)}/s")
     if commits:
         lines.append(f"  checkpoints committed: {len(commits)}, newest step "
                      f"{commits[-1].step} at {commits[-1].path}")
@@ -272,17 +302,55 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     started = connect(args.address, num_cpus=embedded_cpus(sweep))
     try:
         rows = trial_rows(sweep, run_sweep(sweep, resume=args.resume, key_file=args.key_file,
-                                           trusted_key_files=args.trusted_key_files))
+                                           trusted_key_files=args.trusted_key_files,
+                                           verbose=args.verbose))
     finally:
         if started:
             ray.shutdown()
-    print(format_results(sweep, rows))
+    print(f"\n{format_results(sweep, rows)}")
     print(f"results: {write_results(sweep, rows)}")
     return EXIT_FAILED if any(r.state == "error" for r in rows) or not rows else EXIT_OK
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    try:
+        code = _main(argv)
+        sys.stdout.flush()  # here, so that a reader gone away is seen here
+        return code
+    except BrokenPipeError:
+        if not _stdout_reader_gone():
+            raise  # another pipe or socket broke: a real error
+        return _reader_gone()
+
+
+def _stdout_reader_gone() -> bool:
+    """Whether stdout is a pipe whose reader has closed it (poll says POLLERR then)."""
+    import select
+
+    try:
+        poll = select.poll()
+        poll.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poll.poll(0))
+    except (OSError, ValueError, AttributeError):  # no fd (a test's capture), no poll
+        return False
+
+
+def _reader_gone() -> int:
+    """The reader of our output stopped reading (`stalwart report RUN | head`): end quietly,
+    as `cat` or `git log` do, with 128 + SIGPIPE. What is still buffered goes nowhere; without
+    this Python would print a second traceback when it flushes stdout at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_BROKEN_PIPE
+
+
+def _main(argv: list[str] | None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:  # a bare `stalwart`: what it can do, as bad input (nothing ran)
+        parser.print_help(sys.stderr)
+        return EXIT_BAD_INPUT
     _import_path_for(args.command)
     try:
         if args.command == "run":

@@ -14,7 +14,6 @@ it with the command printed; 3 no end recorded (running, or its driver was lost)
 
 from __future__ import annotations
 
-import shlex
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,8 +21,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from stalwart.cli.continuing import continue_command, trust_flags
 from stalwart.core import events as ev
 from stalwart.core.errors import RunDirError
+from stalwart.tables import key_values
 
 if TYPE_CHECKING:
     from stalwart.core.config import JobConfig
@@ -168,13 +169,6 @@ def last_end(events: list[ev.Event]
     return end
 
 
-def continue_command(run_dir: str, *, flags: Sequence[str] = ()) -> str:
-    """`flags`: the trust options status was given, which the run needs as well."""
-    config = shlex.quote(str(Path(run_dir) / "config.toml"))
-    more = "".join(f" {shlex.quote(f)}" for f in flags)
-    return f"stalwart run {config} --run-dir {shlex.quote(run_dir)} --auto-resume{more}"
-
-
 def describe(run_dir: str, status: RunStatus, *, flags: Sequence[str] = (),
              now: float | None = None) -> str:
     now = time.time() if now is None else now
@@ -183,37 +177,44 @@ def describe(run_dir: str, status: RunStatus, *, flags: Sequence[str] = (),
     if status.last_event is None:
         head = "RUNNING, or its driver was lost (no event yet: it is starting, or it was " \
                "lost before its first event)"
-    lines = [f"run {run_dir}: {head}"]
+    rows: list[tuple[str, str]] = []
     if status.reason:
         said = status.reason.strip().splitlines() or [""]
-        lines.append(f"  reason:     {said[0]}{' ... ' + said[-1] if len(said) > 1 else ''}")
+        rows.append(("reason:", f"{said[0]}{' ... ' + said[-1] if len(said) > 1 else ''}"))
     if status.step is not None:
         of = f" of {status.steps_total}" if status.steps_total is not None else ""
-        lines.append(f"  step:       {status.step}{of}")
+        rows.append(("step:", f"{status.step}{of}"))
     if status.last_event is not None:
-        lines.append(f"  last event: {_when(status.last_event, now)}")
+        rows.append(("last event:", _when(status.last_event, now)))
     ck = status.checkpoints
     if ck.problem:
-        lines.append(f"  checkpoint: unknown: {ck.problem}")
+        rows.append(("checkpoint:", f"unknown: {ck.problem}"))
     elif ck.newest is not None:
         unsigned = f" (accepted although {ck.unsigned})" if ck.unsigned else ""
-        lines.append(f"  checkpoint: step {ck.newest}, verified{unsigned}: {ck.newest_path}")
+        rows.append(("checkpoint:", f"step {ck.newest}, verified{unsigned}: {ck.newest_path}"))
     else:
-        lines.append(f"  checkpoint: {'none verifies' if ck.skipped else 'none committed'} "
-                     f"under {ck.url}")
+        rows.append(("checkpoint:", f"{'none verifies' if ck.skipped else 'none committed'} "
+                                    f"under {ck.url}"))
+    lines = [f"run {run_dir}: {head}", key_values(rows, **LAYOUT)]
     for step, why in ck.skipped:
         lines.append(f"  not verified (never loaded): step {step}: {why}")
     if status.state != "FINISHED":
-        lines.append(_continue_line(run_dir, status, flags=flags))
+        lines.append(key_values([("continue:", _continue(run_dir, status, flags=flags))],
+                                **LAYOUT))
     return "\n".join(lines)
 
 
-def _continue_line(run_dir: str, status: RunStatus, *, flags: Sequence[str]) -> str:
+# The status's names and values, indented under its first line; the continue line, after the
+# checkpoints that do not verify, lines up with them.
+LAYOUT: dict[str, int] = {"indent": 2, "gap": 1, "key_width": len("last event:")}
+
+
+def _continue(run_dir: str, status: RunStatus, *, flags: Sequence[str]) -> str:
     ck = status.checkpoints
     if not status.has_config:
-        return "  continue:   not possible: the run dir holds no config.toml"
+        return "not possible: the run dir holds no config.toml"
     if ck.newest is None and ck.skipped:
-        return "  continue:   no checkpoint verifies (above); nothing to continue from"
+        return "no checkpoint verifies (above); nothing to continue from"
     rollback = ck.newest is not None and ck.recorded is not None and ck.newest < ck.recorded
     command = continue_command(run_dir, flags=[*flags, *(["--allow-rollback"] if rollback
                                                          else [])])
@@ -224,7 +225,7 @@ def _continue_line(run_dir: str, status: RunStatus, *, flags: Sequence[str]) -> 
         command = f"if its driver is gone: {command}"
     if ck.newest is None and not ck.problem:
         command += "  (no checkpoint yet: from step 0)"
-    return f"  continue:   {command}"
+    return command
 
 
 def _when(t: float, now: float) -> str:
@@ -256,8 +257,6 @@ def run_status(run_dir: str, *, trust_unsigned: bool = False, key_file: str | No
     """Print the status of `run_dir` (checked by is_run_dir_arg); return the exit code."""
     status = read_status(Path(run_dir), trust_unsigned=trust_unsigned, key_file=key_file,
                          trusted_key_files=trusted_key_files)
-    from stalwart.cli.run_options import key_args
-
-    flags = ["--trust-unsigned"] if trust_unsigned else []
-    print(describe(run_dir, status, flags=flags + key_args(key_file, trusted_key_files)))
+    print(describe(run_dir, status, flags=trust_flags(trust_unsigned, key_file,
+                                                      trusted_key_files)))
     return exit_code(status)

@@ -261,7 +261,13 @@ def test_stop_checkpoints_the_run_and_says_how_to_resume_it(cluster):
     assert "RUNNING" in cluster.stalwart("status", "stalwart-stop").stdout.splitlines()[0]
 
     stop = cluster.stalwart("stop", "stalwart-stop")
-    assert "job stalwart-stop: STOPPED" in stop.stdout and "--resume" in stop.stdout
+    assert "job stalwart-stop: STOPPED" in stop.stdout
+    # The command that continues the run: the one `stalwart status RUN_DIR` prints too.
+    continue_line = stop.stdout.splitlines()[-1]
+    assert continue_line == (f"  continue:   stalwart run {run_dir}/config.toml --run-dir "
+                             f"{run_dir} --auto-resume")
+    assert cluster.stalwart("status", str(run_dir), check=1).stdout.splitlines()[-1] == \
+        continue_line
     events = _events(run_dir)
     stopped = [e for e in events if e["kind"] == "stopped"]
     assert len(stopped) == 1  # the run saw a SIGTERM and checkpointed its last step

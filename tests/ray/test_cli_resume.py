@@ -4,6 +4,7 @@ equal an uninterrupted run's bit for bit."""
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import subprocess
 
@@ -40,7 +41,12 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, straight_run):
     finally:
         proc.kill()
     assert proc.returncode == 130, f"expected 130 (stopped)\n{out}\n{err}"
-    assert "--resume" in out
+    # The command that continues the run, as the run printed it and as `status` does.
+    [printed] = [line.split("continue:", 1)[1].strip() for line in out.splitlines()
+                 if "continue:" in line]
+    assert printed == "stalwart run interrupted/config.toml --run-dir interrupted --auto-resume"
+    status = stalwart_here("status", "interrupted", cwd=tmp_path, check=1).stdout
+    assert status.splitlines()[-1] == f"  continue:   {printed}"
     stop = [e for e in read_jsonl(interrupted / "events.jsonl") if e["kind"] == "stopped"]
     assert len(stop) == 1 and 20 <= stop[0]["step"] < STEPS
     stopped_at = stop[0]["step"]
@@ -52,9 +58,9 @@ def test_interrupt_then_resume_equals_uninterrupted(tmp_path, straight_run):
     assert "--resume" in refused.stderr
     assert (interrupted / "events.jsonl").read_bytes() == before
 
-    # Resumed in this test's process (the stop above needed a process of its own to signal).
-    stalwart_here("run", config, *UNFAILED, "--run-dir", "interrupted", "--resume",
-                  cwd=tmp_path)
+    # Resumed with the printed command, in this test's process (the stop above needed a
+    # process of its own to signal).
+    stalwart_here(*shlex.split(printed)[1:], cwd=tmp_path)
     events = read_jsonl(interrupted / "events.jsonl")
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert [e["from_step"] for e in resumed] == [stopped_at]

@@ -78,7 +78,8 @@ def test_sigterm_checkpoints_the_step_in_flight_then_auto_resume_finishes(tmp_pa
         out, err = _end(proc)
     assert proc.returncode == 143, f"expected 143 (stopped by SIGTERM)\n{out}\n{err}"
     assert "holds no run yet; starting a new one" in out
-    assert "--run-dir run --auto-resume" in out.splitlines()[-1]  # the resume command
+    assert out.splitlines()[-1] == ("  continue: stalwart run run/config.toml --run-dir run "
+                                    "--auto-resume")
     [stopped] = _events(run, "stopped")
     stop_step = stopped["step"]
     assert PERSIST_EVERY < stop_step < 146 and stop_step % PERSIST_EVERY != 0
