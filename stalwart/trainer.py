@@ -32,7 +32,7 @@ from stalwart.checkpointing.storage.layout import filesystem
 from stalwart.checkpointing.storage.owner import Owner, claim, read_owner
 from stalwart.checkpointing.storage.signing import CheckpointTrust, load_trust_keys
 from stalwart.checkpointing.storage.transfer import copy_checkpoint
-from stalwart.cluster import connect
+from stalwart.cluster import check_reachable, connect
 from stalwart.core import events as ev
 from stalwart.core.config import JobConfig, config_from_dict, flatten, load_config
 from stalwart.core.errors import ClusterError, ConfigError, RunDirError
@@ -379,6 +379,8 @@ class Trainer:
                 task.check_checkpoint(checkpoint.manifest, self.config)
         data_changes = [] if resume_from is None else check_data_files(
             resume_from.manifest, accept=self.config.data.accept_changed_files)
+        if self.address is not None:  # in a second, before the task check's seconds
+            check_reachable(self.address)
         self._check_task(task)  # last: it runs the task's code (seconds, not a fraction)
         started_ray = self._connect()
         display = None

@@ -336,3 +336,41 @@ def test_a_bug_in_the_constructor_is_told_with_its_line() -> None:
     assert first == ("constructing the task 'tests.unit.test_task_check:Clumsy' failed: "
                      "KeyError: 'layers'")
     assert '    self.layers = {}.pop("layers")  # a bug, not a refused argument' in rest
+
+
+# ---------------------------------------------------------------------------- a training step
+
+
+class ScheduleBug(Task):
+    def build_lr_scheduler(self, optimizer: torch.optim.Optimizer, config: JobConfig) -> Any:
+        def factor(step: int) -> float:
+            if step == 1:
+                raise ZeroDivisionError("the schedule's bug")
+            return 1.0
+
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+@pytest.mark.parametrize(("task", "says"), [
+    (Task(n_in=5), "the forward pass failed in module `fc1` (Linear(in_features=5, "
+                   "out_features=8, bias=True)), given input of shape (8, 3): RuntimeError"),
+    (Task(data=Rows(bad_from=40)), "reading a batch (get_batch) failed at samples ["),
+    (ScheduleBug(), "the learning-rate schedule failed: ZeroDivisionError: the schedule's bug"),
+], ids=["forward", "batch", "schedule"])
+def test_a_training_steps_error_is_named_from_its_traceback(task: Task, says: str) -> None:
+    """What a worker reports of its training thread's error (Worker._step_failure), read from
+    a real step's traceback: no phase wrapper runs there."""
+    from stalwart.core.task_errors import frames_of, infer_phase, task_failure
+    from stalwart.workers.engine import TrainEngine
+
+    engine = TrainEngine(config(), task, rank=0, world_size=1, device=torch.device("cpu"))
+    try:
+        with pytest.raises(Exception) as caught:
+            for _ in range(4):
+                engine.train_step()
+        frames = frames_of(caught.value, engine.model)
+        failure = task_failure(infer_phase(frames), caught.value, frames)
+    finally:
+        engine.close()
+    assert failure.summary.startswith(says), failure.summary
+    assert f'File "{__file__}"' in failure.traceback
