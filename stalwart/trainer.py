@@ -2,7 +2,8 @@
 Ray (embedded or a cluster), and hands the run to the controller.
 
 Everything that can be wrong with the input is checked here, before a single worker starts:
-the config, the task path, the storage URL, the run directory and what it holds.
+the config, the task path, the storage URL, the run directory and what it holds, and the
+task's own code, tried on a batch of two samples (stalwart/task_check.py).
 """
 
 from __future__ import annotations
@@ -382,6 +383,7 @@ class Trainer:
         if self.address is not None:  # in a second, before the task check's seconds
             check_reachable(self.address)
         self._check_task(task)  # last: it runs the task's code (seconds, not a fraction)
+        del task  # the driver keeps nothing the check loaded on it (a dataset) for the run
         started_ray = self._connect()
         display = None
         try:
