@@ -32,8 +32,9 @@ if TYPE_CHECKING:
 __all__ = ["RunDir"]
 
 # The directories a run writes files into (run.profile_steps, run.tensorboard, the W&B
-# logger): a link at one is refused, whether or not this run writes there.
-FILE_DIRS = ("profile", "tensorboard", "wandb")
+# logger, MLflow's default store): a link at one is refused, whether or not this run
+# writes there.
+FILE_DIRS = ("profile", "tensorboard", "wandb", "mlruns")
 
 
 class RunDir:

@@ -413,7 +413,7 @@ class RunConfig:
     tensorboard: bool = False
     """Also write the metrics and the run's failures, recoveries and resizes as TensorBoard event files under `<run dir>/tensorboard/`; needs `pip install 'stalwart[tensorboard]'`. The same as `"tensorboard"` in `run.loggers`."""
     loggers: list[str] = field(default_factory=list)
-    """Experiment trackers that receive the metrics, the resolved config and the run's failures, recoveries and resizes: any of `"tensorboard"`, `"mlflow"` (MLflow's `MLFLOW_TRACKING_URI`; `pip install 'stalwart[mlflow]'`), `"wandb"` (Weights & Biases; `WANDB_MODE=offline` works without an account; `pip install 'stalwart[wandb]'`). See docs/trackers.md."""
+    """Experiment trackers that receive the metrics, the resolved config and the run's failures, recoveries and resizes: any of `"tensorboard"`, `"mlflow"` (MLflow's `MLFLOW_TRACKING_URI`, else a file store in `<run dir>/mlruns`; `pip install 'stalwart[mlflow]'`), `"wandb"` (Weights & Biases; an API key, or `WANDB_MODE=offline` without an account, checked before the run starts; `pip install 'stalwart[wandb]'`). A tracker that fails during the run is switched off with a `tracker_failed` event; training goes on. See docs/trackers.md."""
     dashboard: bool = False
     """Start the Ray dashboard with the Ray that `stalwart run` starts on this machine, and collect Ray's metrics (stalwart's own among them, docs/trackers.md); its address is printed at the start. A cluster (`--address`) keeps its own dashboard."""
     profile_steps: list[int] = field(default_factory=list)
