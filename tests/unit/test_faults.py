@@ -173,7 +173,7 @@ def test_faults_from_a_set_override() -> None:
     ("faults = 3\n", "faults must be an array of tables ([[faults]]), got 3"),
     ('faults = ["kill:rank=1,step=2"]\n', "faults must be an array of tables ([[faults]])"),
     ('[[faults]]\nkind = "kill"\nrnak = 1\nstep = 2\n',
-     "unknown key faults.rnak in [faults]; allowed: kind, step, rank, node"),
+     "unknown key faults.rnak in [faults]; did you mean faults.rank? allowed: kind, step, rank, node"),
     ('[[faults]]\nkind = "kill"\nrank = "1"\nstep = 2\n',
      "faults.rank = '1' is invalid: expected a int"),
     ('[[faults]]\nkind = "kill"\nrank = 1\n',
