@@ -107,6 +107,11 @@ def test_sigterm_checkpoints_the_step_in_flight_then_auto_resume_finishes(tmp_pa
     assert len(_events(run, "stopped")) == 1  # only the first run's
     assert "StopAbandoned" in _events(run, "interrupted")[-1]["reason"]
     assert _committed(run) == [persisted, stop_step]
+    # The driver looked on storage once the workers were killed: the log's newest commit is
+    # storage's, and the interrupted run's step is not behind it.
+    newest = _committed(run)[-1]
+    assert _events(run, "checkpoint_committed")[-1]["step"] == newest
+    assert _events(run, "interrupted")[-1]["step"] >= newest
 
     # The same with one SIGTERM: failure.stop_timeout_s ends the stop that cannot complete.
     rows = _rows(run)
