@@ -114,7 +114,9 @@ class ProgressDisplay:
         if self._quiet:
             return
         try:
-            self.console.print(message)
+            # One line as written: not wrapped at 80 columns off a terminal (a log file, a
+            # pipe), and brackets (`[faults]`, `[1, 3]`) taken as text, not rich markup.
+            self.console.print(message, markup=False, highlight=False, soft_wrap=True)
         except BrokenPipeError:
             self._go_quiet()
 
