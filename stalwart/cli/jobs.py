@@ -331,7 +331,6 @@ def submit(client: JobSubmissionClient, spec: JobSpec, *, cwd: Path, storage: st
             runtime_env=spec.runtime_env(cwd, storage),
             # Read back by `stalwart status` and `stalwart stop`.
             metadata={"stalwart_run_dir": str(spec.run_dir),
-                      "stalwart_resume": spec.resume_commands(client.get_address())[0],
                       "stalwart_stop_wait_s": str(spec.stop_wait_s)})
     except (RuntimeError, ValueError) as exc:  # the job API's refusal, or an upload too large
         raise ClusterError(f"the cluster at {client.get_address()} refused the job: "
