@@ -37,7 +37,7 @@ from stalwart.cluster import check_reachable, connect
 from stalwart.core import events as ev
 from stalwart.core.config import JobConfig, config_from_dict, flatten, load_config
 from stalwart.core.errors import ClusterError, ConfigError, RunDirError
-from stalwart.integrations.loggers import logger_callbacks
+from stalwart.integrations.loggers import TrackerGuard, logger_callbacks
 from stalwart.integrations.ray_metrics import RayMetrics
 from stalwart.orchestrator.outcome import Outcome
 from stalwart.parallel.dims import ParallelDims
@@ -391,7 +391,9 @@ class Trainer:
                 resume_from, changes, skipped = self._check_run_dir(storage_url, trust)
             self._check_resources()
             self._make_storage(storage_url)
-            self.callbacks.append(RayMetrics(run=self.run_dir.path.name))  # needs Ray
+            # Needs Ray; guarded like the trackers: metrics that fail never end the run.
+            self.callbacks.append(TrackerGuard(RayMetrics(run=self.run_dir.path.name),
+                                               self.run_dir.events))
             self.run_dir.metrics.listeners.append(self._last_metrics.on_metrics)
             for cb in self.callbacks:
                 self.run_dir.metrics.listeners.append(cb.on_metrics)

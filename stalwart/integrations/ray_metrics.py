@@ -20,15 +20,17 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from stalwart.callbacks import Callback
 from stalwart.core import events as ev
 from stalwart.core.events import Event, MetricsRow
+from stalwart.integrations.loggers import Tracker
 
 RECOVERY_BOUNDARIES = [0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0]
 GOODPUT_EVERY_S = 10.0
 
 
-class RayMetrics(Callback):
+class RayMetrics(Tracker):
+    name = "ray_metrics"
+
     def __init__(self, run: str) -> None:
         """Needs a connected Ray (the metrics register with it); `run` tags every series."""
         from ray.util.metrics import Counter, Gauge, Histogram
