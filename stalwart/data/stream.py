@@ -229,6 +229,16 @@ class FileStream:
             while len(self._cache) > max(self._capacity, needed):
                 self._cache.popitem(last=False)
 
+    def close(self) -> None:
+        """Stop reading ahead: reads not started are dropped, reads in flight finished. Call
+        it before `ray.shutdown()` in a process that read a `from_ray` stream: a read still
+        running a Ray Data pipeline when Ray goes down aborts the process. The stream may be
+        read again afterwards."""
+        with self._lock:
+            pool, self._pool, self._ahead = self._pool, None, {}
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
     def _readers(self) -> ThreadPoolExecutor:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(_READERS, thread_name_prefix="stalwart-read")

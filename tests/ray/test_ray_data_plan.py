@@ -32,7 +32,13 @@ def one_ray():
     # address="local": a Ray of its own, never a cluster another process started here.
     ray.init(address="local", num_cpus=2, include_dashboard=False)
     yield
+    for stream in BOUND:  # their reads ahead run Ray Data pipelines: Ray must outlive them
+        stream.close()
     ray.shutdown()
+
+
+BOUND: list = []
+"""Every stream the tests bound, closed before Ray shuts down."""
 
 
 @pytest.fixture(scope="module")
@@ -65,6 +71,7 @@ def _calls(counter) -> int:
 
 def _bound(stream, cache_dir, seed=0):
     stream.bind(seed=seed, global_batch=8, cache_dir=str(cache_dir))
+    BOUND.append(stream)
     return stream
 
 

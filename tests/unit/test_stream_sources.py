@@ -62,6 +62,23 @@ def test_a_fresh_stream_resumes_deep_in_the_order_with_no_replay(tmp_path):
         assert 0 < len(reads) <= fresh._capacity < len(fresh.units)
 
 
+def test_close_waits_for_the_reads_ahead_and_the_stream_reads_on_after(tmp_path):
+    import threading
+
+    write(str(tmp_path / "d"), rows=400, files=2, row_group=20, features=4, classes=3,
+          fmt="parquet", seed=0)
+    stream = _bound(read_parquet(str(tmp_path / "d"), window=2), tmp_path)
+    first = stream.read(0, 8)[0]["id"].tolist()  # entering new units reads the next ahead
+    assert any(t.name.startswith("stalwart-read") for t in threading.enumerate())
+    stream.close()
+    assert not any(t.name.startswith("stalwart-read") and t.is_alive()
+                   for t in threading.enumerate())
+    stream.close()  # again: nothing to do
+    assert stream.read(0, 8)[0]["id"].tolist() == first
+    assert len(stream.read(8, 392)[0]["id"]) == 392
+    stream.close()
+
+
 def test_default_batch_is_the_numeric_columns_and_a_transform_sees_every_column(tmp_path):
     write(str(tmp_path / "d"), rows=100, files=1, row_group=50, features=3, classes=2,
           fmt="parquet", seed=0)
