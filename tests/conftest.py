@@ -39,6 +39,19 @@ def session_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root.parent if os.environ.get("PYTEST_XDIST_WORKER") else root
 
 
+@pytest.fixture(autouse=True)
+def same_import_path_and_cwd():
+    """Each test starts with the worker's sys.path and working directory. A test that runs
+    the CLI's main() in-process changes sys.path (a command adds the working directory, or
+    drops it); a later test's spawned processes inherit sys.path and would miss the
+    repository's own packages (bench, tests)."""
+    path, cwd = list(sys.path), os.getcwd()
+    yield
+    sys.path[:] = path
+    if os.getcwd() != cwd:
+        os.chdir(cwd)
+
+
 @pytest.fixture(scope="module", autouse=True)
 def no_ray_of_another_module(request: pytest.FixtureRequest):
     """A module that does not share tests/ray's local Ray starts without it: it joins a

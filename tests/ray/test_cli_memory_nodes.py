@@ -58,8 +58,10 @@ def test_a_lost_node_is_restored_from_replicas_resharded(tmp_path, cluster):
     # One line of stalwart's names the node and its ranks; Ray's paragraph is in ray.log.
     (node_ip,) = failure["nodes"]
     console = " ".join((run.stdout + run.stderr).split())  # as typed, however it wrapped
+    ranks = failure["ranks"]
+    held = f"{'rank' if len(ranks) == 1 else 'ranks'} {', '.join(map(str, ranks))}"
     assert (f"recovering from: node {node_ip} (" in console and
-            f"lost, with ranks {', '.join(map(str, failure['ranks']))}" in console), console
+            f"lost, with {held}" in console), console
     assert "(raylet)" not in console
     recovered = only(events, "recovered")
     # Every shard of step 14 survived (the lost node's as replicas): nothing is trained twice.
