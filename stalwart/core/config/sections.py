@@ -110,7 +110,7 @@ class ScalingConfig:
     gpus_per_worker: float = 0.0
     """Ray GPUs reserved for each worker; > 0 trains on CUDA with NCCL, 0 on CPU with gloo. 0, or from 0.0001 to 1024."""
     placement_strategy: str = "PACK"
-    """`PACK` (Ray's default: fill nodes) or `SPREAD` (workers over as many nodes as Ray can place them on; a world takes its ranks from the nodes holding the fewest of it first, so with 2 nodes, 2 workers and a spare, the ranks are on different nodes and the spare shares one). Workers are placed one actor at a time, so the gang strategies (`STRICT_*`) do not apply."""
+    """`PACK` (Ray's default: fill nodes) or `SPREAD` (workers over as many nodes as Ray can place them on; a world takes its ranks from the nodes holding the fewest of it first, among the workers warm when it forms: with 2 nodes, 2 workers and a spare, the ranks land on different nodes when all three are warm, but a world formed while the other node's worker still warms up puts both on one). Workers are placed one actor at a time, so the gang strategies (`STRICT_*`) do not apply."""
     start_timeout_s: float = 120.0
     """How long to wait for the cluster to place and set up the workers before failing (and the hang limit before a world's first step)."""
     resize_check_s: float = 10.0
