@@ -145,8 +145,8 @@ def build_layout(state_dict: dict[str, Any]) -> tuple[ShardLayout, list[tuple[Te
 
 
 class SnapshotStager:
-    """Stages a rank's state into two reusable buffers: the newest complete snapshot and the
-    one being written. `state_dict` gives the full DCP state (used when the layout is built
+    """Stages a rank's state into `buffers` reusable buffers (two by default: the newest
+    complete snapshot and the one being written; more keep older steps to roll back to). `state_dict` gives the full DCP state (used when the layout is built
     or has changed), `scalar_state` the non-tensor leaves (cheap; asked at every snapshot),
     `signature` something that changes when the set or the storage of state tensors does
     (an optimizer creating its state lazily)."""
@@ -154,8 +154,10 @@ class SnapshotStager:
     def __init__(self, *, state_dict: Callable[[], dict[str, Any]],
                  scalar_state: Callable[[], dict[str, Any]],
                  signature: Callable[[], Any], device: torch.device,
-                 on_layout: Callable[[ShardLayout], None] | None = None) -> None:
+                 on_layout: Callable[[ShardLayout], None] | None = None,
+                 buffers: int = 2) -> None:
         self._state_dict = state_dict
+        self._count = buffers
         self._on_layout = on_layout  # told of each new layout before its buffers exist
         self._scalar_state = scalar_state
         self._signature = signature
@@ -190,7 +192,7 @@ class SnapshotStager:
         if self.layout is None or layout.nbytes != self.layout.nbytes:
             pin = self.device.type == "cuda"
             self._buffers = [torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
-                             for _ in range(2)]
+                             for _ in range(self._count)]
         self.layout, self._sources, self._sig = layout, sources, sig
 
     def stage(self, step: int, mid_copy: Callable[[], None] | None = None,
@@ -210,7 +212,7 @@ class SnapshotStager:
             self._refresh_layout()
             values = self._values()
         buffer = self._buffers[self._next]
-        self._next ^= 1
+        self._next = (self._next + 1) % len(self._buffers)
         if before_overwrite is not None:
             before_overwrite(buffer)
         shard = Shard(step=step, layout=self.layout, buffer=buffer,

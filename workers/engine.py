@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -29,6 +29,7 @@ from torch.distributed.tensor import DTensor
 from stalwart.checkpointing.memory.tier import StateAccess
 from stalwart.core.batch import as_pair, batch_samples, compute_loss, loss_takes_batch, to_device
 from stalwart.core.errors import TaskError
+from stalwart.core.numerics import Action
 from stalwart.core.stream import SampleIds, StreamDataset
 from stalwart.parallel.data_parallel import gradient_sync, unwrapped
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
@@ -39,6 +40,12 @@ from stalwart.parallel.recipe import parallelize
 from stalwart.workers.errors import RestoredStepMismatch
 from stalwart.workers.feeder import Feeder, bind_dataset, step_ranges
 from stalwart.workers.local_timer import LocalTimer
+from stalwart.workers.numerics import (
+    NumericsEscalation,
+    NumericsGuard,
+    NumericsRollback,
+    state_tensors,
+)
 from stalwart.workers.reports import StepReport
 from stalwart.workers.sampler import rank_slice
 
@@ -55,6 +62,32 @@ if TYPE_CHECKING:
 # stages of a pipeline hold different parameters under the same indices, and DCP would keep
 # one stage's entry of a key that every rank writes (TorchTitan flattens for the same reason).
 OPTIM_BY_NAME = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class StepHooks(Protocol):
+    """What the step asks of whoever may tamper with it (the worker's fault injector)."""
+
+    def loss_factor(self, step: int) -> float:
+        """What this rank's loss of `step` is multiplied by (1.0: nothing due)."""
+
+    def tamper(self, step: int, model: torch.nn.Module) -> None:
+        """At the start of `step`, before its forward pass."""
+
+
+@dataclass(frozen=True)
+class Attempt:
+    """One try of a step, up to its agreed summary (before the update)."""
+
+    loss: float
+    stop: bool
+    data_failed: bool
+    data_wait: float
+    metrics: dict[str, float]
+    checks: list[float]
+    fingerprinted: bool
+    tokens: int
+    local_s: float
+    next_error: str | None
 
 
 class TrainEngine:
@@ -146,29 +179,95 @@ class TrainEngine:
         self.samples_seen = 0
         self._group_names: list[list[str]] | None = None
         """Each optimizer param group's parameter names (scalar_state's keys), once."""
+        self.numerics = NumericsGuard(config, rank=rank, world_size=world_size,
+                                      classes=[self.dims.replica_class(r)
+                                               for r in range(world_size)])
 
     # ------------------------------------------------------------------ training
 
     def train_step(self, *, stop_requested: bool = False,
                    before_update: Callable[[], None] | None = None,
                    before_summary: Callable[[], None] | None = None,
-                   after_local_work: Callable[[float], None] | None = None
-                   ) -> tuple[StepReport, bool]:
+                   after_local_work: Callable[[float], None] | None = None,
+                   hooks: StepHooks | None = None) -> tuple[StepReport, bool]:
         """Run one optimizer step; returns its report and whether any rank asked to stop.
 
-        `before_update` runs before the optimizer changes the weights (a snapshot's
-        device-to-host copy must be done by then), `before_summary` before the step's last
-        all-reduce (the previous snapshot must be on its holders by then: see
-        checkpointing/memory/replication.py). `after_local_work` is told how long this
-        rank's own work took, before its first synchronisation with its peers.
+        `before_update` runs before the weights can change (a snapshot's device-to-host
+        copy must be done by then; the fingerprint reads the state after it),
+        `before_summary` before the step's last all-reduce (the previous snapshot must be on
+        its holders by then: see checkpointing/memory/replication.py). `after_local_work` is
+        told how long this rank's own work took, before its first synchronisation.
+
+        The update waits for the summary all-reduce, which carries the numerical checks
+        (workers/numerics.py): a NaN or a spike on any rank stops it on every rank, so a bad
+        step never reaches the weights. It is replayed from the same state, batch and random
+        state, then skipped; a replica that differs raises NumericsRollback for the worker.
         """
         t0 = time.perf_counter()
         cfg = self.config.train
         step_data, data_wait = self.feeder.take(self.samples_seen)
+        step = self.step + 1
+        if hooks is not None:
+            hooks.tamper(step, self.model)
+        guard = self.numerics
+        rng = _rng_state(self.device) if guard.on else None
+        lr = self.optimizer.param_groups[0]["lr"]
+        replays = 0
+        while True:
+            tried = self._attempt(step_data, step, stop_requested=stop_requested,
+                                  data_wait=data_wait, hooks=hooks, before_update=before_update,
+                                  before_summary=before_summary,
+                                  after_local_work=after_local_work)
+            finding = (guard.verdict(step, tried.loss, tried.checks, tried.fingerprinted)
+                       if guard.on else None)
+            if guard.must_skip(step):
+                skipped = True  # its update is dropped, whatever the checks found
+                break
+            if finding is None:
+                skipped = False
+                guard.accept(tried.loss)
+                self.optimizer.step()
+                self.scheduler.step()
+                break
+            decision = guard.decide(finding, replays + 1, t0)
+            self.optimizer.zero_grad(set_to_none=True)
+            if decision.action is Action.REPLAY:
+                replays += 1
+                _set_rng_state(rng, self.device)
+                continue
+            if decision.action is Action.SKIP:
+                guard.skipped(step)
+                skipped = True
+                break
+            if decision.action is Action.ROLLBACK:
+                raise NumericsRollback(decision)
+            raise NumericsEscalation(decision)
+        self.optimizer.zero_grad(set_to_none=True)
+        ledger = self._ledger(step_data.ids) if self.config.data.ledger else None
+        # Only the rank that failed to read raises (with its file's name); its peers stop.
+        self.data_failure = tried.next_error
+        self.step += 1
+        self.samples_seen += cfg.global_batch_size
+        report = StepReport(rank=self.rank, step=self.step, loss=tried.loss, lr=lr,
+                            tokens=tried.tokens * self.dp_size,
+                            step_time_s=time.perf_counter() - t0, time=time.time(),
+                            samples_seen=self.samples_seen, local_s=tried.local_s,
+                            data_wait_s=tried.data_wait,
+                            ledger=ledger if self.rank == 0 else None,
+                            metrics=tried.metrics, skipped=skipped, replays=replays)
+        return report, tried.stop or tried.data_failed
+
+    def _attempt(self, step_data: Any, step: int, *, stop_requested: bool, data_wait: float,
+                 hooks: StepHooks | None, before_update: Callable[[], None] | None,
+                 before_summary: Callable[[], None] | None,
+                 after_local_work: Callable[[float], None] | None) -> Attempt:
+        """Forward, backward and gradient sync of one step, then its summary all-reduce."""
+        cfg = self.config.train
         self.model.train()
         loss_sum = torch.zeros((), device=self.device)
         metric_sums: dict[str, torch.Tensor] = {}
         tokens = 0
+        factor = hooks.loss_factor(step) if hooks is not None else 1.0
         local = LocalTimer(self.device, after_local_work)  # own work before the first sync
         if self.pipeline is not None:
             # The schedule splits the rank's batch into the accumulation micro-batches.
@@ -187,6 +286,7 @@ class TrainEngine:
                     # Each micro-batch is a leaf of the global sum: scaled by 1 / (all the
                     # global batch's micro-batches), the same factor for any dp degree.
                     loss, metrics = self._loss(batch)
+                    loss = loss * factor if factor != 1.0 else loss
                     _accumulate(metric_sums, metrics, self.accum)
                     (loss / (self.accum * self.dp_size)).backward()
                     self.invariant.add()
@@ -195,6 +295,7 @@ class TrainEngine:
                 last = i == self.accum - 1
                 with gradient_sync(self.model, last):
                     loss, metrics = self._loss(batch)
+                    loss = loss * factor if factor != 1.0 else loss
                     _accumulate(metric_sums, metrics, self.accum)
                     loss = loss / self.accum
                     if last:  # DDP syncs gradients during this backward
@@ -204,52 +305,52 @@ class TrainEngine:
             if self.invariant is not None:
                 local.done()
                 self.invariant.reduce_into_grads(self.dp_group)
+        grad_norm = None
         if cfg.grad_clip > 0:
-            clip_grad_norm(self.model.parameters(), cfg.grad_clip,
-                           pp_group=self.mesh["pp"].get_group() if self.pipeline else None)
-        lr = self.optimizer.param_groups[0]["lr"]
+            grad_norm = clip_grad_norm(self.model.parameters(), cfg.grad_clip,
+                                       pp_group=self.mesh["pp"].get_group()
+                                       if self.pipeline else None)
         if before_update is not None:
             before_update()
-        self.optimizer.step()
-        self.scheduler.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        checks = self.numerics.checks(
+            step, loss_sum,
+            [grad_norm] if grad_norm is not None else
+            [p.grad for p in self.model.parameters() if p.grad is not None],
+            lambda: state_tensors(self.model, self.optimizer))
 
-        # One all-reduce of two numbers per step: the mean loss for logging and the stop
-        # flag, so that all ranks stop after the same step whoever was asked first. Every
-        # rank holds its data-parallel slice's loss (tensor-parallel peers hold the same
-        # one; with a pipeline only the last stage has it), so the sum over the world divided
-        # by the number of ranks holding a loss is the mean over the global batch.
-        # The task's metrics ride along, averaged as the loss is.
+        # One all-reduce of a few numbers per step: the mean loss for logging, the stop
+        # flag (all ranks stop after the same step whoever was asked first), the numerical
+        # checks (all ranks agree whether to update). Every rank holds its data-parallel
+        # slice's loss (tensor-parallel peers hold the same one; with a pipeline only the
+        # last stage has it), so the sum over the world divided by the number of ranks
+        # holding a loss is the mean over the global batch. The task's metrics ride along,
+        # averaged as the loss is.
         names = self._fix_metric_names(metric_sums)
         # A rank that cannot read the next step says so here: all ranks then stop after
         # this step, which is checkpointed, instead of waiting on it in the next one.
         next_error, waited = (self.feeder.check_ahead(self.samples_seen + cfg.global_batch_size)
                               if self.step + 1 < cfg.steps else (None, 0.0))
         data_wait += waited
-        summary = torch.stack([loss_sum, torch.tensor(float(stop_requested), device=self.device),
-                               torch.tensor(float(next_error is not None), device=self.device),
-                               torch.tensor(data_wait, device=self.device),
-                               *(metric_sums[n] for n in names)])
+        summary = torch.cat([torch.stack(
+            [loss_sum, torch.tensor(float(stop_requested), device=self.device),
+             torch.tensor(float(next_error is not None), device=self.device),
+             torch.tensor(data_wait, device=self.device),
+             *(metric_sums[n] for n in names)]),
+            torch.stack(checks.values).to(loss_sum.dtype)])
         if before_summary is not None:
             before_summary()
         if dist.is_initialized():
             dist.all_reduce(summary)
+        head = 4 + len(names)
         divisors = torch.tensor([self.loss_ranks, 1.0, 1.0, self.world_size]
                                 + [self.loss_ranks] * len(names), device=self.device)
-        loss_mean, stop_votes, data_failures, wait_mean, *metric_means = \
-            (summary / divisors).tolist()
-        ledger = self._ledger(step_data.ids) if self.config.data.ledger else None
-        # Only the rank that failed to read raises (with its file's name); its peers stop.
-        self.data_failure = next_error
-        self.step += 1
-        self.samples_seen += cfg.global_batch_size
-        report = StepReport(rank=self.rank, step=self.step, loss=loss_mean, lr=lr,
-                            tokens=tokens * self.dp_size, step_time_s=time.perf_counter() - t0,
-                            time=time.time(), samples_seen=self.samples_seen,
-                            local_s=local.seconds(), data_wait_s=wait_mean,
-                            ledger=ledger if self.rank == 0 else None,
-                            metrics=dict(zip(names, metric_means, strict=True)))
-        return report, stop_votes > 0 or data_failures > 0
+        values = torch.cat([summary[:head] / divisors, summary[head:]]).tolist()
+        loss_mean, stop_votes, data_failures, wait_mean, *metric_means = values[:head]
+        return Attempt(loss=loss_mean, stop=stop_votes > 0, data_failed=data_failures > 0,
+                       data_wait=wait_mean,
+                       metrics=dict(zip(names, metric_means, strict=True)),
+                       checks=values[head:], fingerprinted=checks.fingerprinted,
+                       tokens=tokens, local_s=local.seconds(), next_error=next_error)
 
     def _ledger(self, ids: SampleIds) -> SampleIds:
         """The whole global batch's sample ids, gathered from every data-parallel rank (each
@@ -336,8 +437,12 @@ class TrainEngine:
             "model": model_sd,
             "optim": optim_sd,
             "scheduler": self.scheduler.state_dict(),
-            "train": {"step": self.step, "samples_seen": self.samples_seen},
+            "train": self._train_state(),
         }
+
+    def _train_state(self) -> dict[str, Any]:
+        return {"step": self.step, "samples_seen": self.samples_seen,
+                "numerics": self.numerics.snapshot_state()}
 
     def scalar_state(self) -> dict[str, Any]:
         """The non-tensor leaves of state_dict(), cheaply and with the same flattened names
@@ -352,7 +457,7 @@ class TrainEngine:
         return {
             "optim": optim,
             "scheduler": self.scheduler.state_dict(),
-            "train": {"step": self.step, "samples_seen": self.samples_seen},
+            "train": self._train_state(),
         }
 
     def state_signature(self) -> tuple[int, ...]:
@@ -400,6 +505,7 @@ class TrainEngine:
         self._apply_configured_hyperparameters()
         self.step = int(state["train"]["step"])
         self.samples_seen = int(state["train"]["samples_seen"])
+        self.numerics.load_state(state["train"].get("numerics", ""))
 
     def _apply_configured_hyperparameters(self) -> None:
         """A checkpoint carries the hyperparameters it was trained with. A run restored from
@@ -429,3 +535,18 @@ def _accumulate(sums: dict[str, torch.Tensor], metrics: dict[str, torch.Tensor],
     for name, value in metrics.items():
         share = value / accum
         sums[name] = sums[name] + share if name in sums else share
+
+
+def _rng_state(device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The random state a replay starts from (dropout draws the same masks again)."""
+    cuda = torch.cuda.get_rng_state(device) if device.type == "cuda" else None
+    return torch.get_rng_state(), cuda
+
+
+def _set_rng_state(state: tuple[torch.Tensor, torch.Tensor | None] | None,
+                   device: torch.device) -> None:
+    if state is None:
+        return
+    torch.set_rng_state(state[0])
+    if state[1] is not None:
+        torch.cuda.set_rng_state(state[1], device)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch.distributed as dist
 
 from stalwart.checkpointing.errors import CheckpointError
+from stalwart.workers.numerics import NumericsEscalation
 
 # What torch's process groups put in the messages of a failed or timed-out collective.
 COLLECTIVE_MARKERS = (
@@ -24,7 +25,10 @@ class RestoredStepMismatch(CheckpointError):
 
 
 def classify_exception(exc: BaseException) -> str:
-    """"collective" for a failed collective (retryable), "user" for everything else."""
+    """"collective" for a failed collective (retryable), "numerics" for a numerical fault the
+    world could not mend, "user" for everything else."""
+    if isinstance(exc, NumericsEscalation):
+        return "numerics"
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:  # a collective error may be wrapped (DCP)

@@ -7,7 +7,9 @@ raylet (Ray's per-node daemon) and every process it started, exactly as when a m
 lost, `freeze-node` SIGSTOPs them instead (a frozen machine: its sockets stay open, nothing
 answers; it stays so until someone sends SIGCONT or Ray's health check gives up on it),
 `drain` asks Ray to drain this node for preemption, and `slow` makes this rank a
-straggler. The controller decides which rank carries out each fault (see
+straggler. The numerical ones act on the step itself, through the engine's hooks: `nan`
+makes the rank's loss NaN once, `spike` scales the loss of that step's batch up each time
+it is trained, and `bitflip` flips one bit of one parameter in place. The controller decides which rank carries out each fault (see
 orchestrator/faults.py); this module only does it.
 
 The engine, the stager and the replicator know nothing of faults: they call small hooks at
@@ -17,6 +19,7 @@ the moments they mark (the start of a step, `after_local_work`, `mid_copy`,
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import threading
@@ -24,6 +27,9 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
+
+import torch
+from torch.distributed.tensor import DTensor
 
 from stalwart.core.config import FaultKind, FaultSpec
 from stalwart.core.ray_private import drain_node
@@ -58,6 +64,10 @@ STRIKES_AT = {
 FAULT_NOTICE_TIMEOUT_S = 30.0
 # A `slow` fault: the rank sleeps this x its local work each step (3x as long in all).
 SLOWDOWN = 2.0
+# A `spike` fault: the loss (and so the gradients) of the bad batch on that rank, times this.
+SPIKE_FACTOR = 100.0
+# The faults the engine's step carries out (loss_factor, tamper), not the process.
+NUMERICAL = (FaultKind.NAN, FaultKind.SPIKE, FaultKind.BITFLIP)
 
 
 class FaultInjector:
@@ -76,16 +86,19 @@ class FaultInjector:
         self._fired: deque[FaultFired] = deque()
         self._heard = threading.Event()
         self.slowdown = 0.0
+        self._due: list[FaultSpec] = []  # numerical faults fired, for the step's hooks
 
     def arm(self, rank: int, faults: Iterable[FaultSpec]) -> None:
         """The faults this rank carries out in the world it joins (replacing any others)."""
         self.rank, self._armed = rank, list(faults)
         self._fired.clear()
+        self._due.clear()
 
     def disarm(self) -> None:
         """The world is left: its faults go with it (the controller arms them again)."""
         self.rank, self._armed = -1, []
         self._fired.clear()
+        self._due.clear()
 
     def drain(self) -> list[FaultFired]:
         """The faults fired since the last call, for the worker's poll."""
@@ -114,6 +127,24 @@ class FaultInjector:
         if self.slowdown > 0:
             time.sleep(self.slowdown * seconds)
 
+    def loss_factor(self, step: int) -> float:
+        """What this rank's loss of `step` is multiplied by: NaN once after a `nan` fault,
+        SPIKE_FACTOR on every try of a `spike` fault's batch in this world, else 1."""
+        factor = 1.0
+        for fault in [f for f in self._due if f.step == step]:
+            if fault.kind is FaultKind.NAN:
+                self._due.remove(fault)
+                factor *= math.nan
+            elif fault.kind is FaultKind.SPIKE:
+                factor *= SPIKE_FACTOR
+        return factor
+
+    def tamper(self, step: int, model: torch.nn.Module) -> None:
+        """At the start of `step`: a `bitflip` fault due now flips its bit."""
+        for fault in [f for f in self._due if f.step == step and f.kind is FaultKind.BITFLIP]:
+            self._due.remove(fault)
+            flip_bit(model)
+
     def _strike(self, moment: str, step: int) -> None:
         due = [f for f in self._armed
                if f.step == step and STRIKES_AT.get(f.kind, "step") == moment]
@@ -129,7 +160,31 @@ class FaultInjector:
         if fault.kind is FaultKind.SLOW:  # after_local_work carries it out, from now on
             self.slowdown = SLOWDOWN
             return
+        if fault.kind in NUMERICAL:  # the step's hooks carry it out
+            self._due.append(fault)
+            return
         carry_out(fault)
+
+
+# The bit flipped per element size: the top mantissa bit (the value changes by up to half,
+# stays finite, and nothing but a comparison with a replica can tell).
+MANTISSA_TOP_BIT = {2: 6, 4: 22, 8: 51}
+INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@torch.no_grad()
+def flip_bit(model: torch.nn.Module) -> str:
+    """Flip one bit of the first element of the first floating parameter this rank holds,
+    in place; returns which (for the log)."""
+    for name, param in model.named_parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        size = local.element_size()
+        if local.numel() == 0 or not local.is_floating_point() or size not in INT_OF_SIZE:
+            continue
+        bits = local.view(-1)[:1].view(INT_OF_SIZE[size])
+        bits ^= 1 << MANTISSA_TOP_BIT[size]
+        return f"{name}[0] bit {MANTISSA_TOP_BIT[size]}"
+    raise RuntimeError("bitflip: this rank holds no floating parameter to flip")
 
 
 def raylet_pid() -> int:

@@ -7,6 +7,7 @@ the worker runs. CommitReport is the storage writer's (checkpointing never impor
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from stalwart.checkpointing.memory.limits import MemoryLimit
 from stalwart.checkpointing.storage.commit_report import CommitReport
@@ -42,6 +43,10 @@ class StepReport:
     """Seconds the step waited for its data, the mean over ranks."""
     ledger: SampleIds | None = None
     """Rank 0's, with data.ledger on: every sample of the global batch, in order."""
+    skipped: bool = False
+    """The step's update was dropped (a numerical fault, or numerics.skip_steps)."""
+    replays: int = 0
+    """Times the step was trained again after a numerical fault."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,7 +101,12 @@ class WorkerStatus:
     error: str | None = None
     """Formatted traceback of an exception in the training thread (user code or ours)."""
     error_kind: str | None = None
-    """"user" for the task's code, "collective" for a failed or timed-out collective."""
+    """"user" for the task's code, "collective" for a failed or timed-out collective,
+    "numerics" for a numerical fault the world could not mend in place."""
+    evict: tuple[int, ...] = ()
+    """With error_kind "numerics": the ranks found faulty, to replace (none: stop)."""
+    numerics: list[dict[str, Any]] = field(default_factory=list)
+    """Rank 0's numerical-fault decisions since the last poll (`numerical_fault` events)."""
     faults: list[FaultFired] = field(default_factory=list)
     profiles: list[ProfileReport] = field(default_factory=list)
     """Profiler traces finished since the last poll (run.profile_steps)."""

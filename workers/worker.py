@@ -64,6 +64,7 @@ from stalwart.workers.engine import TrainEngine
 from stalwart.workers.errors import classify_exception
 from stalwart.workers.faults import FaultInjector
 from stalwart.workers.model_warm_up import warm_model
+from stalwart.workers.numerics import NumericsEscalation, NumericsRollback
 from stalwart.workers.profiling import StepProfiler, init_profiler_here
 from stalwart.workers.reports import (
     CommitReport,
@@ -305,7 +306,8 @@ class Worker:
             dims = self.engine.dims
             self.tier.join(self._engine_view(), rank=rank, generation=generation, nodes=nodes,
                            replicas=ck.replicas, limit_gb=ck.memory_limit_gb,
-                           replica_class=[dims.replica_class(r) for r in range(world_size)])
+                           replica_class=[dims.replica_class(r) for r in range(world_size)],
+                           keep=self.config.numerics.snapshots_kept)
         self._world_connections = tcp_connections() - before
 
     def _engine_view(self) -> StateAccess:
@@ -321,6 +323,7 @@ class Worker:
         self._stop.clear()
         self._done = self._stopped_early = False
         self._error = self._error_kind = self._busy = None
+        self._evict: tuple[int, ...] = ()
         self._thread = None
         self._world_ns = time.time_ns()
         self._record = (0.0, None)
@@ -390,11 +393,15 @@ class Worker:
             while engine.step < cfg.train.steps:
                 self.faults.at_step(engine.step + 1)
                 profiler.begin(engine.step + 1)
-                report, stop = engine.train_step(
-                    stop_requested=self._stop.is_set() or self._preempted,
-                    before_update=tier.wait_copy_done if tier else None,
-                    before_summary=tier.wait_replicated if tier else None,
-                    after_local_work=self.faults.after_local_work)
+                try:
+                    report, stop = engine.train_step(
+                        stop_requested=self._stop.is_set() or self._preempted,
+                        before_update=tier.wait_copy_done if tier else None,
+                        before_summary=tier.wait_replicated if tier else None,
+                        after_local_work=self.faults.after_local_work, hooks=self.faults)
+                except NumericsRollback as rollback:
+                    self._roll_back(rollback)
+                    continue
                 if older_held:  # past the all-reduce: the restored step is on its holders
                     tier.drop_older()
                     older_held = False
@@ -437,15 +444,32 @@ class Worker:
             self._done = True
         except BaseException as exc:  # reported to the controller by poll(); the thread ends
             self._error_kind = classify_exception(exc)
+            if isinstance(exc, NumericsEscalation):
+                self._evict = exc.evict
             if self._error_kind == "collective":  # which collective, and in which group
                 error = traceback.format_exc()
                 record = self._flight_summary()
                 error += f"flight recorder: {record}\n" if record else ""
+            elif self._error_kind == "numerics":
+                error = str(exc)
             else:  # the task's code (or ours): where it failed, in the task's frames
                 error = str(self._step_failure(exc))
             self._error = error
         finally:
             profiler.discard()  # a failure inside the window: no trace (see StepProfiler)
+
+    def _roll_back(self, rollback: NumericsRollback) -> None:
+        """Every rank of the world restores its own snapshot of the step the checks trust,
+        and forgets the newer ones (they may hold the fault); training goes on from there.
+        Without that snapshot the world cannot mend the fault: the run stops."""
+        assert self.engine is not None
+        step = rollback.decision.rollback_to
+        if not self._tiered or step is None or not self.tier.roll_back(self._engine_view(),
+                                                                        step):
+            raise NumericsEscalation(rollback.decision, why=f"no snapshot of step {step} is "
+                                     f"held on rank {self.rank} to roll back to")
+        print(f"stalwart: {self!r}: rolled back to step {step} from memory "
+              f"({rollback.decision.finding.detail})", file=sys.stderr, flush=True)
 
     def _step_failure(self, exc: BaseException) -> TaskCodeError:
         """What the training thread's error was, in the task's terms: the rank and step, the
@@ -482,9 +506,12 @@ class Worker:
         self._sent_commits.extend(commits)
         faults = self.faults.drain()
         profiles = [self._profiles.popleft() for _ in range(len(self._profiles))]
+        engine = self.engine
+        numerics = engine.numerics.drain() if engine is not None else []
         return WorkerStatus(rank=self.rank, generation=self.generation, steps=steps,
                             commits=commits, done=done, stopped_early=self._stopped_early,
                             error=error, error_kind=self._error_kind, faults=faults,
+                            evict=self._evict, numerics=numerics if self.rank == 0 else [],
                             profiles=profiles, preempted=self._preempted,
                             snapshot_bytes=self.tier.nbytes(), tier_limit=self.tier.limit,
                             busy=self._busy or self._reading(),

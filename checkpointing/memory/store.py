@@ -5,9 +5,9 @@ generation's world. It lives on the worker actor, not on the engine, so it survi
 worker leaving a world: after a failure the survivors still hold their own shards and their
 peers' replicas, and the next world restores from them.
 
-At most two snapshots are kept per source (the newest complete one and the one being
-written); a buffer about to be overwritten is dropped from the store first, so the store
-never lists a snapshot that is half written.
+At most `keep` snapshots are kept per source (two by default: the newest complete one and
+the one being written); a buffer about to be overwritten is dropped from the store first, so
+the store never lists a snapshot that is half written.
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ class Inventory:
 
 class MemoryStore:
     def __init__(self) -> None:
+        self.keep = KEEP
         self._shards: dict[tuple[int, int], list[Shard]] = {}
         self._claims: dict[int, dict[int, frozenset[Claim]]] = {}
         self._lock = threading.Lock()
@@ -63,13 +64,13 @@ class MemoryStore:
             return dict(self._claims.get(generation, {}))
 
     def put(self, generation: int, source: int, shard: Shard) -> None:
-        """Record a complete snapshot; the oldest beyond KEEP is forgotten."""
+        """Record a complete snapshot; the oldest beyond `keep` is forgotten."""
         with self._lock:
             shards = [s for s in self._shards.get((generation, source), [])
                       if s.step != shard.step and s.buffer is not shard.buffer]
             shards.append(shard)
             shards.sort(key=lambda s: s.step)
-            self._shards[(generation, source)] = shards[-KEEP:]
+            self._shards[(generation, source)] = shards[-self.keep:]
 
     def forget_buffer(self, buffer: torch.Tensor) -> None:
         """Forget the snapshot in `buffer`: it is about to be overwritten."""
@@ -78,11 +79,11 @@ class MemoryStore:
                 self._shards[key] = [s for s in shards if s.buffer is not buffer]
 
     def reusable_buffer(self, generation: int, source: int, nbytes: int) -> torch.Tensor | None:
-        """The oldest buffer held for this source when KEEP are held (to receive the next
+        """The oldest buffer held for this source when `keep` are held (to receive the next
         snapshot into), forgotten first; None when a new buffer is needed."""
         with self._lock:
             shards = self._shards.get((generation, source), [])
-            if len(shards) < KEEP or shards[0].buffer.numel() != nbytes:
+            if len(shards) < self.keep or shards[0].buffer.numel() != nbytes:
                 return None
             oldest = shards.pop(0)
             return oldest.buffer
@@ -127,6 +128,13 @@ class MemoryStore:
         with self._lock:
             self._shards = {k: v for k, v in self._shards.items() if k[0] >= generation}
             self._claims = {g: c for g, c in self._claims.items() if g >= generation}
+
+    def drop_after(self, generation: int, step: int) -> None:
+        """Forget every snapshot of `generation` newer than `step` (a rollback's suspects)."""
+        with self._lock:
+            for key, shards in self._shards.items():
+                if key[0] == generation:
+                    self._shards[key] = [s for s in shards if s.step <= step]
 
     def clear(self) -> None:
         with self._lock:

@@ -73,11 +73,14 @@ class MemoryTier:
     # ------------------------------------------------------------------ per generation
 
     def join(self, engine: StateAccess, *, rank: int, generation: int, nodes: list[str],
-             replicas: int, limit_gb: float, replica_class: list[Any] | None = None) -> None:
+             replicas: int, limit_gb: float, replica_class: list[Any] | None = None,
+             keep: int = 2) -> None:
         """Set up for a new world. Collective: every rank calls it, in the same order as the
         other process groups it creates. `replica_class` tells data-parallel replicas apart
-        (equal values: identical state), so that no snapshot is sent to its own twin."""
+        (equal values: identical state), so that no snapshot is sent to its own twin. `keep`:
+        snapshots kept per shard (more than two keep older steps to roll back to)."""
         self.rank, self.generation = rank, generation
+        self.store.keep = keep
         self.limit = memory_limit(limit_gb, nodes.count(nodes[rank]),
                                   ray_memory=ray_node_memory())
         self.replicator = Replicator(rank=rank, generation=generation,
@@ -87,7 +90,7 @@ class MemoryTier:
         self.stager = SnapshotStager(state_dict=engine.state_dict,
                                      scalar_state=engine.scalar_state,
                                      signature=engine.signature, device=engine.device,
-                                     on_layout=self._check_limit)
+                                     on_layout=self._check_limit, buffers=keep)
 
     def snapshot(self, step: int, hooks: SnapshotHooks | None = None) -> Shard:
         """Stage this rank's state as `step` and start replicating it."""
@@ -106,14 +109,15 @@ class MemoryTier:
     def _check_limit(self, layout: ShardLayout) -> None:
         assert self.replicator is not None
         held = len(self.replicator.receives_from)
-        # Two buffers of our own, two per shard held for a peer (peers' shards are the
-        # same size in data parallelism and about the same when sharded).
-        need = 2 * layout.nbytes * (1 + held)
+        # `keep` buffers of our own, as many per shard held for a peer (peers' shards are
+        # the same size in data parallelism and about the same when sharded).
+        keep = self.store.keep
+        need = keep * layout.nbytes * (1 + held)
         assert self.limit is not None
         if need > self.limit.bytes:
             raise MemoryLimitError(
                 f"the in-memory checkpoint tier needs about {need / GIB:.2f} GiB on worker "
-                f"rank {self.rank} (2 snapshots of its {layout.nbytes / GIB:.2f} GiB shard "
+                f"rank {self.rank} ({keep} snapshots of its {layout.nbytes / GIB:.2f} GiB shard "
                 f"and of the {held} shard(s) it holds for peers), more than "
                 f"{self.limit.describe()}; raise checkpoint.memory_limit_gb, lower "
                 f"checkpoint.replicas, or set checkpoint.snapshot_every = 0 to use storage "
@@ -154,6 +158,26 @@ class MemoryTier:
             self.replicator.close()
         self.replicator = None
         self.stager = None
+
+    def roll_back(self, engine: StateAccess, step: int) -> bool:
+        """Load this rank's own snapshot of `step` (this world's) and forget every newer one,
+        its own and those it holds for peers: they may carry the fault rolled back from. The
+        exchange in flight ends first, so no suspect replica lands after the cut. False when
+        no such snapshot is held."""
+        self.wait_replicated()
+        shard = self.store.get(self.generation, self.rank, step)
+        if shard is None:
+            return False
+        if shard.crc is None:
+            shard.seal()
+
+        def no_fetch(src: int) -> tuple[Any, dict[str, Any], int | None]:
+            raise LookupError(f"a rollback reads only this rank's own snapshot, not rank {src}'s")
+
+        self.restore(engine, generation=self.generation, step=step,
+                     layouts={self.rank: shard.layout}, fetch=no_fetch)
+        self.store.drop_after(self.generation, step)
+        return True
 
     # ------------------------------------------------------------------ serving
 

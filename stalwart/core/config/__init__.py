@@ -16,6 +16,7 @@ from stalwart.core.config.loading import (
     load_config,
     read_toml,
 )
+from stalwart.core.config.numerics import NumericsConfig
 from stalwart.core.config.sections import (
     AC_MODES,
     PP_SCHEDULES,
@@ -44,6 +45,7 @@ __all__ = [
     "FaultKind",
     "FaultSpec",
     "JobConfig",
+    "NumericsConfig",
     "ParallelConfig",
     "RunConfig",
     "ScalingConfig",

@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from stalwart.core.config.numerics import NumericsConfig
 from stalwart.core.config.sections import (
     CheckpointConfig,
     DataConfig,
@@ -44,6 +45,8 @@ class JobConfig:
     """Prepared data and validation."""
     run: RunConfig = field(default_factory=RunConfig)
     """The run's name, logging, progress, TensorBoard and profiling."""
+    numerics: NumericsConfig = field(default_factory=NumericsConfig)
+    """Numerical faults: NaN, loss spikes and replicas that differ (silent corruption)."""
     faults: tuple[FaultSpec, ...] = ()
     """Faults to inject, as [[faults]] tables (kind, step, rank or node); see FaultSpec."""
 
@@ -57,6 +60,7 @@ class JobConfig:
                  "run.profile_steps", self.run.profile_steps,
                  f"steps must be <= train.steps = {self.train.steps}")
         self._check_keep_best()
+        self._check_numerics()
         for name in ("floor", "ceiling"):
             # Every world size the run may take must split into the layout and the batch.
             self.check_world(getattr(self.scaling, name))
@@ -78,6 +82,18 @@ class JobConfig:
                  f"checkpoint.persist_every = {ck.persist_every} and data.val_every = "
                  f"{val_every} first meet at step {first}, not before train.steps = "
                  f"{self.train.steps}")
+
+    def _check_numerics(self) -> None:
+        """A fingerprint mismatch rolls back to a snapshot of the memory tier: every step's."""
+        nc = self.numerics
+        _require(nc.fingerprint_every == 0 or self.checkpoint.snapshot_every == 1,
+                 "numerics.fingerprint_every", nc.fingerprint_every,
+                 f"needs checkpoint.snapshot_every = 1 (it is "
+                 f"{self.checkpoint.snapshot_every}): a mismatch rolls back to the snapshot "
+                 f"before the last matching fingerprint; or set it to 0 (off)")
+        late = [s for s in nc.skip_steps if s > self.train.steps]
+        _require(not late, "numerics.skip_steps", nc.skip_steps,
+                 f"steps must be <= train.steps = {self.train.steps}")
 
     def check_world(self, world: int) -> None:
         """Raise ConfigError unless a world of `world` ranks can run this job: the global

@@ -478,6 +478,14 @@ class FaultKind(StrEnum):
     """SIGSTOP the raylet of a node and its workers: a frozen machine."""
     DRAIN = "drain"
     """Ask Ray to drain a node for preemption (it stays up, unschedulable)."""
+    NAN = "nan"
+    """The rank's loss of that step becomes NaN, once (a transient numerical fault)."""
+    SPIKE = "spike"
+    """The loss of that step's batch is scaled up 100x on the rank (rank 0 if none is
+    named), each time the batch is trained: a bad batch."""
+    BITFLIP = "bitflip"
+    """One bit of one parameter flips in the rank's memory at the start of that step: silent
+    data corruption."""
 
     @property
     def target(self) -> str:
@@ -496,7 +504,7 @@ class FaultSpec:
     """
 
     kind: str
-    """The fault: `kill`, `kill-staging`, `kill-replicating`, `hang`, `raise`, `term`, `slow` (a rank); `kill-node`, `freeze-node`, `drain` (a node). The TOML form of `--inject`."""
+    """The fault: `kill`, `kill-staging`, `kill-replicating`, `hang`, `raise`, `term`, `slow`, `nan`, `spike`, `bitflip` (a rank); `kill-node`, `freeze-node`, `drain` (a node). The TOML form of `--inject`."""
     step: int
     """The fault fires once, when its target reaches the start of this step."""
     rank: int = -1
@@ -509,6 +517,8 @@ class FaultSpec:
         _require(self.kind in set(FaultKind), "faults.kind", self.kind,
                  f"one of {', '.join(FaultKind)}")
         object.__setattr__(self, "kind", FaultKind(self.kind))  # its spelling stays the same
+        if self.kind is FaultKind.SPIKE and self.rank == -1:
+            object.__setattr__(self, "rank", 0)  # a bad batch: `spike:step=30` is enough
         _require(self.step >= 1, "faults.step", self.step, "must be >= 1")
         target = self.kind.target
         other = "node" if target == "rank" else "rank"

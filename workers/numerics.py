@@ -1,0 +1,235 @@
+"""The numerical checks of one rank's step: what it adds to the step's all-reduce, and reads back.
+
+Each step's summary all-reduce (workers/engine.py) carries, besides the loss, how many of
+this rank's values were not finite and, on fingerprint steps, this rank's fingerprint in a
+slot of its own. Every rank then reads the same numbers back and reaches the same verdict
+(stalwart/core/numerics.py decides), so the checks cost no collective of their own.
+
+A fingerprint is the wrapping integer sum of the bits of every local tensor of the
+parameters and the optimizer state: any single flipped bit changes it, and replicas that
+are bit-identical by construction (the same reduced gradients, the same update) agree.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from stalwart.core.config import JobConfig
+from stalwart.core.numerics import (
+    Action,
+    Decision,
+    Fault,
+    Finding,
+    Limits,
+    NumericsState,
+    SpikeDetector,
+    compare_replicas,
+    decide,
+)
+
+# A fingerprint travels as two 24-bit halves in float32 slots: a float32 holds an integer
+# up to 2^24 exactly, and a slot is non-zero on one rank only, so the sum is exact.
+HALF_BITS = 24
+HALF_MASK = (1 << HALF_BITS) - 1
+# The integer type whose bits each floating dtype's elements are summed as.
+INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
+                  ) -> list[torch.Tensor]:
+    """This rank's local parameters and optimizer state tensors, in a fixed order."""
+    tensors = [_local(p.detach()) for p in model.parameters()]
+    for p in model.parameters():
+        for value in optimizer.state.get(p, {}).values():
+            if isinstance(value, torch.Tensor):
+                tensors.append(_local(value.detach()))
+    return tensors
+
+
+def fingerprint(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The wrapping int64 sum of the tensors' bits, on `device`, with no host sync."""
+    sums = []
+    for t in tensors:
+        if t.numel() == 0:
+            continue
+        bits = t.contiguous().view(INT_OF_SIZE[t.element_size()])
+        sums.append(bits.sum(dtype=torch.int64).to(device))
+    if not sums:
+        return torch.zeros((), dtype=torch.int64, device=device)
+    return torch.stack(sums).sum()
+
+
+def fingerprint_slots(value: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """float32 slots for the summary: this rank's two halves at 2 x rank, zeros elsewhere."""
+    slots = torch.zeros(2 * world_size, dtype=torch.float32, device=value.device)
+    folded = value & ((1 << (2 * HALF_BITS)) - 1)
+    slots[2 * rank] = (folded >> HALF_BITS).to(torch.float32)
+    slots[2 * rank + 1] = (folded & HALF_MASK).to(torch.float32)
+    return slots
+
+
+def read_fingerprints(slots: Sequence[float]) -> list[int]:
+    """Every rank's fingerprint, from the all-reduced slots."""
+    return [(int(slots[i]) << HALF_BITS) | int(slots[i + 1]) for i in range(0, len(slots), 2)]
+
+
+def not_finite(loss: torch.Tensor, grads: Sequence[torch.Tensor]) -> torch.Tensor:
+    """1.0 when this rank's loss or local gradients hold a value that is not finite."""
+    bad = ~torch.isfinite(loss)
+    if grads:
+        norms = torch._foreach_norm([_local(g) for g in grads])
+        bad = bad | ~torch.isfinite(torch.stack(norms).sum())
+    return bad.to(torch.float32)
+
+
+@dataclass
+class StepChecks:
+    """What this step's summary all-reduce carries for the checks, and where."""
+
+    values: list[torch.Tensor]
+    fingerprinted: bool
+
+
+@dataclass
+class NumericsGuard:
+    """One rank's numerical checks across a world: the spike window, the skipped steps, the
+    mismatches per rank, and the decisions taken (drained by the worker's poll)."""
+
+    config: JobConfig
+    rank: int
+    world_size: int
+    classes: list[Any]
+    """Each rank's replica class (equal: data-parallel replicas of identical state)."""
+    state: NumericsState = field(default_factory=NumericsState)
+    strikes: dict[int, int] = field(default_factory=dict)
+    decisions: list[dict[str, Any]] = field(default_factory=list)
+    verified: int | None = None
+    """The newest step whose snapshot a matching fingerprint vouched for."""
+
+    def __post_init__(self) -> None:
+        nc = self.config.numerics
+        self.spikes = SpikeDetector(nc.spike_z, nc.spike_window, nc.spike_warmup)
+        self.limits = Limits(max_skips=nc.max_skips, evict_after=nc.evict_after)
+        self.state.skipped = sorted(set(self.state.skipped))
+
+    @property
+    def on(self) -> bool:
+        nc = self.config.numerics
+        return nc.nan_check or nc.spike_z > 0 or nc.fingerprint_every > 0
+
+    def fingerprints_at(self, step: int) -> bool:
+        every = self.config.numerics.fingerprint_every
+        return every > 0 and step % every == 0
+
+    def checks(self, step: int, loss: torch.Tensor, grads: Sequence[torch.Tensor],
+               tensors: Any) -> StepChecks:
+        """The summary's extra entries: the not-finite flag, then fingerprint slots."""
+        values = [not_finite(loss, grads) if self.config.numerics.nan_check
+                  else torch.zeros((), device=loss.device)]
+        fingerprinted = self.fingerprints_at(step)
+        if fingerprinted:
+            fp = fingerprint(tensors(), loss.device)
+            values.extend(fingerprint_slots(fp, self.rank, self.world_size).unbind())
+        return StepChecks(values, fingerprinted)
+
+    def verdict(self, step: int, loss: float, reduced: Sequence[float],
+                fingerprinted: bool) -> Finding | None:
+        """The fault the agreed numbers show, if any: replicas first (the state before this
+        step is wrong), then a value not finite, then a spike."""
+        if fingerprinted:
+            check = compare_replicas(read_fingerprints(reduced[1:]), self.classes)
+            if check.differs:
+                ranks = check.odd or check.split
+                how = ("differ from their replicas" if check.odd
+                       else "differ, with no majority to tell which is wrong")
+                return Finding(Fault.MISMATCH, step, ranks,
+                               f"rank(s) {list(ranks)} {how} (parameters and optimizer state "
+                               f"after step {step - 1})", attributed=bool(check.odd))
+            self.verified = step - 1
+        if reduced[0] > 0:
+            return Finding(Fault.NAN, step, (), f"a loss or gradient norm not finite on "
+                                                f"{int(reduced[0])} rank(s)")
+        if self.spikes.is_spike(loss):
+            score = self.spikes.score(loss)
+            return Finding(Fault.SPIKE, step, (), f"loss {loss:.4g} is {score:.1f} robust "
+                                                  f"standard deviations above the median of "
+                                                  f"the last {len(self.spikes.losses)}")
+        return None
+
+    def decide(self, finding: Finding, attempt: int, started: float) -> Decision:
+        if finding.fault is Fault.MISMATCH and finding.attributed:
+            for r in finding.ranks:
+                self.strikes[r] = self.strikes.get(r, 0) + 1
+        verified = self.verified if self.verified is not None and self.verified >= 1 else None
+        decision = decide(finding, attempt=attempt, skips=len(self.state.skipped),
+                          strikes=self.strikes, verified=verified, limits=self.limits)
+        self.decisions.append(_event_fields(decision, time.time() - started))
+        return decision
+
+    def accept(self, loss: float) -> None:
+        self.spikes.accept(loss)
+
+    def skipped(self, step: int) -> None:
+        if step not in self.state.skipped:
+            self.state.skipped.append(step)
+
+    def must_skip(self, step: int) -> bool:
+        return step in self.config.numerics.skip_steps or step in self.state.skipped
+
+    def drain(self) -> list[dict[str, Any]]:
+        out, self.decisions = self.decisions, []
+        return out
+
+    # ------------------------------------------------------------------ state
+
+    def snapshot_state(self) -> str:
+        self.state.losses = list(self.spikes.losses)
+        self.state.accepted = self.spikes.accepted
+        return self.state.to_json()
+
+    def load_state(self, text: str) -> None:
+        self.state = NumericsState.from_json(text)
+        self.spikes.losses.clear()
+        self.spikes.losses.extend(self.state.losses)
+        self.spikes.accepted = self.state.accepted
+
+
+def _event_fields(decision: Decision, decided_s: float) -> dict[str, Any]:
+    """A decision as the `numerical_fault` event's fields (the controller adds the time)."""
+    f = decision.finding
+    return {"step": f.step, "fault": f.fault.value, "action": decision.action.value,
+            "ranks": list(f.ranks), "rollback_to": decision.rollback_to,
+            "detail": f.detail, "reason": decision.reason, "decided_s": round(decided_s, 4),
+            "time": time.time()}
+
+
+class NumericsEscalation(RuntimeError):
+    """The world cannot mend the fault in place: evict faulty ranks, or stop the run."""
+
+    def __init__(self, decision: Decision, why: str | None = None) -> None:
+        self.decision = decision
+        f = decision.finding
+        evicting = decision.action is Action.EVICT and why is None
+        self.evict = f.ranks if evicting else ()
+        what = f"replacing rank(s) {list(f.ranks)}" if evicting else "stopping"
+        super().__init__(f"numerical fault at step {f.step} ({f.fault.value}: {f.detail}); "
+                         f"{what}: {why or decision.reason}")
+
+
+class NumericsRollback(Exception):
+    """Every rank restores its snapshot of `decision.rollback_to` and trains on from it."""
+
+    def __init__(self, decision: Decision) -> None:
+        super().__init__(f"rolling back to step {decision.rollback_to}")
+        self.decision = decision
+
