@@ -168,6 +168,18 @@ def exception(rank: int, traceback: str, now: float, last_seen: float | None) ->
     return _one(FailureKind.USER_ERROR, rank, traceback, now, last_seen=last_seen)
 
 
+def numerical(rank: int, message: str, evict: tuple[int, ...], now: float,
+              last_seen: float | None) -> WorkerFailure:
+    """Every rank stopped on the same numerical decision (`message`, as rank `rank` said it):
+    `evict` names the ranks found faulty (FAULTY_DEVICE: replaced, their nodes excluded);
+    none means the run cannot go on (NUMERICS)."""
+    if evict:
+        return WorkerFailure(kind=FailureKind.FAULTY_DEVICE, rank=evict[0], ranks=evict,
+                             message=message, detected_at=now, last_seen=last_seen)
+    return WorkerFailure(kind=FailureKind.NUMERICS, rank=None, message=message,
+                         detected_at=now, last_seen=last_seen)
+
+
 def collective_failed(rank: int, error: str, now: float,
                       last_seen: float | None) -> WorkerFailure:
     """A collective failed on this rank, and no dead, silent or raising rank explains it."""

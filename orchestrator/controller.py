@@ -32,7 +32,12 @@ from stalwart.orchestrator.best_metric import BestMetricCheck
 from stalwart.orchestrator.clock import Clock
 from stalwart.orchestrator.detection import FailureDetector, LastSeen
 from stalwart.orchestrator.failure_log import FailureLog
-from stalwart.orchestrator.failures import FailDecision, RetryDecision, WorkerFailure
+from stalwart.orchestrator.failures import (
+    FailDecision,
+    FailureKind,
+    RetryDecision,
+    WorkerFailure,
+)
 from stalwart.orchestrator.fault_watch import FaultWatch
 from stalwart.orchestrator.interrupt import StopAbandoned, StopRequest
 from stalwart.orchestrator.ledger import ledger_observers
@@ -97,7 +102,8 @@ class Controller:
         # In the order their events are written: faults and traces before the commits and
         # steps of the same answer, a recovery's `recovered` before the step's metrics row.
         self.observers: list[ControllerObserver] = [
-            self.faults, reporting.ProfileSaver(events), reporting.SampleLog(events),
+            self.faults, reporting.ProfileSaver(events), reporting.NumericsLog(events, display),
+            reporting.SampleLog(events),
             *ledger_observers(config, events), reporting.TierReporter(config, events),
             self.stragglers, self.detector, RecoveryTimer(events), self.throughput,
             self.best_metric, *observers]
@@ -494,6 +500,8 @@ class Controller:
         self.display.log(f"recovering from: "
                          f"{reporting.failure_line(state.failure, self.workers)}")
         self._notify("before_recovery", state.failure)
+        if state.failure.kind is FailureKind.FAULTY_DEVICE:
+            self._exclude_nodes(state.failure.failed_ranks)
         self.group.remove(state.failure.failed_ranks)
         ended = self.group.disband(after_step=self.last_step)
         silent = self._ended(ended)
@@ -506,6 +514,15 @@ class Controller:
             if isinstance(decided, Failed):
                 return decided
         return Scheduling(generation=state.generation + 1, since=self.clock.time())
+
+    def _exclude_nodes(self, ranks: tuple[int, ...]) -> None:
+        """A faulty device: no worker goes on the nodes of these ranks again."""
+        places = [self.workers[r] for r in ranks if r < len(self.workers)]
+        self.group.exclude_nodes(frozenset(p.node_id for p in places))
+        for p in places:
+            self.display.log(f"rank {p.rank} on node {p.node_ip} "
+                             f"({p.node_id[:reporting.NODE_ID_CHARS]}) differed from its "
+                             f"replicas: no worker is placed on that node again")
 
     def _notify(self, hook: str, *args: Any) -> None:
         for observer in self.observers:

@@ -91,6 +91,11 @@ class FailureDetector(ControllerObserver):
                        if st.flight_record is not None}
             return classify.hang(hang, now, seen.at(hang.ranks, hang.last_heartbeat), records)
         errors = {r: st for r, st in poll.answered.items() if st.error is not None}
+        numerical = {r: st for r, st in errors.items() if st.error_kind == "numerics"}
+        if numerical:  # every rank took the same decision: rank 0's (or the lowest's) says it
+            rank, st = min(numerical.items())
+            return classify.numerical(rank, st.error or "", st.evict, now,
+                                      seen.at(st.evict or (rank,)))
         user = {r: st for r, st in errors.items() if st.error_kind != "collective"}
         if user:
             rank, st = min(user.items())

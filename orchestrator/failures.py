@@ -25,6 +25,12 @@ class FailureKind(StrEnum):
     """Workers could not be placed, joined or set up."""
     STRAGGLER = "straggler"
     """A rank stayed slower than its peers (failure.replace_stragglers)."""
+    FAULTY_DEVICE = "faulty_device"
+    """A rank's state differed from its replicas numerics.evict_after times: it is replaced,
+    and no worker is placed on its node again."""
+    NUMERICS = "numerics"
+    """A numerical fault the world could not mend in place (numerics.max_skips spent, or no
+    snapshot to roll back to): not retried."""
 
 
 @dataclass(frozen=True)
@@ -96,6 +102,9 @@ class FailurePolicy:
         self.failures += 1
         self.consecutive += 1
         self.history.append(failure)
+        if failure.kind is FailureKind.NUMERICS:
+            return FailDecision(failure, "a numerical fault the checks could not mend "
+                                         "([numerics])")
         if failure.kind is FailureKind.USER_ERROR and not self.retry_user_errors:
             return FailDecision(failure, "an exception in the training code is not retried "
                                          "(failure.retry_user_errors=false)")

@@ -156,6 +156,10 @@ class WorkerGroup(ABC):
         """Kill these ranks' actors."""
 
     @abstractmethod
+    def exclude_nodes(self, node_ids: frozenset[str]) -> None:
+        """Place no worker on these nodes again (faulty hardware): idle workers there go."""
+
+    @abstractmethod
     def disband(self, after_step: int) -> Disbanded:
         """Survivors leave their world; what they say as they leave."""
 

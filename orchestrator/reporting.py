@@ -2,7 +2,8 @@
 and the console's one line for a failure or a restore.
 
 Each writes its own event: `checkpoint_committed`, and as observers of the controller
-(orchestrator/observers.py) `profile_saved`, `memory_tier` and `straggler`. Only the straggler reporter answers back:
+(orchestrator/observers.py) `profile_saved`, `numerical_fault`, `memory_tier` and
+`straggler`. Only the straggler reporter answers back:
 with failure.replace_stragglers, a straggler is a failure for the controller to act on.
 """
 
@@ -118,6 +119,23 @@ class ProfileSaver(ControllerObserver):
             self.events.emit(ev.ProfileSaved(rank=trace.rank, steps=list(trace.steps),
                              path=str(path.resolve()), generation=trace.generation,
                              export_s=round(trace.export_s, 3)))
+
+
+class NumericsLog(ControllerObserver):
+    """Writes rank 0's numerical-fault decisions as `numerical_fault` events, one console
+    line each (every rank took the same decisions: rank 0 speaks for them)."""
+
+    def __init__(self, events: EventLog, display: Display) -> None:
+        self.events = events
+        self.display = display
+
+    def on_status(self, rank: int, status: WorkerStatus, now: float) -> None:
+        for fields in status.numerics:
+            event = ev.NumericalFault(**fields)
+            self.events.emit(event)
+            where = f" to step {event.rollback_to}" if event.rollback_to is not None else ""
+            self.display.log(f"step {event.step}: {event.fault} ({event.detail}); "
+                             f"{event.action}{where}")
 
 
 class SampleLog(ControllerObserver):

@@ -53,6 +53,9 @@ from stalwart.workers.reports import (
     StepReport,
 )
 
+# The label Ray gives every node: its id (what a label selector can keep workers off).
+NODE_ID_LABEL = "ray.io/node-id"
+
 
 class GroupFailed(Exception):
     def __init__(self, failure: WorkerFailure) -> None:
@@ -164,6 +167,8 @@ class ElasticGroup(WorkerGroup):
         self.idle: list[Worker] = []
         self.starting: list[Worker] = []
         self.generation = -1
+        # Nodes no worker may be placed on (a device found faulty there).
+        self.excluded: set[str] = set()
         # Workers dropped as their device failed its health check, until the controller asks.
         self.unhealthy: list[WorkerFailure] = []
         # Snapshots rescued from survivors that could not leave their world (killed since):
@@ -201,6 +206,8 @@ class ElasticGroup(WorkerGroup):
             name=name,
             scheduling_strategy="SPREAD" if sc.placement_strategy == "SPREAD" else "DEFAULT",
         )
+        if self.excluded:  # every node carries its id as the label ray.io/node-id
+            options["label_selector"] = {NODE_ID_LABEL: f"!in({','.join(sorted(self.excluded))})"}
         if self._beacon is not None:  # found again by the run's next driver
             options.update(lifetime="detached", namespace=run_namespace(self.trust.run_id))
         actor = self._actor_class.options(**options).remote(
@@ -221,6 +228,9 @@ class ElasticGroup(WorkerGroup):
                 continue
             try:
                 w.place = ray.get(w.warm)
+                if w.place.node_id in self.excluded:  # asked for before the exclusion
+                    self._kill(w)
+                    continue
                 self.idle.append(w)
                 self.polls.start({w.place.node_id})  # warm before a world runs there
             except RayActorError:
@@ -413,6 +423,12 @@ class ElasticGroup(WorkerGroup):
         self.members = [w for r, w in enumerate(self.members) if r not in set(ranks)]
         silent = self.nodes.silent.keys()
         for w in [w for w in self.idle if w.place is not None and w.place.node_id in silent]:
+            self._kill(w)
+            self.idle.remove(w)
+
+    def exclude_nodes(self, node_ids: frozenset[str]) -> None:
+        self.excluded |= node_ids
+        for w in [w for w in self.idle if w.place is not None and w.place.node_id in node_ids]:
             self._kill(w)
             self.idle.remove(w)
 

@@ -447,6 +447,9 @@ class FakeGroup(WorkerGroup):
                 self._held.pop(a.pid, None)
             self.members = [a for r, a in enumerate(self.members) if r not in ranks]
 
+    def exclude_nodes(self, node_ids: frozenset[str]) -> None:
+        self._call("exclude_nodes", node_ids)
+
     def disband(self, after_step: int) -> Disbanded:
         self._call("disband")
         with _own(self):

@@ -27,12 +27,13 @@ import time
 from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
-
-import torch
-from torch.distributed.tensor import DTensor
+from typing import TYPE_CHECKING
 
 from stalwart.core.config import FaultKind, FaultSpec
 from stalwart.core.ray_private import drain_node
+
+if TYPE_CHECKING:  # the node agent imports this module, and must not load torch
+    import torch
 
 
 class InjectedFault(RuntimeError):
@@ -169,21 +170,24 @@ class FaultInjector:
 # The bit flipped per element size: the top mantissa bit (the value changes by up to half,
 # stays finite, and nothing but a comparison with a replica can tell).
 MANTISSA_TOP_BIT = {2: 6, 4: 22, 8: 51}
-INT_OF_SIZE = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
-@torch.no_grad()
 def flip_bit(model: torch.nn.Module) -> str:
     """Flip one bit of the first element of the first floating parameter this rank holds,
     in place; returns which (for the log)."""
-    for name, param in model.named_parameters():
-        local = param.to_local() if isinstance(param, DTensor) else param
-        size = local.element_size()
-        if local.numel() == 0 or not local.is_floating_point() or size not in INT_OF_SIZE:
-            continue
-        bits = local.view(-1)[:1].view(INT_OF_SIZE[size])
-        bits ^= 1 << MANTISSA_TOP_BIT[size]
-        return f"{name}[0] bit {MANTISSA_TOP_BIT[size]}"
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    ints = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            local = param.to_local() if isinstance(param, DTensor) else param
+            size = local.element_size()
+            if local.numel() == 0 or not local.is_floating_point() or size not in ints:
+                continue
+            bits = local.view(-1)[:1].view(ints[size])
+            bits ^= 1 << MANTISSA_TOP_BIT[size]
+            return f"{name}[0] bit {MANTISSA_TOP_BIT[size]}"
     raise RuntimeError("bitflip: this rank holds no floating parameter to flip")
 
 

@@ -167,13 +167,15 @@ class NumericsGuard:
         return None
 
     def decide(self, finding: Finding, attempt: int, started: float) -> Decision:
+        """The policy's decision on `finding`, recorded for the poll; `started`: the step's
+        start (time.perf_counter())."""
         if finding.fault is Fault.MISMATCH and finding.attributed:
             for r in finding.ranks:
                 self.strikes[r] = self.strikes.get(r, 0) + 1
         verified = self.verified if self.verified is not None and self.verified >= 1 else None
         decision = decide(finding, attempt=attempt, skips=len(self.state.skipped),
                           strikes=self.strikes, verified=verified, limits=self.limits)
-        self.decisions.append(_event_fields(decision, time.time() - started))
+        self.decisions.append(_event_fields(decision, time.perf_counter() - started))
         return decision
 
     def accept(self, loss: float) -> None:

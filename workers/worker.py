@@ -151,6 +151,7 @@ class Worker:
         self._stopped_early = False
         self._error: str | None = None
         self._error_kind: str | None = None
+        self._evict: tuple[int, ...] = ()
         self._busy: str | None = None
         self._preempted = False
         # The rendezvous this worker hosts for the next world, from rendezvous_address()
@@ -446,6 +447,7 @@ class Worker:
             self._error_kind = classify_exception(exc)
             if isinstance(exc, NumericsEscalation):
                 self._evict = exc.evict
+                self._forget_suspects(exc)
             if self._error_kind == "collective":  # which collective, and in which group
                 error = traceback.format_exc()
                 record = self._flight_summary()
@@ -470,6 +472,14 @@ class Worker:
                                      f"held on rank {self.rank} to roll back to")
         print(f"stalwart: {self!r}: rolled back to step {step} from memory "
               f"({rollback.decision.finding.detail})", file=sys.stderr, flush=True)
+
+    def _forget_suspects(self, exc: NumericsEscalation) -> None:
+        """Before the world ends on an eviction: forget the snapshots newer than the step the
+        checks trust, so the next world restores from that one, not from the fault."""
+        step = exc.decision.rollback_to
+        if self._tiered and step is not None:
+            self.tier.wait_replicated()
+            self.tier.store.drop_after(self.generation, step)
 
     def _step_failure(self, exc: BaseException) -> TaskCodeError:
         """What the training thread's error was, in the task's terms: the rank and step, the

@@ -259,6 +259,29 @@ class Straggler(Event):
     """failure.replace_stragglers: the rank is replaced as a failure."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class NumericalFault(Event):
+    """A numerical fault a step's checks found, and what the world did about it ([numerics])."""
+
+    kind: ClassVar[str] = "numerical_fault"
+    step: int
+    """The step it was found in (before that step's update)."""
+    fault: str
+    """`nan` (a loss or gradient norm not finite), `spike` (the loss far above its median)
+    or `mismatch` (data-parallel replicas whose state differs)."""
+    action: str
+    """`replay`, `skip`, `rollback`, `evict` or `stop`."""
+    ranks: list[int]
+    """The ranks a mismatch names (those differing from their replicas' majority)."""
+    rollback_to: int | None
+    """The step a rollback restored from the memory tier."""
+    detail: str
+    reason: str
+    """Why the policy chose `action`."""
+    decided_s: float
+    """Seconds from the start of the step to the decision, on rank 0."""
+
+
 # ---------------------------------------------------------------- checkpoints
 
 
@@ -452,7 +475,7 @@ EVENT_TYPES: dict[str, type[Event]] = {
         Started, Resumed, StartedFrom, WorkersStarted, Finished, Stopped, Failed, Interrupted,
         Failure, CheckpointChosen, Recovered, Resized, Straggler, CheckpointCommitted,
         CheckpointSkipped, DataFilesChanged, UnsignedCheckpointAccepted, MemoryTier, FaultInjected, FaultSkipped,
-        ProfileSaved, ValidationSamples, TrackerFailed)
+        ProfileSaved, ValidationSamples, TrackerFailed, NumericalFault)
 }
 
 T = TypeVar("T")

@@ -60,7 +60,8 @@ class Decision:
     finding: Finding
     reason: str
     rollback_to: int | None = None
-    """The step whose snapshot a rollback restores."""
+    """The step whose snapshot a rollback restores; for an eviction, the newest step whose
+    snapshots the next world may restore (newer ones may hold the fault)."""
 
 
 # The robust scale's floor, relative to the median: a flat loss has a MAD near 0, and any
@@ -170,7 +171,8 @@ def decide(finding: Finding, *, attempt: int, skips: int, strikes: dict[int, int
         faulty = tuple(r for r in finding.ranks if strikes.get(r, 0) >= limits.evict_after)
         if faulty:
             return Decision(Action.EVICT, finding, f"rank(s) {list(faulty)} differed from "
-                            f"their replicas {limits.evict_after} times: faulty hardware")
+                            f"their replicas {limits.evict_after} time(s): faulty hardware",
+                            rollback_to=verified)
         if verified is None:
             return Decision(Action.STOP, finding, "no snapshot before the fault is held to "
                             "roll back to")

@@ -8,6 +8,7 @@ run writes (a Callback); Ray's metrics agent on the driver's node exports them.
   stalwart_recovery_seconds           histogram: from a failure to the first step after it
   stalwart_lost_steps_total           steps trained again after recoveries
   stalwart_resizes_total              world resizes
+  stalwart_numerical_faults_total{fault,action}   numerical faults, by fault and decision
   stalwart_step                       the last logged step
   stalwart_world_size                 ranks in the current world
   stalwart_tokens_per_second          tokens/s of the last metrics row
@@ -48,6 +49,9 @@ class RayMetrics(Tracker):
                                   description="Steps trained again after recoveries.")
         self.resizes = Counter("stalwart_resizes_total", tag_keys=keys,
                                description="World resizes.")
+        self.numerical = Counter("stalwart_numerical_faults_total",
+                                 tag_keys=(*keys, "fault", "action"),
+                                 description="Numerical faults, by fault and decision.")
         self.step = Gauge("stalwart_step", tag_keys=keys, description="The last logged step.")
         self.world_size = Gauge("stalwart_world_size", tag_keys=keys,
                                 description="Ranks in the current world.")
@@ -72,6 +76,9 @@ class RayMetrics(Tracker):
         elif isinstance(event, ev.Resized):
             self.resizes.inc(1, tags=self.tags)
             self.world_size.set(event.new_world_size, tags=self.tags)
+        elif isinstance(event, ev.NumericalFault):
+            self.numerical.inc(1, tags={**self.tags, "fault": event.fault,
+                                        "action": event.action})
         elif isinstance(event, ev.Started):
             self.world_size.set(event.world_size, tags=self.tags)
 

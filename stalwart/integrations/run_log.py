@@ -10,6 +10,7 @@ all log the same names, so a run reads the same in each:
   events/resizes      resizes so far, at the step each one happened
   events/lost_steps   steps trained again after a recovery, at the step training resumed from
   events/recovery_s   seconds from a failure to the first step after it, at the same step
+  events/numerical_faults   numerical faults so far (NaN, spike, mismatch), at their step
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def describe(event: Event) -> str | None:
                 f"{e.lost_steps} steps lost, world size {e.world_size}")
     if isinstance(e, ev.Resized):
         return f"world {e.old_world_size} -> {e.new_world_size} ({e.reason}) at step {e.step}"
+    if isinstance(e, ev.NumericalFault):
+        return f"{e.fault} at step {e.step}: {e.action} ({e.detail})"
     if isinstance(e, ev.FaultInjected):
         return f"injected {e.fault} on rank {e.rank} at step {e.step}"
     if isinstance(e, ev.Finished | ev.Stopped):
@@ -64,6 +67,7 @@ class EventScalars:
     def __init__(self) -> None:
         self.failures = 0
         self.resizes = 0
+        self.numerical = 0
 
     def of(self, event: Event) -> dict[str, float]:
         if isinstance(event, ev.Failure):
@@ -74,6 +78,9 @@ class EventScalars:
             return {"events/resizes": self.resizes}
         if isinstance(event, ev.Recovered):
             return {"events/lost_steps": event.lost_steps, "events/recovery_s": event.recovery_s}
+        if isinstance(event, ev.NumericalFault):
+            self.numerical += 1
+            return {"events/numerical_faults": self.numerical}
         return {}
 
 

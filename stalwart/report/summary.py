@@ -93,6 +93,8 @@ class Summary:
     data_wait: float | None = None
     """The share of step time the steps waited for their data: the rows' data_wait_s over
     their window_s (None when no row carries data_wait_s)."""
+    numerical_faults: list[dict[str, Any]] = field(default_factory=list)
+    """Each `numerical_fault` event: step, fault, action, ranks, rollback_to."""
     notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
@@ -274,4 +276,7 @@ def summarize(events: list[ev.Event], rows: list[ev.MetricsRow], *, now: float,
                  for e in events if isinstance(e, ev.Resized)],
         checkpoints=len(saves), checkpoint_save_s=sum(e.save_s or 0.0 for e in saves),
         async_save=async_save, productive_s=productive, untimed_steps=untimed,
-        goodput=goodput, data_wait=data_wait(rows), notes=notes)
+        goodput=goodput, data_wait=data_wait(rows), notes=notes,
+        numerical_faults=[{"step": e.step, "fault": e.fault, "action": e.action,
+                           "ranks": e.ranks, "rollback_to": e.rollback_to}
+                          for e in events if isinstance(e, ev.NumericalFault)])

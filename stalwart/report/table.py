@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 from stalwart.progress import metrics_text
 from stalwart.report.summary import Summary
 from stalwart.tables import key_values
@@ -23,6 +25,14 @@ def _seconds(value: float | None) -> str:
 
 def _counts(counts: dict[str, int]) -> str:
     return ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+
+
+def numerical_line(faults: list[dict]) -> str:
+    """`numerical faults: 3 (nan 1, spike 2; replay 2, skip 1)`."""
+    by_fault = Counter(f["fault"] for f in faults)
+    by_action = Counter(f["action"] for f in faults)
+    return (f"numerical faults: {len(faults)} ({_counts(dict(by_fault))}; "
+            f"{_counts(dict(by_action))})")
 
 
 def format_summary(s: Summary, run_dir: str) -> str:
@@ -59,5 +69,7 @@ def format_summary(s: Summary, run_dir: str) -> str:
     out = [key_values(lines)]
     if s.data_wait is not None:
         out.append(f"data wait: {100 * s.data_wait:.1f}% of step time")
+    if s.numerical_faults:
+        out.append(numerical_line(s.numerical_faults))
     out += [f"note: {n}" for n in s.notes]
     return "\n".join(out)

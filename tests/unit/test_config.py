@@ -141,7 +141,7 @@ def test_unknown_top_level_key_names_it_and_lists_allowed() -> None:
     msg = str(err.value)
     assert "unknown key bogus in the top level" in msg
     assert ("allowed: task, scaling, parallel, train, checkpoint, failure, data, run, "
-            "faults") in msg
+            "numerics, faults") in msg
 
 
 def test_unknown_key_in_a_section_names_it_and_lists_allowed() -> None:

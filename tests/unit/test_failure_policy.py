@@ -22,12 +22,13 @@ def failure(kind: FailureKind = FailureKind.WORKER_DIED, rank: int | None = 1) -
                          detected_at=0.0)
 
 
-def test_only_user_errors_are_not_retried_by_kind() -> None:
+def test_only_user_errors_and_unmendable_numerics_are_not_retried_by_kind() -> None:
     """Within the budget, the policy retries every kind of failure but the task's own
-    exceptions (failure.retry_user_errors=false by default)."""
+    exceptions (failure.retry_user_errors=false by default) and a numerical fault the checks
+    could not mend (a faulty device is retried: replaced, its node excluded)."""
     not_retried = {k for k in FailureKind
                    if isinstance(FailurePolicy(10).make_decision(failure(k)), FailDecision)}
-    assert not_retried == {FailureKind.USER_ERROR}
+    assert not_retried == {FailureKind.USER_ERROR, FailureKind.NUMERICS}
 
 
 @pytest.mark.parametrize(("rank", "ranks", "expected"), [

@@ -31,7 +31,8 @@ from stalwart.workers.local_timer import LocalTimer
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
-KINDS = "kill, kill-staging, kill-replicating, hang, raise, term, slow, kill-node, freeze-node, drain"
+KINDS = ("kill, kill-staging, kill-replicating, hang, raise, term, slow, kill-node, freeze-node, "
+         "drain, nan, spike, bitflip")
 SYNTAX = ("expected KIND:TARGET=N,step=S, e.g. kill:rank=1,step=20 or "
           f"kill-node:node=1,step=80; KIND is one of {KINDS}")
 
@@ -60,7 +61,9 @@ def test_a_fault_prints_as_the_user_writes_it() -> None:
     assert str(FaultSpec(kind="kill-node", node=2, step=8)) == "kill-node:node=2,step=8"
     assert {k.value for k in FaultKind} == {
         "kill", "kill-staging", "kill-replicating", "hang", "raise", "term", "slow",
-        "kill-node", "freeze-node", "drain"}
+        "kill-node", "freeze-node", "drain", "nan", "spike", "bitflip"}
+    # A bad batch needs no rank: rank 0 trains it.
+    assert str(parse_fault("spike:step=30")) == "spike:rank=0,step=30"
 
 
 def test_a_fault_kind_is_the_enum_and_keeps_its_spelling_everywhere() -> None:

@@ -41,4 +41,5 @@ def test_the_base_declares_what_the_controller_asks() -> None:
         "top_up", "refresh", "take_unhealthy", "pool_view", "draining_nodes",
         "pick", "form", "places", "restore", "memory_inventory", "restore_memory", "launch",
         "settle",
-        "poll", "ack_faults", "request_stop", "remove", "disband", "shutdown"])
+        "poll", "ack_faults", "request_stop", "remove", "exclude_nodes", "disband",
+        "shutdown"])
