@@ -1,5 +1,5 @@
 """GPU check: stalwart on one CUDA device, in one command. It measures the engine's tokens/s and
-MFU against plain PyTorch, what snapshots cost, FSDP2 offload, compile and activation
+MFU against plain PyTorch, what snapshots and the numerical checks cost, FSDP2 offload, compile and activation
 checkpointing, the memory estimate, and the recovery of a SIGKILLed worker.
 
 Each check is a function that returns its rows (figures, goal, met); one that fails is recorded
@@ -32,6 +32,7 @@ except ModuleNotFoundError as exc:  # run as a file: bench/ is on the path, the 
         raise
     sys.exit("run it from the repository root as: python -m bench.gpu_check [flags]")
 from bench import gpu_checks_features as features
+from bench import gpu_checks_numerics
 from bench import gpu_checks_ray as ray_checks
 from bench import gpu_checks_train as train
 from bench.gpu_checks_base import GPU, SMALL, Ctx, free_memory, peak_tflops, skipped
@@ -50,6 +51,7 @@ class Check:
 CHECKS = (
     Check("throughput", ("throughput",), train.throughput, True),
     Check("snapshot", ("snapshot_overhead", "snapshot_staging"), train.snapshots, True),
+    Check("numerics", ("numerics",), gpu_checks_numerics.numerics, True),
     Check("offload", ("offload",), features.offload, True),
     Check("compile", ("compile",), features.compiled, True),
     Check("activation_checkpointing", ("activation_checkpointing",),

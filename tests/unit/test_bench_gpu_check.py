@@ -54,6 +54,7 @@ def test_on_cpu_every_check_has_figures_or_a_reason_and_none_errored(tmp_path: P
         throughput["plain-fsdp2"]["first_loss"], rel=1e-6)
     assert rows["snapshot_staging"]["figures"]["bytes"] > 0
     assert rows["activation_checkpointing"]["met"] is True
+    assert rows["numerics"]["figures"]["loss_finite"]  # every variant trained
     for name in ("throughput", "snapshot_overhead", "activation_checkpointing"):
         assert name in done.stdout  # the table
 
