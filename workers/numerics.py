@@ -33,12 +33,14 @@ from stalwart.core.numerics import (
     decide,
 )
 
-# A fingerprint travels as two 24-bit halves in float32 slots: a float32 holds an integer
-# up to 2^24 exactly, and a slot is non-zero on one rank only, so the sum is exact.
-HALF_BITS = 24
-HALF_MASK = (1 << HALF_BITS) - 1
+# A fingerprint travels as three float32 slots of 24, 24 and 16 bits: a float32 holds an
+# integer up to 2^24 exactly, and a slot is non-zero on one rank only, so the sum is exact.
+SLOT_BITS = (24, 24, 16)
 # The integer type whose bits each floating dtype's elements are summed as.
 INT_OF_SIZE = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+# Tensors are summed in batches of about this many bytes, each one copy into one buffer and
+# one sum: a kernel per tensor would cost more launch time than the sums themselves.
+BATCH_BYTES = 256 << 20
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -58,29 +60,53 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
 def fingerprint(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The wrapping int64 sum of the tensors' bits, on `device`, with no host sync."""
-    sums = []
+    by_size: dict[int, list[torch.Tensor]] = {}
     for t in tensors:
-        if t.numel() == 0:
-            continue
-        bits = t.contiguous().view(INT_OF_SIZE[t.element_size()])
-        sums.append(bits.sum(dtype=torch.int64).to(device))
-    if not sums:
-        return torch.zeros((), dtype=torch.int64, device=device)
+        if t.numel():
+            by_size.setdefault(t.element_size(), []).append(t)
+    sums = [torch.zeros((), dtype=torch.int64, device=device)]
+    for size, group in by_size.items():
+        batch: list[torch.Tensor] = []
+        held = 0
+        for t in group:
+            batch.append(t.reshape(-1).view(INT_OF_SIZE[size]))
+            held += t.numel() * size
+            if held >= BATCH_BYTES:
+                sums.append(_batch_sum(batch, device))
+                batch, held = [], 0
+        if batch:
+            sums.append(_batch_sum(batch, device))
     return torch.stack(sums).sum()
 
 
+def _batch_sum(batch: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    flat = batch[0] if len(batch) == 1 else torch.cat(batch)
+    return flat.sum(dtype=torch.int64).to(device)
+
+
 def fingerprint_slots(value: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
-    """float32 slots for the summary: this rank's two halves at 2 x rank, zeros elsewhere."""
-    slots = torch.zeros(2 * world_size, dtype=torch.float32, device=value.device)
-    folded = value & ((1 << (2 * HALF_BITS)) - 1)
-    slots[2 * rank] = (folded >> HALF_BITS).to(torch.float32)
-    slots[2 * rank + 1] = (folded & HALF_MASK).to(torch.float32)
+    """float32 slots for the summary: this rank's three parts from len(SLOT_BITS) x rank,
+    zeros elsewhere. Every bit of the int64 travels (a float64 flip may sit in the top 16)."""
+    n = len(SLOT_BITS)
+    slots = torch.zeros(n * world_size, dtype=torch.float32, device=value.device)
+    shift = 0
+    for i, bits in enumerate(SLOT_BITS):
+        slots[n * rank + i] = ((value >> shift) & ((1 << bits) - 1)).to(torch.float32)
+        shift += bits
     return slots
 
 
 def read_fingerprints(slots: Sequence[float]) -> list[int]:
-    """Every rank's fingerprint, from the all-reduced slots."""
-    return [(int(slots[i]) << HALF_BITS) | int(slots[i + 1]) for i in range(0, len(slots), 2)]
+    """Every rank's fingerprint (as an unsigned 64-bit integer), from the all-reduced slots."""
+    n = len(SLOT_BITS)
+    out = []
+    for start in range(0, len(slots), n):
+        value, shift = 0, 0
+        for i, bits in enumerate(SLOT_BITS):
+            value |= int(slots[start + i]) << shift
+            shift += bits
+        out.append(value)
+    return out
 
 
 def not_finite(loss: torch.Tensor, grads: Sequence[torch.Tensor]) -> torch.Tensor:
@@ -222,8 +248,8 @@ class NumericsEscalation(RuntimeError):
         self.decision = decision
         f = decision.finding
         evicting = decision.action is Action.EVICT and why is None
-        self.evict = f.ranks if evicting else ()
-        what = f"replacing rank(s) {list(f.ranks)}" if evicting else "stopping"
+        self.evict = decision.evict if evicting else ()
+        what = f"replacing rank(s) {list(self.evict)}" if evicting else "stopping"
         super().__init__(f"numerical fault at step {f.step} ({f.fault.value}: {f.detail}); "
                          f"{what}: {why or decision.reason}")
 

@@ -62,6 +62,8 @@ class Decision:
     rollback_to: int | None = None
     """The step whose snapshot a rollback restores; for an eviction, the newest step whose
     snapshots the next world may restore (newer ones may hold the fault)."""
+    evict: tuple[int, ...] = ()
+    """The ranks an eviction replaces: those named evict_after times, not every rank named."""
 
 
 # The robust scale's floor, relative to the median: a flat loss has a MAD near 0, and any
@@ -172,7 +174,7 @@ def decide(finding: Finding, *, attempt: int, skips: int, strikes: dict[int, int
         if faulty:
             return Decision(Action.EVICT, finding, f"rank(s) {list(faulty)} differed from "
                             f"their replicas {limits.evict_after} time(s): faulty hardware",
-                            rollback_to=verified)
+                            rollback_to=verified, evict=faulty)
         if verified is None:
             return Decision(Action.STOP, finding, "no snapshot before the fault is held to "
                             "roll back to")
