@@ -179,6 +179,7 @@ class TrainEngine:
         self.samples_seen = 0
         self._group_names: list[list[str]] | None = None
         """Each optimizer param group's parameter names (scalar_state's keys), once."""
+        self._loads = 0  # state loads so far: a load may replace the optimizer's tensors
         self.numerics = NumericsGuard(config, rank=rank, world_size=world_size,
                                       classes=[self.dims.replica_class(r)
                                                for r in range(world_size)])
@@ -316,7 +317,8 @@ class TrainEngine:
             step, loss_sum,
             [grad_norm] if grad_norm is not None else
             [p.grad for p in self.model.parameters() if p.grad is not None],
-            lambda: state_tensors(self.model, self.optimizer))
+            lambda: state_tensors(self.model, self.optimizer),
+            (len(self.optimizer.state), self._loads))
 
         # One all-reduce of a few numbers per step: the mean loss for logging, the stop
         # flag (all ranks stop after the same step whoever was asked first), the numerical
@@ -499,6 +501,7 @@ class TrainEngine:
                       device=self.device)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._loads += 1
         set_state_dict(self.model, self.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optim"], options=self.options)
         self.scheduler.load_state_dict(state["scheduler"])

@@ -13,7 +13,7 @@ are bit-identical by construction (the same reduced gradients, the same update) 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,28 +60,38 @@ def state_tensors(model: torch.nn.Module, optimizer: torch.optim.Optimizer
 
 def fingerprint(tensors: Iterable[torch.Tensor], device: torch.device) -> torch.Tensor:
     """The wrapping int64 sum of the tensors' bits, on `device`, with no host sync."""
-    by_size: dict[int, list[torch.Tensor]] = {}
+    return sum_batches(int_batches(tensors), device)
+
+
+def int_batches(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The tensors as flat integer views, in batches of one device and element size (AdamW
+    keeps its step counts on the CPU) of about BATCH_BYTES each. The views follow the
+    tensors' in-place updates, so a batching holds as long as the tensors do."""
+    groups: dict[tuple[torch.device, int], list[torch.Tensor]] = {}
     for t in tensors:
         if t.numel():
-            by_size.setdefault(t.element_size(), []).append(t)
-    sums = [torch.zeros((), dtype=torch.int64, device=device)]
-    for size, group in by_size.items():
+            groups.setdefault((t.device, t.element_size()), []).append(t)
+    batches: list[list[torch.Tensor]] = []
+    for (_, size), group in groups.items():
         batch: list[torch.Tensor] = []
         held = 0
         for t in group:
             batch.append(t.reshape(-1).view(INT_OF_SIZE[size]))
             held += t.numel() * size
             if held >= BATCH_BYTES:
-                sums.append(_batch_sum(batch, device))
+                batches.append(batch)
                 batch, held = [], 0
         if batch:
-            sums.append(_batch_sum(batch, device))
+            batches.append(batch)
+    return batches
+
+
+def sum_batches(batches: list[list[torch.Tensor]], device: torch.device) -> torch.Tensor:
+    sums = [torch.zeros((), dtype=torch.int64, device=device)]
+    for batch in batches:
+        flat = batch[0] if len(batch) == 1 else torch.cat(batch)
+        sums.append(flat.sum(dtype=torch.int64).to(device))
     return torch.stack(sums).sum()
-
-
-def _batch_sum(batch: list[torch.Tensor], device: torch.device) -> torch.Tensor:
-    flat = batch[0] if len(batch) == 1 else torch.cat(batch)
-    return flat.sum(dtype=torch.int64).to(device)
 
 
 def fingerprint_slots(value: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
@@ -143,6 +153,7 @@ class NumericsGuard:
     """The newest step whose snapshot a matching fingerprint vouched for."""
 
     def __post_init__(self) -> None:
+        self._views: tuple[Hashable, list[list[torch.Tensor]]] | None = None
         nc = self.config.numerics
         self.spikes = SpikeDetector(nc.spike_z, nc.spike_window, nc.spike_warmup)
         self.limits = Limits(max_skips=nc.max_skips, evict_after=nc.evict_after)
@@ -158,13 +169,20 @@ class NumericsGuard:
         return every > 0 and step % every == 0
 
     def checks(self, step: int, loss: torch.Tensor, grads: Sequence[torch.Tensor],
-               tensors: Any) -> StepChecks:
-        """The summary's extra entries: the not-finite flag, then fingerprint slots."""
+               tensors: Callable[[], list[torch.Tensor]], version: Hashable) -> StepChecks:
+        """The summary's extra entries: the not-finite flag, then fingerprint slots.
+        `tensors` lists the state to fingerprint; its integer views are kept while `version`
+        stays the same (a DTensor's to_local per tensor per step costs more than the sums)."""
         values = [not_finite(loss, grads) if self.config.numerics.nan_check
                   else torch.zeros((), device=loss.device)]
         fingerprinted = self.fingerprints_at(step)
         if fingerprinted:
-            fp = fingerprint(tensors(), loss.device)
+            if self._views is None or self._views[0] != version:
+                state = tensors()
+                # A view follows in-place updates; a non-contiguous tensor's is a copy.
+                kept = version if all(t.is_contiguous() for t in state) else object()
+                self._views = (kept, int_batches(state))
+            fp = sum_batches(self._views[1], loss.device)
             values.extend(fingerprint_slots(fp, self.rank, self.world_size).unbind())
         return StepChecks(values, fingerprinted)
 

@@ -18,8 +18,8 @@ from stalwart.workers.faults import (
     flip_bit,
 )
 from stalwart.workers.numerics import (
-    SLOT_BITS,
     INT_OF_SIZE,
+    SLOT_BITS,
     NumericsEscalation,
     NumericsGuard,
     fingerprint,
@@ -313,10 +313,10 @@ def test_checks_carry_the_flag_then_this_ranks_slots_on_fingerprint_steps() -> N
         calls.append(1)
         return params
 
-    plain = g.checks(3, torch.tensor(math.nan), [], tensors)
+    plain = g.checks(3, torch.tensor(math.nan), [], tensors, 0)
     assert not plain.fingerprinted and [float(v) for v in plain.values] == [1.0]
     assert calls == []  # no fingerprint off its steps: its cost is not paid
-    with_fp = g.checks(4, torch.tensor(1.0), [torch.ones(2)], tensors)
+    with_fp = g.checks(4, torch.tensor(1.0), [torch.ones(2)], tensors, 0)
     assert with_fp.fingerprinted and len(with_fp.values) == 1 + len(SLOT_BITS) * 3
     reduced = [float(v) for v in with_fp.values]
     assert reduced[0] == 0.0
@@ -325,7 +325,7 @@ def test_checks_carry_the_flag_then_this_ranks_slots_on_fingerprint_steps() -> N
 
 def test_checks_flag_nothing_with_the_nan_check_off() -> None:
     g = guard(nan_check=False)
-    out = g.checks(3, torch.tensor(math.nan), [], list)
+    out = g.checks(3, torch.tensor(math.nan), [], list, 0)
     assert [float(v) for v in out.values] == [0.0]
 
 
@@ -487,3 +487,18 @@ def test_flip_bit_needs_a_floating_parameter() -> None:
     model.counts = torch.nn.Parameter(torch.ones(3, dtype=torch.int32), requires_grad=False)
     with pytest.raises(RuntimeError, match="no floating parameter"):
         flip_bit(model)
+
+
+def test_the_fingerprint_views_follow_in_place_updates_until_the_state_is_replaced() -> None:
+    g = guard(world=1)
+    params = [torch.ones(4), torch.full((2,), 0.5)]
+    first = g.checks(4, torch.tensor(1.0), [], lambda: params, 0)
+    params[0].add_(1.0)  # an optimizer step: in place, the same version
+    second = g.checks(8, torch.tensor(1.0), [], lambda: params, 0)
+    assert second.values[1:] != first.values[1:]
+    assert read_fingerprints([float(v) for v in second.values[1:]]) == \
+        [fp(*params) & UNSIGNED]
+    replaced = [torch.zeros(4), params[1]]  # a load replaced a tensor: a new version
+    third = g.checks(12, torch.tensor(1.0), [], lambda: replaced, 1)
+    assert read_fingerprints([float(v) for v in third.values[1:]]) == \
+        [fp(*replaced) & UNSIGNED]
