@@ -1,7 +1,8 @@
 """The data ledger on the driver: which samples each kept step trained on, as parquet parts.
 
 With data.ledger on, rank 0's step reports carry the global batch's sample ids (epoch, file,
-row). `LedgerWriter` buffers them and writes `RUN_DIR/ledger.parquet`, a directory of part
+row), and whether the step's update was dropped (a numerical fault's skipped batch).
+`LedgerWriter` buffers them and writes `RUN_DIR/ledger.parquet`, a directory of part
 files `part-<first step>-<last step>.parquet` that pyarrow, pandas and duckdb read as one
 table. A part is written whole under a hidden name and renamed into place, so a reader never
 sees half of one.
@@ -45,7 +46,8 @@ FLUSH_EVERY = 200
 
 SCHEMA = pa.schema([("step", pa.int64()), ("epoch", pa.int64()),
                     ("file", pa.dictionary(pa.int32(), pa.string())),
-                    ("row", pa.int64()), ("position", pa.int64())])
+                    ("row", pa.int64()), ("position", pa.int64()),
+                    ("skipped", pa.bool_())])
 
 _PART = re.compile(r"^part-(\d{9,})-(\d{9,})\.parquet$")
 
@@ -93,6 +95,7 @@ class LedgerWriter(ControllerObserver):
         self.global_batch = global_batch
         self.flush_every = flush_every
         self._rows: dict[int, SampleIds] = {}  # step -> its samples, not yet on disk
+        self._skipped: set[int] = set()  # buffered steps whose update was dropped
         self._committed = 0  # the newest committed step whose rows may still be buffered
 
     # ------------------------------------------------------------------ hooks
@@ -101,6 +104,10 @@ class LedgerWriter(ControllerObserver):
         if report.ledger is None:
             return
         self._rows[report.step] = report.ledger
+        if report.skipped:  # consumed, not trained on (a numerical fault's batch)
+            self._skipped.add(report.step)
+        else:
+            self._skipped.discard(report.step)
         if len(self._rows) >= self.flush_every:
             self.flush()
 
@@ -118,6 +125,7 @@ class LedgerWriter(ControllerObserver):
     def after_restore(self, restored: Restored, now: float) -> None:
         start = restored.start_step
         self._rows = {s: ids for s, ids in self._rows.items() if s <= start}
+        self._skipped = {s for s in self._skipped if s <= start}
         self._committed = min(self._committed, start)
         self.truncate(start)
         self.flush()  # what the world restored is the run's from now on
@@ -136,6 +144,7 @@ class LedgerWriter(ControllerObserver):
         path = self._write(table, part_name(steps[0], steps[-1]))
         for s in steps:
             del self._rows[s]
+            self._skipped.discard(s)
         return path
 
     def truncate(self, start_step: int) -> None:
@@ -182,6 +191,7 @@ class LedgerWriter(ControllerObserver):
             "file": pa.array(files, pa.string()).dictionary_encode(),
             "row": np.concatenate([np.asarray(ids.row, dtype=np.int64) for ids in batches]),
             "position": position,
+            "skipped": np.repeat([s in self._skipped for s in steps], counts),
         }, schema=self._schema())
 
     def _write(self, table: pa.Table, name: str) -> Path:

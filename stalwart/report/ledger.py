@@ -1,7 +1,8 @@
 """The data ledger's check for `stalwart report`: was every sample trained exactly once?
 
 `RUN_DIR/ledger.parquet` (written with data.ledger on, orchestrator/ledger.py) holds one row
-per sample of every kept step: step, epoch, file, row, position. `check_ledger` is pure: it
+per sample of every kept step: step, epoch, file, row, position, and whether the step's
+update was dropped (`skipped`). `check_ledger` is pure: it
 takes the table and finds steps missing or duplicated, a step whose sample count differs
 from the others', and a sample (epoch, file, row) trained twice. `read_ledger` reads the
 directory.
@@ -68,6 +69,9 @@ class LedgerCheck:
     twice: Twice | None = None
     twice_count: int = 0
     """Samples trained more than once."""
+    skipped_steps: int = 0
+    """Steps whose batch was consumed with its update dropped (a numerical fault)."""
+    skipped_samples: int = 0
 
     @property
     def ok(self) -> bool:
@@ -98,8 +102,10 @@ class LedgerCheck:
     def line(self) -> str:
         """The report's line: the counts when all is well, else what is wrong."""
         if self.ok:
+            skipped = (f"; {self.skipped_samples} of them in {self.skipped_steps} skipped "
+                       f"step(s), not trained on" if self.skipped_steps else "")
             return (f"ledger: {self.samples} samples in {self.steps} steps "
-                    f"({self.epochs} epochs), each exactly once")
+                    f"({self.epochs} epochs), each exactly once{skipped}")
         return "ledger: " + "; ".join(self.problems())
 
     def to_dict(self) -> dict[str, Any]:
@@ -115,10 +121,15 @@ def read_ledger(directory: Path) -> pa.Table:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(directory, columns=list(COLUMNS))
+        table = pq.read_table(directory)
     except (pa.ArrowException, OSError) as exc:
         raise RecordError(f"{directory}: the data ledger cannot be read: {exc}") from None
-    return table
+    absent = [c for c in COLUMNS if c not in table.column_names]
+    if absent:
+        raise RecordError(f"{directory}: the data ledger has no column(s) {absent}")
+    # `skipped` came later than the other columns: a ledger without it skipped nothing.
+    return table.select([*COLUMNS, *(["skipped"] if "skipped" in table.column_names
+                                     else [])])
 
 
 def check_run(run_dir: Path, *, first_step: int | None = None) -> LedgerCheck | None:
@@ -145,6 +156,8 @@ def check_ledger(table: pa.Table, *, first_step: int | None = None) -> LedgerChe
     odd = [(int(s), int(n)) for s, n in zip(held, counts, strict=True)
            if n != batch and int(s) not in doubled]
     twice, twice_count = _trained_twice(table, step)
+    skipped = (step[table["skipped"].fill_null(False).to_numpy(zero_copy_only=False)]
+               if "skipped" in table.column_names else step[:0])
     return LedgerCheck(
         samples=table.num_rows, steps=len(held),
         epochs=len(np.unique(_ints(table, "epoch"))),
@@ -152,7 +165,8 @@ def check_ledger(table: pa.Table, *, first_step: int | None = None) -> LedgerChe
         missing=len(missing), missing_first=[int(s) for s in missing[:NAMED]],
         duplicated=len(duplicated), duplicated_first=[int(s) for s in duplicated[:NAMED]],
         odd_steps=[OddStep(step=s, samples=n) for s, n in odd[:NAMED]], odd_count=len(odd),
-        twice=twice, twice_count=twice_count)
+        twice=twice, twice_count=twice_count, skipped_samples=len(skipped),
+        skipped_steps=len(np.unique(skipped)))
 
 
 def _ints(table: pa.Table, name: str) -> np.ndarray:

@@ -31,10 +31,12 @@ def test_an_injected_nan_is_replayed_to_the_failure_free_weights(tmp_path, strai
 
 
 def test_an_injected_spike_is_skipped_like_a_run_told_to_skip_its_batch(tmp_path):
-    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*RUN, *SPIKE, "numerics.skip_steps=[30]"),
+    # The ledger too: the skipped batch counts as consumed, marked as not trained on.
+    stalwart_here("run", str(REFERENCE_CONFIG),
+                  *sets(*RUN, *SPIKE, "data.ledger=true", "numerics.skip_steps=[30]"),
                   "--run-dir", "told", cwd=tmp_path)
-    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*RUN, *SPIKE), "--inject",
-                  "spike:step=30", "--run-dir", "spike", cwd=tmp_path)
+    stalwart_here("run", str(REFERENCE_CONFIG), *sets(*RUN, *SPIKE, "data.ledger=true"),
+                  "--inject", "spike:step=30", "--run-dir", "spike", cwd=tmp_path)
     events = events_of(tmp_path / "spike")
     assert numerical(events) == [(30, "spike", "replay", [], None),
                                  (30, "spike", "skip", [], None)]
@@ -42,6 +44,8 @@ def test_an_injected_spike_is_skipped_like_a_run_told_to_skip_its_batch(tmp_path
     assert_same_weights(tmp_path, tmp_path / "told", tmp_path / "spike")
     report = stalwart_here("report", "spike", cwd=tmp_path)
     assert "numerical faults: 2 (spike 2; replay 1, skip 1)" in report.stdout
+    assert ("each exactly once; 8 of them in 1 skipped step(s), not trained on"
+            in report.stdout)
 
 
 def test_a_flipped_bit_is_rolled_back_from_memory_and_replayed(tmp_path, straight_run):

@@ -263,3 +263,21 @@ def test_through_the_controller_a_recovery_keeps_each_step_once(
     result = check_ledger(pq.read_table(directory), first_step=1)
     assert result.ok, result.line()
     assert result.steps == 6 and result.samples == 6 * BATCH
+
+
+def test_a_skipped_step_is_marked_and_the_check_counts_it(ledger_dir: Path) -> None:
+    from dataclasses import replace
+
+    from stalwart.report.ledger import check_ledger, read_ledger
+
+    w = LedgerWriter(ledger_dir, global_batch=BATCH)
+    feed(w, range(1, 3))
+    w.on_step(replace(report(3), skipped=True))  # a numerical fault's batch: consumed
+    feed(w, range(4, 6))
+    w.on_end(Finished(step=5))
+    table = pq.read_table(ledger_dir)
+    assert sorted(set(table.filter(table["skipped"])["step"].to_pylist())) == [3]
+    check = check_ledger(read_ledger(ledger_dir), first_step=1)
+    assert check.ok and (check.skipped_steps, check.skipped_samples) == (1, BATCH)
+    assert check.line().endswith(f"each exactly once; {BATCH} of them in 1 skipped step(s), "
+                                 f"not trained on")
