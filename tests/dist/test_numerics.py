@@ -106,3 +106,32 @@ def test_a_spike_is_replayed_then_skipped_like_a_run_told_to_skip_its_batch(cach
         assert r["skipped"] == [7]
         for name, value in told["weights"].items():
             assert torch.equal(r["weights"][name], value), name
+
+
+def flipped_in_hsdp(rank: int, world: int, cache_dir: str) -> dict:  # noqa: F811
+    config = load_config(None, [
+        f"scaling.num_workers={world}", "task.args.seq_len=32", "task.args.d_model=32",
+        "task.args.n_layers=2", "task.args.n_heads=2", "train.global_batch_size=8",
+        "train.micro_batch_size=2", f"train.steps={STEPS}", "train.warmup_steps=2",
+        "train.lr=1e-2", f'data.cache_dir="{cache_dir}"', "parallel.dp_replicate=2",
+        "parallel.dp_shard=2",
+        "numerics.fingerprint_every=1"])
+    engine = TrainEngine(config, build_task(config.task.path, config.task.args), rank=rank,
+                         world_size=world, device=torch.device("cpu"))
+    for _ in range(3):
+        engine.train_step()
+    if rank == 1:
+        flip_bit(engine.model)  # rank 1's shard: its twin across the replica groups is 3
+    try:
+        engine.train_step()
+    except NumericsRollback as rollback:
+        f = rollback.decision.finding
+        return {"ranks": f.ranks, "attributed": f.attributed, "to": rollback.decision.rollback_to}
+    return {}
+
+
+def test_hsdp_replica_groups_compare_shard_by_shard(cache_dir):  # noqa: F811
+    # Two replica groups of two shards: only shard 1's twins (ranks 1 and 3) differ, and two
+    # replicas have no majority to blame one of them.
+    for r in run_ranks(flipped_in_hsdp, 4, cache_dir):
+        assert r == {"ranks": (1, 3), "attributed": False, "to": 2}

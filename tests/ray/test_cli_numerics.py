@@ -57,3 +57,18 @@ def test_a_flipped_bit_is_rolled_back_from_memory_and_replayed(tmp_path, straigh
     assert numerical(events) == [(40, "mismatch", "rollback", [0, 1], 38)]
     assert not [e for e in events if e["kind"] == "failure"]
     assert_same_weights(tmp_path, straight_run, tmp_path / "flip")
+
+
+def test_a_fault_past_max_skips_stops_the_run_with_one_clear_error(tmp_path):
+    run = stalwart_here("run", str(REFERENCE_CONFIG),
+                        *sets(*RUN, *SPIKE, "numerics.max_skips=0", "failure.max_failures=2"),
+                        "--inject", "spike:step=30", "--run-dir", "stopped", cwd=tmp_path,
+                        check=None)
+    assert run.returncode != 0
+    events = events_of(tmp_path / "stopped")
+    assert [(e["fault"], e["action"]) for e in events if e["kind"] == "numerical_fault"] == \
+        [("spike", "replay"), ("spike", "stop")]
+    (failure,) = [e for e in events if e["kind"] == "failure"]
+    assert failure["failure_kind"] == "numerics" and not failure["retry"]
+    assert "numerical fault at step 30 (spike" in failure["message"]
+    assert "numerics.max_skips = 0" in run.stdout + run.stderr

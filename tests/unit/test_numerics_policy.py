@@ -343,3 +343,17 @@ def test_the_summary_picks_up_numerical_fault_events() -> None:
     text = format_summary(summary, "runs/x")
     assert ("numerical faults: 4 (mismatch 1, nan 1, spike 2; replay 2, rollback 1, skip 1)"
             in text.splitlines())
+
+
+def test_trackers_count_numerical_faults_and_describe_each() -> None:
+    from stalwart.core.events import NumericalFault
+    from stalwart.integrations.run_log import EventScalars, describe
+
+    scalars = EventScalars()
+    fault = NumericalFault(step=20, fault="nan", action="replay", ranks=[], rollback_to=None,
+                           detail="a loss or gradient norm not finite on 1 rank(s)",
+                           reason="first failure of this step", decided_s=0.01)
+    assert scalars.of(fault) == {"events/numerical_faults": 1}
+    assert scalars.of(fault) == {"events/numerical_faults": 2}
+    assert describe(fault) == ("nan at step 20: replay (a loss or gradient norm not finite on "
+                               "1 rank(s))")
