@@ -3,11 +3,7 @@ decision on each finding, the failure it becomes on the driver, and how the repo
 
 from __future__ import annotations
 
-import dataclasses
 import math
-import types
-import typing
-from typing import Any
 
 import pytest
 
@@ -27,6 +23,7 @@ from stalwart.orchestrator import classify
 from stalwart.orchestrator.failures import FailDecision, FailureKind, FailurePolicy, RetryDecision
 from stalwart.report.summary import summarize
 from stalwart.report.table import format_summary, numerical_line
+from tests.unit.test_report import ev
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -288,23 +285,6 @@ def test_a_faulty_device_is_retried_within_the_budget() -> None:
 
 
 # ---------------------------------------------------------------------------- the report
-
-
-def _blank(hint: Any) -> Any:
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return None
-    origin = typing.get_origin(hint) or hint
-    return {int: 0, float: 0.0, str: "", bool: False, list: [], dict: {}, tuple: ()}[origin]
-
-
-def ev(time: float, kind: str, **fields: Any) -> E.Event:
-    """The typed event of `kind`; required fields left out get a blank value."""
-    cls = E.EVENT_TYPES[kind]
-    hints = typing.get_type_hints(cls)
-    blanks = {f.name: _blank(hints[f.name]) for f in dataclasses.fields(cls)
-              if f.default is dataclasses.MISSING
-              and f.default_factory is dataclasses.MISSING}  # type: ignore[misc]
-    return E.from_row(cls, {**blanks, **fields, "time": time})
 
 
 def fault_event(time: float, step: int, fault: str, action: str, ranks: list[int] | None = None,
