@@ -462,16 +462,15 @@ class Worker:
 
     def _roll_back(self, rollback: NumericsRollback) -> None:
         """Every rank of the world restores its own snapshot of the step the checks trust,
-        and forgets the newer ones (they may hold the fault); training goes on from there.
-        Without that snapshot the world cannot mend the fault: the run stops."""
+        and forgets the newer ones (they may hold the fault); training goes on from there
+        (the driver's console line for it comes from rank 0's `numerical_fault`). Without
+        that snapshot the world cannot mend the fault: the run stops."""
         assert self.engine is not None
         step = rollback.decision.rollback_to
         if not self._tiered or step is None or not self.tier.roll_back(self._engine_view(),
                                                                         step):
             raise NumericsEscalation(rollback.decision, why=f"no snapshot of step {step} is "
                                      f"held on rank {self.rank} to roll back to")
-        print(f"stalwart: {self!r}: rolled back to step {step} from memory "
-              f"({rollback.decision.finding.detail})", file=sys.stderr, flush=True)
 
     def _forget_suspects(self, exc: NumericsEscalation) -> None:
         """Before the world ends on an eviction: forget the snapshots newer than the step the
