@@ -119,13 +119,43 @@ def read_fingerprints(slots: Sequence[float]) -> list[int]:
     return out
 
 
+# The summary's check entries before the fingerprint slots: ranks whose loss is not finite,
+# the sum of (rank + 1) over them (which names the rank when it is one), and ranks whose
+# gradients are not (after the gradient all-reduce, one rank's NaN is every rank's).
+FLAGS = 3
+
+
 def not_finite(loss: torch.Tensor, grads: Sequence[torch.Tensor]) -> torch.Tensor:
     """1.0 when this rank's loss or local gradients hold a value that is not finite."""
-    bad = ~torch.isfinite(loss)
+    return torch.maximum(*_bad(loss, grads))
+
+
+def _bad(loss: torch.Tensor, grads: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    loss_bad = (~torch.isfinite(loss)).to(torch.float32)
+    if not grads:
+        return loss_bad, torch.zeros_like(loss_bad)
+    norms = torch._foreach_norm([_local(g) for g in grads])
+    return loss_bad, (~torch.isfinite(torch.stack(norms).sum())).to(torch.float32)
+
+
+def finite_flags(loss: torch.Tensor, grads: Sequence[torch.Tensor], rank: int
+                 ) -> list[torch.Tensor]:
+    """This rank's FLAGS entries."""
+    loss_bad, grads_bad = _bad(loss, grads)
+    return [loss_bad, loss_bad * (rank + 1), grads_bad]
+
+
+def not_finite_detail(flags: Sequence[float]) -> str:
+    """What the all-reduced FLAGS say, e.g. `loss not finite on rank 1; gradient norm not
+    finite on 2 rank(s)`."""
+    losses, rank_sum, grads = (round(x) for x in flags[:FLAGS])
+    said = []
+    if losses:
+        said.append(f"loss not finite on rank {rank_sum - 1}" if losses == 1
+                    else f"loss not finite on {losses} ranks")
     if grads:
-        norms = torch._foreach_norm([_local(g) for g in grads])
-        bad = bad | ~torch.isfinite(torch.stack(norms).sum())
-    return bad.to(torch.float32)
+        said.append(f"gradient norm not finite on {grads} rank(s)")
+    return "; ".join(said)
 
 
 @dataclass
@@ -170,11 +200,11 @@ class NumericsGuard:
 
     def checks(self, step: int, loss: torch.Tensor, grads: Sequence[torch.Tensor],
                tensors: Callable[[], list[torch.Tensor]], version: Hashable) -> StepChecks:
-        """The summary's extra entries: the not-finite flag, then fingerprint slots.
+        """The summary's extra entries: the FLAGS, then fingerprint slots.
         `tensors` lists the state to fingerprint; its integer views are kept while `version`
         stays the same (a DTensor's to_local per tensor per step costs more than the sums)."""
-        values = [not_finite(loss, grads) if self.config.numerics.nan_check
-                  else torch.zeros((), device=loss.device)]
+        values = (finite_flags(loss, grads, self.rank) if self.config.numerics.nan_check
+                  else [torch.zeros((), device=loss.device)] * FLAGS)
         fingerprinted = self.fingerprints_at(step)
         if fingerprinted:
             if self._views is None or self._views[0] != version:
@@ -191,7 +221,7 @@ class NumericsGuard:
         """The fault the agreed numbers show, if any: replicas first (the state before this
         step is wrong), then a value not finite, then a spike."""
         if fingerprinted:
-            check = compare_replicas(read_fingerprints(reduced[1:]), self.classes)
+            check = compare_replicas(read_fingerprints(reduced[FLAGS:]), self.classes)
             if check.differs:
                 ranks = check.odd or check.split
                 how = ("differ from their replicas" if check.odd
@@ -200,9 +230,8 @@ class NumericsGuard:
                                f"rank(s) {list(ranks)} {how} (parameters and optimizer state "
                                f"after step {step - 1})", attributed=bool(check.odd))
             self.verified = step - 1
-        if reduced[0] > 0:
-            return Finding(Fault.NAN, step, (), f"a loss or gradient norm not finite on "
-                                                f"{int(reduced[0])} rank(s)")
+        if reduced[0] > 0 or reduced[2] > 0:
+            return Finding(Fault.NAN, step, (), not_finite_detail(reduced))
         if self.spikes.is_spike(loss):
             score = self.spikes.score(loss)
             return Finding(Fault.SPIKE, step, (), f"loss {loss:.4g} is {score:.1f} robust "

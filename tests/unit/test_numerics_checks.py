@@ -18,6 +18,7 @@ from stalwart.workers.faults import (
     flip_bit,
 )
 from stalwart.workers.numerics import (
+    FLAGS,
     INT_OF_SIZE,
     SLOT_BITS,
     NumericsEscalation,
@@ -176,14 +177,16 @@ def guard(world: int = 3, classes: list[int] | None = None, **numerics: object) 
 
 
 def agreed(flag: float, fingerprints: list[int] | None = None) -> list[float]:
-    """The checks' part of the all-reduced summary: the not-finite count, then the slots."""
+    """The checks' part of the all-reduced summary: the flags (`flag` ranks whose gradient
+    norm is not finite, no loss that is not), then the slots."""
+    flags = [0.0, 0.0, flag]
     if fingerprints is None:
-        return [flag]
+        return flags
     world = len(fingerprints)
     summed = sum(fingerprint_slots(torch.tensor(v, dtype=torch.int64), r, world)
                  for r, v in enumerate(fingerprints))
     assert isinstance(summed, torch.Tensor)
-    return [flag, *summed.tolist()]
+    return [*flags, *summed.tolist()]
 
 
 def test_matching_fingerprints_verify_the_previous_step() -> None:
@@ -225,7 +228,7 @@ def test_a_mismatch_comes_before_a_nan_and_a_nan_before_a_spike() -> None:
     assert first is not None and first.fault is Fault.MISMATCH
     second = g.verdict(4, 1e6, agreed(2.0, [9, 9, 9]), fingerprinted=True)
     assert second is not None and second.fault is Fault.NAN and second.ranks == ()
-    assert "not finite on 2 rank(s)" in second.detail
+    assert second.detail == "gradient norm not finite on 2 rank(s)"
     third = g.verdict(5, 1e6, agreed(0.0), fingerprinted=False)
     assert third is not None and third.fault is Fault.SPIKE and "robust" in third.detail
     assert g.verdict(5, 1.0, agreed(0.0), fingerprinted=False) is None
@@ -314,19 +317,20 @@ def test_checks_carry_the_flag_then_this_ranks_slots_on_fingerprint_steps() -> N
         return params
 
     plain = g.checks(3, torch.tensor(math.nan), [], tensors, 0)
-    assert not plain.fingerprinted and [float(v) for v in plain.values] == [1.0]
+    # rank 0's loss is NaN: one rank, rank 0 (its number plus one in the second entry)
+    assert not plain.fingerprinted and [float(v) for v in plain.values] == [1.0, 1.0, 0.0]
     assert calls == []  # no fingerprint off its steps: its cost is not paid
     with_fp = g.checks(4, torch.tensor(1.0), [torch.ones(2)], tensors, 0)
-    assert with_fp.fingerprinted and len(with_fp.values) == 1 + len(SLOT_BITS) * 3
+    assert with_fp.fingerprinted and len(with_fp.values) == FLAGS + len(SLOT_BITS) * 3
     reduced = [float(v) for v in with_fp.values]
-    assert reduced[0] == 0.0
-    assert read_fingerprints(reduced[1:]) == [fp(*params) & UNSIGNED, 0, 0]
+    assert reduced[:FLAGS] == [0.0, 0.0, 0.0]
+    assert read_fingerprints(reduced[FLAGS:]) == [fp(*params) & UNSIGNED, 0, 0]
 
 
 def test_checks_flag_nothing_with_the_nan_check_off() -> None:
     g = guard(nan_check=False)
     out = g.checks(3, torch.tensor(math.nan), [], list, 0)
-    assert [float(v) for v in out.values] == [0.0]
+    assert [float(v) for v in out.values] == [0.0] * FLAGS
 
 
 def test_state_round_trip_restores_the_spike_window_and_the_skips() -> None:
@@ -495,10 +499,22 @@ def test_the_fingerprint_views_follow_in_place_updates_until_the_state_is_replac
     first = g.checks(4, torch.tensor(1.0), [], lambda: params, 0)
     params[0].add_(1.0)  # an optimizer step: in place, the same version
     second = g.checks(8, torch.tensor(1.0), [], lambda: params, 0)
-    assert second.values[1:] != first.values[1:]
-    assert read_fingerprints([float(v) for v in second.values[1:]]) == \
+    assert second.values[FLAGS:] != first.values[FLAGS:]
+    assert read_fingerprints([float(v) for v in second.values[FLAGS:]]) == \
         [fp(*params) & UNSIGNED]
     replaced = [torch.zeros(4), params[1]]  # a load replaced a tensor: a new version
     third = g.checks(12, torch.tensor(1.0), [], lambda: replaced, 1)
-    assert read_fingerprints([float(v) for v in third.values[1:]]) == \
+    assert read_fingerprints([float(v) for v in third.values[FLAGS:]]) == \
         [fp(*replaced) & UNSIGNED]
+
+
+def test_the_flags_name_the_one_rank_whose_loss_is_not_finite() -> None:
+    from stalwart.workers.numerics import finite_flags, not_finite_detail
+
+    world = [finite_flags(torch.tensor(math.nan if r == 2 else 1.0),
+                          [torch.tensor([math.nan])], r) for r in range(4)]
+    summed = [float(sum(f[i] for f in world)) for i in range(FLAGS)]
+    assert summed == [1.0, 3.0, 4.0]
+    assert not_finite_detail(summed) == ("loss not finite on rank 2; gradient norm not finite "
+                                         "on 4 rank(s)")
+    assert not_finite_detail([3.0, 9.0, 0.0]) == "loss not finite on 3 ranks"
