@@ -291,6 +291,7 @@ class StorageCheckpointer:
         the controller falls back to an older checkpoint."""
         reader = VerifiedReader(path, files=files)
         try:
+            _drop_keys_it_lacks(state, reader)
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
                      process_group=self.group, no_dist=self.group is None)
         except CheckpointError:
@@ -311,3 +312,18 @@ class StorageCheckpointer:
             if self.group is not None:
                 dist.destroy_process_group(self.group)
                 self.group = None
+
+
+# State a checkpoint of an earlier stalwart may lack, as (table, key): the loader keeps its
+# own value for it (a fresh one) rather than refusing the checkpoint.
+ADDED_LATER = (("train", "numerics"),)
+
+
+def _drop_keys_it_lacks(state: dict[str, Any], reader: VerifiedReader) -> None:
+    """Take out of `state` the keys of ADDED_LATER the checkpoint does not hold, so that
+    DCP loads the rest (it refuses a key missing from the checkpoint)."""
+    held = reader.read_metadata().state_dict_metadata
+    for table, key in ADDED_LATER:
+        inner = state.get(table)
+        if isinstance(inner, dict) and key in inner and f"{table}.{key}" not in held:
+            del inner[key]
