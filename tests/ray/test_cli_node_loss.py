@@ -138,12 +138,15 @@ def test_drained_node_is_left_at_a_checkpoint_without_losing_a_step(tmp_path, cl
 
 def test_a_replica_that_differs_is_evicted_and_its_node_excluded(tmp_path, cluster):
     # Three data-parallel replicas: a flipped bit on rank 1 is outvoted by the other two, and
-    # with numerics.evict_after = 1 that one mismatch marks its device faulty.
+    # with numerics.evict_after = 1 that one mismatch marks its device faulty. The world
+    # waits for all three (min_workers = 3), and a node more leaves room for a new worker
+    # off the excluded node whichever node that is.
+    cluster.add_node(num_cpus=2)  # waits for it (not wait_for_nodes: a killed node is listed)
     run = [*ELASTIC, "train.steps=40", "train.global_batch_size=12"]
     stalwart_here("run", str(REFERENCE_CONFIG), *sets(*run, "scaling.num_workers=1"),
                   "--address", cluster.address, "--run-dir", "reference", cwd=tmp_path)
     stalwart_here("run", str(REFERENCE_CONFIG),
-                  *sets(*run, "scaling.num_workers=3", "scaling.min_workers=2",
+                  *sets(*run, "scaling.num_workers=3", "scaling.min_workers=3",
                         "scaling.spare_workers=1",
                         "numerics.fingerprint_every=1", "numerics.evict_after=1",
                         "failure.max_failures=1"),
