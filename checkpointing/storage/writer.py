@@ -17,6 +17,7 @@ the memory held by staged copies to one checkpoint.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import time
@@ -291,7 +292,8 @@ class StorageCheckpointer:
         the controller falls back to an older checkpoint."""
         reader = VerifiedReader(path, files=files)
         try:
-            _drop_keys_it_lacks(state, reader)
+            with contextlib.suppress(Exception):  # dcp.load reads it again and says why
+                _drop_keys_it_lacks(state, reader)
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
                      process_group=self.group, no_dist=self.group is None)
         except CheckpointError:
