@@ -324,7 +324,7 @@ class Worker:
         self._stop.clear()
         self._done = self._stopped_early = False
         self._error = self._error_kind = self._busy = None
-        self._evict: tuple[int, ...] = ()
+        self._evict = ()
         self._thread = None
         self._world_ns = time.time_ns()
         self._record = (0.0, None)
@@ -477,8 +477,7 @@ class Worker:
         checks trust, so the next world restores from that one, not from the fault."""
         step = exc.decision.rollback_to
         if self._tiered and step is not None:
-            self.tier.wait_replicated()
-            self.tier.store.drop_after(self.generation, step)
+            self.tier.forget_after(step)
 
     def _step_failure(self, exc: BaseException) -> TaskCodeError:
         """What the training thread's error was, in the task's terms: the rank and step, the

@@ -161,9 +161,8 @@ class MemoryTier:
 
     def roll_back(self, engine: StateAccess, step: int) -> bool:
         """Load this rank's own snapshot of `step` (this world's) and forget every newer one,
-        its own and those it holds for peers: they may carry the fault rolled back from. The
-        exchange in flight ends first, so no suspect replica lands after the cut. False when
-        no such snapshot is held."""
+        its own and those it holds for peers: they may carry the fault rolled back from (see
+        forget_after). False when no such snapshot is held."""
         self.wait_replicated()
         shard = self.store.get(self.generation, self.rank, step)
         if shard is None:
@@ -176,8 +175,14 @@ class MemoryTier:
 
         self.restore(engine, generation=self.generation, step=step,
                      layouts={self.rank: shard.layout}, fetch=no_fetch)
-        self.store.drop_after(self.generation, step)
+        self.forget_after(step)
         return True
+
+    def forget_after(self, step: int) -> None:
+        """Forget this world's snapshots newer than `step`, own and held for peers, once the
+        exchange in flight has ended (no suspect replica lands after the cut)."""
+        self.wait_replicated()
+        self.store.drop_after(self.generation, step)
 
     # ------------------------------------------------------------------ serving
 
