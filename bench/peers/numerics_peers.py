@@ -31,7 +31,8 @@ import bench
 from bench import common, harness
 from bench.common import add_config_args, append_jsonl, parser, set_args, write_atomic
 from bench.peers import raytrain_worker as rw
-from bench.peers.ddp_step import DDPSetup, build_ddp, torchrun_setup
+from bench.peers.ddp_step import DDPSetup, build_ddp
+from bench.peers.torchrun_recovery import ATTEMPTS_FILE, resume_attempt
 from stalwart.core.config import load_config
 from stalwart.core.events import read_jsonl
 
@@ -40,9 +41,8 @@ MAX_RESTARTS = 3  # the "with restarts" rows: torchrun --max-restarts, FailureCo
 CHECKPOINT_EVERY = 10  # as the recovery benchmark's peers
 # The files each run leaves in its workdir; times are time.time() of this one machine.
 STEPS_FILE = "steps.jsonl"        # rank 0: {"step", "time", "loss", "nan_weights", "pid", ...}
-ATTEMPTS_FILE = "attempts.jsonl"  # every rank: {"event": "start", "time", "rank", "pid", ...}
+# ATTEMPTS_FILE (every rank's start and ready) and the checkpoints: as torchrun_recovery.py's
 MARKER_FILE = "nan.injected"      # created with O_EXCL: a restarted attempt injects nothing
-CHECKPOINT_DIR = "checkpoints"    # torchrun: step-NNNNNN.pt, written by rank 0
 STOP_FILE = rw.STOP_FILE          # the driver past its timeout: every Ray Train loop returns
 
 OUTCOMES = ("loss stays NaN", "run fails", "restarts from storage", "loss recovers")
@@ -126,17 +126,8 @@ def main() -> None:
     """One torchrun process: resume from the newest checkpoint, train, checkpoint (rank 0)."""
     args = parse_args()
     workdir = Path(args.workdir)
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    rank = int(os.environ["RANK"])
-    append_jsonl(workdir / ATTEMPTS_FILE, {"event": "start", "time": START, "rank": rank,
-                                           "attempt": attempt, "pid": os.getpid()})
-    _, world, run = torchrun_setup(args.config, args.overrides, args.steps)
-    folder = workdir / CHECKPOINT_DIR
-    if (newest := max(folder.glob("step-*.pt"), default=None)) is not None:
-        run.load(torch.load(newest, weights_only=True))
-    append_jsonl(workdir / ATTEMPTS_FILE, {
-        "event": "ready", "time": time.time(), "rank": rank, "attempt": attempt,
-        "pid": os.getpid(), "restored_from": run.step if newest is not None else None})
+    attempt, rank, world, run, folder = resume_attempt(workdir, args.config, args.overrides,
+                                                       args.steps, START)
 
     def checkpoint(_loss: float) -> None:
         if rank == 0 and (run.step % args.checkpoint_every == 0 or run.step == run.train.steps):

@@ -13,6 +13,7 @@ import argparse
 import os
 from functools import partial
 from pathlib import Path
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -44,23 +45,43 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def main() -> None:
-    args = parse_args()
-    workdir = Path(args.workdir)
+class Resumed(NamedTuple):
+    """One torchrun attempt, set up and resumed."""
+
+    attempt: int
+    rank: int
+    world: int
+    run: Any
+    folder: Path
+    """Where rank 0 writes its checkpoints."""
+
+
+def resume_attempt(workdir: Path, config: str, overrides: list[str], steps: int,
+                   started: float) -> Resumed:
+    """Start one torchrun attempt as every rank does: log its start (at `started`, before
+    the imports), set up the rank, resume from the newest complete checkpoint (a temporary
+    one's name starts with a dot: torchrun stopped the whole old group first, so every rank
+    sees the same files), and log that it is ready."""
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     rank = int(os.environ["RANK"])
-    append_jsonl(workdir / ATTEMPTS_FILE, {"event": "start", "time": START, "rank": rank,
+    append_jsonl(workdir / ATTEMPTS_FILE, {"event": "start", "time": started, "rank": rank,
                                            "attempt": attempt, "pid": os.getpid()})
-    _, world, run = torchrun_setup(args.config, args.overrides, args.steps)
-    t = run.train
-    # Resume from the newest complete checkpoint (a temporary one's name starts with a dot):
-    # torchrun stopped the whole old group first, so every rank sees the same files.
+    _, world, run = torchrun_setup(config, overrides, steps)
     folder = workdir / CHECKPOINT_DIR
     if (newest := max(folder.glob("step-*.pt"), default=None)) is not None:
         run.load(torch.load(newest, weights_only=True))
     append_jsonl(workdir / ATTEMPTS_FILE, {
         "event": "ready", "time": time.time(), "rank": rank, "attempt": attempt,
         "pid": os.getpid(), "restored_from": run.step if newest is not None else None})
+    return Resumed(attempt, rank, world, run, folder)
+
+
+def main() -> None:
+    args = parse_args()
+    workdir = Path(args.workdir)
+    attempt, rank, world, run, folder = resume_attempt(workdir, args.config, args.overrides,
+                                                       args.steps, START)
+    t = run.train
     while run.step < t.steps:
         loss_sum, _ = run.rank_step(rank, world)
         step = run.step
