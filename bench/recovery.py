@@ -85,6 +85,8 @@ def verdicts(results: list[dict[str, Any]], med: dict[str, Any]) -> list[dict[st
         out += [_detection_target(results, "hang", runner, f"{runner} detects the hang",
                                   rows.TARGET_HANG_DETECTION_S, f"Ray Train: {theirs}")
                 for runner in ("stalwart", "stalwart+spare")]
+    if "node" in med:
+        out += node_verdicts(med["node"])
     if "freeze" in med:
         recovery = med["freeze"]["stalwart-elastic"]["recovery_s"]
         out.append(_detection_target(results, "freeze", None, "stalwart notices a frozen node",
@@ -109,6 +111,21 @@ def _lost_steps_verdict(results: list[dict[str, Any]]) -> dict[str, Any]:
                   f"{r.get('lost_steps_bound')}" for r in bad) or
         ", ".join(f"{r['fault']}/{r['runner']} {r['lost_steps']}<={r['lost_steps_bound']}"
                   for r in stalwart))
+
+
+def node_verdicts(side: dict[str, Any]) -> list[dict[str, Any]]:
+    """A lost node: fault -> the next completed step within a normal step + the slack."""
+    out = []
+    for runner, slack in rows.TARGET_NODE_SLACK_S.items():
+        st, normal = side[runner]["recovery_s"], side[runner]["normal_step_s"]
+        bound = normal + slack if normal is not None else None
+        out.append(_target(f"node: {side[runner]['label']} -> next completed step <= one "
+                           f"normal step + {slack:g} s (medians)", st,
+                           lambda v, b=bound: b is not None and v <= b,
+                           f"{fmt(st, '.2f')} s against {fmt(bound, '.2f')} s (normal step "
+                           f"{fmt(normal, '.3f')} s; Ray Train "
+                           f"{fmt(side['ray-train']['recovery_s'], '.2f')} s)"))
+    return out
 
 
 def outside_verdicts(side: dict[str, Any]) -> list[dict[str, Any]]:

@@ -8,6 +8,7 @@ import contextlib
 import os
 import shutil
 import signal
+import statistics
 import sys
 import traceback
 from collections.abc import Callable, Iterator
@@ -30,6 +31,11 @@ TARGET_HANG_DETECTION_S = 10.0
 TARGET_FREEZE_DETECTION_S = 1.0
 TARGET_NEXT_STEP_SLACK_S = 0.5
 TARGET_OUTSIDE_RATIOS = {"ray-train": 20.0, "torchrun": 10.0}
+# A lost node: fault -> the next completed step within this much more than a normal step.
+TARGET_NODE_SLACK_S = {"stalwart-elastic": 2.0, "stalwart-elastic+spare": 1.0}
+# Node faults run on one 1-CPU node per worker plus one: the room a replacement (or a spare)
+# finds on another node, as on a real cluster with a free machine.
+NODE_WORKER_NODES = WORKERS + 1
 
 RUN = [f"train.steps={STEPS}", f"checkpoint.persist_every={PERSIST_EVERY}", "run.log_every=1",
        "data.val_every=0", "run.progress=false", "failure.max_failures=3",
@@ -38,6 +44,7 @@ STALWART_OVERRIDES = [*common.TINY, *RUN]
 SPARE = ["scaling.spare_workers=1"]
 NO_SPARE = ["scaling.spare_workers=0"]  # whatever the config says
 ELASTIC = ["scaling.min_workers=1", "scaling.resize_check_s=2", "scaling.spare_workers=0"]
+ELASTIC_SPARE = [*ELASTIC[:-1], "scaling.spare_workers=1", "scaling.placement_strategy=SPREAD"]
 STORAGE_ONLY = ["checkpoint.snapshot_every=0"]  # the in-memory tier off
 OUTSIDE_STALWART = [*RUN, *SPARE]  # outside-kill: the reference config's own model, every side
 INJECT = {"kill": f"kill:rank=1,step={FAULT_STEP}", "hang": f"hang:rank=1,step={FAULT_STEP}",
@@ -50,6 +57,7 @@ RUNNERS = {
     "hang": [("stalwart", "stalwart"), ("stalwart+spare", "stalwart + warm spare"),
              ("ray-train", "Ray Train")],
     "node": [("stalwart-elastic", "stalwart (shrink)"),
+             ("stalwart-elastic+spare", "stalwart + spare on another node"),
              ("stalwart-elastic/storage", "stalwart (shrink), storage"),
              ("ray-train", "Ray Train")],
     # stalwart only: Ray Train has no freeze of its own; it waits for Ray's node health check
@@ -65,7 +73,8 @@ E = TypeVar("E", bound=ev.Event)
 
 def stalwart_overrides(runner: str) -> list[str]:
     base, _, tier = runner.partition("/")
-    extra = {"stalwart": NO_SPARE, "stalwart+spare": SPARE, "stalwart-elastic": ELASTIC}[base]
+    extra = {"stalwart": NO_SPARE, "stalwart+spare": SPARE, "stalwart-elastic": ELASTIC,
+             "stalwart-elastic+spare": ELASTIC_SPARE}[base]
     return [*STALWART_OVERRIDES, *extra, *(STORAGE_ONLY if tier == "storage" else [])]
 
 
@@ -75,7 +84,8 @@ def settings(args: argparse.Namespace, tps: int, health: dict[str, Any]) -> dict
         "rounds": args.rounds, "faults": args.faults, "steps": STEPS, "fault_step": FAULT_STEP,
         "persist_every": PERSIST_EVERY, "workers": WORKERS, "tokens_per_step": tps,
         "config": args.config, "stalwart_overrides": STALWART_OVERRIDES, "stalwart_spare": SPARE,
-        "stalwart_elastic": ELASTIC, "inject": INJECT, "hang_wait_s": HANG_WAIT_S,
+        "stalwart_elastic": ELASTIC, "stalwart_elastic_spare": ELASTIC_SPARE,
+        "node_worker_nodes": NODE_WORKER_NODES, "inject": INJECT, "hang_wait_s": HANG_WAIT_S,
         OUTSIDE_KILL: {"kill_after_step_logged": FAULT_STEP, "poll_s": POLL_S,
                        "stalwart_overrides": OUTSIDE_STALWART, "model_overrides": [],
                        "torchrun": {"max_restarts": torchrun_recovery.MAX_RESTARTS,
@@ -154,7 +164,7 @@ def run_stalwart_node(cmd: list[str], run_dir: Path, timeout: float,
     """Node faults on a local cluster; a dead node is replaced, a frozen one killed."""
     import ray
 
-    cluster = harness.local_cluster(WORKERS, **NODE_HEAD_ARGS)
+    cluster = harness.local_cluster(NODE_WORKER_NODES, **NODE_HEAD_ARGS)
     node: dict[str, Any] = {}
     try:
         ray.init(address=cluster.address, logging_level="WARNING")  # to watch the GCS
@@ -179,7 +189,8 @@ def run_stalwart_node(cmd: list[str], run_dir: Path, timeout: float,
         finally:
             cluster.shutdown()
     result.update(harness.node_times(node, node.get("fault_time", 0.0)),
-                  cluster={"head": NODE_HEAD_ARGS, "worker_nodes": WORKERS, "cpus_per_node": 1})
+                  cluster={"head": NODE_HEAD_ARGS, "worker_nodes": NODE_WORKER_NODES,
+                           "cpus_per_node": 1})
 
 
 def kill_frozen_nodes(cluster: Any) -> None:
@@ -227,6 +238,7 @@ def analyse_stalwart(run_dir: Path, fault: str, memory_tier: bool) -> dict[str, 
         "source": None, "phases": None, "steps_before_fault": None,
         "last_checkpoint_before_fault": None, "lost_steps_bound": None, "resized": resized,
         "world_sizes": sorted({r.world_size for r in rows}),
+        "normal_step_s": normal_step_s(rows, before=None),
         "final_step": max((r.step for r in rows), default=0), "finished": not not_finished,
         "missing_events": [k for k, e in (("fault_injected", injected), ("failure", failure),
                                           ("recovered", recovered)) if e is None]
@@ -235,6 +247,7 @@ def analyse_stalwart(run_dir: Path, fault: str, memory_tier: bool) -> dict[str, 
         return out
     ft = out["fault_time"] = injected.time
     out["fault_rank"] = injected.rank
+    out["normal_step_s"] = normal_step_s(rows, before=ft)
     started = [e for e in events if isinstance(e, ev.WorkersStarted)]
     if fault in NODE_FAULTS and started:
         workers = started[0].workers
@@ -264,6 +277,14 @@ def analyse_stalwart(run_dir: Path, fault: str, memory_tier: bool) -> dict[str, 
         if again := [r.time for r in rows if r.time > ft and r.step == recovered.from_step + 1]:
             out["recovery_s_from_metrics"] = min(again) - ft
     return out
+
+
+def normal_step_s(rows: list[Any], before: float | None) -> float | None:
+    """The median gap between consecutive steps of the first world, before `before`."""
+    first = [r for r in rows if before is None or r.time <= before]
+    gaps = [b.time - a.time for a, b in zip(first, first[1:], strict=False)
+            if b.step == a.step + 1 and b.world_size == a.world_size]
+    return statistics.median(gaps) if gaps else None
 
 
 def analyse_stalwart_outside(run_dir: Path, kill_time: float | None) -> dict[str, Any]:

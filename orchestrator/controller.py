@@ -207,9 +207,13 @@ class Controller:
     def _on_scheduling(self, state: Scheduling) -> State:
         """Wait for warm workers: all that Ray has placed, then form the largest valid world."""
         # The first world's spares warm up beside its members: on a shared node that costs
-        # less than beside synchronous training. A recovery asks only for the actors its
-        # world needs, and replaces its spares once the new world trains (_on_running).
-        self.group.top_up(spares=state.generation == 0)
+        # less than beside synchronous training. A recovery whose warm workers make a world
+        # trains on with them (ScalingPolicy.schedule) and asks for new actors once that
+        # world has trained a step (_on_running), so that their start does not slow its
+        # restore and first step on a node they share; below the floor it asks at once.
+        # (Never more than the ceiling: top_up counts the actors still starting.)
+        if state.generation == 0 or self.group.pool_view().best_world < self.config.scaling.floor:
+            self.group.top_up(spares=state.generation == 0)
         if (failed := self._refresh()) is not None:
             return failed
         pool = self.group.pool_view()

@@ -89,9 +89,14 @@ class ScalingPolicy:
         """Whether the warm workers make a world big enough, or the wait is over."""
         sc = self.scaling
         best = pool.best_world
-        # Workers Ray has placed are coming; the rest wait for room that may never come.
+        # At the start, workers Ray has placed are coming (the rest wait for room that may
+        # never come): the first world waits for them. After a failure the warm survivors
+        # train on at once, smaller: a new actor's cold start (a Ray worker, torch's import,
+        # the task) takes seconds to tens of seconds, while a shrink now and a planned grow
+        # once it is warm (scaling.resize_check_s) cost a step's restore each.
+        coming = pool.placed_starting > 0 and waited <= sc.start_timeout_s
         if best >= self.target(world_size) or (best >= sc.floor and (
-                pool.placed_starting == 0 or waited > sc.start_timeout_s)):
+                generation > 0 or not coming)):
             return FormDecision(world_size=best)
         key = "start_timeout_s" if generation == 0 else "wait_for_workers_s"
         limit = getattr(sc, key)

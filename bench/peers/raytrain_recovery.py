@@ -156,7 +156,9 @@ def run_raytrain(fault: str, *, steps: int, fault_step: int, checkpoint_every: i
     node = fault == "node"
     with ray_train(workdir, loop, name=f"raytrain-{fault}", max_failures=3,
                    head_cpus=0 if node else rw.NUM_WORKERS,
-                   worker_nodes=rw.NUM_WORKERS if node else 0) as (watch.cluster, thread, fit_out):
+                   # one node more than workers: room for a replacement, as stalwart's rows
+                   worker_nodes=rw.NUM_WORKERS + 1 if node else 0
+                   ) as (watch.cluster, thread, fit_out):
         while thread.is_alive() and watch.poll():
             thread.join(0.2 if watch.killer is None else harness.POLL_S)
         try:  # Ray's session folder: its controller's log is there

@@ -187,8 +187,8 @@ def test_a_frozen_node_is_noticed_within_a_second_and_restored_from_replicas(tmp
     assert failure["step"] == 24 and 0 <= failure["detection_s"] < 30
     # The survivors left their world and trained on: their collectives with the frozen
     # ranks failed when they cut their connections (gloo cannot abort them), so none was
-    # stuck, killed and replaced. The world shrinks to survivors, or a new worker warm by
-    # then joins them and it keeps its size; never with a worker on the frozen node.
+    # stuck, killed and replaced. The world trains on with the survivors (a recovery does
+    # not wait for new workers to warm up); never with a worker on the frozen node.
     survivors = {w["pid"] for w in workers if w["node_id"] != frozen_node}
     kept = {w["pid"] for w in new_world} & {w["pid"] for w in workers}
     assert kept and kept <= survivors

@@ -50,17 +50,23 @@ def test_forms_at_once_when_the_target_is_warm() -> None:
         FormDecision(world_size=4)
 
 
-def test_forms_smaller_only_when_nothing_placed_is_still_coming() -> None:
+def test_the_first_world_waits_for_placed_workers_a_recovery_does_not() -> None:
     p = policy("scaling.min_workers=2", "scaling.start_timeout_s=10")
-    # two more are placed and warming up: wait for them
-    assert p.schedule(pool(best=2, placed=2), generation=1, world_size=4,
+    # the first world: two more are placed and warming up, so it waits for them
+    assert p.schedule(pool(best=2, placed=2), generation=0, world_size=0,
                       waited=5.0) == WaitDecision()
     # nothing placed is coming: form what there is
-    assert p.schedule(pool(best=2, placed=0), generation=1, world_size=4,
+    assert p.schedule(pool(best=2, placed=0), generation=0, world_size=0,
                       waited=0.0) == FormDecision(world_size=2)
     # placed ones that take longer than start_timeout_s are not waited for
-    assert p.schedule(pool(best=2, placed=2), generation=1, world_size=4,
+    assert p.schedule(pool(best=2, placed=2), generation=0, world_size=0,
                       waited=10.5) == FormDecision(world_size=2)
+    # after a failure the warm survivors train on at once, smaller (it grows back later)
+    assert p.schedule(pool(best=2, placed=2), generation=1, world_size=4,
+                      waited=0.0) == FormDecision(world_size=2)
+    # below the floor, a recovery waits like the first world
+    assert p.schedule(pool(best=1, placed=2), generation=1, world_size=4,
+                      waited=0.0) == WaitDecision()
 
 
 @pytest.mark.parametrize(("generation", "key", "limit"), [
