@@ -160,7 +160,7 @@ def notes(results: list[dict[str, Any]], health: dict[str, Any]) -> list[str]:
         f"600 s by default and the torch process group after 1800 s; the harness waited "
         f"{rows.HANG_WAIT_S:g} s, then stopped the run.",
         "Node loss: both sides on a local ray.cluster_utils.Cluster (a 0-CPU head, one 1-CPU "
-        f"node per worker) with Ray's default node health checks (health_check_period_ms="
+        f"node per worker plus one: room for a replacement, or stalwart's spare) with Ray's default node health checks (health_check_period_ms="
         f"{period}, failure_threshold={threshold}); the stalwart cluster also sets "
         "worker_niceness=0. A replacement 1-CPU node is added as soon as the GCS reports the "
         "lost node dead, on both sides.",
@@ -267,6 +267,7 @@ STYLES = {"stalwart": ("#1f77b4", "stalwart (memory tier)"),
           "stalwart+spare": ("#6baed6", "stalwart + warm spare (memory tier)"),
           "stalwart+spare/storage": ("#9e9ac8", "stalwart + warm spare, storage only"),
           "stalwart-elastic": ("#08519c", "stalwart, shrinks on node loss (memory tier)"),
+          "stalwart-elastic+spare": ("#4292c6", "stalwart + a spare on another node (memory tier)"),
           "stalwart-elastic/storage": ("#756bb1", "stalwart, shrinks, storage only"),
           "ray-train": ("#ff7f0e", "Ray Train TorchTrainer"),
           "torchrun": ("#2ca02c", "torchrun --max-restarts")}

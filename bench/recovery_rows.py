@@ -136,7 +136,8 @@ def run_stalwart(result: dict[str, Any], args: argparse.Namespace, run_dir: Path
         else:
             _run(result, cmd, args.timeout)
         result.update(analyse_stalwart(run_dir, fault,
-                                       memory_tier=not result["runner"].endswith("/storage")))
+                                       memory_tier=not result["runner"].endswith("/storage"),
+                                       spare="+spare" in result["runner"]))
     result["completed"] = result["exit_code"] == 0 and result["finished"]
     if result["exit_code"] != 0 or result["missing_events"]:
         result["log_tail"] = common.tail(Path(result["log"]), 25)
@@ -219,8 +220,10 @@ def _unfinished(kinds: list[str]) -> list[str]:
     return [] if last == "finished" else [f"finished (last event: {last})"]
 
 
-def analyse_stalwart(run_dir: Path, fault: str, memory_tier: bool) -> dict[str, Any]:
-    """The measurements of one --inject run, from its events.jsonl and metrics.jsonl."""
+def analyse_stalwart(run_dir: Path, fault: str, memory_tier: bool,
+                     spare: bool = False) -> dict[str, Any]:
+    """The measurements of one --inject run, from its events.jsonl and metrics.jsonl. A node
+    fault shrinks the world, unless a spare keeps its size."""
     events = read_events(run_dir / "events.jsonl")
     rows = read_metrics(run_dir / "metrics.jsonl")
     kinds = [e.kind for e in events]
@@ -242,7 +245,8 @@ def analyse_stalwart(run_dir: Path, fault: str, memory_tier: bool) -> dict[str, 
         "final_step": max((r.step for r in rows), default=0), "finished": not not_finished,
         "missing_events": [k for k, e in (("fault_injected", injected), ("failure", failure),
                                           ("recovered", recovered)) if e is None]
-        + (["resized"] if fault in NODE_FAULTS and not resized else []) + not_finished}
+        + (["resized"] if fault in NODE_FAULTS and not spare and not resized else [])
+        + not_finished}
     if injected is None:
         return out
     ft = out["fault_time"] = injected.time

@@ -4,7 +4,10 @@ One agent per node that holds ranks, started when a world first forms there (it 
 while the world restores) and kept across worlds. The driver keeps one poll in flight per
 node and acts on the first answer: an agent answers at once when it sees a process exit or
 stop, so a death on a live node reaches the controller in tens of milliseconds, not at the
-next poll. Its other answers come when the interval ends, which paces the loop.
+next poll. A rank whose collective failed is answered at once too; the driver then asks
+whether the other nodes' raylets still accept connections, so a lost node is found in tens of
+milliseconds, not when its agent's answer is late. Its other answers come when the interval
+ends, which paces the loop.
 
 Until a node's agent has answered once (its process may take seconds to start on a busy
 node), the driver polls that node's ranks itself, one call per rank, as it would without
@@ -161,7 +164,18 @@ class NodePolls:
             found += _failures(report, by_node[node_id])
         found += self._silent_ranks(by_node)
         self._collect_direct(answered, found, generation)
+        if any(st.error_kind == "collective" for st in answered.values()):
+            found += self._lost_peers(by_node)
         return answered, found
+
+    def _lost_peers(self, by_node: dict[str, dict[int, tuple[Any, int]]]
+                    ) -> list[WorkerFailure]:
+        """A rank's collective failed: a peer, or its whole node, may be gone. A lost
+        node's raylet refuses connections at once, while its agent's poll fails only when
+        it is due (or Ray notices, seconds later): ask now."""
+        others = set(by_node) - {self._here} - set(self.nodes.silent)
+        lost = self.nodes.lost(others) if others else frozenset()
+        return [f for node_id in sorted(lost) for f in self._agent_lost(node_id, by_node[node_id])]
 
     def _watched_here(self, node_ids: set[str]) -> bool:
         """These nodes' ranks are watched by the driver itself: the driver's node alone."""
@@ -235,7 +249,7 @@ class NodePolls:
                     ) -> list[WorkerFailure]:
         """An agent died: with its node (every rank there is lost), or alone (it is started
         again at the next poll and its ranks are none the worse)."""
-        del self._agents[node_id]
+        self._agents.pop(node_id, None)
         if self.nodes.alive({node_id}):
             return []
         now = time.time()

@@ -10,6 +10,11 @@ An exit wakes the agent at once through a pidfd per process (Linux 5.3+), so bet
 it sleeps and costs no CPU; a stop is read from /proc every CHECK_S (at most a fifth of
 `stopped_for_s`). Without pidfds the agent reads /proc every FALLBACK_CHECK_S instead.
 
+A rank's poll is answered at once, so a training thread that fails after it would wait for
+the next interval. Instead it leaves a marker file (`mark_failed`), which the agent looks for at
+each check: it polls that rank again and answers at once. A failed collective is news: a
+peer, or its whole node, may be gone.
+
 A rank whose last poll has not been answered is not asked again: its answer, when it comes,
 goes into a later report. A poll carries the generation, so a poll left over from a world
 that ended drains nothing from the next one.
@@ -17,8 +22,10 @@ that ended drains nothing from the next one.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -40,6 +47,26 @@ class NodeReport:
     """Ranks whose process is gone (or a zombie): the last time it was seen alive."""
     stopped: dict[int, float] = field(default_factory=dict)
     """Ranks whose process has been stopped (SIGSTOP) for `stopped_for_s`: since when."""
+
+
+def failed_marker(pid: int) -> str:
+    """The file that says the training thread of process `pid` has failed."""
+    return os.path.join(tempfile.gettempdir(), f"stalwart-failed-{pid}")
+
+
+def mark_failed() -> None:
+    """Tell this node's agent that this process's training thread has failed."""
+    with contextlib.suppress(OSError):
+        open(failed_marker(os.getpid()), "w").close()
+
+
+def take_failed_mark(pid: int) -> bool:
+    """Whether process `pid` marked a failure since the last look (the mark is removed)."""
+    try:
+        os.unlink(failed_marker(pid))
+    except OSError:
+        return False
+    return True
 
 
 def process_state(pid: int) -> str | None:
@@ -128,7 +155,10 @@ class NodeAgent:
             else:
                 self._sleep_until_an_exit(timeout)
             exited, stopped = self._watch()
-            if exited or stopped or errors or time.monotonic() >= deadline:
+            if self._repoll_failed(generation):
+                continue
+            failed = any(st.error is not None for st in statuses.values())
+            if exited or stopped or errors or failed or time.monotonic() >= deadline:
                 return NodeReport(statuses=statuses, errors=errors, exited=exited,
                                   stopped=stopped)
 
@@ -166,6 +196,15 @@ class NodeAgent:
         answered, failed = collect_polls(self._polls, self.generation, timeout=timeout)
         statuses.update(answered)
         errors.update(failed)
+
+    def _repoll_failed(self, generation: int) -> bool:
+        """Poll again the ranks that marked a failure since their poll was answered."""
+        again = False
+        for rank, (actor, pid) in self.members.items():
+            if rank not in self._polls and take_failed_mark(pid):
+                self._polls[rank] = actor.poll.remote(generation)
+                again = True
+        return again
 
     def _watch(self) -> tuple[dict[int, float], dict[int, float]]:
         """Ranks whose process is gone, and ranks stopped for `stopped_for_s`."""

@@ -17,7 +17,13 @@ from stalwart.orchestrator.detection import FailureDetector, LastSeen
 from stalwart.orchestrator.failures import FailureKind
 from stalwart.orchestrator.group import PollView
 from stalwart.orchestrator.node_polls import _failures
-from stalwart.workers.node_agent import NodeAgent, NodeReport, process_state
+from stalwart.workers.node_agent import (
+    NodeAgent,
+    NodeReport,
+    failed_marker,
+    process_state,
+    take_failed_mark,
+)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60),
               pytest.mark.skipif(not os.path.exists("/proc/self/stat"), reason="needs /proc")]
@@ -96,6 +102,37 @@ def test_an_exit_wakes_the_sleeping_agent_and_a_live_process_does_not():
         agent.members = {}
         agent._open_pidfds()  # closes the last world's
     assert agent._pidfds == {}
+
+
+class _Actor:
+    """A rank's actor handle as the agent uses it: poll.remote(generation)."""
+
+    def __init__(self) -> None:
+        self.asked: list[int] = []
+        self.poll = self
+
+    def remote(self, generation: int) -> str:
+        self.asked.append(generation)
+        return f"poll-{len(self.asked)}"
+
+
+def test_a_rank_that_marks_a_failure_is_polled_again_once_its_poll_is_back():
+    proc = subprocess.Popen([sys.executable, "-c", "from stalwart.workers.node_agent import "
+                             "mark_failed; mark_failed()"])
+    assert proc.wait(timeout=30) == 0
+    actor, agent = _Actor(), NodeAgent()
+    agent.generation, agent.members = 3, {1: (actor, proc.pid)}
+    try:
+        agent._polls = {1: "in flight"}  # its answer may predate the failure: mark kept
+        assert agent._repoll_failed(3) is False and os.path.exists(failed_marker(proc.pid))
+        agent._polls = {}
+        assert agent._repoll_failed(3) is True and actor.asked == [3]
+        assert agent._polls == {1: "poll-1"}
+        assert not os.path.exists(failed_marker(proc.pid))  # taken: asked once
+        agent._polls = {}
+        assert agent._repoll_failed(3) is False and actor.asked == [3]
+    finally:
+        take_failed_mark(proc.pid)
 
 
 def test_reports_become_failures_naming_rank_pid_and_when_last_seen_well():
