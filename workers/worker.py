@@ -64,6 +64,7 @@ from stalwart.workers.engine import TrainEngine
 from stalwart.workers.errors import classify_exception
 from stalwart.workers.faults import FaultInjector
 from stalwart.workers.model_warm_up import warm_model
+from stalwart.workers.node_agent import mark_failed
 from stalwart.workers.numerics import NumericsEscalation, NumericsRollback
 from stalwart.workers.profiling import StepProfiler, init_profiler_here
 from stalwart.workers.reports import (
@@ -457,6 +458,7 @@ class Worker:
             else:  # the task's code (or ours): where it failed, in the task's frames
                 error = str(self._step_failure(exc))
             self._error = error
+            mark_failed()  # this node's agent polls this rank again at once
         finally:
             profiler.discard()  # a failure inside the window: no trace (see StepProfiler)
 
