@@ -73,9 +73,13 @@ class Shard:
     its holders; checked before a restore uses the bytes. None: not sealed yet."""
 
     def tensor(self, index: MetadataIndex) -> torch.Tensor:
+        """The slot's tensor over the buffer's memory, with a storage of exactly its own
+        bytes rather than a view of the whole buffer's: DCP's writer clones a tensor whose
+        storage is larger than it (a full extra copy of a persisted snapshot), and
+        torch.save would write the whole storage."""
         slot = self.layout.slots[index]
-        return (self.buffer[slot.offset:slot.offset + slot.nbytes]
-                .view(slot.dtype).view(slot.shape))
+        own = torch.from_numpy(self.buffer.numpy()[slot.offset:slot.offset + slot.nbytes])
+        return own.view(slot.dtype).view(slot.shape)
 
     def ready(self) -> None:
         if self.ready_event is not None:

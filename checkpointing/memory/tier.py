@@ -196,13 +196,20 @@ class MemoryTier:
     def export(self, generation: int, source: int, step: int
                ) -> tuple[Any, dict[str, Any], int | None]:
         """A held snapshot's buffer (as a numpy array, which Ray moves as raw bytes),
-        values and CRC32 (its owner's), for a peer that restores from it and checks it."""
+        values and CRC32 (its owner's), for a peer that restores from it and checks it.
+
+        The array is a view of the held buffer, not a copy: Ray serializes an actor method's
+        return value into its object store as the method returns, so a copy here would only
+        add a second full pass over the shard before the one Ray makes. A caller in this
+        process must use the array before the tier reuses the buffer. Either way the bytes
+        are read without the stager's lock: a snapshot staged into the same buffer meanwhile
+        (a holder whose training thread runs on) fails the restorer's CRC32 check."""
         shard = self.store.get(generation, source, step)
         if shard is None:
             raise LookupError(f"no snapshot of rank {source} of generation {generation} at "
                               f"step {step} is held here")
         shard.ready()
-        return shard.buffer.numpy().copy(), dict(shard.values), shard.crc
+        return shard.buffer.numpy(), dict(shard.values), shard.crc
 
     def restore(self, engine: StateAccess, *, generation: int, step: int,
                 layouts: dict[int, ShardLayout],
