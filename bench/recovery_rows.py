@@ -100,7 +100,7 @@ def settings(args: argparse.Namespace, tps: int, health: dict[str, Any]) -> dict
 
 def run_row(runner: str, fault: str, args: argparse.Namespace, work: Path,
             rnd: int) -> dict[str, Any]:
-    tag = f"r{rnd}-{fault}-{runner}"
+    tag = f"r{rnd}-{fault}-{runner}".replace("/", "-")  # one file name, not a folder
     system = runner if runner in ("ray-train", "torchrun") else "stalwart"
     result: dict[str, Any] = {"system": system, "runner": runner, "fault": fault, "round": rnd,
                               "load_before": os.getloadavg()[0], "log": str(work / f"{tag}.log")}
