@@ -6,15 +6,17 @@ throws from the training loop like a bug in user code, `kill-node` SIGKILLs this
 raylet (Ray's per-node daemon) and every process it started, exactly as when a machine is
 lost, `freeze-node` SIGSTOPs them instead (a frozen machine: its sockets stay open, nothing
 answers; it stays so until someone sends SIGCONT or Ray's health check gives up on it),
-`drain` asks Ray to drain this node for preemption, and `slow` makes this rank a
-straggler. The numerical ones act on the step itself, through the engine's hooks: `nan`
+`drain` asks Ray to drain this node for preemption, `slow` makes this rank a
+straggler, and `slow-link` caps the bytes per second its snapshot exchanges send (the sending
+thread sleeps in proportion to each exchange's bytes, as a slow NIC would hold it). The
+numerical ones act on the step itself, through the engine's hooks: `nan`
 makes the rank's loss NaN once, `spike` scales the loss of that step's batch up each time
 it is trained, and `bitflip` flips one bit of one parameter in place. The controller decides which rank carries out each fault (see
 orchestrator/faults.py); this module only does it.
 
 The engine, the stager and the replicator know nothing of faults: they call small hooks at
 the moments they mark (the start of a step, `after_local_work`, `mid_copy`,
-`before_payload`), and FaultInjector implements them.
+`before_payload`, `sending`), and FaultInjector implements them.
 """
 
 from __future__ import annotations
@@ -77,7 +79,8 @@ class FaultInjector:
     Each fault is told to the controller (`fired`, drained by the worker's poll) and carried
     out once the controller has acknowledged it (`ack`): not when the poll returns, as its
     reply could still be on its way when the process dies, and the fault would then be
-    armed again in the next world. A `slow` fault lasts for the rest of the process's life.
+    armed again in the next world. A `slow` or `slow-link` fault lasts for the rest of the
+    process's life.
     """
 
     def __init__(self, notice_timeout_s: float = FAULT_NOTICE_TIMEOUT_S) -> None:
@@ -87,6 +90,7 @@ class FaultInjector:
         self._fired: deque[FaultFired] = deque()
         self._heard = threading.Event()
         self.slowdown = 0.0
+        self.link_bytes_per_s = 0.0  # a slow-link fault's cap (0: none)
         self._due: list[FaultSpec] = []  # numerical faults fired, for the step's hooks
 
     def arm(self, rank: int, faults: Iterable[FaultSpec]) -> None:
@@ -122,6 +126,12 @@ class FaultInjector:
     def before_payload(self, step: int) -> None:
         """Step `step`'s snapshot headers are exchanged with its holders, not its payload."""
         self._strike("before_payload", step)
+
+    def sending(self, step: int, nbytes: int) -> None:
+        """Step `step`'s snapshot exchange is about to send `nbytes` (on its own thread):
+        under a slow-link fault, first take the time that many bytes need at its cap."""
+        if self.link_bytes_per_s > 0:
+            time.sleep(nbytes / self.link_bytes_per_s)
 
     def after_local_work(self, seconds: float) -> None:
         """This rank's own work in a step took `seconds`: a straggler takes longer."""
@@ -160,6 +170,9 @@ class FaultInjector:
         self._heard.wait(self.notice_timeout_s)
         if fault.kind is FaultKind.SLOW:  # after_local_work carries it out, from now on
             self.slowdown = SLOWDOWN
+            return
+        if fault.kind is FaultKind.SLOW_LINK:  # `sending` carries it out, from now on
+            self.link_bytes_per_s = fault.mbps * 1e6 / 8
             return
         if fault.kind in NUMERICAL:  # the step's hooks carry it out
             self._due.append(fault)
@@ -256,7 +269,8 @@ def drain_this_node(deadline_s: float = 60.0) -> None:
 
 
 def carry_out(fault: FaultSpec) -> None:
-    """Do the fault to this process or this node (every kind but `slow`, a lasting state)."""
+    """Do the fault to this process or this node (every kind but `slow` and `slow-link`,
+    lasting states)."""
     kind = fault.kind
     if kind in (FaultKind.KILL, FaultKind.KILL_STAGING, FaultKind.KILL_REPLICATING):
         os.kill(os.getpid(), signal.SIGKILL)

@@ -32,9 +32,10 @@ from stalwart.workers.local_timer import LocalTimer
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 KINDS = ("kill, kill-staging, kill-replicating, hang, raise, term, slow, kill-node, freeze-node, "
-         "drain, nan, spike, bitflip")
+         "drain, nan, spike, bitflip, slow-link")
 SYNTAX = ("expected KIND:TARGET=N,step=S, e.g. kill:rank=1,step=20 or "
-          f"kill-node:node=1,step=80; KIND is one of {KINDS}")
+          "kill-node:node=1,step=80 (slow-link also takes mbps=M, e.g. "
+          f"slow-link:rank=1,step=5,mbps=50); KIND is one of {KINDS}")
 
 
 # ---------------------------------------------------------------------------- --inject
@@ -49,6 +50,9 @@ SYNTAX = ("expected KIND:TARGET=N,step=S, e.g. kill:rank=1,step=20 or "
     ("drain:node=2,step=5", FaultSpec(kind="drain", node=2, step=5)),
     ("  kill:rank=1, step=20 ", FaultSpec(kind="kill", rank=1, step=20)),  # spaces
     ("kill:rank=01,step=020", FaultSpec(kind="kill", rank=1, step=20)),
+    ("slow-link:rank=1,step=5,mbps=50", FaultSpec(kind="slow-link", rank=1, step=5, mbps=50)),
+    ("slow-link:mbps=0.5,rank=0,step=2", FaultSpec(kind="slow-link", rank=0, step=2, mbps=0.5)),
+    ("slow-link:rank=0,step=2,mbps=.25", FaultSpec(kind="slow-link", rank=0, step=2, mbps=0.25)),
 ])
 def test_parse_fault(text: str, expected: FaultSpec) -> None:
     spec = parse_fault(text)
@@ -61,7 +65,7 @@ def test_a_fault_prints_as_the_user_writes_it() -> None:
     assert str(FaultSpec(kind="kill-node", node=2, step=8)) == "kill-node:node=2,step=8"
     assert {k.value for k in FaultKind} == {
         "kill", "kill-staging", "kill-replicating", "hang", "raise", "term", "slow",
-        "kill-node", "freeze-node", "drain", "nan", "spike", "bitflip"}
+        "kill-node", "freeze-node", "drain", "nan", "spike", "bitflip", "slow-link"}
     # A bad batch needs no rank: rank 0 trains it.
     assert str(parse_fault("spike:step=30")) == "spike:rank=0,step=30"
 
@@ -82,6 +86,9 @@ def test_a_fault_kind_is_the_enum_and_keeps_its_spelling_everywhere() -> None:
     "kill:rank=-1,step=2", "kill:rank=x,step=2", "kill:rank1,step=2",
     "kill:rank=1,rank=2,step=3", "kill:rank=1,step=2,step=3", "kill:pid=1,step=2",
     "kill:kind=hang,step=2", "kill:rank=1;step=2",
+    "slow-link:rank=1,step=2,mbps=", "slow-link:rank=1,step=2,mbps=1e3",
+    "slow-link:rank=1,step=2,mbps=-5", "slow-link:rank=1,step=2,mbps=.",
+    "slow-link:rank=1,step=2,mbps=5,mbps=6", "kill:rank=1,step=2,mbps=x",
 ])
 def test_bad_inject_syntax(text: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -101,6 +108,14 @@ def test_bad_inject_syntax(text: str) -> None:
     ("kill-node:node=0,step=2", "faults.node = 0 is invalid: a kill-node fault needs node=N "
                                 "with N >= 1 (node 0 is the driver's node)"),
     ("kill:rank=1,step=0", "faults.step = 0 is invalid: must be >= 1"),
+    ("slow-link:rank=1,step=2", "faults.mbps = 0.0 is invalid: a slow-link fault needs mbps=M "
+                                "with M > 0 (megabits per second)"),
+    ("slow-link:rank=1,step=2,mbps=0", "faults.mbps = 0.0 is invalid: a slow-link fault "
+                                       "needs mbps=M with M > 0 (megabits per second)"),
+    ("kill:rank=1,step=2,mbps=5", "faults.mbps = 5.0 is invalid: only a slow-link fault "
+                                  "takes mbps, not a kill fault"),
+    ("slow-link:node=1,step=2,mbps=5",
+     "faults.node = 1 is invalid: a slow-link fault targets a rank, not a node"),
 ])
 def test_bad_fault_names_the_field(text: str, expected: str) -> None:
     with pytest.raises(ConfigError) as err:
@@ -176,7 +191,8 @@ def test_faults_from_a_set_override() -> None:
     ("faults = 3\n", "faults must be an array of tables ([[faults]]), got 3"),
     ('faults = ["kill:rank=1,step=2"]\n', "faults must be an array of tables ([[faults]])"),
     ('[[faults]]\nkind = "kill"\nrnak = 1\nstep = 2\n',
-     "unknown key faults.rnak in [faults]; did you mean faults.rank? allowed: kind, step, rank, node"),
+     "unknown key faults.rnak in [faults]; did you mean faults.rank? allowed: kind, step, rank, "
+     "node, mbps"),
     ('[[faults]]\nkind = "kill"\nrank = "1"\nstep = 2\n',
      "faults.rank = '1' is invalid: expected a int"),
     ('[[faults]]\nkind = "kill"\nrank = 1\n',
@@ -365,6 +381,21 @@ def test_slow_makes_the_rank_sleep_twice_its_local_work(monkeypatch: pytest.Monk
     injector.disarm()  # a straggler stays one in its next worlds
     injector.after_local_work(0.5)
     assert slept == [SLOWDOWN * 1.5, SLOWDOWN * 0.5] == [3.0, 1.0]
+
+
+def test_a_slow_link_makes_each_send_take_its_bytes_at_the_cap(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    slept: list[float] = []
+    monkeypatch.setattr(fault_module.time, "sleep", slept.append)
+    injector = FaultInjector(notice_timeout_s=0)
+    injector.arm(1, [parse_fault("slow-link:rank=1,step=3,mbps=80")])
+    injector.sending(1, 10_000_000)  # not yet: full speed
+    injector.at_step(3)
+    assert fired_faults(injector) == [("slow-link:rank=1,step=3,mbps=80", 1, 3)]
+    injector.sending(3, 10_000_000)  # 80 Mbit/s = 10 MB/s
+    injector.disarm()  # the link stays slow in the process's next worlds
+    injector.sending(4, 5_000_000)
+    assert slept == [1.0, 0.5]
 
 
 def test_leaving_a_world_disarms_its_faults() -> None:

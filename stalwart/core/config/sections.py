@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -486,6 +487,9 @@ class FaultKind(StrEnum):
     BITFLIP = "bitflip"
     """One bit of one parameter flips in the rank's memory at the start of that step: silent
     data corruption."""
+    SLOW_LINK = "slow-link"
+    """From that step on, the rank sends its snapshots to its peers at `mbps` megabits per
+    second at most: a slow network link for the memory tier's replication."""
 
     @property
     def target(self) -> str:
@@ -504,19 +508,27 @@ class FaultSpec:
     """
 
     kind: str
-    """The fault: `kill`, `kill-staging`, `kill-replicating`, `hang`, `raise`, `term`, `slow`, `nan`, `spike`, `bitflip` (a rank); `kill-node`, `freeze-node`, `drain` (a node). The TOML form of `--inject`."""
+    """The fault: `kill`, `kill-staging`, `kill-replicating`, `hang`, `raise`, `term`, `slow`, `nan`, `spike`, `bitflip`, `slow-link` (a rank); `kill-node`, `freeze-node`, `drain` (a node). The TOML form of `--inject`."""
     step: int
     """The fault fires once, when its target reaches the start of this step."""
     rank: int = -1
     """The rank of a rank fault (as numbered in the world at the time)."""
     node: int = -1
     """The node of a node fault: 0 is the driver's node (it cannot be killed), 1, 2, … the others in the order of their lowest rank."""
+    mbps: float = 0.0
+    """A `slow-link` fault's cap on the rank's replication sends, in megabits per second (`slow-link:rank=1,step=5,mbps=50`); no other kind takes it."""
 
     def __post_init__(self) -> None:
         _check_kinds(self, "faults")
         _require(self.kind in set(FaultKind), "faults.kind", self.kind,
                  f"one of {', '.join(FaultKind)}")
         object.__setattr__(self, "kind", FaultKind(self.kind))  # its spelling stays the same
+        if self.kind is FaultKind.SLOW_LINK:
+            _require(self.mbps > 0, "faults.mbps", self.mbps,
+                     "a slow-link fault needs mbps=M with M > 0 (megabits per second)")
+        else:
+            _require(self.mbps == 0, "faults.mbps", self.mbps,
+                     f"only a slow-link fault takes mbps, not a {self.kind} fault")
         if self.kind is FaultKind.SPIKE and self.rank == -1:
             object.__setattr__(self, "rank", 0)  # a bad batch: `spike:step=30` is enough
         _require(self.step >= 1, "faults.step", self.step, "must be >= 1")
@@ -532,22 +544,35 @@ class FaultSpec:
 
     def __str__(self) -> str:
         target = FaultKind(self.kind).target
-        return f"{self.kind}:{target}={getattr(self, target)},step={self.step}"
+        text = f"{self.kind}:{target}={getattr(self, target)},step={self.step}"
+        return text + (f",mbps={self.mbps:g}" if self.mbps else "")
+
+
+def _fault_field(key: str, value: str) -> int | float | None:
+    """An --inject field's value: rank, node and step are digits, mbps a decimal number
+    (None: neither)."""
+    value = value.strip()
+    if key in ("rank", "node", "step"):
+        return int(value) if re.fullmatch(r"[0-9]+", value) else None
+    if key == "mbps":
+        return float(value) if re.fullmatch(r"[0-9]+(\.[0-9]*)?|\.[0-9]+", value) else None
+    return None
 
 
 def parse_fault(text: str) -> FaultSpec:
     """`kill:rank=1,step=20` -> FaultSpec (the --inject syntax)."""
     syntax = ("expected KIND:TARGET=N,step=S, e.g. kill:rank=1,step=20 or "
-              f"kill-node:node=1,step=80; KIND is one of {', '.join(FaultKind)}")
+              f"kill-node:node=1,step=80 (slow-link also takes mbps=M, e.g. "
+              f"slow-link:rank=1,step=5,mbps=50); KIND is one of {', '.join(FaultKind)}")
     kind, sep, rest = text.strip().partition(":")
     fields: dict[str, Any] = {"kind": kind}
     for item in rest.split(",") if sep else []:
         key, eq, value = item.partition("=")
         key = key.strip()
-        if not eq or key not in ("rank", "node", "step") or key in fields \
-                or not value.strip().isdecimal() or not value.strip().isascii():
+        parsed = _fault_field(key, value) if eq and key not in fields else None
+        if parsed is None:
             raise ConfigError(f"--inject {text!r} is invalid: {syntax}")
-        fields[key] = int(value)
+        fields[key] = parsed
     if "step" not in fields:
         raise ConfigError(f"--inject {text!r} is invalid: {syntax}")
     try:
