@@ -32,4 +32,4 @@ def default_policies(config: JobConfig, *, storage_url: str) -> Policies:
         failure=FailurePolicy(fc.max_failures, retry_user_errors=fc.retry_user_errors,
                               backoff_s=fc.backoff_s),
         scaling=ScalingPolicy(config.scaling, storage_url=storage_url),
-        restore=RestorePolicy(memory_tier=config.checkpoint.snapshot_every > 0))
+        restore=RestorePolicy(memory_tier=config.checkpoint.memory_tier))

@@ -60,7 +60,7 @@ class RestoreDecision:
 class RestorePolicy:
     def __init__(self, *, memory_tier: bool) -> None:
         self.memory_tier = memory_tier
-        """checkpoint.snapshot_every > 0: there is a memory tier to ask."""
+        """checkpoint.snapshot_every > 0 or "auto": there is a memory tier to ask."""
 
     def choose(self, inventory: Mapping[str, Inventory], checkpoint: CheckpointInfo | None
                ) -> RestoreDecision | None:

@@ -84,8 +84,15 @@ class JobConfig:
                  f"{self.train.steps}")
 
     def _check_numerics(self) -> None:
-        """A fingerprint mismatch rolls back to a snapshot of the memory tier: every step's."""
+        """A fingerprint mismatch rolls back to a snapshot of the memory tier: every step's.
+        An auto interval is refused with it, not pinned to 1: that would silently drop the
+        budget the run asked for."""
         nc = self.numerics
+        _require(nc.fingerprint_every == 0 or self.checkpoint.snapshot_every != "auto",
+                 "numerics.fingerprint_every", nc.fingerprint_every,
+                 'needs a snapshot every step, and checkpoint.snapshot_every = "auto" '
+                 "chooses its own interval: set checkpoint.snapshot_every = 1, or "
+                 "numerics.fingerprint_every = 0 (off)")
         _require(nc.fingerprint_every == 0 or self.checkpoint.snapshot_every == 1,
                  "numerics.fingerprint_every", nc.fingerprint_every,
                  f"needs checkpoint.snapshot_every = 1 (it is "

@@ -23,7 +23,17 @@ def _coerce(value: Any, hint: Any, name: str) -> Any:
     """Check a TOML value against a field's type hint (TOML already has typed values)."""
     origin = typing.get_origin(hint)
     if origin in (typing.Union, types.UnionType):
-        raise ConfigError(f"{name}: union types are not supported in config")  # never declared
+        # `int | str` (checkpoint.snapshot_every: a number or a word): the first kind that
+        # takes the value; the section's own check then says which words it accepts.
+        kinds = typing.get_args(hint)
+        for kind in kinds:
+            try:
+                return _coerce(value, kind, name)
+            except ConfigError:
+                continue
+        names = [k.__name__ for k in kinds]
+        raise ConfigError(f"{name} = {value!r} is invalid: expected "
+                          f"{' or '.join(('an ' if n[0] in 'aeiou' else 'a ') + n for n in names)}")
     if hint is bool:
         ok = isinstance(value, bool)
     elif hint is int:

@@ -19,6 +19,8 @@ from stalwart.core.errors import ConfigError
 from stalwart.core.metric_names import is_task_metric
 
 AC_MODES = ("none", "selective", "full")
+# checkpoint.snapshot_every's word for an interval the run chooses (checkpointing/snapshot_schedule.py).
+SNAPSHOT_AUTO = "auto"
 PRECISIONS = ("fp32", "bf16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 
@@ -304,17 +306,31 @@ class CheckpointConfig:
     """`min`: lower `best_metric` is better; `max`: higher is."""
     async_save: bool = True
     """Write checkpoints in the background while training goes on."""
-    snapshot_every: int = 1
-    """Stage a snapshot in CPU memory every this many steps and replicate it to peers (the in-memory tier, restored first after a failure); `0` turns the memory tier off."""
+    snapshot_every: int | str = 1
+    """Stage a snapshot in CPU memory every this many steps and replicate it to peers (the in-memory tier, restored first after a failure); `0` turns the memory tier off. `"auto"`: the shortest interval whose measured cost (the training thread's staging and waits for the copy and the exchange, and the exchange's CPU time on CPU workers) stays under `snapshot_budget` of the step time, at most `persist_every`; it grows when the link to the peers is slow and shrinks back when it recovers, and each change is a `snapshot_interval` event (docs/memory-tier.md). Not with `numerics.fingerprint_every`."""
+    snapshot_budget: float = 0.02
+    """With `snapshot_every = "auto"`: the most the in-memory tier may cost, as a fraction of the step time (0.02: 2%), between 0 and 1 (both excluded)."""
     replicas: int = 1
     """Copies of each snapshot on peers, each on another node: how many nodes can be lost at once without losing a step (on one node: other processes)."""
     memory_limit_gb: float = 0.0
     """Most memory the in-memory tier may hold per worker (two snapshots of its shard and of each peer shard it holds); `0`: 40% of the smallest of the worker's cgroup limit (its container or Slurm job), Ray's `memory` resource of the node and the node's RAM, shared among the node's workers (docs/memory-tier.md). Checked at the first snapshot. At most 1048576 (1 PiB)."""
 
+    @property
+    def memory_tier(self) -> bool:
+        """Whether the in-memory tier is on (`snapshot_every` is an interval > 0, or auto)."""
+        return self.snapshot_every == SNAPSHOT_AUTO or self.snapshot_every > 0
+
     def __post_init__(self) -> None:
         _check_kinds(self, "checkpoint")
-        _require(self.snapshot_every >= 0, "checkpoint.snapshot_every", self.snapshot_every,
-                 "must be >= 0 (0 turns the in-memory tier off)")
+        every = self.snapshot_every
+        interval = isinstance(every, int) and not isinstance(every, bool)
+        _require(every == SNAPSHOT_AUTO or (interval and 0 <= every <= INT_RANGE[1]),
+                 "checkpoint.snapshot_every", every,
+                 f'an integer >= 0 (0 turns the in-memory tier off) or "{SNAPSHOT_AUTO}" '
+                 f"(an interval chosen to keep the tier's cost under snapshot_budget)")
+        _require(0 < self.snapshot_budget < 1, "checkpoint.snapshot_budget",
+                 self.snapshot_budget, "must be between 0 and 1, both excluded (a fraction "
+                 "of the step time: 0.02 is 2%)")
         _require(self.replicas >= 0, "checkpoint.replicas", self.replicas, "must be >= 0")
         _require(self.memory_limit_gb >= 0, "checkpoint.memory_limit_gb", self.memory_limit_gb,
                  "must be >= 0 (0: 40% of the memory the node's workers may use, shared "
