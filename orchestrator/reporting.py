@@ -2,8 +2,8 @@
 and the console's one line for a failure or a restore.
 
 Each writes its own event: `checkpoint_committed`, and as observers of the controller
-(orchestrator/observers.py) `profile_saved`, `numerical_fault`, `memory_tier` and
-`straggler`. Only the straggler reporter answers back:
+(orchestrator/observers.py) `profile_saved`, `numerical_fault`, `memory_tier`,
+`snapshot_interval` and `straggler`. Only the straggler reporter answers back:
 with failure.replace_stragglers, a straggler is a failure for the controller to act on.
 """
 
@@ -23,6 +23,7 @@ from stalwart.orchestrator.stragglers import StragglerDetector
 
 if TYPE_CHECKING:
     from stalwart.checkpointing.memory.limits import MemoryLimit
+    from stalwart.checkpointing.snapshot_schedule import Decision, ScheduleReport
     from stalwart.checkpointing.storage.catalog import CheckpointInfo
     from stalwart.checkpointing.storage.signing import CheckpointTrust
     from stalwart.core.config import JobConfig
@@ -31,7 +32,7 @@ if TYPE_CHECKING:
     from stalwart.orchestrator.detection import LastSeen
     from stalwart.orchestrator.failures import WorkerFailure
     from stalwart.orchestrator.observers import Display
-    from stalwart.orchestrator.states import Running
+    from stalwart.orchestrator.states import Running, State
     from stalwart.workers.reports import CommitReport, StepReport, WorkerStatus
 
 # Characters of a Ray node id that name it on the console (the full id is in events.jsonl).
@@ -160,6 +161,7 @@ class TierReporter(ControllerObserver):
         self._reported = -1  # the generation whose memory-tier size was last reported
         self._bytes: dict[int, int] = {}
         self._limit: MemoryLimit | None = None  # the tightest any worker of the world has
+        self.intervals = IntervalLog(events)
 
     def after_launch(self, generation: int, world_size: int, now: float) -> None:
         self.world_size, self._bytes, self._limit = world_size, {}, None
@@ -170,6 +172,14 @@ class TierReporter(ControllerObserver):
         limit = status.tier_limit
         if limit is not None and (self._limit is None or limit.bytes < self._limit.bytes):
             self._limit = limit
+        if rank == 0 and status.snapshot_schedule is not None:  # every rank decided alike
+            self.intervals.reported(status.generation, status.snapshot_schedule)
+
+    def before_recovery(self, failure: WorkerFailure) -> None:
+        self.intervals.world_ended()
+
+    def on_end(self, state: State) -> None:
+        self.intervals.world_ended()
 
     def after_poll(self, state: Running, last_step: int, now: float) -> None:
         if self._reported == state.generation or len(self._bytes) < self.world_size \
@@ -177,13 +187,54 @@ class TierReporter(ControllerObserver):
             return
         self._reported = state.generation
         ck, limit = self.checkpoint, self._limit
+        auto = not isinstance(ck.snapshot_every, int)
         self.events.emit(ev.MemoryTier(generation=state.generation,
                          bytes_per_worker=max(self._bytes.values()),
                          bytes_total=sum(self._bytes.values()),
-                         snapshot_every=ck.snapshot_every, replicas=ck.replicas,
+                         snapshot_every=self.intervals.interval if auto else ck.snapshot_every,
+                         replicas=ck.replicas,
                          limit_bytes=limit.bytes if limit else None,
                          limit_bound=limit.bound if limit else None,
-                         limit_bound_bytes=limit.bound_bytes if limit else None))
+                         limit_bound_bytes=limit.bound_bytes if limit else None,
+                         snapshot_auto=auto))
+
+
+class IntervalLog:
+    """Rank 0's auto snapshot interval as `snapshot_interval` events: each change, and a
+    world's reading when it ends (what the tier cost it once its schedule took over)."""
+
+    def __init__(self, events: EventLog) -> None:
+        self.events = events
+        self.interval = 1  # the interval in use (a world starts at 1)
+        self._generation = -1
+        self._latest: ScheduleReport | None = None
+
+    def reported(self, generation: int, report: ScheduleReport) -> None:
+        if generation != self._generation:
+            self.world_ended()  # a world whose end this log did not hear of
+            self._generation = generation
+        for decision in report.changes:
+            self._emit(decision, report.budget)
+        self._latest, self.interval = report, report.interval
+
+    def _emit(self, d: Decision, budget: float) -> None:
+        self.events.emit(ev.SnapshotInterval(
+            generation=self._generation, step=d.step, interval=d.interval,
+            previous=d.previous, change="grew" if d.interval > d.previous else "shrank",
+            overhead=round(d.overhead, 6), expected=round(d.expected, 6), budget=budget,
+            step_s=round(d.step_s, 6), cost_s=round(d.cost_s, 6)))
+
+    def world_ended(self) -> None:
+        """The ending world's reading, once (none before its schedule measured a window)."""
+        r, self._latest = self._latest, None
+        if r is None or not r.windows:
+            return
+        self.events.emit(ev.SnapshotInterval(
+            generation=self._generation, step=r.step, interval=r.interval,
+            previous=r.interval, change="ended",
+            overhead=round(r.overhead, 6) if r.overhead is not None else None,
+            expected=round(r.expected, 6), budget=r.budget, step_s=round(r.step_s, 6),
+            cost_s=round(r.cost_s, 6), windows=r.windows))
 
 
 class StragglerReporter(ControllerObserver):

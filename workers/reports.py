@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stalwart.checkpointing.memory.limits import MemoryLimit
+from stalwart.checkpointing.snapshot_schedule import ScheduleReport
 from stalwart.checkpointing.storage.commit_report import CommitReport
 from stalwart.core.stream import SampleIds
 from stalwart.workers.faults import FaultFired
@@ -116,6 +117,9 @@ class WorkerStatus:
     """Memory the worker's in-memory checkpoint tier holds (its snapshots and replicas)."""
     tier_limit: MemoryLimit | None = None
     """The most the tier may hold on this worker, and which bound set it."""
+    snapshot_schedule: ScheduleReport | None = None
+    """With checkpoint.snapshot_every = "auto": the interval's changes since the last poll
+    and its measured overhead (the same on every rank)."""
     busy: str | None = None
     """What the training thread is waiting on between steps ("saving a checkpoint",
     "validating"): slow, not stuck, so the hang detector gives it a longer limit."""

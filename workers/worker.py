@@ -30,6 +30,7 @@ import torch
 from stalwart.checkpointing.memory.store import Inventory
 from stalwart.checkpointing.memory.tier import MemoryTier, StateAccess
 from stalwart.checkpointing.snapshot import ShardLayout
+from stalwart.checkpointing.snapshot_schedule import snapshot_schedule
 from stalwart.checkpointing.storage.retention import BestRule
 from stalwart.checkpointing.storage.signing import CheckpointTrust
 from stalwart.checkpointing.storage.writer import StorageCheckpointer
@@ -303,13 +304,14 @@ class Worker:
             trust=self.trust, keep_best=keep_best_rule(self.config),
             export_files=self.task.export_files(self.config) if rank == 0 else None)
         ck = self.config.checkpoint
-        self._tiered = ck.snapshot_every > 0
+        self._tiered = ck.memory_tier
         if self._tiered:
             dims = self.engine.dims
             self.tier.join(self._engine_view(), rank=rank, generation=generation, nodes=nodes,
                            replicas=ck.replicas, limit_gb=ck.memory_limit_gb,
                            replica_class=[dims.replica_class(r) for r in range(world_size)],
-                           keep=self.config.numerics.snapshots_kept)
+                           keep=self.config.numerics.snapshots_kept,
+                           schedule=snapshot_schedule(self.config, device))
         self._world_connections = tcp_connections() - before
 
     def _engine_view(self) -> StateAccess:
@@ -411,7 +413,7 @@ class Worker:
                 last = step == cfg.train.steps
                 persist = step % ck.persist_every == 0 or last or stop
                 shard = None
-                if tier is not None and (step % ck.snapshot_every == 0 or persist):
+                if tier is not None and (tier.due(step, report.step_time_s) or persist):
                     shard = tier.snapshot(step, hooks=self.faults)
                 if cfg.data.val_every and (step % cfg.data.val_every == 0 or last):
                     self._busy = "validating"
@@ -524,6 +526,7 @@ class Worker:
                             evict=self._evict, numerics=numerics if self.rank == 0 else [],
                             profiles=profiles, preempted=self._preempted,
                             snapshot_bytes=self.tier.nbytes(), tier_limit=self.tier.limit,
+                            snapshot_schedule=self.tier.schedule_report(),
                             busy=self._busy or self._reading(),
                             flight_record=self._record_if_quiet(bool(steps)))
 

@@ -16,12 +16,23 @@ Anything else is refused (SnapshotRefused, raised by `wait` once the others are 
 Ordering, which makes some step always complete somewhere: a rank waits for its previous
 exchange (`wait`) before the all-reduce that ends the next step. So once any rank is past
 step t's all-reduce, every exchange of step t-1 is complete on every rank, and staging step
-t may overwrite step t-2's buffers.
+t may overwrite step t-2's buffers. With an auto schedule (checkpointing/snapshot_schedule.py)
+the same holds between snapshots rather than steps: with snapshots at s1 < s2 < s3, every
+rank waits for s2's exchange before the all-reduce that ends step s3, so staging s3 (which
+overwrites s1's buffers) finds s2 complete everywhere; a snapshot outside the plan (a stop)
+first waits for its exchange and meets every rank in a barrier on this group.
+
+An exchange may carry figures (the schedule's window): they are MAX all-reduced on this
+group, on the exchange's thread, before the headers, and kept as `agreed` for the training
+thread to read once the exchange is done. Every rank passes figures to the same exchanges,
+so the collective pairs up. Each exchange's thread CPU time (`busy_s`) and wall time
+(`exchange_s`) are kept for the schedule too.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FuturesTimeout
@@ -144,17 +155,30 @@ class Replicator:
         self._layouts_seen: dict[tuple[int, str], ShardLayout] = {}
         self._abandoned = threading.Event()
         self._claims_shared = False
+        self.agreed: list[float] | None = None
+        """The figures the last exchange all-reduced (MAX over ranks), until read."""
+        self.busy_s = 0.0
+        """CPU seconds of the last exchange's thread."""
+        self.exchange_s = 0.0
+        """Wall seconds of the last exchange."""
 
-    def replicate(self, shard: Shard, before_payload: Callable[[], None] | None = None) -> None:
+    def replicate(self, shard: Shard, before_payload: Callable[[], None] | None = None, *,
+                  figures: list[float] | None = None,
+                  sending: Callable[[int], None] | None = None) -> None:
         """Start copying `shard` to this rank's holders (and receiving its sources').
 
         `before_payload` runs on the exchange's thread once the headers are exchanged,
-        before the payload is sent (a test, or a fault injected mid-exchange)."""
+        before the payload is sent (a test, or a fault injected mid-exchange); `sending` is
+        told the bytes about to be sent then (a link throttled for a test). `figures` are
+        all-reduced with the exchange (module docstring); every rank must pass them to the
+        same exchanges."""
         self.wait()
         if self.group is not None:
-            self._pending = self._executor.submit(self._exchange, shard, before_payload)
+            self._pending = self._executor.submit(self._exchange, shard, before_payload,
+                                                  figures, sending)
         else:
             shard.seal()  # no peers (a single process): the snapshot still gets its CRC
+            self.agreed = figures
 
     def wait(self) -> None:
         """Block until the exchange in flight is complete; re-raises its error, or raises
@@ -195,7 +219,26 @@ class Replicator:
             nbytes=shard.layout.nbytes, crc=shard.crc, layout_key=shard.layout.key,
             layout=shard.layout if with_layout else None, values=shard.values))
 
-    def _exchange(self, shard: Shard, before_payload: Callable[[], None] | None) -> None:
+    def _exchange(self, shard: Shard, before_payload: Callable[[], None] | None,
+                  figures: list[float] | None = None,
+                  sending: Callable[[int], None] | None = None) -> None:
+        started, cpu = time.perf_counter(), time.thread_time()
+        try:
+            if figures is not None:
+                self.agreed = self._agree(figures)
+            self._send_and_receive(shard, before_payload, sending)
+        finally:
+            self.busy_s = time.thread_time() - cpu
+            self.exchange_s = time.perf_counter() - started
+
+    def _agree(self, figures: list[float]) -> list[float]:
+        """The most any rank measured, figure by figure (one small all-reduce)."""
+        values = torch.tensor(figures, dtype=torch.float64)
+        dist.all_reduce(values, op=dist.ReduceOp.MAX, group=self.group)
+        return values.tolist()
+
+    def _send_and_receive(self, shard: Shard, before_payload: Callable[[], None] | None,
+                          sending: Callable[[int], None] | None) -> None:
         shard.seal()  # the CRC its holders keep, checked before a restore uses the bytes
         group = self.group
         if not self._claims_shared:
@@ -219,6 +262,8 @@ class Replicator:
         self._run(ops)
         if before_payload is not None:
             before_payload()
+        if sending is not None and self.sends_to:
+            sending(sum(shard.layout.nbytes + len(payloads[h]) for h in self.sends_to))
         ops, incoming = [], {}
         for h in self.sends_to:
             ops.append(dist.P2POp(dist.isend, shard.buffer, group=group, group_peer=h))

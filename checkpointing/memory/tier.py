@@ -10,10 +10,17 @@ After any restore, the restored step is staged and replicated once more in the n
 while its first step runs; older generations are dropped once that step is done. A failure
 right after a recovery restores from memory too, and no more than two steps per shard are
 ever held.
+
+Which steps are snapshotted, and which step's all-reduce waits for an exchange, is the
+world's SnapshotSchedule (checkpointing/snapshot_schedule.py). With `snapshot_every = "auto"`
+the tier times what each snapshot costs the training thread and hands each window's figures
+to the next exchange, whose all-reduce makes them the same on every rank.
 """
 
 from __future__ import annotations
 
+import statistics
+import time
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,6 +39,7 @@ from stalwart.checkpointing.memory.replication import Replicator, holders_for
 from stalwart.checkpointing.memory.store import Inventory, MemoryStore
 from stalwart.checkpointing.safe_load import SafeLoadPlanner
 from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager
+from stalwart.checkpointing.snapshot_schedule import ScheduleReport, SnapshotSchedule, Window
 from stalwart.core.errors import ConfigError
 
 
@@ -60,6 +68,37 @@ class SnapshotHooks(Protocol):
     def before_payload(self, step: int) -> None:
         """The snapshot's headers are exchanged with its holders; its payload is not."""
 
+    def sending(self, step: int, nbytes: int) -> None:
+        """The exchange's thread is about to send `nbytes` of the snapshot to its holders."""
+
+
+class WindowClock:
+    """What the training thread spent on snapshots since the last one, for the schedule
+    (checkpointing/snapshot_schedule.py says what each figure is)."""
+
+    def __init__(self) -> None:
+        self.stage_s = 0.0  # the last snapshot's staging
+        self.wait_s = 0.0
+        self.step_s: list[float] = []  # each step's own time, since the last snapshot
+        self.in_step = 0.0  # waits inside the step not yet reported by `stepped`
+
+    def waited(self, seconds: float) -> None:
+        self.wait_s += seconds
+        self.in_step += seconds
+
+    def stepped(self, step_s: float) -> None:
+        self.step_s.append(max(0.0, step_s - self.in_step))
+        self.in_step = 0.0
+
+    def window(self, interval: int, busy_s: float, exchange_s: float) -> Window:
+        return Window(steps=len(self.step_s), interval=interval,
+                      step_s=statistics.median(self.step_s) if self.step_s else 0.0,
+                      stage_s=self.stage_s, wait_s=self.wait_s, busy_s=busy_s,
+                      exchange_s=exchange_s)
+
+    def restart(self, stage_s: float) -> None:
+        self.stage_s, self.wait_s, self.step_s = stage_s, 0.0, []
+
 
 class MemoryTier:
     def __init__(self) -> None:
@@ -69,17 +108,24 @@ class MemoryTier:
         self.generation = -1
         self.rank = -1
         self.limit: MemoryLimit | None = None
+        self.schedule = SnapshotSchedule(1, persist_every=1, last_step=0)
+        self.clock = WindowClock()
+        self._step = 0  # the last step the training loop reported (`due`)
 
     # ------------------------------------------------------------------ per generation
 
     def join(self, engine: StateAccess, *, rank: int, generation: int, nodes: list[str],
              replicas: int, limit_gb: float, replica_class: list[Any] | None = None,
-             keep: int = 2) -> None:
+             keep: int = 2, schedule: SnapshotSchedule | None = None) -> None:
         """Set up for a new world. Collective: every rank calls it, in the same order as the
         other process groups it creates. `replica_class` tells data-parallel replicas apart
         (equal values: identical state), so that no snapshot is sent to its own twin. `keep`:
-        snapshots kept per shard (more than two keep older steps to roll back to)."""
+        snapshots kept per shard (more than two keep older steps to roll back to).
+        `schedule`: the world's snapshot steps (default: whenever `snapshot` is called, each
+        exchange waited for in the step after it)."""
         self.rank, self.generation = rank, generation
+        self.schedule = schedule or SnapshotSchedule(1, persist_every=1, last_step=0)
+        self.clock, self._step = WindowClock(), 0
         self.store.keep = keep
         self.limit = memory_limit(limit_gb, nodes.count(nodes[rank]),
                                   ray_memory=ray_node_memory())
@@ -92,19 +138,58 @@ class MemoryTier:
                                      signature=engine.signature, device=engine.device,
                                      on_layout=self._check_limit, buffers=keep)
 
-    def snapshot(self, step: int, hooks: SnapshotHooks | None = None) -> Shard:
+    def due(self, step: int, step_s: float) -> bool:
+        """The training loop finished `step` in `step_s` seconds: whether the schedule
+        snapshots it (a persist or stop step is snapshotted whatever this says)."""
+        self._step = step
+        self.clock.stepped(step_s)
+        return self.schedule.due(step)
+
+    def snapshot(self, step: int, hooks: SnapshotHooks | None = None, *,
+                 restored: bool = False) -> Shard:
         """Stage this rank's state as `step` and start replicating it."""
         assert self.stager is not None and self.replicator is not None
+        started, self._step = time.perf_counter(), step
         self.replicator.wait()  # normally done already (see replication.py: ordering)
-        mid_copy = before_payload = None
+        if self.schedule.unplanned(step):
+            # A stop between planned snapshots: no all-reduce has waited for the exchange in
+            # flight, and staging may overwrite the buffer of the step before it.
+            self.replicator.barrier()
+        figures = self._agree(step)
+        mid_copy = before_payload = sending = None
         if hooks is not None:
-            mid_copy, before_payload = (partial(hooks.mid_copy, step),
-                                        partial(hooks.before_payload, step))
+            mid_copy, before_payload, sending = (partial(hooks.mid_copy, step),
+                                                 partial(hooks.before_payload, step),
+                                                 partial(hooks.sending, step))
         shard = self.stager.stage(step, mid_copy=mid_copy,
                                   before_overwrite=self.store.forget_buffer)
         self.store.put(self.generation, self.rank, shard)
-        self.replicator.replicate(shard, before_payload=before_payload)
+        self.replicator.replicate(shard, before_payload=before_payload, figures=figures,
+                                  sending=sending)
+        self.schedule.taken(step, restored=restored)
+        self.clock.restart(time.perf_counter() - started)
         return shard
+
+    def _agree(self, step: int) -> list[float] | None:
+        """Auto schedule: decide from the window the last exchange agreed on; returns this
+        rank's window since the last snapshot, for the exchange about to start (None: fixed
+        interval, or no window yet)."""
+        schedule, replicator = self.schedule, self.replicator
+        assert replicator is not None
+        if not schedule.auto:
+            return None
+        mine = None
+        if schedule.anchor is not None:  # the window run with the interval in force till now
+            mine = self.clock.window(schedule.interval, replicator.busy_s,
+                                     replicator.exchange_s).to_list()
+        if replicator.agreed is not None:
+            schedule.agreed(Window.from_list(replicator.agreed), step)
+            replicator.agreed = None
+        return mine
+
+    def schedule_report(self) -> ScheduleReport | None:
+        """The auto schedule's decisions since the last call and its reading (None: fixed)."""
+        return self.schedule.report()
 
     def _check_limit(self, layout: ShardLayout) -> None:
         assert self.replicator is not None
@@ -124,7 +209,16 @@ class MemoryTier:
                 f"checkpoints only")
 
     def wait_replicated(self) -> None:
-        """Before a step's final all-reduce: the previous snapshot is on its holders."""
+        """Before a step's final all-reduce: the previous snapshot is on its holders (with an
+        auto schedule, only before the all-reduce of the next snapshot's step)."""
+        if self.replicator is not None and self.schedule.must_wait(self._step + 1):
+            started = time.perf_counter()
+            self.replicator.wait()
+            self.schedule.waited()
+            self.clock.waited(time.perf_counter() - started)
+
+    def _exchange_done(self) -> None:
+        """Wait for the exchange in flight, whatever the schedule."""
         if self.replicator is not None:
             self.replicator.wait()
 
@@ -136,7 +230,9 @@ class MemoryTier:
 
     def wait_copy_done(self) -> None:
         if self.stager is not None:
+            started = time.perf_counter()
             self.stager.wait_copy_done()
+            self.clock.waited(time.perf_counter() - started)
 
     def stage_restored(self, step: int) -> None:
         """Stage the restored step in this world and start replicating it; the first step's
@@ -144,7 +240,7 @@ class MemoryTier:
         drops older generations (`drop_older`). Until then they stay: a failure during the
         first step restores from them. Step 0 (a fresh start) has nothing to stage."""
         if step > 0:
-            self.snapshot(step)
+            self.snapshot(step, restored=True)
         else:
             self.drop_older()
 
@@ -163,7 +259,7 @@ class MemoryTier:
         """Load this rank's own snapshot of `step` (this world's) and forget every newer one,
         its own and those it holds for peers: they may carry the fault rolled back from (see
         forget_after). False when no such snapshot is held."""
-        self.wait_replicated()
+        self._exchange_done()
         shard = self.store.get(self.generation, self.rank, step)
         if shard is None:
             return False
@@ -181,7 +277,7 @@ class MemoryTier:
     def forget_after(self, step: int) -> None:
         """Forget this world's snapshots newer than `step`, own and held for peers, once the
         exchange in flight has ended (no suspect replica lands after the cut)."""
-        self.wait_replicated()
+        self._exchange_done()
         self.store.drop_after(self.generation, step)
 
     # ------------------------------------------------------------------ serving

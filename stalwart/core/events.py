@@ -349,6 +349,7 @@ class MemoryTier(Event):
     itself and its peers."""
     bytes_total: int
     snapshot_every: int
+    """Snapshots every this many steps (with `snapshot_auto`: the interval then in use)."""
     replicas: int
     limit_bytes: int | None = None
     """The most the tier may hold on a worker (the smallest of the workers' limits): the
@@ -360,6 +361,39 @@ class MemoryTier(Event):
     resource of the node) or physical (the node's RAM), whichever is smallest."""
     limit_bound_bytes: int | None = None
     """That bound's bytes: for the node (cgroup, ray, physical), or per worker (configured)."""
+    snapshot_auto: bool = False
+    """checkpoint.snapshot_every = "auto": the interval follows `snapshot_interval` events."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SnapshotInterval(Event):
+    """With checkpoint.snapshot_every = "auto": the memory tier's interval changed (every rank
+    of the world decided it at the same snapshot, from the costs they all measured), or a
+    world ended (`change` = `ended`: its reading, what the tier cost it)."""
+
+    kind: ClassVar[str] = "snapshot_interval"
+    generation: int
+    step: int
+    """The snapshot step at which the decision was taken. From there snapshots are at most
+    `interval` steps apart, spread evenly up to each persist step and the last step."""
+    interval: int
+    previous: int
+    change: str
+    """`grew`, `shrank`, or `ended` (the world's reading as it ended)."""
+    overhead: float | None
+    """Measured: what the tier cost as a fraction of the step time (the longest any rank
+    measured). For a change, the last window's (snapshot to snapshot) at `previous`; for
+    `ended`, the median window's since the world's first decision (of its last 64)."""
+    expected: float
+    """What the costs measured predict at `interval`."""
+    budget: float
+    """checkpoint.snapshot_budget."""
+    step_s: float
+    """The step time the decision used (the longest any rank measured, smoothed)."""
+    cost_s: float
+    """Seconds one snapshot is predicted to cost the step at `interval`."""
+    windows: int = 0
+    """For `ended`: the windows (snapshot to snapshot) the reading is taken over."""
 
 
 # ---------------------------------------------------------------- faults and profiles
@@ -474,7 +508,8 @@ EVENT_TYPES: dict[str, type[Event]] = {
     cls.kind: cls for cls in (
         Started, Resumed, StartedFrom, WorkersStarted, Finished, Stopped, Failed, Interrupted,
         Failure, CheckpointChosen, Recovered, Resized, Straggler, CheckpointCommitted,
-        CheckpointSkipped, DataFilesChanged, UnsignedCheckpointAccepted, MemoryTier, FaultInjected, FaultSkipped,
+        CheckpointSkipped, DataFilesChanged, UnsignedCheckpointAccepted, MemoryTier,
+        SnapshotInterval, FaultInjected, FaultSkipped,
         ProfileSaved, ValidationSamples, TrackerFailed, NumericalFault)
 }
 

@@ -375,6 +375,9 @@ class RecordingHooks:
     def before_payload(self, step: int) -> None:
         self.seen.append(("before_payload", step))
 
+    def sending(self, step: int, nbytes: int) -> None:
+        self.seen.append(("sending", step))
+
 
 def test_the_tier_tells_its_hooks_the_snapshots_step(gpt) -> None:
     engine = _engine(gpt, STAGED_AT)
