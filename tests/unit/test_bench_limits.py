@@ -90,11 +90,12 @@ def test_staging_and_the_storage_write_measure_a_tiny_state(one_thread, tmp_path
     storage = limits.storage_part(shard, tmp_path, 1)
     assert len(storage["save_s"]) == len(storage["write_s"]) == 1
     assert set(storage["passes"]) == {"copy_s", "sha256_s", "zip_crc32_s"}
-    # Every save was committed (a manifest each), and the plain write left nothing behind.
+    # Every save was committed (a manifest each); the plain write wrote the same bytes.
     manifests = list((tmp_path / "ckpt").glob("*/manifest.json"))
     assert len(manifests) == 2  # the warm-up save and the measured one
     assert json.loads(manifests[0].read_text())["run_id"] == "limits"
-    assert not (tmp_path / "plain.bin").exists()
+    assert (tmp_path / "plain-0.bin").read_bytes() == shard.buffer.numpy().tobytes()
+    assert len(storage["save_cpu_s"]) == len(storage["write_cpu_s"]) == 1
     rows = limits.staging_rows(staging) + limits.storage_rows(storage)
     assert all(r["measured"] and r["baseline"] for r in rows)
 
