@@ -28,7 +28,8 @@ pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 def _shard(step: int = 3):  # noqa: ANN202
     state = {"model": {"w": torch.randn(5, 7), "b": torch.arange(3, dtype=torch.bfloat16),
                        "empty": torch.zeros(0, 4)}, "train": {"step": step}}
-    stager = SnapshotStager(state_dict=lambda: state, scalar_state=lambda: {"train": {"step": step}},
+    stager = SnapshotStager(state_dict=lambda: state,
+                            scalar_state=lambda: {"train": {"step": step}},
                             signature=lambda: 0, device=torch.device("cpu"))
     shard = stager.stage(step)
     shard.seal()
