@@ -22,6 +22,7 @@ from __future__ import annotations
 import statistics
 import time
 import warnings
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -76,28 +77,38 @@ class WindowClock:
     """What the training thread spent on snapshots since the last one, for the schedule
     (checkpointing/snapshot_schedule.py says what each figure is)."""
 
-    def __init__(self) -> None:
+    # Step times a window keeps (its median is of the last ones): an interval may be long.
+    STEPS_KEPT = 1024
+
+    def __init__(self, on: bool = False) -> None:
+        self.on = on  # only an auto schedule needs the figures
         self.stage_s = 0.0  # the last snapshot's staging
         self.wait_s = 0.0
-        self.step_s: list[float] = []  # each step's own time, since the last snapshot
+        self.steps = 0
+        self.step_s: deque[float] = deque(maxlen=self.STEPS_KEPT)  # each step's own time
         self.in_step = 0.0  # waits inside the step not yet reported by `stepped`
 
     def waited(self, seconds: float) -> None:
-        self.wait_s += seconds
-        self.in_step += seconds
+        if self.on:
+            self.wait_s += seconds
+            self.in_step += seconds
 
     def stepped(self, step_s: float) -> None:
+        if not self.on:
+            return
         self.step_s.append(max(0.0, step_s - self.in_step))
+        self.steps += 1
         self.in_step = 0.0
 
     def window(self, interval: int, busy_s: float, exchange_s: float) -> Window:
-        return Window(steps=len(self.step_s), interval=interval,
+        return Window(steps=self.steps, interval=interval,
                       step_s=statistics.median(self.step_s) if self.step_s else 0.0,
                       stage_s=self.stage_s, wait_s=self.wait_s, busy_s=busy_s,
                       exchange_s=exchange_s)
 
     def restart(self, stage_s: float) -> None:
-        self.stage_s, self.wait_s, self.step_s = stage_s, 0.0, []
+        self.stage_s, self.wait_s, self.steps = stage_s, 0.0, 0
+        self.step_s.clear()
 
 
 class MemoryTier:
@@ -125,7 +136,7 @@ class MemoryTier:
         exchange waited for in the step after it)."""
         self.rank, self.generation = rank, generation
         self.schedule = schedule or SnapshotSchedule(1, persist_every=1, last_step=0)
-        self.clock, self._step = WindowClock(), 0
+        self.clock, self._step = WindowClock(on=self.schedule.auto), 0
         self.store.keep = keep
         self.limit = memory_limit(limit_gb, nodes.count(nodes[rank]),
                                   ray_memory=ray_node_memory())

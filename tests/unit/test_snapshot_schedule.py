@@ -382,3 +382,27 @@ def test_a_world_on_a_slow_link_settles_under_budget_and_recovers_with_the_link(
     assert s.interval == 1
     changes = s.report().changes
     assert [c.interval > c.previous for c in changes] == [True] * (len(changes) - 1) + [False]
+
+
+# ---------------------------------------------------------------------------- the tier's clock
+
+
+def test_the_tiers_clock_takes_each_steps_own_time_and_the_windows_waits() -> None:
+    from stalwart.checkpointing.memory.tier import WindowClock
+
+    clock = WindowClock(on=True)
+    clock.restart(stage_s=0.004)
+    clock.waited(0.02)  # inside the first step: not its own time
+    clock.stepped(0.12)
+    for step_s in (0.1, 0.5, 0.11):  # a step held up by something else: the median ignores it
+        clock.stepped(step_s)
+    w = clock.window(interval=4, busy_s=0.003, exchange_s=0.3)
+    assert (w.steps, w.interval, w.stage_s, w.wait_s, w.busy_s, w.exchange_s) == \
+        (4, 4, 0.004, 0.02, 0.003, 0.3)
+    assert w.step_s == pytest.approx(0.105)
+    clock.restart(stage_s=0.001)
+    assert clock.window(interval=4, busy_s=0.0, exchange_s=0.0).steps == 0
+    off = WindowClock()  # a fixed interval keeps no figures
+    off.waited(1.0)
+    off.stepped(1.0)
+    assert (off.steps, off.wait_s, len(off.step_s)) == (0, 0.0, 0)
