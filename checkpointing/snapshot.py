@@ -18,7 +18,6 @@ from __future__ import annotations
 import hashlib
 import math
 import threading
-import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -30,6 +29,11 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
+
+try:  # ISA-L's CRC32: zlib's values, about 4x zlib's speed (15-20 GB/s a core), GIL released
+    from isal.isal_zlib import crc32
+except ImportError:  # a platform with no wheel of it
+    from zlib import crc32
 
 
 @dataclass(frozen=True)
@@ -89,22 +93,22 @@ class Shard:
 
     def seal(self) -> int:
         """Wait for the staging copy, then record the buffer's CRC32 (off the training
-        thread: zlib releases the GIL)."""
+        thread: the CRC32 releases the GIL)."""
         self.ready()
         self.crc = buffer_crc(self.buffer)
         return self.crc
 
 
 def buffer_crc(buffer: torch.Tensor, threads: int = 1) -> int:
-    """CRC32 of a flat uint8 CPU buffer, over up to `threads` parts at once (zlib releases
-    the GIL), the parts' CRCs then combined: the same value as one pass."""
+    """CRC32 of a flat uint8 CPU buffer, over up to `threads` parts at once (the CRC32
+    releases the GIL), the parts' CRCs then combined: the same value as one pass."""
     data = buffer.numpy()
     parts = max(1, min(threads, len(data) // CRC_PART_MIN))
     if parts == 1:
-        return zlib.crc32(data)
+        return crc32(data)
     bounds = [len(data) * i // parts for i in range(parts + 1)]
     with ThreadPoolExecutor(parts, thread_name_prefix="stalwart-crc") as pool:
-        crcs = list(pool.map(lambda i: zlib.crc32(data[bounds[i]:bounds[i + 1]]),
+        crcs = list(pool.map(lambda i: crc32(data[bounds[i]:bounds[i + 1]]),
                              range(parts)))
     crc = crcs[0]
     for i in range(1, parts):
@@ -113,7 +117,7 @@ def buffer_crc(buffer: torch.Tensor, threads: int = 1) -> int:
 
 
 CRC_PART_MIN = 1 << 24
-"""The smallest part of a buffer worth a thread of its own (16 MiB: about 4 ms of CRC32)."""
+"""The smallest part of a buffer worth a thread of its own (16 MiB: about 1 ms of CRC32)."""
 _CRC_POLY = 0xEDB88320  # CRC-32's polynomial, bit-reflected, as zlib has it
 
 
