@@ -8,14 +8,17 @@ task's own code, tried on a batch of two samples (stalwart/task_check.py).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import importlib
 import math
 import os
 import pickle
 import sys
+import threading
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -50,6 +53,11 @@ from stalwart.run_dir import RunDir
 if TYPE_CHECKING:
     from stalwart.core.task import TaskLike, TrainTask
     from stalwart.orchestrator.states import State
+
+# What the run needs once its input is checked (a second of imports on the driver: DCP,
+# DTensor, sympy), loaded while Ray starts (imported_meanwhile).
+RUN_MODULES = ("stalwart.orchestrator.controller", "stalwart.orchestrator.policies",
+               "stalwart.orchestrator.worker_group")
 
 # Keys that define what is being trained: changing them on --resume would silently mix two
 # different runs (another model, another data order), so it is refused.
@@ -357,9 +365,6 @@ class Trainer:
         # The task before the storage: its module may register the filesystem the URL names.
         from stalwart.core.task import resolve_task
         from stalwart.data.changes import check_data_files
-        from stalwart.orchestrator.controller import Controller
-        from stalwart.orchestrator.policies import default_policies
-        from stalwart.orchestrator.worker_group import ElasticGroup, GroupFailed
 
         task = resolve_task(self.config.task.path, self.config.task.args, self.task)
         task.check_layout(ParallelDims.from_config(self.config.parallel,
@@ -384,7 +389,14 @@ class Trainer:
             check_reachable(self.address)
         self._check_task(task)  # last: it runs the task's code (seconds, not a fraction)
         del task  # the driver keeps nothing the check loaded on it (a dataset) for the run
-        started_ray = self._connect()
+        # The run's own modules load while Ray starts, which mostly waits for its daemons:
+        # after every check, so that bad input is refused without them.
+        with imported_meanwhile(RUN_MODULES):
+            started_ray = self._connect()
+        from stalwart.orchestrator.controller import Controller
+        from stalwart.orchestrator.policies import default_policies
+        from stalwart.orchestrator.worker_group import ElasticGroup, GroupFailed
+
         display = None
         try:
             if self.address is not None and self._settle_previous_driver(trust.run_id):
@@ -501,6 +513,26 @@ def _newest_committed(storage_url: str) -> Checkpoint | None:
     except (CheckpointError, OSError):  # the run's storage went away: nothing to point at
         return None
     return Checkpoint(step=committed[-1].step, path=committed[-1].path) if committed else None
+
+
+@contextlib.contextmanager
+def imported_meanwhile(modules: Sequence[str]) -> Iterator[None]:
+    """Import `modules` on a thread while the block runs (the block waits, mostly: the
+    imports take its idle time); done when the block ends. A module that fails to import
+    raises its error where the caller imports it itself."""
+    importlib.import_module("ray")  # here first: Ray's start imports more of it meanwhile
+
+    def load() -> None:
+        for name in modules:
+            with contextlib.suppress(Exception):  # raised again by the caller's own import
+                importlib.import_module(name)
+
+    thread = threading.Thread(target=load, name="stalwart-imports", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        thread.join()
 
 
 def _say(message: str) -> None:
