@@ -54,8 +54,9 @@ if TYPE_CHECKING:
     from stalwart.core.task import TaskLike, TrainTask
     from stalwart.orchestrator.states import State
 
-# What the run needs once its input is checked (a second of imports on the driver: DCP,
-# DTensor, sympy), loaded while Ray starts (imported_meanwhile).
+# What the run needs once its input is checked (up to a second of imports on the driver:
+# torch's DCP and elastic packages, pyarrow's parquet), loaded while Ray starts
+# (imported_meanwhile).
 RUN_MODULES = ("stalwart.orchestrator.controller", "stalwart.orchestrator.policies",
                "stalwart.orchestrator.worker_group")
 
