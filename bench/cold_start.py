@@ -8,8 +8,10 @@ before), and timed to the end of its first step in its own step log: stalwart's
 metrics.jsonl (run.log_every = 1), rank 0's steps.jsonl for torchrun
 (bench/peers/torchrun_recovery.py under `torchrun --standalone`) and for Ray Train
 (bench/peers/raytrain_cold.py: `ray.init`, then `TorchTrainer.fit()` over
-bench/peers/raytrain_worker.py's loop). The data is tokenized before any clock starts. Rounds
-alternate the order. Then one more stalwart run, with a timing probe in every Python process
+bench/peers/raytrain_worker.py's loop), and with the CPU seconds its whole process tree had
+used by then (its session's processes: the run's daemons, workers and ranks), which load from
+other work hardly moves. The data is tokenized before any clock starts. Rounds alternate the
+order. Then one more stalwart run, with a timing probe in every Python process
 of it (bench/cold_start_probe/sitecustomize.py), gives stalwart's start-up by phase.
 """
 
@@ -23,7 +25,8 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +54,7 @@ PROBE_DIR = Path(__file__).resolve().parent / "cold_start_probe"
 PROBE_ENV = "STALWART_STARTUP_PROBE"
 STEPS_FILE = "steps.jsonl"  # the peers' step log (torchrun_recovery, raytrain_worker)
 ATTEMPTS_FILE = "attempts.jsonl"
+POLL_S = 0.1  # how often a run's step log is read for its first step
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -114,21 +118,25 @@ def stalwart_milestones(run_dir: Path, launch: float) -> dict[str, float | None]
 def summarize(results: list[dict[str, Any]], names: Iterable[str] = RUNNERS) -> dict[str, Any]:
     """Median cold start of each system over its measured runs, and its ratio to Ray Train's
     and torchrun's medians (None where either is missing)."""
+    names = list(names)
     med = {n: median(r.get("cold_start_s") for r in results if r["runner"] == n) for n in names}
     return {"median_s": med,
             "x_ray_train": {n: ratio(m, med.get("ray-train")) for n, m in med.items()},
-            "x_torchrun": {n: ratio(m, med.get("torchrun")) for n, m in med.items()}}
+            "x_torchrun": {n: ratio(m, med.get("torchrun")) for n, m in med.items()},
+            "median_cpu_s": {n: median(r.get("cpu_s_to_first_step") for r in results
+                                       if r["runner"] == n) for n in names}}
 
 
 def table_rows(summary: dict[str, Any], results: list[dict[str, Any]]) -> list[list[str]]:
     """The printed table: each system's median, its ratios, and every run with its load."""
-    rows = [["system", "median s", "x Ray Train", "x torchrun", "runs s (load)"]]
+    rows = [["system", "median s", "x Ray Train", "x torchrun", "CPU s", "runs s (load)"]]
     for name, med in summary["median_s"].items():
         runs = ", ".join(f"{fmt(r.get('cold_start_s'), '.1f')} ({r['load_before']:.1f})"
                          for r in results if r["runner"] == name)
         rows.append([LABELS.get(name, name), fmt(med, ".1f"),
                      fmt(summary["x_ray_train"][name], ".2f"),
-                     fmt(summary["x_torchrun"][name], ".2f"), runs])
+                     fmt(summary["x_torchrun"][name], ".2f"),
+                     fmt(summary["median_cpu_s"][name], ".1f"), runs])
     return rows
 
 
@@ -177,16 +185,41 @@ def command(runner: str, where: Path, args: argparse.Namespace) -> list[str]:
             "--steps", str(STEPS), "--config", str(args.config), *common.set_args(sets)]
 
 
+def session_cpu_s(sid: int, proc: Path = Path("/proc")) -> float:
+    """CPU seconds (user + system) used so far by the processes of session `sid`, with the
+    children they reaped: the run's whole process tree (a Launch is a session of its own, and
+    Ray's daemons and workers stay in it). Unlike wall time, the figure hardly moves when
+    other work shares the machine."""
+    ticks, total = os.sysconf("SC_CLK_TCK"), 0
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # gone meanwhile
+        if int(fields[3]) == sid:  # fields[0] is the state (field 3 of proc(5))
+            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    return total / ticks
+
+
 def launch_and_wait(cmd: list[str], log: Path, timeout: float,
-                    env: dict[str, str] | None = None) -> tuple[float, int, float]:
-    """(launch time, exit code, wall s); past timeout the whole session is killed (-1)."""
+                    first_step: Callable[[], float | None],
+                    env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run cmd to its end; past timeout the whole session is killed (exit code -1). Returns
+    its launch time, exit code, wall s, and the CPU s its processes had used when
+    `first_step()` first found a step logged (None if none was)."""
     run = Launch(cmd, log, env=env)
-    try:
-        code = run.proc.wait(timeout=timeout)
-    except subprocess.TimeoutExpired:
+    deadline, cpu = run.time + timeout, None
+    while run.running() and time.time() < deadline:
+        if cpu is None and first_step() is not None:
+            cpu = session_cpu_s(run.proc.pid)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            run.proc.wait(timeout=POLL_S)
+    timed_out = run.running()
+    if timed_out:
         run.kill()
-        code = -1
-    return run.time, code, time.time() - run.time
+    code = -1 if timed_out else run.proc.returncode
+    return {"launch": run.time, "exit_code": code, "wall_s": time.time() - run.time,
+            "cpu_s_to_first_step": cpu}
 
 
 def run_one(runner: str, rnd: int, args: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -197,9 +230,11 @@ def run_one(runner: str, rnd: int, args: argparse.Namespace, work: Path) -> dict
     log = work / f"r{rnd}-{runner}.log"
     result: dict[str, Any] = {"runner": runner, "round": rnd, "load_before": os.getloadavg()[0],
                               "log": str(log), "dir": str(where)}
-    launch, code, wall = launch_and_wait(command(runner, where, args), log, args.timeout)
-    result.update(exit_code=code, wall_s=wall)
-    first = stalwart_first_step(where) if stalwart else peer_first_step(where)
+    first_step = partial(stalwart_first_step if stalwart else peer_first_step, where)
+    run = launch_and_wait(command(runner, where, args), log, args.timeout, first_step)
+    launch, code = run.pop("launch"), run["exit_code"]
+    result.update(run)
+    first = first_step()
     result["cold_start_s"] = None if first is None else first - launch
     result.update(stalwart_milestones(where, launch) if stalwart
                   else peer_milestones(where, launch))
@@ -208,8 +243,9 @@ def run_one(runner: str, rnd: int, args: argparse.Namespace, work: Path) -> dict
         print(f"  {runner}: FAILED ({result['error']}); last lines of {log}:\n"
               f"{common.tail(log, indent='    ')}", flush=True)
     else:
-        print(f"  {runner}: first step {result['cold_start_s']:.1f}s after launch (whole run "
-              f"{wall:.1f}s, load {result['load_before']:.2f})", flush=True)
+        print(f"  {runner}: first step {result['cold_start_s']:.1f}s after launch, "
+              f"{fmt(result['cpu_s_to_first_step'], '.1f')} CPU s by then (whole run "
+              f"{run['wall_s']:.1f}s, load {result['load_before']:.2f})", flush=True)
     return result
 
 
@@ -294,8 +330,9 @@ def probe_run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(PROBE_DIR), env.get("PYTHONPATH")]))
     env[PROBE_ENV] = str(probe)
     load = os.getloadavg()[0]
-    launch, code, wall = launch_and_wait(command("stalwart", run_dir, args),
-                                         work / "probe-stalwart.log", args.timeout, env)
+    run = launch_and_wait(command("stalwart", run_dir, args), work / "probe-stalwart.log",
+                          args.timeout, partial(stalwart_first_step, run_dir), env)
+    launch, code, wall = run["launch"], run["exit_code"], run["wall_s"]
     first = stalwart_first_step(run_dir)
     started = [e for e in ev.read_events(run_dir / "events.jsonl")
                if isinstance(e, ev.WorkersStarted)]

@@ -68,12 +68,12 @@ def test_a_peer_is_timed_from_rank_0s_steps_and_its_slowest_rank(tmp_path: Path)
     assert cold_start.peer_milestones(tmp_path, LAUNCH) == {"start_s": 3.5, "ready_s": 18.0}
 
 
-def _result(runner: str, s: float | None, load: float = 1.0) -> dict:
-    return {"runner": runner, "cold_start_s": s, "load_before": load}
+def _result(runner: str, s: float | None, load: float = 1.0, cpu: float | None = None) -> dict:
+    return {"runner": runner, "cold_start_s": s, "load_before": load, "cpu_s_to_first_step": cpu}
 
 
 def test_the_table_gives_medians_and_their_ratios_to_ray_train_and_torchrun() -> None:
-    results = [_result("stalwart", 10.0), _result("stalwart", 12.0),
+    results = [_result("stalwart", 10.0, cpu=20.0), _result("stalwart", 12.0, cpu=22.0),
                _result("torchrun", 5.0), _result("torchrun", 7.0),
                _result("ray-train", 30.0), _result("ray-train", 34.0, load=2.5)]
     summary = cold_start.summarize(results, ["stalwart", "torchrun", "ray-train"])
@@ -81,10 +81,11 @@ def test_the_table_gives_medians_and_their_ratios_to_ray_train_and_torchrun() ->
     assert summary["x_ray_train"]["stalwart"] == pytest.approx(11 / 32)
     assert summary["x_torchrun"]["stalwart"] == pytest.approx(11 / 6)
     assert summary["x_ray_train"]["ray-train"] == 1.0
+    assert summary["median_cpu_s"] == {"stalwart": 21.0, "torchrun": None, "ray-train": None}
     rows = cold_start.table_rows(summary, results)
-    assert rows[0][:4] == ["system", "median s", "x Ray Train", "x torchrun"]
-    assert rows[1][:4] == ["stalwart run", "11.0", "0.34", "1.83"]
-    assert rows[3][4] == "30.0 (1.0), 34.0 (2.5)"
+    assert rows[0][:5] == ["system", "median s", "x Ray Train", "x torchrun", "CPU s"]
+    assert rows[1][:5] == ["stalwart run", "11.0", "0.34", "1.83", "21.0"]
+    assert rows[3][5] == "30.0 (1.0), 34.0 (2.5)"
     assert "met (0.34 x)" in cold_start.verdict(summary)
 
 
@@ -110,6 +111,41 @@ def test_a_failed_system_has_no_median_and_no_ratio() -> None:
     slow = cold_start.summarize([_result("stalwart", 20.0), _result("ray-train", 30.0)],
                                 ["stalwart", "ray-train"])
     assert "NOT met (0.67 x)" in cold_start.verdict(slow)
+
+
+def _stat(proc: Path, pid: int, session: int, ticks: tuple[int, int, int, int],
+          comm: str = "python") -> None:
+    """A /proc/PID/stat line as proc(5) lays it out: the session is field 6, the CPU ticks
+    (utime, stime, cutime, cstime) fields 14 to 17."""
+    (proc / str(pid)).mkdir()
+    fields = ["S", "1", str(session), str(session), "0", "-1", "0", "0", "0", "0", "0",
+              *map(str, ticks), "20", "0"]
+    (proc / str(pid) / "stat").write_text(f"{pid} ({comm}) {' '.join(fields)}\n")
+
+
+def test_a_runs_cpu_is_its_sessions_processes_with_what_they_reaped(tmp_path: Path) -> None:
+    hz = os.sysconf("SC_CLK_TCK")
+    _stat(tmp_path, 500, 500, (2 * hz, hz, 0, 0), comm="stalwart run (x)")  # ")" in its name
+    _stat(tmp_path, 510, 500, (3 * hz, 0, hz, hz))
+    _stat(tmp_path, 600, 600, (50 * hz, 0, 0, 0))  # another session: not the run's
+    (tmp_path / "self").mkdir()  # not a process id
+    assert cold_start.session_cpu_s(500, tmp_path) == pytest.approx(8.0)
+    assert cold_start.session_cpu_s(700, tmp_path) == 0.0
+
+
+def test_the_first_step_is_timed_while_the_run_goes_on_and_its_cpu_read_then(
+        tmp_path: Path) -> None:
+    code = ("import json, time; time.sleep(0.3); "
+            f"open({str(tmp_path / 'steps.jsonl')!r}, 'a').write(json.dumps("
+            "{'step': 1, 'time': time.time()}) + '\\n'); time.sleep(0.3)")
+    run = cold_start.launch_and_wait([sys.executable, "-c", code], tmp_path / "log", 50.0,
+                                     lambda: cold_start.peer_first_step(tmp_path))
+    assert run["exit_code"] == 0
+    assert run["cpu_s_to_first_step"] is not None and run["cpu_s_to_first_step"] >= 0
+    assert cold_start.peer_first_step(tmp_path) > run["launch"]  # the clock starts first
+    slow = cold_start.launch_and_wait([sys.executable, "-c", "import time; time.sleep(30)"],
+                                      tmp_path / "log", 0.5, lambda: None)
+    assert (slow["exit_code"], slow["cpu_s_to_first_step"]) == (-1, None)
 
 
 def _call(pid: int, name: str, t0: float, t1: float) -> dict:
