@@ -9,8 +9,8 @@ metrics.jsonl (run.log_every = 1), rank 0's steps.jsonl for torchrun
 (bench/peers/torchrun_recovery.py under `torchrun --standalone`) and for Ray Train
 (bench/peers/raytrain_cold.py: `ray.init`, then `TorchTrainer.fit()` over
 bench/peers/raytrain_worker.py's loop), and with the CPU seconds its whole process tree had
-used by then (its session's processes: the run's daemons, workers and ranks), which load from
-other work hardly moves. The data is tokenized before any clock starts. Rounds alternate the
+used by then (the run's daemons, workers and ranks), which load from other work hardly
+moves. The data is tokenized before any clock starts. Rounds alternate the
 order. Then one more stalwart run, with a timing probe in every Python process
 of it (bench/cold_start_probe/sitecustomize.py), gives stalwart's start-up by phase.
 """
@@ -185,20 +185,31 @@ def command(runner: str, where: Path, args: argparse.Namespace) -> list[str]:
             "--steps", str(STEPS), "--config", str(args.config), *common.set_args(sets)]
 
 
-def session_cpu_s(sid: int, proc: Path = Path("/proc")) -> float:
-    """CPU seconds (user + system) used so far by the processes of session `sid`, with the
-    children they reaped: the run's whole process tree (a Launch is a session of its own, and
-    Ray's daemons and workers stay in it). Unlike wall time, the figure hardly moves when
-    other work shares the machine."""
-    ticks, total = os.sysconf("SC_CLK_TCK"), 0
+def tree_cpu_s(root: int, proc: Path = Path("/proc")) -> float:
+    """CPU seconds (user + system) used so far by process `root` and all its descendants,
+    with the children they reaped: a run's whole process tree (Ray's daemons and workers,
+    torchrun's ranks). Unlike wall time, the figure hardly moves when other work shares the
+    machine."""
+    parent: dict[int, int] = {}
+    ticks: dict[int, int] = {}
     for stat in proc.glob("[0-9]*/stat"):
         try:
             fields = stat.read_text().rsplit(")", 1)[1].split()
         except (OSError, IndexError):
             continue  # gone meanwhile
-        if int(fields[3]) == sid:  # fields[0] is the state (field 3 of proc(5))
-            total += sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
-    return total / ticks
+        pid = int(stat.parent.name)
+        # fields[0] is the state, field 3 of proc(5): ppid is field 4, the ticks 14 to 17.
+        parent[pid] = int(fields[1])
+        ticks[pid] = sum(int(x) for x in fields[11:15])  # utime stime cutime cstime
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    total, todo = 0, [root] if root in ticks else []
+    while todo:
+        pid = todo.pop()
+        total += ticks[pid]
+        todo += children.get(pid, [])
+    return total / os.sysconf("SC_CLK_TCK")
 
 
 def launch_and_wait(cmd: list[str], log: Path, timeout: float,
@@ -211,7 +222,7 @@ def launch_and_wait(cmd: list[str], log: Path, timeout: float,
     deadline, cpu = run.time + timeout, None
     while run.running() and time.time() < deadline:
         if cpu is None and first_step() is not None:
-            cpu = session_cpu_s(run.proc.pid)
+            cpu = tree_cpu_s(run.proc.pid)
         with contextlib.suppress(subprocess.TimeoutExpired):
             run.proc.wait(timeout=POLL_S)
     timed_out = run.running()

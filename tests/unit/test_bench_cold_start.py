@@ -113,24 +113,26 @@ def test_a_failed_system_has_no_median_and_no_ratio() -> None:
     assert "NOT met (0.67 x)" in cold_start.verdict(slow)
 
 
-def _stat(proc: Path, pid: int, session: int, ticks: tuple[int, int, int, int],
+def _stat(proc: Path, pid: int, ppid: int, ticks: tuple[int, int, int, int],
           comm: str = "python") -> None:
-    """A /proc/PID/stat line as proc(5) lays it out: the session is field 6, the CPU ticks
+    """A /proc/PID/stat line as proc(5) lays it out: the parent is field 4, the CPU ticks
     (utime, stime, cutime, cstime) fields 14 to 17."""
     (proc / str(pid)).mkdir()
-    fields = ["S", "1", str(session), str(session), "0", "-1", "0", "0", "0", "0", "0",
+    fields = ["S", str(ppid), str(pid), str(pid), "0", "-1", "0", "0", "0", "0", "0",
               *map(str, ticks), "20", "0"]
     (proc / str(pid) / "stat").write_text(f"{pid} ({comm}) {' '.join(fields)}\n")
 
 
-def test_a_runs_cpu_is_its_sessions_processes_with_what_they_reaped(tmp_path: Path) -> None:
+def test_a_runs_cpu_is_its_process_trees_with_what_they_reaped(tmp_path: Path) -> None:
     hz = os.sysconf("SC_CLK_TCK")
-    _stat(tmp_path, 500, 500, (2 * hz, hz, 0, 0), comm="stalwart run (x)")  # ")" in its name
-    _stat(tmp_path, 510, 500, (3 * hz, 0, hz, hz))
-    _stat(tmp_path, 600, 600, (50 * hz, 0, 0, 0))  # another session: not the run's
+    _stat(tmp_path, 500, 1, (2 * hz, hz, 0, 0), comm="stalwart run (x)")  # ")" in its name
+    _stat(tmp_path, 510, 500, (3 * hz, 0, hz, hz))  # a child
+    _stat(tmp_path, 520, 510, (hz, 0, 0, 0))  # a grandchild (a rank of a raylet, say)
+    _stat(tmp_path, 600, 1, (50 * hz, 0, 0, 0))  # not the run's
     (tmp_path / "self").mkdir()  # not a process id
-    assert cold_start.session_cpu_s(500, tmp_path) == pytest.approx(8.0)
-    assert cold_start.session_cpu_s(700, tmp_path) == 0.0
+    assert cold_start.tree_cpu_s(500, tmp_path) == pytest.approx(9.0)
+    assert cold_start.tree_cpu_s(510, tmp_path) == pytest.approx(6.0)
+    assert cold_start.tree_cpu_s(700, tmp_path) == 0.0
 
 
 def test_the_first_step_is_timed_while_the_run_goes_on_and_its_cpu_read_then(
