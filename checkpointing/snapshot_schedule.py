@@ -8,29 +8,35 @@ rank over a *window* (from staging one snapshot to staging the next):
   itself; on a GPU the launch of its device-to-host copy, and a CRC32 where no peer exists);
 - `wait_s`: the training thread blocked in `wait_copy_done` and `wait_replicated` (the step
   could not go on before the copy or the exchange was done);
-- `busy_s`: CPU seconds of the exchange thread (`time.thread_time`: the CRC32, gloo's copies;
-  not its sleeps nor its waits on the network), charged at `cpu_share` of a second each. On a
-  CPU worker the share is 1: its torch threads use the cores the worker reserved, the exchange
-  thread runs on the same cores, and an intra-op parallel region ends with its slowest
-  thread, so each CPU second the exchange takes is about a second the step loses (an
-  overestimate when the node has idle cores, which only makes the interval longer than it
-  needs to be). On a GPU worker the share is 0: the step runs on the device, and the host
-  thread that drives it waits for the device most of the step; what the exchange thread does
-  take from it shows in `wait_s` or in the step time itself. The device time of the GPU's
-  copy is not host time: it runs on its own stream, overlapped with the next step's forward
-  and backward, and only a step too short to hide it waits (before its update);
+- `contended_s`: what the exchange took from the steps it ran beside, measured as the
+  difference it made: the steps during which the exchange started and ended (its CPU work,
+  the CRC32, the message's encoding, the peer's checks, is there; in between it waits on the
+  wire) against the median of the window's other steps, each step's own time less its waits;
+  the median of the last 16 windows' (one window's is as noisy as a step), once 5 are in.
+  Its thread's CPU time alone (`busy_s`, `time.thread_time`) undercounts it: on a CPU worker
+  the tiny reference model measured about 14 ms a snapshot from the steps against 7 ms of
+  staging and exchange CPU time, the rest gloo's own threads and the training thread waiting
+  for the interpreter's lock. Until windows with a step clear of the exchange measured it
+  (never at an interval of 1, nor of 2 with a slow link), `busy_s` counts, at `cpu_share` of a second
+  per second (1 on a CPU worker, whose torch threads use the cores the exchange runs on; 0 on
+  a GPU worker, whose step runs on the device while its host thread mostly waits);
 - `exchange_s`: the exchange's wall time, from its start to its end (on the wire, sleeps
   included): what decides how many steps must pass before the next snapshot can start
   without a wait.
 
-The overhead of a window of `steps` steps is `(stage_s + wait_s + cpu_share x busy_s) /
-(steps x step_s)`, where `step_s` is the step's own time (its report's, less the waits above).
+The device time of a GPU's copy is not host time: it runs on its own stream, overlapped with
+the next step's forward and backward, and only a step too short to hide it waits (before its
+update, where the step time shows it, not these figures).
+
+The overhead of a window of `steps` steps is `(stage_s + wait_s + contended_s) / (steps x
+step_s)` (`cpu_share x busy_s` for an unmeasured `contended_s`), where `step_s` is the median
+step's own time (its report's, less the waits above).
 
 In auto mode the tier waits for an exchange only before the all-reduce that ends the step of
 the next snapshot (not the step after it, as with a fixed interval): a slow link has the
 whole interval to carry a snapshot. The cost of interval `k` is then modelled as
 
-    stage_s + cpu_share x busy_s + max(0, exchange_s - (k - 1/2) x step_s)
+    stage_s + contended_s + max(0, exchange_s - (k - 1/2) x step_s)
 
 (the exchange starts as a snapshot's step ends and is waited for in the k-th step after it,
 late in that step: half of it is a cautious guess). A window whose wait was longer than that
@@ -91,8 +97,11 @@ WARMUP_WINDOWS = 1
 HISTORY = 3
 # Windows a world's reading is the median of (the last ones).
 READING_WINDOWS = 64
-# Seconds of exchange thread CPU time charged to the step per CPU second (see above).
+# Seconds of exchange thread CPU time charged to the step per CPU second, where the steps
+# could not measure what the exchange took from them (see above).
 CPU_SHARE = {"cpu": 1.0}
+# A window's contended_s when it has no step clear of the exchange to measure against.
+UNMEASURED = -1.0
 
 
 def cpu_share(device_type: str) -> float:
@@ -115,6 +124,8 @@ class Window:
     wait_s: float
     busy_s: float
     exchange_s: float
+    contended_s: float = UNMEASURED
+    """UNMEASURED when no step of the window was clear of the exchange."""
 
     def to_list(self) -> list[float]:
         return [float(getattr(self, f.name)) for f in fields(self)]
@@ -128,9 +139,13 @@ class Window:
         return cls(**{**kwargs, "steps": int(kwargs["steps"]),
                       "interval": int(kwargs["interval"])})
 
+    def contention(self, share: float) -> float:
+        """What the exchange took from the steps beside it: measured, else its CPU time."""
+        return self.contended_s if self.contended_s >= 0 else share * self.busy_s
+
     def overhead(self, share: float) -> float:
         """The fraction of the window's step time its snapshot cost."""
-        spent = self.stage_s + self.wait_s + share * self.busy_s
+        spent = self.stage_s + self.wait_s + self.contention(share)
         return spent / max(self.steps * self.step_s, 1e-12)
 
 
@@ -155,7 +170,7 @@ class Decision:
 @dataclass(frozen=True)
 class Figures:
     """What a decision models from: a step's time, and one snapshot's fixed cost (staging
-    and the CPU share) and exchange time."""
+    and what the exchange took from the steps) and exchange time."""
 
     step_s: float
     fixed_s: float
@@ -227,7 +242,7 @@ class IntervalPolicy:
         covered = (window.steps - 0.5) * window.step_s
         exchange_s = max(window.exchange_s, window.wait_s + covered if window.wait_s else 0.0)
         self._history.append(Figures(
-            step_s=window.step_s, fixed_s=window.stage_s + self.share * window.busy_s,
+            step_s=window.step_s, fixed_s=window.stage_s + window.contention(self.share),
             exchange_s=exchange_s))
 
     def decide(self, window: Window, step: int) -> Decision:

@@ -25,8 +25,8 @@ first waits for its exchange and meets every rank in a barrier on this group.
 An exchange may carry figures (the schedule's window): they are MAX all-reduced on this
 group, on the exchange's thread, before the headers, and kept as `agreed` for the training
 thread to read once the exchange is done. Every rank passes figures to the same exchanges,
-so the collective pairs up. Each exchange's thread CPU time (`busy_s`) and wall time
-(`exchange_s`) are kept for the schedule too.
+so the collective pairs up. Each exchange's thread CPU time (`busy_s`), wall time
+(`exchange_s`) and end (`finished_at`) are kept for the schedule too.
 """
 
 from __future__ import annotations
@@ -161,6 +161,8 @@ class Replicator:
         """CPU seconds of the last exchange's thread."""
         self.exchange_s = 0.0
         """Wall seconds of the last exchange."""
+        self.finished_at = 0.0
+        """When the last exchange ended (time.perf_counter)."""
 
     def replicate(self, shard: Shard, before_payload: Callable[[], None] | None = None, *,
                   figures: list[float] | None = None,
@@ -229,7 +231,8 @@ class Replicator:
             self._send_and_receive(shard, before_payload, sending)
         finally:
             self.busy_s = time.thread_time() - cpu
-            self.exchange_s = time.perf_counter() - started
+            self.finished_at = time.perf_counter()
+            self.exchange_s = self.finished_at - started
 
     def _agree(self, figures: list[float]) -> list[float]:
         """The most any rank measured, figure by figure (one small all-reduce)."""

@@ -40,7 +40,12 @@ from stalwart.checkpointing.memory.replication import Replicator, holders_for
 from stalwart.checkpointing.memory.store import Inventory, MemoryStore
 from stalwart.checkpointing.safe_load import SafeLoadPlanner
 from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager
-from stalwart.checkpointing.snapshot_schedule import ScheduleReport, SnapshotSchedule, Window
+from stalwart.checkpointing.snapshot_schedule import (
+    UNMEASURED,
+    ScheduleReport,
+    SnapshotSchedule,
+    Window,
+)
 from stalwart.core.errors import ConfigError
 
 
@@ -74,41 +79,67 @@ class SnapshotHooks(Protocol):
 
 
 class WindowClock:
-    """What the training thread spent on snapshots since the last one, for the schedule
-    (checkpointing/snapshot_schedule.py says what each figure is)."""
+    """What the training thread spent on snapshots since the last one, and each step's own
+    time and span, for the schedule (checkpointing/snapshot_schedule.py says what each figure
+    is)."""
 
-    # Step times a window keeps (its median is of the last ones): an interval may be long.
+    # Steps a window keeps (the last ones): an interval may be long.
     STEPS_KEPT = 1024
+    # Windows whose measures of the exchange's toll are taken together (the median): one
+    # window's is a step or two against the others, as noisy as a step. Fewer than
+    # TOLLS_NEEDED measure nothing yet (two hiccups in the first three would be the median).
+    TOLLS_KEPT, TOLLS_NEEDED = 16, 5
 
     def __init__(self, on: bool = False) -> None:
         self.on = on  # only an auto schedule needs the figures
         self.stage_s = 0.0  # the last snapshot's staging
         self.wait_s = 0.0
         self.steps = 0
-        self.step_s: deque[float] = deque(maxlen=self.STEPS_KEPT)  # each step's own time
+        # (own time, start, end) of each step since the last snapshot
+        self.spans: deque[tuple[float, float, float]] = deque(maxlen=self.STEPS_KEPT)
         self.in_step = 0.0  # waits inside the step not yet reported by `stepped`
+        self.tolls: deque[float] = deque(maxlen=self.TOLLS_KEPT)  # kept across windows
 
     def waited(self, seconds: float) -> None:
         if self.on:
             self.wait_s += seconds
             self.in_step += seconds
 
-    def stepped(self, step_s: float) -> None:
+    def stepped(self, step_s: float, end: float | None = None) -> None:
+        """A step ended (now, by default: time.perf_counter), `step_s` after it began."""
         if not self.on:
             return
-        self.step_s.append(max(0.0, step_s - self.in_step))
+        end = time.perf_counter() if end is None else end
+        self.spans.append((max(0.0, step_s - self.in_step), end - step_s, end))
         self.steps += 1
         self.in_step = 0.0
 
-    def window(self, interval: int, busy_s: float, exchange_s: float) -> Window:
+    def window(self, interval: int, busy_s: float, exchange_s: float,
+               finished_at: float) -> Window:
+        own = [s for s, _, _ in self.spans]
         return Window(steps=self.steps, interval=interval,
-                      step_s=statistics.median(self.step_s) if self.step_s else 0.0,
+                      step_s=statistics.median(own) if own else 0.0,
                       stage_s=self.stage_s, wait_s=self.wait_s, busy_s=busy_s,
-                      exchange_s=exchange_s)
+                      exchange_s=exchange_s, contended_s=self.contended(finished_at))
+
+    def contended(self, finished_at: float) -> float:
+        """What an exchange takes from the steps it starts and ends in (the first of the
+        window, and the one it ended in) against the median of the others: this window's
+        toll joins the last TOLLS_KEPT, and their median is the answer (UNMEASURED before
+        TOLLS_NEEDED windows had a step clear of their exchange)."""
+        spans = list(self.spans)
+        beside = {0} | {i for i, (_, start, end) in enumerate(spans) if start <= finished_at < end}
+        clear = [own for i, (own, _, _) in enumerate(spans) if i not in beside]
+        if spans and clear and len(spans) == self.steps:
+            typical = statistics.median(clear)
+            self.tolls.append(sum(spans[i][0] - typical for i in beside))
+        if len(self.tolls) < self.TOLLS_NEEDED:
+            return UNMEASURED
+        return max(0.0, statistics.median(self.tolls))
 
     def restart(self, stage_s: float) -> None:
         self.stage_s, self.wait_s, self.steps = stage_s, 0.0, 0
-        self.step_s.clear()
+        self.spans.clear()
 
 
 class MemoryTier:
@@ -192,7 +223,7 @@ class MemoryTier:
         mine = None
         if schedule.anchor is not None:  # the window run with the interval in force till now
             mine = self.clock.window(schedule.interval, replicator.busy_s,
-                                     replicator.exchange_s).to_list()
+                                     replicator.exchange_s, replicator.finished_at).to_list()
         if replicator.agreed is not None:
             schedule.agreed(Window.from_list(replicator.agreed), step)
             replicator.agreed = None

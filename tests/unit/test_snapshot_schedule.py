@@ -13,6 +13,7 @@ from stalwart.checkpointing.snapshot_schedule import (
     GROW_MARGIN,
     GROW_TARGET,
     HISTORY,
+    UNMEASURED,
     Figures,
     IntervalPolicy,
     SnapshotSchedule,
@@ -53,7 +54,7 @@ def test_a_window_travels_as_a_list_of_floats_and_back() -> None:
     values = w.to_list()
     assert all(isinstance(v, float) for v in values)
     assert Window.from_list(values) == w
-    with pytest.raises(ValueError, match="a window has 7 figures, not 6"):
+    with pytest.raises(ValueError, match="a window has 8 figures, not 7"):
         Window.from_list(values[:-1])
 
 
@@ -160,6 +161,18 @@ def test_the_busy_time_counts_on_cpu_workers_only() -> None:
     busy = window(busy_s=0.02, stage_s=0.0, exchange_s=0.0)
     assert feed(policy(share=1.0), busy) > 1
     assert feed(policy(share=0.0), busy) == 1
+
+
+def test_what_the_steps_measured_replaces_the_exchanges_cpu_time() -> None:
+    # 4 ms of exchange CPU time, but the steps beside it lost 14 ms: the steps are believed.
+    p = policy()
+    feed(p, Window(steps=8, interval=8, step_s=STEP_S, stage_s=0.001, wait_s=0.0,
+                   busy_s=0.004, exchange_s=0.02, contended_s=0.014))
+    assert p.typical.fixed_s == pytest.approx(0.015)
+    q = policy()
+    feed(q, Window(steps=1, interval=1, step_s=STEP_S, stage_s=0.001, wait_s=0.0,
+                   busy_s=0.004, exchange_s=0.02))  # unmeasured: the CPU time counts
+    assert q.typical.fixed_s == pytest.approx(0.005)
 
 
 def test_a_wait_the_exchange_does_not_explain_counts_as_a_longer_exchange() -> None:
@@ -393,16 +406,66 @@ def test_the_tiers_clock_takes_each_steps_own_time_and_the_windows_waits() -> No
     clock = WindowClock(on=True)
     clock.restart(stage_s=0.004)
     clock.waited(0.02)  # inside the first step: not its own time
-    clock.stepped(0.12)
-    for step_s in (0.1, 0.5, 0.11):  # a step held up by something else: the median ignores it
-        clock.stepped(step_s)
-    w = clock.window(interval=4, busy_s=0.003, exchange_s=0.3)
+    clock.stepped(0.12, end=10.12)
+    for end, step_s in ((10.22, 0.1), (10.72, 0.5), (10.83, 0.11)):
+        clock.stepped(step_s, end=end)  # one held up by something else: the median ignores it
+    w = clock.window(interval=4, busy_s=0.003, exchange_s=0.3, finished_at=10.05)
     assert (w.steps, w.interval, w.stage_s, w.wait_s, w.busy_s, w.exchange_s) == \
         (4, 4, 0.004, 0.02, 0.003, 0.3)
     assert w.step_s == pytest.approx(0.105)
     clock.restart(stage_s=0.001)
-    assert clock.window(interval=4, busy_s=0.0, exchange_s=0.0).steps == 0
+    assert clock.window(interval=4, busy_s=0.0, exchange_s=0.0, finished_at=0.0).steps == 0
     off = WindowClock()  # a fixed interval keeps no figures
     off.waited(1.0)
     off.stepped(1.0)
-    assert (off.steps, off.wait_s, len(off.step_s)) == (0, 0.0, 0)
+    assert (off.steps, off.wait_s, len(off.spans)) == (0, 0.0, 0)
+
+
+def test_the_clock_measures_what_the_exchange_took_from_the_steps_beside_it() -> None:
+    from stalwart.checkpointing.memory.tier import WindowClock
+
+    clock = WindowClock(on=True)
+    for t0 in range(WindowClock.TOLLS_NEEDED):
+        clock.restart(stage_s=0.002)
+        # Steps of 0.1 s; the exchange starts in the first (+0.012 s) and ends in the third
+        # (+0.008 s), sleeping on the wire in between.
+        for end, own in ((1.112, 0.112), (1.212, 0.1), (1.320, 0.108), (1.420, 0.1),
+                         (1.521, 0.101)):
+            clock.stepped(own, end=t0 + end)
+        w = clock.window(interval=5, busy_s=0.004, exchange_s=0.25, finished_at=t0 + 1.25)
+        if t0 < WindowClock.TOLLS_NEEDED - 1:  # too few windows to trust yet
+            assert w.contended_s == UNMEASURED
+    assert w.contended_s == pytest.approx(0.012 + 0.008)
+    assert w.contention(share=1.0) == pytest.approx(0.02)  # measured: not the CPU time
+
+
+def window_with_toll(clock, toll: float, t0: float):  # noqa: ANN001, ANN201
+    """A window of three 0.1 s steps whose exchange starts and ends in the first."""
+    clock.restart(stage_s=0.0)
+    for i, own in enumerate((0.1 + toll, 0.1, 0.1)):
+        clock.stepped(own, end=t0 + 0.1 * (i + 1))
+    return clock.window(interval=3, busy_s=0.004, exchange_s=0.01, finished_at=t0 + 0.05)
+
+
+def test_the_exchanges_toll_is_the_median_of_the_last_windows() -> None:
+    from stalwart.checkpointing.memory.tier import WindowClock
+
+    clock = WindowClock(on=True)
+    tolls = [window_with_toll(clock, toll, t0=10.0 * i).contended_s
+             for i, toll in enumerate((0.02, 0.5, 0.01, -0.004, 0.03, 0.4, 0.025))]
+    # From the fifth window on, the median of the tolls so far: a hiccup moves nothing, and
+    # a step faster than its neighbours counts too (a toll below zero), so noise evens out.
+    assert tolls == pytest.approx([UNMEASURED] * 4 + [0.02, 0.025, 0.025])
+    low = WindowClock(on=True)
+    assert [window_with_toll(low, -0.01, t0=10.0 * i).contended_s for i in range(5)][-1] == 0.0
+
+
+def test_with_no_step_clear_of_the_exchange_its_cpu_time_counts() -> None:
+    from stalwart.checkpointing.memory.tier import WindowClock
+
+    clock = WindowClock(on=True)
+    clock.restart(stage_s=0.002)
+    clock.stepped(0.1, end=2.1)
+    w = clock.window(interval=1, busy_s=0.004, exchange_s=0.05, finished_at=2.05)
+    assert w.contended_s == UNMEASURED and w.contention(share=1.0) == 0.004
+    assert w.contention(share=0.0) == 0.0  # a GPU worker's
