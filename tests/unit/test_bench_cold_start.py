@@ -86,7 +86,10 @@ def test_the_table_gives_medians_and_their_ratios_to_ray_train_and_torchrun() ->
     assert rows[0][:5] == ["system", "median s", "x Ray Train", "x torchrun", "CPU s"]
     assert rows[1][:5] == ["stalwart run", "11.0", "0.34", "1.83", "21.0"]
     assert rows[3][5] == "30.0 (1.0), 34.0 (2.5)"
-    assert "met (0.34 x)" in cold_start.verdict(summary)
+    assert "met (0.34 x)" in cold_start.verdict(summary)  # no CPU figure for Ray Train
+    results.append(_result("ray-train", 32.0, cpu=42.0))
+    assert "met (0.34 x; 0.50 x its CPU s)" in cold_start.verdict(
+        cold_start.summarize(results, ["stalwart", "torchrun", "ray-train"]))
 
 
 def test_the_milestones_are_each_systems_medians_of_what_its_logs_give() -> None:
