@@ -13,13 +13,14 @@ rank over a *window* (from staging one snapshot to staging the next):
   the CRC32, the message's encoding, the peer's checks, is there; in between it waits on the
   wire) against the median of the window's other steps, each step's own time less its waits;
   the median of the last 16 windows' (one window's is as noisy as a step), once 5 are in.
-  Its thread's CPU time alone (`busy_s`, `time.thread_time`) undercounts it: on a CPU worker
-  the tiny reference model measured about 14 ms a snapshot from the steps against 7 ms of
-  staging and exchange CPU time, the rest gloo's own threads and the training thread waiting
-  for the interpreter's lock. Until windows with a step clear of the exchange measured it
-  (never at an interval of 1, nor of 2 with a slow link), `busy_s` counts, at `cpu_share` of a second
-  per second (1 on a CPU worker, whose torch threads use the cores the exchange runs on; 0 on
-  a GPU worker, whose step runs on the device while its host thread mostly waits);
+  Its thread's CPU time alone (`busy_s`, `time.thread_time`) undercounts it: with the tiny
+  reference model on 2 shared CPU cores the steps beside an exchange lost 4 to 28 ms (staging
+  included) where staging and the exchange thread used about 7 ms of CPU, the rest gloo's
+  own threads and the training thread waiting for the interpreter's lock. Until windows with
+  a step clear of the exchange have measured it (none can at an interval of 1, nor at 2 on a
+  slow link), `busy_s` counts, at `cpu_share` of a second per second (1 on a CPU worker,
+  whose torch threads use the cores the exchange runs on; 0 on a GPU worker, whose step runs
+  on the device while its host thread mostly waits);
 - `exchange_s`: the exchange's wall time, from its start to its end (on the wire, sleeps
   included): what decides how many steps must pass before the next snapshot can start
   without a wait.
@@ -47,7 +48,7 @@ overhead predicted falls with k, so the smallest k under a target is a bisection
 Every rank must snapshot the same steps (replication pairs each send with a receive), so the
 interval is decided from figures every rank holds: each exchange carries its rank's last
 window to a MAX all-reduce on the replication group, on the exchange's own thread
-(checkpointing/memory/replication.py: one all-reduce of 7 floats per snapshot, off the
+(checkpointing/memory/replication.py: one all-reduce of 8 floats per snapshot, off the
 training thread), and the decision taken at a snapshot uses the window the exchange before
 agreed on. The figures are the same on every rank, and so are this module's decisions:
 nothing here reads a clock.
