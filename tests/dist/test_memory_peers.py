@@ -12,37 +12,17 @@ import torch
 import torch.distributed as dist
 
 from stalwart.checkpointing.errors import SnapshotRefused
-from stalwart.checkpointing.memory.tier import MemoryTier, StateAccess
+from stalwart.checkpointing.memory.tier import MemoryTier
 from stalwart.checkpointing.memory.wire import MAX_CLAIMS_BYTES, SnapshotMessage, encode_message
 from stalwart.workers.errors import RestoredStepMismatch
 from tests.dist.launcher import run_ranks
 from tests.dist.test_checkpoint_reshard import make_engine
 from tests.dist.test_data_parallel import cache_dir  # noqa: F401 (fixture)
+from tests.dist.toy_state import Toy
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
 FORGER = 2  # one rank per pretend node: rank r's replica is on rank r+1, so rank 0 holds 2's
-
-
-class Toy:
-    """A rank's state: its own tensor (named after the rank, so shards are distinct), a step."""
-
-    def __init__(self, rank: int) -> None:
-        self.tensors = {f"w{rank}": torch.full((4,), float(rank))}
-        self.step = 0
-
-    def state_dict(self) -> dict:
-        return {"model": dict(self.tensors), "train": {"step": self.step}}
-
-    def view(self) -> StateAccess:
-        return StateAccess(state_dict=self.state_dict,
-                           scalar_state=lambda: {"train": {"step": self.step}},
-                           signature=lambda: tuple(sorted(self.tensors)),
-                           load_state_dict=self.load, device=torch.device("cpu"))
-
-    def load(self, state: dict) -> None:
-        self.tensors = dict(state["model"])
-        self.step = state["train"]["step"]
 
 
 def _round(tier: MemoryTier, toy: Toy, step: int, refusals: list[str]) -> None:

@@ -12,8 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from stalwart.checkpointing.memory.tier import MemoryTier, StateAccess
+from stalwart.checkpointing.memory.tier import MemoryTier
 from stalwart.checkpointing.snapshot_schedule import AUTO, SnapshotSchedule
+from tests.dist.toy_state import Toy
 
 pytestmark = [pytest.mark.dist, pytest.mark.timeout(180)]
 
@@ -22,23 +23,6 @@ STEP_S = 0.02
 ELEMENTS = 64 * 1024  # 256 KiB of float32 per rank
 # Rank 1 sends at 12 Mbit/s: 256 KiB then take about 0.17 s, eight or nine steps.
 THROTTLED, MBPS = 1, 12.0
-
-
-class Toy:
-    """A rank's state: its own tensor (named after the rank: shards are distinct), a step."""
-
-    def __init__(self, rank: int) -> None:
-        self.tensors = {f"w{rank}": torch.full((ELEMENTS,), float(rank))}
-        self.step = 0
-
-    def state_dict(self) -> dict:
-        return {"model": dict(self.tensors), "train": {"step": self.step}}
-
-    def view(self) -> StateAccess:
-        return StateAccess(state_dict=self.state_dict,
-                           scalar_state=lambda: {"train": {"step": self.step}},
-                           signature=lambda: tuple(sorted(self.tensors)),
-                           load_state_dict=lambda state: None, device=torch.device("cpu"))
 
 
 class Link:
@@ -60,7 +44,7 @@ class Link:
 
 
 def train(rank: int, world: int) -> dict:
-    toy, tier, hooks = Toy(rank), MemoryTier(), Link(rank)
+    toy, tier, hooks = Toy(rank, ELEMENTS), MemoryTier(), Link(rank)
     schedule = SnapshotSchedule(AUTO, persist_every=STEPS, last_step=STEPS, budget=0.05,
                                 share=1.0)
     tier.join(toy.view(), rank=rank, generation=0, nodes=["n0", "n1"], replicas=1,
