@@ -10,10 +10,11 @@ An exit wakes the agent at once through a pidfd per process (Linux 5.3+), so bet
 it sleeps and costs no CPU; a stop is read from /proc every CHECK_S (at most a fifth of
 `stopped_for_s`). Without pidfds the agent reads /proc every FALLBACK_CHECK_S instead.
 
-A rank's poll is answered at once, so a training thread that fails after it would wait for
-the next interval. Instead it leaves a marker file (`mark_failed`), which the agent looks for at
-each check: it polls that rank again and answers at once. A failed collective is news: a
-peer, or its whole node, may be gone.
+A rank's poll is answered at once, so a collective that fails after it would wait for the
+next interval. Instead the rank leaves a marker file (`mark_failed`), which the agent looks for
+at each check: it polls that rank again and answers at once. A failed collective is news: a
+peer, or its whole node, may be gone. Other errors wait for the interval, with the other
+ranks' reports (the steps a stopping world trained before one rank raised).
 
 A rank whose last poll has not been answered is not asked again: its answer, when it comes,
 goes into a later report. A poll carries the generation, so a poll left over from a world

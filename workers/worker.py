@@ -460,7 +460,8 @@ class Worker:
             else:  # the task's code (or ours): where it failed, in the task's frames
                 error = str(self._step_failure(exc))
             self._error = error
-            mark_failed()  # this node's agent polls this rank again at once
+            if self._error_kind == "collective":  # a peer, or its node, may be gone: the
+                mark_failed()  # node's agent polls this rank again at once (the driver probes)
         finally:
             profiler.discard()  # a failure inside the window: no trace (see StepProfiler)
 
