@@ -489,6 +489,11 @@ class Controller:
     def _on_failure(self, failure: WorkerFailure) -> State:
         decided = self._decide(failure)
         if isinstance(decided, Failed):
+            if isinstance(self.state, Running):
+                # The run ends here. A rank's error can reach the driver before rank 0's last
+                # steps (another node's agent answers later): the world leaves, and rank 0
+                # hands over the steps and commits no poll brought.
+                self._ended(self.group.disband(after_step=self.last_step))
             return decided
         if isinstance(self.state, Running):
             # The recovery replaces a planned resize still waiting for the ranks to stop (a
