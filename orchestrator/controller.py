@@ -492,7 +492,11 @@ class Controller:
             if isinstance(self.state, Running):
                 # The run ends here. A rank's error can reach the driver before rank 0's last
                 # steps (another node's agent answers later): the world leaves, and rank 0
-                # hands over the steps and commits no poll brought.
+                # hands over the steps and commits no poll brought. Ranks dead or stuck
+                # cannot leave: they are killed first, as in a recovery.
+                if failure.kind not in (FailureKind.USER_ERROR, FailureKind.NUMERICS,
+                                        FailureKind.COLLECTIVE_ERROR):
+                    self.group.remove(failure.failed_ranks)
                 self._ended(self.group.disband(after_step=self.last_step))
             return decided
         if isinstance(self.state, Running):

@@ -299,8 +299,10 @@ def test_no_budget_fails_at_the_first_failure(tmp_path: Path,
     w = FakeWorld(tmp_path, monkeypatch, [Plan(polls=[Poll([status(0)], dead=[1])])])
     final = w.run()
     assert isinstance(final, Failed) and "failure.max_failures=0" in final.reason
-    # nothing killed; the world leaves once, so rank 0 hands over the steps no poll brought
-    assert [(c.name, c.state) for c in w.named("remove", "disband")] == [("disband", "RUNNING")]
+    # the dead rank is killed, the world leaves once: rank 0 hands over the steps no poll
+    # brought
+    assert [(c.name, c.state) for c in w.named("remove", "disband")] == [
+        ("remove", "RUNNING"), ("disband", "RUNNING")]
     assert len(w.named("pick")) == len(w.named("form")) == 1
     assert w.shutdowns() == [False]
 
