@@ -15,7 +15,9 @@ from tests.ray.helpers import events_of, only
 
 pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures("local_ray")]
 
-STEPS, PERSIST, KILL_AT, BUDGET = 60, 30, 45, 0.05
+# Enough steps before the kill for the reading to be the median of several windows: one
+# window held up by the machine (a 2-core CI runner running other tests) is then outvoted.
+STEPS, PERSIST, KILL_AT, BUDGET = 100, 50, 80, 0.05
 AUTO = [*TINY, f"train.steps={STEPS}", f"checkpoint.persist_every={PERSIST}",
         "checkpoint.keep_last=0", "run.log_every=1", "data.val_every=0",
         "parallel.dp_replicate=1", "parallel.dp_shard=-1", "failure.max_failures=1",
@@ -50,7 +52,7 @@ def test_a_slow_link_grows_the_interval_and_the_overhead_stays_under_budget(run)
     # The world's reading as it ended: the overhead each window measured once the schedule
     # took over (staging, waits, the exchange's CPU time), its median under the budget.
     ended = first[-1]
-    assert ended["change"] == "ended" and ended["windows"] >= 1, first
+    assert ended["change"] == "ended" and ended["windows"] >= 5, first
     assert ended["overhead"] <= BUDGET, ended
     assert ended["expected"] <= BUDGET
     tier = [e for e in run if e["kind"] == "memory_tier"]
