@@ -212,7 +212,7 @@ class Controller:
         # world has trained a step (_on_running), so that their start does not slow its
         # restore and first step on a node they share; below the floor it asks at once.
         # (Never more than the ceiling: top_up counts the actors still starting.)
-        if state.generation == 0 or self.group.pool_view().best_world < self.config.scaling.floor:
+        if state.generation == 0 or self.group.best_world() < self.config.scaling.floor:
             self.group.top_up(spares=state.generation == 0)
         if (failed := self._refresh()) is not None:
             return failed

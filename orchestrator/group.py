@@ -94,6 +94,11 @@ class WorkerGroup(ABC):
         """What the pool holds now: warm actors, placed ones coming, the best world."""
 
     @abstractmethod
+    def best_world(self) -> int:
+        """The largest valid world the warm actors can form (0: none). Cheaper than
+        pool_view, which asks Ray's GCS about every starting actor."""
+
+    @abstractmethod
     def draining_nodes(self) -> frozenset[str]:
         """Ids of the nodes Ray is draining (preemption, autoscaler scale-down)."""
 

@@ -287,8 +287,13 @@ class FakeGroup(WorkerGroup):
     def pool_view(self) -> PoolView:
         with _own(self):
             available = len(self.members) + len(self.idle)
-            best = self.config.largest_world(min(self.config.scaling.ceiling, available))
-        return PoolView(available=available, placed_starting=len(self.starting), best_world=best)
+        return PoolView(available=available, placed_starting=len(self.starting),
+                        best_world=self.best_world())
+
+    def best_world(self) -> int:
+        with _own(self):
+            available = len(self.members) + len(self.idle)
+        return self.config.largest_world(min(self.config.scaling.ceiling, available))
 
     def draining_nodes(self) -> frozenset[str]:
         return frozenset(self.world.draining if self.world else ())

@@ -38,7 +38,7 @@ def test_every_group_subclasses_the_base_with_its_signatures(group: str) -> None
 
 def test_the_base_declares_what_the_controller_asks() -> None:
     assert METHODS == sorted([
-        "top_up", "refresh", "take_unhealthy", "pool_view", "draining_nodes",
+        "top_up", "refresh", "take_unhealthy", "pool_view", "best_world", "draining_nodes",
         "pick", "form", "places", "restore", "memory_inventory", "restore_memory", "launch",
         "settle",
         "poll", "ack_faults", "request_stop", "remove", "exclude_nodes", "disband",
