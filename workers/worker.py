@@ -64,6 +64,7 @@ from stalwart.workers.driver_watch import DriverWatch, end_this_actor
 from stalwart.workers.engine import TrainEngine
 from stalwart.workers.errors import classify_exception
 from stalwart.workers.faults import FaultInjector
+from stalwart.workers.heap import freeze_imports
 from stalwart.workers.model_warm_up import warm_model
 from stalwart.workers.node_agent import mark_failed
 from stalwart.workers.numerics import NumericsEscalation, NumericsRollback
@@ -231,6 +232,7 @@ class Worker:
                                 self._supplied_task)
             with task_phase(PREPARE):
                 task.prepare_data(self.config)
+            freeze_imports()  # before the warm model, which is garbage once it has run
             self._tied = warm_model(task, self.config)
             if self.config.run.profile_window is not None:
                 init_profiler_here()  # on the actor's thread, not the training thread
@@ -613,8 +615,7 @@ class Worker:
                 pass
             self.checkpointer = None
         self.tier.leave()  # its store stays: the next world may restore from it
-        # No gc.collect(): refcounts free the engine, and a full collection costs 0.2 s
-        # while every peer waits for the next world.
+        # No gc.collect(): refcounts free the engine (every peer waits for the next world).
         if self.engine is not None:
             self.engine.close()
         self.engine = None
