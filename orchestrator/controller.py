@@ -206,14 +206,15 @@ class Controller:
 
     def _on_scheduling(self, state: Scheduling) -> State:
         """Wait for warm workers: all that Ray has placed, then form the largest valid world."""
-        # The first world's spares warm up beside its members: on a shared node that costs
-        # less than beside synchronous training. A recovery whose warm workers make a world
-        # trains on with them (ScalingPolicy.schedule) and asks for new actors once that
-        # world has trained a step (_on_running), so that their start does not slow its
-        # restore and first step on a node they share; below the floor it asks at once.
-        # (Never more than the ceiling: top_up counts the actors still starting.)
+        # Only the actors a world needs are asked for here; spares (and a recovery's
+        # replacements) once a world has trained a step (_on_running). A spare's start (a Ray
+        # worker, torch's import, the model: seconds of CPU) would otherwise slow the first
+        # world's start, or a recovery's restore and first step, on a node it shares. A
+        # recovery whose warm workers make a world trains on with them
+        # (ScalingPolicy.schedule); below the floor it asks at once. (Never more than the
+        # ceiling: top_up counts the actors still starting.)
         if state.generation == 0 or self.group.best_world() < self.config.scaling.floor:
-            self.group.top_up(spares=state.generation == 0)
+            self.group.top_up(spares=False)
         if (failed := self._refresh()) is not None:
             return failed
         pool = self.group.pool_view()
@@ -368,12 +369,9 @@ class Controller:
         if not self._trained and self.last_step > state.start_step:
             self._trained = True
             if state.generation > 0:
-                # Its first step replicated the restored step: older worlds' snapshots can
-                # go. And the spares the recovery used are replaced now: a new actor's start
-                # (a Ray worker, torch's import, the model: seconds of CPU) would otherwise
-                # slow the join, restore and first steps on the node it shares.
+                # Its first step replicated the restored step: older worlds' snapshots can go.
                 self.group.settle()
-                self.group.top_up()
+            self.group.top_up()  # the spares, and the actors a recovery used: see _on_scheduling
         if not self.stop.requested and self.resize.due(now):
             return self._consider_resize(now) or state
         return state

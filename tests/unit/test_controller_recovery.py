@@ -246,12 +246,15 @@ def test_a_warm_spare_replaces_a_dead_worker(tmp_path: Path,
     ], ["failure.max_failures=1", "scaling.spare_workers=1"])
     assert w.run() == Finished(step=6)
     assert w.members(0) == [1000, 1001]
-    assert w.members(1) == [1000, 1002]  # the spare, warm since the start
+    assert w.members(1) == [1000, 1002]  # the spare
     assert w.group.starting == [Actor(1003)]  # and a new spare behind it
-    # The recovery asked for no actor (its warm spare made the world); the new spare came
-    # once the new world trained.
+    # The first world asked for its own actors only, and for the spare once it trained. The
+    # recovery found the spare still warming up (below the floor without it) and asked for no
+    # more than its world (top_up counts the actors starting); the new spare came once the
+    # new world trained.
     top_ups = [(c.state, c.args) for c in w.named("top_up")]
-    assert top_ups == [("SCHEDULING", ()), ("RUNNING", ())]
+    assert top_ups == [("SCHEDULING", (False,)), ("RUNNING", ()), ("SCHEDULING", (False,)),
+                       ("RUNNING", ())]
     # Older worlds' snapshots were dropped once, after that first step (not before it).
     assert [(c.name, c.state) for c in w.named("launch", "settle", "poll")][-4:] == [
         ("launch", "RESTORING"), ("poll", "RUNNING"), ("settle", "RUNNING"), ("poll", "RUNNING")]
@@ -265,10 +268,13 @@ def test_no_spare_is_asked_for_while_the_new_world_has_not_trained(
         Plan(polls=[statuses([1, 2], t0=T1), statuses(range(3, 7), done=True, t0=T1)]),
     ], ["failure.max_failures=2", "scaling.spare_workers=1"])
     assert w.run() == Finished(step=6)
-    # Generation 1 found an idle spare and trained no step: nothing new was asked for it.
-    # Generation 2 needed one actor for its world (the spare was used), then a spare.
+    # Generation 0 asked for the spare once it trained. Generation 1 formed with it and
+    # trained no step: no spare was asked for it. Generation 2 needed one actor for its world
+    # (the spare was used), then a spare once it trained.
     top_ups = [(c.state, c.args) for c in w.named("top_up")]
-    assert top_ups == [("SCHEDULING", ()), ("SCHEDULING", (False,)), ("RUNNING", ())]
+    assert top_ups == [("SCHEDULING", (False,)), ("RUNNING", ()), ("SCHEDULING", (False,)),
+                       ("SCHEDULING", (False,)), ("RUNNING", ())]
+    assert w.members(1) == [1000, 1002]
     assert w.members(2) == [1000, 1003] and w.group.starting == [Actor(1004)]
 
 

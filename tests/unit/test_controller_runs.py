@@ -58,8 +58,9 @@ def test_normal_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # each method ran in the state that owns it; no restore without a checkpoint
     assert [(c.name, c.state) for c in w.calls] == [
         ("top_up", "SCHEDULING"), ("refresh", "SCHEDULING"), ("pick", "RENDEZVOUS"),
-        ("form", "RENDEZVOUS"), ("launch", "RESTORING"), ("poll", "RUNNING"), ("poll", "RUNNING"), ("poll", "RUNNING"),
-        ("poll", "RUNNING"), ("shutdown", "FINISHED")]
+        ("form", "RENDEZVOUS"), ("launch", "RESTORING"), ("poll", "RUNNING"),
+        ("top_up", "RUNNING"),  # the spares, once the world has trained a step
+        ("poll", "RUNNING"), ("poll", "RUNNING"), ("poll", "RUNNING"), ("shutdown", "FINISHED")]
     assert w.named("pick")[0].args == (2, 0)
     assert w.shutdowns() == [True]
     assert w.group.unused_polls() == {}
@@ -132,7 +133,7 @@ def test_resume_from_a_checkpoint_restores_before_launch(
                   resume_from=resume)
     assert w.run() == Finished(step=6)
     assert [(c.name, c.state, c.args) for c in w.calls[:7]] == [
-        ("top_up", "SCHEDULING", ()), ("refresh", "SCHEDULING", (0.0,)),
+        ("top_up", "SCHEDULING", (False,)), ("refresh", "SCHEDULING", (0.0,)),
         ("pick", "RENDEZVOUS", (2, 0)), ("form", "RENDEZVOUS", ()),
         ("restore", "RESTORING", ("/somewhere/step_000000004",)),
         ("launch", "RESTORING", (True,)), ("poll", "RUNNING", ())]
@@ -172,7 +173,8 @@ def test_stopped_early_by_the_first_ctrl_c(tmp_path: Path,
     assert final == Stopped(step=3)
     assert w.transitions == w.path("SCHEDULING", "RENDEZVOUS", "RESTORING", "RUNNING", "STOPPED")
     # the stop is asked once, between the two polls
-    assert [c.name for c in w.calls if c.state == "RUNNING"] == ["poll", "request_stop", "poll"]
+    assert [c.name for c in w.calls if c.state == "RUNNING"] == [
+        "poll", "top_up", "request_stop", "poll"]
     assert any("stopping after the step in flight" in m for m in w.display.logs)
     assert w.kinds() == ["started", "checkpoint_committed", "stopped"]
     assert w.event("stopped")["step"] == 3
