@@ -107,7 +107,7 @@ class ScalingConfig:
     max_workers: int = 0
     """Most workers to grow to when the cluster has room; 0 means `num_workers` (no growing)."""
     spare_workers: int = 0
-    """Warm spares: idle actors started ahead with the task imported and its data prepared; a lost worker is replaced by one in about a second instead of a cold start. A spare used by a recovery is replaced once the new world has trained a step."""
+    """Warm spares: idle actors started ahead with the task imported and its data prepared; a lost worker is replaced by one in about a second instead of a cold start. Spares are asked for once a world has trained a step (the first world's too): their start does not slow the world's."""
     cpus_per_worker: float = 1.0
     """Ray CPUs reserved for each worker actor (also its torch thread count): from 0.0001 (Ray's smallest unit) to 1024."""
     gpus_per_worker: float = 0.0
