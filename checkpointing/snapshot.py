@@ -235,7 +235,15 @@ class SnapshotStager:
         if self.layout is not None and sig == self._sig:
             return
         state = self._state_dict()
-        layout, sources = build_layout(state)
+        self.adopt(state, *build_layout(state), signature=sig)
+
+    def adopt(self, state: dict[str, Any], layout: ShardLayout,
+              sources: list[tuple[TensorSlot, torch.Tensor]], *, signature: Any) -> None:
+        """Take `layout` and `sources` (build_layout(state)) as the state's description.
+        A restore that built them hands them over: the world's first snapshot (the restored
+        step, staged in its first step) then asks for neither again. `signature` is the
+        state's when `state` was taken: if the optimizer's tensors changed since (a load that
+        replaced them), the next snapshot describes the state again."""
         flat, _ = flatten_state_dict(state)
         scalars, _ = flatten_state_dict(self._scalar_state())
         # Values the scalar state does not carry (the parameter names of each optimizer
@@ -248,7 +256,7 @@ class SnapshotStager:
             pin = self.device.type == "cuda"
             self._buffers = [torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
                              for _ in range(self._count)]
-        self.layout, self._sources, self._sig = layout, sources, sig
+        self.layout, self._sources, self._sig = layout, sources, signature
 
     def stage(self, step: int, mid_copy: Callable[[], None] | None = None,
               before_overwrite: Callable[[torch.Tensor], None] | None = None) -> Shard:

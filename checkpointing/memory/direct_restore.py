@@ -13,20 +13,25 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint._traverse import set_element
 from torch.distributed.checkpoint.planner import WriteItemType
 
-from stalwart.checkpointing.snapshot import Shard, ShardLayout, build_layout
+from stalwart.checkpointing.snapshot import Shard, ShardLayout, TensorSlot, build_layout
+
+if TYPE_CHECKING:
+    import torch
 
 
 def restore_directly(state: dict[str, Any], layouts: dict[int, ShardLayout],
-                     shard_for: Callable[[list[int]], Shard]) -> bool:
+                     shard_for: Callable[[list[int]], Shard],
+                     built: tuple[ShardLayout, list[tuple[TensorSlot, torch.Tensor]]] | None = None
+                     ) -> bool:
     """Load into `state` (in place) a source shard laid out exactly as `state` is; False,
     with `state` untouched, when no source is. `shard_for(sources)` gives one of them, checked,
-    preferring one held here."""
-    mine, targets = build_layout(state)
+    preferring one held here. `built`: build_layout(state), when the caller has it."""
+    mine, targets = built or build_layout(state)
     same = [src for src, layout in sorted(layouts.items()) if layout.key == mine.key]
     if not same:
         return False

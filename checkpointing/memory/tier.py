@@ -39,7 +39,7 @@ from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
 from stalwart.checkpointing.memory.replication import Replicator, holders_for
 from stalwart.checkpointing.memory.store import Inventory, MemoryStore
 from stalwart.checkpointing.safe_load import SafeLoadPlanner
-from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager
+from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager, build_layout
 from stalwart.checkpointing.snapshot_schedule import (
     UNMEASURED,
     ScheduleReport,
@@ -365,9 +365,13 @@ class MemoryTier:
                          values=values, crc=crc)
 
         state = engine.state_dict()
+        signature = engine.signature()
+        built = build_layout(state)
         reader = MemoryReader(build_metadata(layouts), local=local, fetch=remote)
-        if restore_directly(state, layouts, reader.shard_for):
+        if restore_directly(state, layouts, reader.shard_for, built):
             engine.load_state_dict(state)
+            if self.stager is not None:  # the world's next snapshot stages the same state
+                self.stager.adopt(state, *built, signature=signature)
             return reader.fetched
         with warnings.catch_warnings():  # "assuming the intent is to load in a single
             warnings.simplefilter("ignore", UserWarning)  # process": yes, no collectives
