@@ -8,6 +8,7 @@ No process group: the replication exchange itself is covered by tests/dist/test_
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -488,6 +489,36 @@ def test_the_tier_restores_its_own_layout_directly_and_a_fetch_is_recorded(gpt) 
                                               dict(run.shard.values), run.shard.crc))
     assert fetched == [0]  # not held here: fetched from its holder, CRC checked
     _assert_equal_tensors(_tensors(fresh), run.tensors)
+
+
+def test_a_restore_hands_its_layout_to_the_worlds_next_snapshot(gpt) -> None:
+    # The restored step is staged in the world's first step: from the layout the restore
+    # built, without the state dict asked for again, and from the live tensors it loaded.
+    run = _staged_run(gpt)
+    fresh = _engine(gpt)
+    asked: list[int] = []
+
+    def state_dict() -> dict[str, Any]:
+        asked.append(fresh.step)
+        return fresh.state_dict()
+
+    view = dataclasses.replace(fresh.tier_view(), state_dict=state_dict)
+    tier = MemoryTier()
+    tier.join(view, rank=0, generation=1, nodes=["a"], replicas=0, limit_gb=1.0)
+    try:
+        tier.restore(view, generation=0, step=STAGED_AT, layouts={0: run.shard.layout},
+                     fetch=lambda src: (run.shard.buffer.numpy().copy(),
+                                        dict(run.shard.values), run.shard.crc))
+        restored = tier.snapshot(fresh.step, restored=True)
+        assert asked == [0]  # the restore's own, before it loaded
+        _assert_equal_tensors({i.fqn: restored.tensor(i) for i in restored.layout.slots},
+                              run.tensors)
+        fresh.train_step()
+        nxt = tier.snapshot(fresh.step)
+        _assert_equal_tensors({i.fqn: nxt.tensor(i) for i in nxt.layout.slots},
+                              run.next_tensors)
+    finally:
+        tier.leave()
 
 
 def _no_fetch_list(sources: list[int]) -> Shard:
