@@ -45,7 +45,8 @@ def _side(label: str, rs: list[dict[str, Any]]) -> dict[str, Any]:
                                                 for k in ("detected", "completed")},
             **{k: median([r.get(k) for r in rs])
                for k in ("detection_s", "restart_s", "recovery_s", "restore_s", "lost_steps",
-                         "restored_from_step", "lost_steps_bound", "normal_step_s")},
+                         "restored_from_step", "lost_steps_bound", "normal_step_s",
+                         "first_step_ratio")},
             "sources": sorted({str(r.get("source")) for r in rs}),
             "max_detection_s": max((r["detection_s"] for r in rs
                                     if r.get("detection_s") is not None), default=None)}
@@ -137,6 +138,12 @@ def outside_verdicts(side: dict[str, Any]) -> list[dict[str, Any]]:
                    lambda v: bound is not None and v <= bound,
                    f"{fmt(st, '.2f')} s against {fmt(bound, '.2f')} s (normal step "
                    f"{fmt(normal, '.3f')} s)")]
+    first = side[OUTSIDE_STALWART]["first_step_ratio"]
+    out.append(_target(f"{OUTSIDE_KILL}: stalwart's first step after the kill <= "
+                       f"{rows.TARGET_FIRST_STEP_RATIO:g}x a normal step (medians)", first,
+                       lambda v: v <= rows.TARGET_FIRST_STEP_RATIO,
+                       f"{fmt(first, '.2f')}x (the recovered event's first_step phase over "
+                       f"the normal step)"))
     for peer, target in rows.TARGET_OUTSIDE_RATIOS.items():
         theirs, label = side[peer]["recovery_s"], side[peer]["label"]
         out.append(_target(f"{OUTSIDE_KILL}: {label} / stalwart kill -> next completed step "
@@ -248,18 +255,21 @@ def print_outside(side: dict[str, Any]) -> None:
     """Kill from outside -> next completed step, side by side, each over stalwart's."""
     st = side[OUTSIDE_STALWART]["recovery_s"]
     head = (f"{'system':<30} | {'kill -> next step s':>19} | {'normal step s':>13} | "
-            f"{'lost':>4} | {'from':>4} | {'x stalwart':>10} | {'ok':>5}")
+            f"{'first step x':>12} | {'lost':>4} | {'from':>4} | {'x stalwart':>10} | {'ok':>5}")
     print(f"\n{OUTSIDE_KILL}: SIGKILL of rank 1's process by the harness after step "
           f"{rows.FAULT_STEP} was logged (medians)\n" + head + "\n" + "-" * len(head))
     for m in side.values():
         print(f"{m['label']:<30} | {fmt(m['recovery_s'], '19.2f')} | "
-              f"{fmt(m['normal_step_s'], '13.3f')} | {fmt(m['lost_steps'], '4.0f')} | "
+              f"{fmt(m['normal_step_s'], '13.3f')} | {fmt(m.get('first_step_ratio'), '12.2f')} | "
+              f"{fmt(m['lost_steps'], '4.0f')} | "
               f"{fmt(m['restored_from_step'], '4.0f')} | "
               f"{fmt(ratio(m['recovery_s'], st), '10.1f')} | {m['completed']}/{m['runs']:<3}")
     print("-" * len(head))
     print("kill -> next step: from the harness's SIGKILL to the end of the first step completed by "
           "the restarted world (each system's own step log);\nnormal step: median step time of the "
-          "same run before the kill; lost: the killed world's last step - the step resumed from")
+          "same run before the kill; first step x: stalwart's first step after the recovery "
+          "(its recovered event) over the normal step;\nlost: the killed world's last step - "
+          "the step resumed from")
 
 
 # runner -> (its bars' colour, its legend label)

@@ -29,7 +29,10 @@ HANG_WAIT_S = 60.0
 TARGET_KILL_RATIO = 10.0
 TARGET_HANG_DETECTION_S = 10.0
 TARGET_FREEZE_DETECTION_S = 1.0
-TARGET_NEXT_STEP_SLACK_S = 0.5
+TARGET_NEXT_STEP_SLACK_S = 0.25
+# The first step after an outside kill (its restored step staged, a new world's first
+# iteration) against a normal step of the same run.
+TARGET_FIRST_STEP_RATIO = 1.2
 TARGET_OUTSIDE_RATIOS = {"ray-train": 20.0, "torchrun": 10.0}
 # A lost node: fault -> the next completed step within this much more than a normal step.
 TARGET_NODE_SLACK_S = {"stalwart-elastic": 2.0, "stalwart-elastic+spare": 1.0}
@@ -311,8 +314,10 @@ def analyse_stalwart_outside(run_dir: Path, kill_time: float | None) -> dict[str
     if start is not None:
         out["restart_s"] = start.time - kill_time
     if recovered is not None:
+        first, normal = recovered.phases.get("first_step"), out.get("normal_step_s")
         out.update(source=recovered.source, phases=recovered.phases,
                    restore_s=recovered.phases.get("restore"),
+                   first_step_ratio=first / normal if first is not None and normal else None,
                    stalwart_recovery_s=recovered.recovery_s, stalwart_from_step=recovered.from_step,
                    stalwart_lost_steps=recovered.lost_steps)
     out["missing_events"] = [k for k, e in (("failure", failure), ("recovered", recovered))

@@ -153,7 +153,8 @@ def test_stalwart_is_measured_from_metrics_and_its_own_events(tmp_path: Path) ->
                           workers=(place(0, 10), place(1, 12))),
         ev.Recovered(time=KILL + 1.4, from_step=27, source="memory", peer_fetches=1,
                      world_size=2, lost_steps=0, recovery_s=1.4,
-                     phases={"detect": 0.3, "restore": 0.4}, generation=1),
+                     phases={"detect": 0.3, "restore": 0.4, "first_step": 0.36},
+                     generation=1),
         ev.Finished(time=KILL + 6, step=40),
     ]
     (tmp_path / "events.jsonl").write_text("".join(ev.dumps(e) + "\n" for e in events))
@@ -172,24 +173,27 @@ def test_stalwart_is_measured_from_metrics_and_its_own_events(tmp_path: Path) ->
     assert m["detection_s"] == pytest.approx(0.3)
     assert m["restart_s"] == pytest.approx(0.8)
     assert m["source"] == "memory" and m["restore_s"] == 0.4
+    assert m["first_step_ratio"] == pytest.approx(0.36 / 0.3)
     assert m["finished"] and m["missing_events"] == []
     assert recovery_rows.analyse_stalwart_outside(tmp_path, None)["missing_events"] == [
         "no kill"]
 
 
-def _med(recovery_s: float | None, normal: float | None, label: str) -> dict:
-    return {"recovery_s": recovery_s, "normal_step_s": normal, "label": label}
+def _med(recovery_s: float | None, normal: float | None, label: str,
+         first: float | None = None) -> dict:
+    return {"recovery_s": recovery_s, "normal_step_s": normal, "label": label,
+            "first_step_ratio": first}
 
 
 def test_the_outside_targets_compare_medians_with_one_step_and_the_peers() -> None:
-    rows = {"stalwart+spare": _med(0.8, 0.35, "stalwart"), "ray-train": _med(16.0, 0.4, "RT"),
-            "torchrun": _med(7.9, 0.3, "TR")}
+    rows = {"stalwart+spare": _med(0.55, 0.35, "stalwart", 1.15),
+            "ray-train": _med(11.0, 0.4, "RT"), "torchrun": _med(5.4, 0.3, "TR")}
     met = [v["met"] for v in recovery_report.outside_verdicts(rows)]
-    assert met == [True, True, False]  # 0.8 <= 0.85; 16/0.8 = 20; 7.9/0.8 < 10
-    rows["stalwart+spare"] = _med(1.41, 0.38, "stalwart")
+    assert met == [True, True, True, False]  # 0.55 <= 0.6; 1.15 <= 1.2; 11/0.55 = 20; < 10
+    rows["stalwart+spare"] = _med(1.41, 0.38, "stalwart", 1.3)
     checks = recovery_report.outside_verdicts(rows)
-    assert [v["met"] for v in checks] == [False, False, False]
-    assert checks[1]["value"] == pytest.approx(16.0 / 1.41)
+    assert [v["met"] for v in checks] == [False, False, False, False]
+    assert checks[2]["value"] == pytest.approx(11.0 / 1.41)
     rows["torchrun"] = _med(None, None, "TR")  # a row that measured nothing is not met
-    torchrun = recovery_report.outside_verdicts(rows)[2]
+    torchrun = recovery_report.outside_verdicts(rows)[3]
     assert torchrun["value"] is None and not torchrun["met"]
