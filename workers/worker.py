@@ -13,6 +13,7 @@ workers/actor.py, which builds a Worker in its process.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import os
 import signal
@@ -134,6 +135,8 @@ class Worker:
         self._tied: list[list[str]] = []  # tied parameter names (warm_model), for exporters
         self.engine: TrainEngine | None = None
         self.checkpointer: StorageCheckpointer | None = None
+        self._retiring: threading.Thread | None = None
+        """Lets go of the last world's engine and checkpointer (leave)."""
         # The memory tier outlives the worlds this worker joins: after a failure it still
         # holds this worker's snapshots and its peers' replicas for the next world.
         self.tier = MemoryTier()
@@ -293,6 +296,7 @@ class Worker:
         init_process_group(rdzv, rank=rank, world_size=world_size, device=device,
                            timeout_s=self.config.failure.collective_timeout_s, host=host)
         forget_dtensor_caches()  # the last world's meshes must not come back (see there)
+        self._retired()
         self.engine = TrainEngine(self.config, self.task, rank=rank, world_size=world_size,
                                   device=device)
         self.checkpointer = StorageCheckpointer(
@@ -609,16 +613,11 @@ class Worker:
                 commits.extend(self.checkpointer.wait())
             except Exception:
                 pass  # a save that failed with its world; the last commit stays valid
-            try:
-                self.checkpointer.close()
-            except Exception:
-                pass
-            self.checkpointer = None
         self.tier.leave()  # its store stays: the next world may restore from it
-        # No gc.collect(): refcounts free the engine (every peer waits for the next world).
         if self.engine is not None:
             self.engine.close()
-        self.engine = None
+        self._retire(self.engine, self.checkpointer)
+        self.engine, self.checkpointer = None, None
         destroy_process_group()
         self._close_rendezvous()  # hosted for a world that never formed
         late = self._steps_after(after_step)
@@ -650,8 +649,34 @@ class Worker:
         by_step = {r.step: r for r in (*self._sent, *self._steps) if r.step > after_step}
         return tuple(by_step[s] for s in sorted(by_step))
 
+    def _retire(self, engine: TrainEngine | None,
+                checkpointer: StorageCheckpointer | None) -> None:
+        """Let go of a world's engine and checkpointer on a thread: freeing the model,
+        optimizer and DDP's reducer and closing the save thread took about 30 ms on the
+        reference GPT, with every peer waiting for the survivors to leave. The next world
+        forms meanwhile; its setup waits for this before building its own engine (two
+        models at once could exhaust a GPU). No gc.collect(): refcounts free them."""
+        self._retired()
+        held = [engine, checkpointer]
+
+        def let_go() -> None:
+            if held[1] is not None:
+                with contextlib.suppress(Exception):
+                    held[1].close()
+            held.clear()
+
+        self._retiring = threading.Thread(target=let_go, name="stalwart-retire", daemon=True)
+        self._retiring.start()
+
+    def _retired(self) -> None:
+        """Wait until the last world's engine is let go (_retire)."""
+        if self._retiring is not None:
+            self._retiring.join()
+            self._retiring = None
+
     def shutdown(self) -> None:
         """Leave the world cleanly (the controller kills the actor if this does not return)."""
+        self._retired()
         if self._thread is not None:
             self._thread.join()
         if self.checkpointer is not None:
