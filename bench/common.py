@@ -68,16 +68,17 @@ def add_run_args(p: argparse.ArgumentParser, timeout: float, rounds: int | None 
     p.add_argument("--keep", action="store_true", help="keep the temporary run directories")
 
 
-def window_parser(doc: str, spec: Any, out: str, *, rounds: int,
-                  steps: int) -> argparse.ArgumentParser:
+def window_parser(doc: str, spec: Any, out: str, *, rounds: int, steps: int,
+                  exclude: int = 10) -> argparse.ArgumentParser:
     """A rate bench's parser: the runs, which of their steps count, --out, --timeout, --keep."""
     p = parser(doc, spec, out)
     add_config_args(p, sets=False)
     add_run_args(p, 1800.0, rounds)
     p.add_argument("--steps", type=int, default=steps,
                    help=f"optimizer steps per run (default {steps})")
-    p.add_argument("--exclude", type=int, default=10,
-                   help="warm-up steps left out of the rate (default 10; a multiple of --log-every)")
+    p.add_argument("--exclude", type=int, default=exclude,
+                   help=f"warm-up steps left out of the rate (default {exclude}; a multiple of "
+                        f"--log-every)")
     p.add_argument("--log-every", type=int, default=5, help="stalwart run.log_every (default 5)")
     return p
 
