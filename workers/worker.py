@@ -292,11 +292,13 @@ class Worker:
         if rank != 0 and host is not None:
             host.close()  # hosted for a world that never formed; rank 0 hosts this one
             host = None
+        # The last world's process groups (an NCCL communicator holds GPU memory) are gone
+        # before this world's are made.
+        self._retired()
         before = tcp_connections()
         init_process_group(rdzv, rank=rank, world_size=world_size, device=device,
                            timeout_s=self.config.failure.collective_timeout_s, host=host)
         forget_dtensor_caches()  # the last world's meshes must not come back (see there)
-        self._retired()
         self.engine = TrainEngine(self.config, self.task, rank=rank, world_size=world_size,
                                   device=device)
         self.checkpointer = StorageCheckpointer(
@@ -654,8 +656,9 @@ class Worker:
         """Let go of a world's engine and checkpointer on a thread: freeing the model,
         optimizer and DDP's reducer and closing the save thread took about 30 ms on the
         reference GPT, with every peer waiting for the survivors to leave. The next world
-        forms meanwhile; its setup waits for this before building its own engine (two
-        models at once could exhaust a GPU). No gc.collect(): refcounts free them."""
+        forms meanwhile; its setup waits for this before it makes its process groups and
+        engine (two models, or two worlds' communicators, at once could exhaust a GPU). No
+        gc.collect(): refcounts free them."""
         self._retired()
         held = [engine, checkpointer]
 
