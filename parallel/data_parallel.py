@@ -1,8 +1,10 @@
 """Data parallelism on a DeviceMesh: FSDP2 for dp_shard (ZeRO-2/3), HSDP with dp_replicate,
 DDP for dp_replicate alone.
 
-FSDP2 is also used whenever the parameters are DTensors (tensor parallel), or mixed precision
-or CPU offload is asked for: DDP has none of those. Blocks are sharded one by one before the
+FSDP2 is also used whenever the parameters are DTensors (tensor parallel), the sequence is
+split (context parallel: its peers shard the parameters and average the gradients with the
+data-parallel ranks, over dp_shard x cp), or mixed precision or CPU offload is asked for:
+DDP has none of those. Blocks are sharded one by one before the
 root, so each block's parameters are gathered just before it runs and freed after (ZeRO-3)
 or kept until backward (ZeRO-2, reshard_after_forward=False).
 
@@ -26,6 +28,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.parallel.blocks import blocks_of
+from stalwart.parallel.dims import fsdp_mesh
 
 if TYPE_CHECKING:
     from stalwart.core.config import ParallelConfig
@@ -34,7 +37,8 @@ if TYPE_CHECKING:
 def needs_fsdp(mesh: DeviceMesh, config: ParallelConfig) -> bool:
     """FSDP2 rather than DDP (or nothing); stalwart/plan/estimate.py mirrors this rule."""
     pipelined_replicas = mesh["pp"].size() > 1 and mesh["dp_replicate"].size() > 1
-    return (mesh["dp_shard"].size() > 1 or mesh["tp"].size() > 1 or pipelined_replicas
+    return (mesh["dp_shard"].size() > 1 or mesh["tp"].size() > 1 or mesh["cp"].size() > 1
+            or pipelined_replicas
             or config.mixed_precision != "fp32" or config.cpu_offload)
 
 
@@ -49,8 +53,7 @@ def apply_data_parallel(model: torch.nn.Module, mesh: DeviceMesh, config: Parall
                                        device_ids=None if mesh.device_type == "cpu" else [0])
     # HSDP when replicate > 1: shard inside each replica group (possibly of one rank),
     # all-reduce across them.
-    fsdp_mesh = mesh["dp_replicate", "dp_shard"] if replicate > 1 else mesh["dp_shard"]
-    kwargs: dict = {"mesh": fsdp_mesh}
+    kwargs: dict = {"mesh": fsdp_mesh(mesh, replicate=replicate > 1)}
     if config.mixed_precision == "bf16":
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
                                                    reduce_dtype=torch.float32)

@@ -13,6 +13,7 @@ import torch
 
 from stalwart.parallel.activation_checkpoint import apply_activation_checkpointing
 from stalwart.parallel.blocks import blocks_of
+from stalwart.parallel.context_parallel import ContextShard
 from stalwart.parallel.data_parallel import apply_data_parallel, needs_fsdp
 
 if TYPE_CHECKING:
@@ -35,6 +36,10 @@ def parallelize(model: torch.nn.Module, *, mesh: DeviceMesh | None, config: Para
     #    mesh, which FSDP below then shards again over dp (2-D parameters).
     if mesh is not None and mesh["tp"].size() > 1:
         task.apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.sequence_parallel)
+    # 1b. Context parallel: attention learns the rank's share of the sequence. It changes no
+    #     parameter, so its place among the steps only needs to precede compilation.
+    if mesh is not None and mesh["cp"].size() > 1:
+        task.apply_context_parallel(model, ContextShard.of(mesh["cp"]))
 
     # 2. Activation checkpointing wraps whole blocks, after TP so that recomputation
     #    replays the block's TP collectives too, and before FSDP so that FSDP's hooks sit

@@ -31,6 +31,7 @@ from stalwart.core.batch import as_pair, batch_samples, compute_loss, loss_takes
 from stalwart.core.errors import TaskError
 from stalwart.core.numerics import Action
 from stalwart.core.stream import SampleIds, StreamDataset
+from stalwart.parallel.context_parallel import ContextShard
 from stalwart.parallel.data_parallel import gradient_sync, unwrapped
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
 from stalwart.parallel.grad_norm import clip_grad_norm
@@ -102,6 +103,9 @@ class TrainEngine:
         task.check_layout(self.dims)
         self.mesh = self.dims.build_mesh(device.type) if dist.is_initialized() else None
         self.dp_rank, self.dp_size = dp_coordinates(self.mesh) if self.mesh else (0, 1)
+        # Context parallel: the model sees this rank's part of each sequence (its peers read
+        # the same samples: they share a data-parallel rank).
+        self.context = ContextShard.of(self.mesh["cp"]) if self.dims.cp > 1 else None
         self.accum = config.train.global_batch_size // (config.train.micro_batch_size
                                                         * self.dp_size)
 
@@ -369,6 +373,8 @@ class TrainEngine:
         return SampleIds(epoch=whole[:, 0], file=whole[:, 1], row=whole[:, 2], files=ids.files)
 
     def _loss(self, batch: Any) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        if self.context is not None:
+            batch = self.context.split(batch)
         return compute_loss(self.task, self.model, batch, takes_batch=self.takes_batch)
 
     def _fix_metric_names(self, metric_sums: dict[str, torch.Tensor]) -> tuple[str, ...]:

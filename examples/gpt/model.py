@@ -11,10 +11,14 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+if TYPE_CHECKING:
+    from stalwart.core.task import SequenceShard
 
 
 class GPTConfigError(ValueError):
@@ -112,6 +116,8 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.wv = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
         self.wo = nn.Linear(cfg.d_model, cfg.d_model, bias=False)
+        self.context: SequenceShard | None = None
+        """Set under context parallelism: this rank holds part of each sequence."""
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         B, T, _ = x.shape
@@ -122,10 +128,14 @@ class Attention(nn.Module):
         q = q.view(B, T, n_heads, self.head_dim).transpose(1, 2)  # [B, H, T, hd]
         k = k.view(B, T, n_heads, self.head_dim).transpose(1, 2)
         v = v.view(B, T, n_heads, self.head_dim).transpose(1, 2)
-        # The tables cover seq_len; take this sequence's positions (the full sequence here,
-        # even when the residual stream outside attention is split along it).
+        # The tables cover seq_len, or this rank's positions under context parallelism; take
+        # this sequence's (the rank's whole share here, even when the residual stream outside
+        # attention is split along it by sequence parallelism).
         q, k = apply_rotary(q, cos[:T], sin[:T]), apply_rotary(k, cos[:T], sin[:T])
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, hd]
+        if self.context is not None:  # keys and values from the other cp ranks too
+            y = self.context.attention(q, k, v)
+        else:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # [B, H, T, hd]
         y = y.transpose(1, 2).reshape(B, T, n_heads * self.head_dim)
         return self.wo(y)  # [B, T, d_model]
 
@@ -163,6 +173,8 @@ class GPT(nn.Module):
         self.norm = nn.RMSNorm(cfg.d_model, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         self._tie_weights()
+        self.context: SequenceShard | None = None
+        """Set by set_context: the model sees only this rank's part of each sequence."""
         # Derived from the config, so not saved in checkpoints; init_weights
         # refills them because to_empty() leaves them uninitialised.
         shape = (cfg.seq_len, cfg.head_dim // 2)
@@ -207,14 +219,28 @@ class GPT(nn.Module):
         if not cfg.tie_embeddings:  # drawn last, so a tied model's draws are unchanged
             nn.init.normal_(self.output.weight, std=cfg.init_std)
 
+    def set_context(self, shard: SequenceShard) -> None:
+        """Context parallelism: forward takes this rank's tokens of each sequence
+        (shard.positions of them) and attention reaches the whole sequence."""
+        self.context = shard
+        for layer in self.layers:
+            layer.attention.context = shard
+
     def forward(self, tokens: Tensor) -> Tensor:
-        """tokens [B, T] int64 -> logits [B, T, vocab_size] float32."""
+        """tokens [B, T] int64 -> logits [B, T, vocab_size] float32 (T: this rank's share
+        of the sequence under context parallelism)."""
         T = tokens.shape[1]
-        if T > self.cfg.seq_len:
-            raise ValueError(f"sequence length {T} exceeds GPTConfig.seq_len={self.cfg.seq_len}")
+        whole = T * (self.context.size if self.context is not None else 1)
+        if whole > self.cfg.seq_len:
+            raise ValueError(f"sequence length {whole} exceeds GPTConfig.seq_len="
+                             f"{self.cfg.seq_len}")
+        cos, sin = self.rope_cos, self.rope_sin  # tables [seq_len, hd/2]
+        if self.context is not None:  # the rotations of this rank's positions
+            positions = self.context.positions(T, tokens.device)
+            cos, sin = cos[positions], sin[positions]
         h = self.tok_embeddings(tokens)  # [B, T, d_model]
         for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin)  # tables [seq_len, hd/2]
+            h = layer(h, cos, sin)
         return self.output(self.norm(h)).float()  # [B, T, vocab_size]
 
     def num_params(self) -> int:

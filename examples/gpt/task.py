@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from stalwart.core.errors import TaskError
-from stalwart.core.task import ModelDims, TrainTask
+from stalwart.core.task import ModelDims, SequenceShard, TrainTask
 from stalwart.examples.gpt.data import (
     TokenDataset,
     TokenFiles,
@@ -75,7 +75,8 @@ class GPTTask(TrainTask):
 
     def check_layout(self, dims: ParallelDims) -> None:
         super().check_layout(dims)
-        dims.check_model(n_heads=self.model_config.n_heads, n_layers=self.model_config.n_layers)
+        dims.check_model(n_heads=self.model_config.n_heads, n_layers=self.model_config.n_layers,
+                         seq_len=self.model_config.seq_len)
         if dims.pp > 1 and self.model_config.tie_embeddings:
             raise TaskError(f"parallel.pp = {dims.pp} needs task.args.tie_embeddings = false: "
                             f"the embedding and the output head live on different stages")
@@ -88,6 +89,9 @@ class GPTTask(TrainTask):
     def apply_tensor_parallel(self, model: GPT, tp_mesh: DeviceMesh, *,
                               sequence_parallel: bool) -> None:
         apply_tensor_parallel(model, tp_mesh, sequence_parallel=sequence_parallel)
+
+    def apply_context_parallel(self, model: GPT, shard: SequenceShard) -> None:
+        model.set_context(shard)
 
     def train_dataset(self, config: JobConfig) -> TokenDataset:
         return TokenDataset(self._token_files(config).train, self.model_config.seq_len)

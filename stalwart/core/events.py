@@ -232,7 +232,7 @@ class Resized(Event):
     old_world_size: int
     new_world_size: int
     old_layout: dict[str, int]
-    """{"dp_replicate", "dp_shard", "tp", "pp"}."""
+    """{"dp_replicate", "dp_shard", "cp", "tp", "pp"}."""
     new_layout: dict[str, int]
     reason: str
     """shrink, grow, preempted or drain."""

@@ -43,8 +43,23 @@ class Layout(Protocol):
 
     tp: int
     pp: int
+    cp: int
 
     def check_composition(self) -> None: ...
+
+
+class SequenceShard(Protocol):
+    """A rank's part of every sequence under context parallelism:
+    stalwart.parallel.context_parallel.ContextShard, named here by its shape."""
+
+    rank: int
+    size: int
+
+    def positions(self, local_len: int, device: torch.device | str = "cpu") -> torch.Tensor:
+        """Global positions of this rank's `local_len` tokens."""
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention of this rank's queries [B, H, T/cp, hd] over the whole sequence."""
 
 
 class Dataset(Protocol):
@@ -104,6 +119,10 @@ class TrainTask:
         if dims.tp > 1 and type(self).apply_tensor_parallel is TrainTask.apply_tensor_parallel:
             raise TaskError(f"parallel.tp = {dims.tp}: task {type(self).__name__} has no "
                             f"tensor-parallel plan (implement apply_tensor_parallel)")
+        if dims.cp > 1 and (type(self).apply_context_parallel
+                            is TrainTask.apply_context_parallel):
+            raise TaskError(f"parallel.cp = {dims.cp}: task {type(self).__name__} cannot split "
+                            f"its sequences (implement apply_context_parallel)")
         if dims.pp > 1 and type(self).split_pipeline is TrainTask.split_pipeline:
             raise TaskError(f"parallel.pp = {dims.pp}: task {type(self).__name__} has no "
                             f"pipeline split (implement split_pipeline)")
@@ -116,6 +135,13 @@ class TrainTask:
                               sequence_parallel: bool) -> None:
         """Split the model's layers over `tp_mesh` in place (torch parallelize_module plans)."""
         raise TaskError(f"task {type(self).__name__} has no tensor-parallel plan")
+
+    def apply_context_parallel(self, model: torch.nn.Module, shard: SequenceShard) -> None:
+        """Make the model's attention and positions work on `shard`'s part of each sequence
+        (stalwart.parallel.context_parallel): the engine hands the model only those tokens,
+        every batch tensor of two or more dimensions cut along dim 1. The loss must be a mean
+        over tokens that every rank holds equally many of (no padding masked out)."""
+        raise TaskError(f"task {type(self).__name__} has no context-parallel attention")
 
     def split_pipeline(self, model: torch.nn.Module, stage_ids: list[int], num_stages: int
                        ) -> tuple[list[torch.nn.Module], torch.nn.Module]:

@@ -132,6 +132,8 @@ class PlanLayout:
     """FSDP2 sharding degree: parameters, gradients and optimizer state are split over it."""
     tp: int = 1
     """Tensor-parallel degree."""
+    cp: int = 1
+    """Context-parallel degree: each sequence split over cp ranks, which FSDP2 shards over too."""
     pp: int = 1
     """Pipeline stages."""
     zero3: bool = True
@@ -154,7 +156,7 @@ class PlanLayout:
     interleaved_1f1b, zero_bubble) holds about pp on the first stage."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "pp", "micro_batch_size"):
+        for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "micro_batch_size"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.pp_microbatches is None or self.pp_microbatches >= 1,
                f"pp_microbatches must be >= 1, got {self.pp_microbatches}")
@@ -165,24 +167,32 @@ class PlanLayout:
 
     @property
     def devices(self) -> int:
-        return self.dp_replicate * self.dp_shard * self.tp * self.pp
+        return self.dp_replicate * self.dp_shard * self.cp * self.tp * self.pp
 
     @property
     def uses_fsdp(self) -> bool:
         # As parallel/data_parallel.py decides: DDP has no sharding, DTensor, mixed-precision
         # or offload support, so any of those puts FSDP2 in charge (with dp_shard 1 if need be);
-        # nor can it take a pipeline schedule, so replicas of a stage are FSDP2's too.
-        return (self.dp_shard > 1 or self.tp > 1 or (self.pp > 1 and self.dp_replicate > 1)
+        # nor can it take a pipeline schedule, so replicas of a stage are FSDP2's too; context
+        # parallel peers are FSDP2's as well (it shards over dp_shard x cp).
+        return (self.dp_shard > 1 or self.tp > 1 or self.cp > 1
+                or (self.pp > 1 and self.dp_replicate > 1)
                 or self.mixed_precision != "fp32" or self.cpu_offload)
 
     @property
     def zero_stage(self) -> int:
         """0 when nothing is sharded (DDP or one data-parallel rank), else 3 or 2."""
-        return 0 if self.dp_shard == 1 else 3 if self.zero3 else 2
+        return 0 if self.fsdp_degree == 1 else 3 if self.zero3 else 2
+
+    @property
+    def fsdp_degree(self) -> int:
+        """Ranks FSDP2 shards each parameter over: dp_shard x cp."""
+        return self.dp_shard * self.cp
 
     def describe(self) -> str:
-        return (f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} x tp={self.tp} "
-                f"x pp={self.pp}, ZeRO-{self.zero_stage}")
+        cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        return (f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}{cp} x "
+                f"tp={self.tp} x pp={self.pp}, ZeRO-{self.zero_stage}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -227,8 +237,8 @@ def estimate(shape: ModelShape, layout: PlanLayout) -> MemoryEstimate:
     # differently: the fp32 sharded parameter IS the master weight and its gradient stays
     # fp32 (reduce_dtype), so params 4 + grads 4 + optimizer 8 (m, v); the bf16 copies exist
     # only while a unit is gathered and are counted in `buffers`. Every stored tensor is
-    # sharded over dp_shard under ZeRO-2 and ZeRO-3 alike (FSDP2 never keeps a full copy).
-    shard = math.ceil(rank_params / layout.dp_shard)
+    # sharded over dp_shard (x cp) under ZeRO-2 and ZeRO-3 alike (FSDP2 never keeps a full copy).
+    shard = math.ceil(rank_params / layout.fsdp_degree)
     # Frozen parameters (a LoRA fine-tune's base) have no gradient and no optimizer state:
     # those scale with the trainable share, spread as the parameters are.
     trained = shard if shape.trainable is None else \
@@ -255,7 +265,7 @@ def _buffers(shape: ModelShape, layout: PlanLayout, rank_params: int) -> int | N
     if not layout.uses_fsdp:
         # DDP copies every gradient into flat all-reduce buckets (gradient_as_bucket_view is
         # off): a second fp32 gradient set. One rank with no wrapper has none.
-        return 4 * rank_params if layout.dp_replicate * layout.dp_shard > 1 else 0
+        return 4 * rank_params if layout.dp_replicate * layout.fsdp_degree > 1 else 0
     compute = 2 if layout.mixed_precision == "bf16" else 4  # bytes of a gathered parameter
     if shape.block_params is None:
         # Without the block size only ZeRO-2's dominant term is known: all of the rank's
@@ -282,6 +292,10 @@ def _activations(shape: ModelShape, layout: PlanLayout) -> int | None:
         return None
     s, b, h, a = shape.seq_len, layout.micro_batch_size, shape.d_model, shape.n_heads
     t, split = layout.tp, layout.sequence_parallel or layout.tp == 1
+    # Context parallel: a rank keeps the activations of its s / cp tokens, and for attention's
+    # backward the keys and values it gathered from the other cp ranks (2 x 2 bytes each).
+    mine = s / layout.cp
+    gathered = 4 * (s - mine) * b * h / t
 
     def per_layer(mode: str) -> float:
         # Bytes per block per micro-batch with 16-bit activations and 1-byte dropout masks:
@@ -291,10 +305,11 @@ def _activations(shape: ModelShape, layout: PlanLayout) -> int | None:
         # 5as^2b of attention scores (flash attention never stores them); an upper bound for
         # stalwart's op-level policy, which also recomputes norms and element-wise ops. Full
         # recompute keeps only each block's input, 2sbh (split by t with sequence parallel).
+        # Under context parallel the scores are the rank's queries by every key: mine x s.
         if mode == "full":
-            return 2 * s * b * h / (t if split else 1)
-        attention = 5 * a * s / (h * t) if mode == "none" else 0.0
-        return s * b * h * ((34 / t if split else 10 + 24 / t) + attention)
+            return 2 * mine * b * h / (t if split else 1)
+        attention = 5 * a * mine * s * b / t if mode == "none" else 0.0
+        return mine * b * h * (34 / t if split else 10 + 24 / t) + attention + gathered
 
     # Convention: bf16 activations are the paper's figure; fp32 ones are twice it (the 1-byte
     # masks, 2sbh + as^2b, are then doubled too: an overestimate of 3% to at most 10%).
@@ -305,7 +320,7 @@ def _activations(shape: ModelShape, layout: PlanLayout) -> int | None:
     working = per_layer("none") * scale if mode == "full" else 0.0
     # The fp32 logits (paper: 4sbv/t, vocab-parallel loss) and the log-softmax output that
     # cross entropy saves beside them: 8sbV/t, on the last stage only.
-    logits = 8 * s * b * shape.vocab_size / t if shape.vocab_size else 0.0
+    logits = 8 * mine * b * shape.vocab_size / t if shape.vocab_size else 0.0
     m = layout.pp_microbatches or layout.pp
     if layout.pp == 1:
         peak = stage + working + logits  # accumulation frees each micro-batch in its backward

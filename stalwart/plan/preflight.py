@@ -40,7 +40,7 @@ def run_layout(config: JobConfig) -> PlanLayout:
     that size its memory, read from the config as `stalwart plan CONFIG` reads them."""
     par = config.parallel
     replicate, shard = par.degrees(config.scaling.num_workers)
-    return PlanLayout(dp_replicate=replicate, dp_shard=shard, tp=par.tp, pp=par.pp,
+    return PlanLayout(dp_replicate=replicate, dp_shard=shard, cp=par.cp, tp=par.tp, pp=par.pp,
                       zero3=par.reshard_after_forward, mixed_precision=par.mixed_precision,
                       cpu_offload=par.cpu_offload,
                       activation_checkpointing=par.activation_checkpointing,
@@ -66,7 +66,7 @@ def check_fits(shape: ModelShape, config: JobConfig, memory: WorkerMemory) -> No
     except PlanError as exc:  # no layout fits (plan's own message), or none can run
         raise PlanError(f"{head}; {exc}") from None
     flags = " ".join(f"--set parallel.{k}={getattr(best.layout, k)}"
-                     for k in ("dp_replicate", "dp_shard", "tp", "pp"))
+                     for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp"))
     raise PlanError(f"{head}; {best.layout.describe()} fits "
                     f"({format_bytes(best.estimate.device)} per worker): {flags}")
 

@@ -1,7 +1,7 @@
 """Which layouts can train a model on N devices of a given memory, and which one to use.
 
-A layout is dp_replicate x dp_shard x tp x pp = devices (TorchTitan's ParallelDims, without
-context parallel). `valid_layouts` enumerates every factorization the model can be split by,
+A layout is dp_replicate x dp_shard x cp x tp x pp = devices (TorchTitan's ParallelDims).
+`valid_layouts` enumerates every factorization the model can be split by,
 `plan` estimates each one's per-rank memory (stalwart/plan/estimate.py), and `recommend` picks one
 by a fixed rule, documented on `preference`. Pure arithmetic: runs on the driver, or on a
 laptop planning for a cluster it is not on. With a config, `runnable_check` leaves out every
@@ -50,11 +50,13 @@ def divisors(n: int) -> list[int]:
 
 def valid_layouts(devices: int, shape: ModelShape, options: PlanLayout | None = None, *,
                   max_tp: int | None = None) -> list[PlanLayout]:
-    """Every (dp_replicate, dp_shard, tp, pp) with product `devices` that `shape` allows.
+    """Every (dp_replicate, dp_shard, cp, tp, pp) with product `devices` that `shape` allows.
 
     tp must divide the attention heads (when known) and stay <= max_tp (the devices of one
     node: tensor parallelism needs the fastest links); pp must be <= the blocks (when known;
-    uneven stages are allowed). `options` supplies everything but the four degrees.
+    uneven stages are allowed); cp > 1 needs a known sequence length that 2 x cp divides
+    (it only splits activations, which are unknown without it), and no pipeline. `options`
+    supplies everything but the five degrees.
     """
     if devices < 1:
         raise PlanError(f"devices must be >= 1, got {devices}")
@@ -68,10 +70,13 @@ def valid_layouts(devices: int, shape: ModelShape, options: PlanLayout | None = 
         for pp in divisors(devices // tp):
             if shape.n_layers is not None and pp > shape.n_layers:
                 continue
-            dp = devices // (tp * pp)
-            for shard in divisors(dp):
-                layouts.append(dataclasses.replace(options, dp_replicate=dp // shard,
-                                                   dp_shard=shard, tp=tp, pp=pp))
+            for cp in divisors(devices // (tp * pp)):
+                if cp > 1 and (pp > 1 or shape.seq_len is None or shape.seq_len % (2 * cp)):
+                    continue
+                dp = devices // (tp * pp * cp)
+                for shard in divisors(dp):
+                    layouts.append(dataclasses.replace(options, dp_replicate=dp // shard,
+                                                       dp_shard=shard, cp=cp, tp=tp, pp=pp))
     return layouts
 
 
@@ -85,7 +90,7 @@ def runnable_check(config: JobConfig) -> LayoutCheck:
 
     def check(layout: PlanLayout) -> str | None:
         degrees = {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
-                   "tp": layout.tp, "pp": layout.pp}
+                   "cp": layout.cp, "tp": layout.tp, "pp": layout.pp}
         try:
             parallel = dataclasses.replace(config.parallel, **degrees)
             # The layout's own world, fixed (no shrinking or growing) and without faults
@@ -105,11 +110,12 @@ def preference(candidate: Candidate) -> tuple[int, ...]:
     """Sort key of the recommendation rule, best first: speed among the layouts that fit.
 
     1. a layout that fits;
-    2. the least model parallelism (tp x pp): it adds communication inside every layer or a
-       pipeline bubble, while data parallelism only adds a gradient reduction per step, so
-       the most data parallel layout usually has the best throughput;
-    3. at the same degree, tensor before pipeline parallelism (lower pp): tp stays inside a
-       node on fast links, pp pays a bubble of (pp - 1) / microbatches;
+    2. the least model parallelism (tp x cp x pp): it adds communication inside every layer
+       or a pipeline bubble, while data parallelism only adds a gradient reduction per step,
+       so the most data parallel layout usually has the best throughput;
+    3. at the same degree, tensor before context before pipeline parallelism (lower pp,
+       then lower cp): tp stays inside a node on fast links and splits the parameters too,
+       cp splits only the activations, pp pays a bubble of (pp - 1) / microbatches;
     4. unsharded (dp_shard = 1: DDP, whole replicas) when it leaves HEADROOM of the device
        free by a complete estimate: sharding gathers every block's parameters in forward
        and again in backward, on top of the gradient reduction DDP makes too, so a model
@@ -119,14 +125,14 @@ def preference(candidate: Candidate) -> tuple[int, ...]:
     6. the layout itself, so that the order is total and the same on every run.
     """
     layout = candidate.layout
-    return (not candidate.fits, layout.tp * layout.pp, layout.pp, not candidate.roomy,
-            candidate.estimate.device, layout.dp_replicate, layout.dp_shard, layout.tp,
-            layout.pp)
+    return (not candidate.fits, layout.tp * layout.cp * layout.pp, layout.pp, layout.cp,
+            not candidate.roomy, candidate.estimate.device, layout.dp_replicate,
+            layout.dp_shard, layout.tp, layout.pp)
 
 
 def roomy(layout: PlanLayout, est: MemoryEstimate, memory_bytes: int) -> bool:
     """An unsharded layout whose complete estimate leaves HEADROOM of the device free."""
-    return (layout.dp_shard == 1 and est.complete
+    return (layout.fsdp_degree == 1 and est.complete
             and est.device <= (1 - HEADROOM) * memory_bytes)
 
 
@@ -188,7 +194,8 @@ def recommend(candidates: list[Candidate], memory_bytes: int) -> Candidate:
 def why_recommended(best: Candidate) -> str:
     """One line: why the rule of `preference` chose `best`."""
     layout = best.layout
-    model = "" if layout.tp * layout.pp == 1 else "the least model parallelism that fits; "
+    model = ("" if layout.tp * layout.cp * layout.pp == 1
+             else "the least model parallelism that fits; ")
     free = f"{HEADROOM:.0%} of the device free"
     if best.roomy:
         return (f"{model}unsharded: it leaves {free}, and sharding would add a gather of "
@@ -216,7 +223,7 @@ def format_bytes(n: float) -> str:
 
 def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, devices: int,
                 memory_bytes: int, options: PlanLayout,
-                configured: tuple[int, int, int, int] | None = None,
+                configured: tuple[int, ...] | None = None,
                 left_out: list[tuple[PlanLayout, str]] = (),
                 memory_source: str | None = None) -> str:
     """The plan as plain aligned text: a header, one row per layout (best first), notes,
@@ -239,16 +246,17 @@ def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, 
         f"over {o.pp_microbatches or 'pp'} micro-batches",
         "",
     ]
-    head = ["dp_replicate", "dp_shard", "tp", "pp", "ZeRO", "params", "grads", "optimizer",
+    head = ["dp_replicate", "dp_shard", "cp", "tp", "pp", "ZeRO", "params", "grads", "optimizer",
             "buffers", "activations", "total"] + (["host"] if o.cpu_offload else []) + [
             "fits", ""]
     rows = []
     for i, (layout, est, fits, _) in enumerate(candidates):
         notes = (["recommended"] if i == 0 and fits else []) + (
-            ["config"] if configured == (layout.dp_replicate, layout.dp_shard, layout.tp,
-                                         layout.pp) else [])
+            ["config"] if configured == (layout.dp_replicate, layout.dp_shard, layout.cp,
+                                         layout.tp, layout.pp) else [])
         unknown = "?"
-        rows.append([str(layout.dp_replicate), str(layout.dp_shard), str(layout.tp),
+        rows.append([str(layout.dp_replicate), str(layout.dp_shard), str(layout.cp),
+                     str(layout.tp),
                      str(layout.pp), str(layout.zero_stage),
                      *(format_bytes(b) + (" (host)" if est.offloaded else "")
                        for b in (est.params, est.grads, est.optimizer)),
@@ -271,8 +279,8 @@ def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, 
                   "--layers or --d-model"]
     if left_out:
         lines += ["", "left out (a run of this config refuses them before start):"]
-        lines += [f"  dp_replicate={lo.dp_replicate} x dp_shard={lo.dp_shard} x tp={lo.tp} x "
-                  f"pp={lo.pp}: {why}" for lo, why in left_out]
+        lines += [f"  dp_replicate={lo.dp_replicate} x dp_shard={lo.dp_shard} x cp={lo.cp} x "
+                  f"tp={lo.tp} x pp={lo.pp}: {why}" for lo, why in left_out]
     return "\n".join(lines)
 
 

@@ -317,7 +317,7 @@ def test_dp_replicate_times_dp_shard_must_equal_the_world() -> None:
         load_config(None, ["scaling.num_workers=4", "parallel.dp_replicate=2",
                            "parallel.dp_shard=4"])
     assert re.match(r"parallel\.dp_shard = 4 is invalid: dp_replicate x dp_shard must equal "
-                    r"the world size / \(tp x pp\) = 4\b", str(err.value)), str(err.value)
+                    r"the world size / \(tp x cp x pp\) = 4\b", str(err.value)), str(err.value)
     for layout in (["parallel.dp_replicate=2", "parallel.dp_shard=2"],
                    ["parallel.dp_replicate=2"], ["parallel.dp_replicate=-1",
                                                  "parallel.dp_shard=2"]):
@@ -423,7 +423,7 @@ def test_tp_must_divide_the_world_and_leaves_the_rest_to_data_parallel() -> None
 
 
 def test_pipeline_keys_are_checked() -> None:
-    with pytest.raises(ConfigError, match=r"^parallel\.pp = 3 is invalid: tp x pp = 3 must divide"):
+    with pytest.raises(ConfigError, match=r"^parallel\.pp = 3 is invalid: tp x cp x pp = 3 must divide"):
         load_config(None, ["parallel.pp=3"])
     with pytest.raises(ConfigError, match=r"^parallel\.pp_schedule = 'zb' is invalid: one of "):
         load_config(None, ["parallel.pp=2", "parallel.pp_schedule=zb"])

@@ -362,11 +362,15 @@ def test_replica_class_names_data_parallel_twins() -> None:
     # stage), 4 and 6 are too but of the other stage.
     dims = ParallelDims(dp_replicate=2, dp_shard=2, tp=1, pp=2)
     classes = [dims.replica_class(r) for r in range(8)]
-    assert classes == [(0, 0, 0), (0, 1, 0), (0, 0, 0), (0, 1, 0),
-                       (1, 0, 0), (1, 1, 0), (1, 0, 0), (1, 1, 0)]
+    assert classes == [(0, 0, 0, 0), (0, 1, 0, 0), (0, 0, 0, 0), (0, 1, 0, 0),
+                       (1, 0, 0, 0), (1, 1, 0, 0), (1, 0, 0, 0), (1, 1, 0, 0)]
     tp = ParallelDims(dp_replicate=2, dp_shard=1, tp=2)
-    assert [tp.replica_class(r) for r in range(4)] == [(0, 0, 0), (0, 0, 1), (0, 0, 0),
-                                                      (0, 0, 1)]
+    assert [tp.replica_class(r) for r in range(4)] == [(0, 0, 0, 0), (0, 0, 0, 1),
+                                                      (0, 0, 0, 0), (0, 0, 0, 1)]
+    # Context-parallel peers hold other shards (FSDP2 shards over dp_shard x cp): never twins.
+    cp = ParallelDims(dp_replicate=2, dp_shard=1, tp=1, cp=2)
+    assert [cp.replica_class(r) for r in range(4)] == [(0, 0, 0, 0), (0, 0, 1, 0),
+                                                      (0, 0, 0, 0), (0, 0, 1, 0)]
 
 
 def test_nothing_is_sent_to_a_data_parallel_twin() -> None:

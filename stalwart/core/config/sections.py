@@ -174,8 +174,10 @@ class ParallelConfig:
     """FSDP2: free gathered parameters after forward (ZeRO-3) or keep them for backward (ZeRO-2)."""
     tp: int = 1
     """Tensor-parallel degree: each layer's matrices are split over this many ranks by the task's plan (`TrainTask.apply_tensor_parallel`). Must divide the attention heads."""
+    cp: int = 1
+    """Context-parallel degree: each sequence is split over this many ranks, two mirrored chunks each so that causal attention's work is even, by the task's hook (`TrainTask.apply_context_parallel`); attention all-gathers the keys and values. The sequence length must be a multiple of `2 x cp`. FSDP2 shards over `dp_shard x cp`."""
     pp: int = 1
-    """Pipeline-parallel degree: the blocks are cut into stages on this many ranks by the task's split (`TrainTask.split_pipeline`). `pp x dp_replicate x dp_shard x tp = scaling.num_workers`; at least `pp` accumulation micro-batches per step."""
+    """Pipeline-parallel degree: the blocks are cut into stages on this many ranks by the task's split (`TrainTask.split_pipeline`). `pp x dp_replicate x dp_shard x cp x tp = scaling.num_workers`; at least `pp` accumulation micro-batches per step."""
     pp_schedule: str = "1f1b"
     """`gpipe`, `1f1b`, `interleaved_1f1b` (2 stages per rank) or `zero_bubble` (interleaved, with backward split into input and weight gradients; without data parallelism only)."""
     sequence_parallel: bool = True
@@ -200,6 +202,7 @@ class ParallelConfig:
         _require(not (self.dp_replicate == -1 and self.dp_shard == -1), "parallel.dp_replicate",
                  self.dp_replicate, "at most one of dp_replicate and dp_shard may be -1")
         _require(self.tp >= 1, "parallel.tp", self.tp, "must be >= 1")
+        _require(self.cp >= 1, "parallel.cp", self.cp, "must be >= 1")
         _require(self.pp >= 1, "parallel.pp", self.pp, "must be >= 1")
         _require(self.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", self.pp_schedule,
                  f"one of {', '.join(PP_SCHEDULES)}")
@@ -208,31 +211,36 @@ class ParallelConfig:
         _require(self.mixed_precision in PRECISIONS, "parallel.mixed_precision",
                  self.mixed_precision, f"one of {', '.join(PRECISIONS)}")
         _require(not self.invariant_reduction or (
-            self.dp_shard == 1 and self.tp == 1 and self.pp == 1
+            self.dp_shard == 1 and self.tp == 1 and self.pp == 1 and self.cp == 1
             and self.mixed_precision == "fp32" and not self.cpu_offload),
             "parallel.invariant_reduction", self.invariant_reduction,
-            "needs replicated data parallelism only: dp_shard = 1, tp = 1, pp = 1, "
+            "needs replicated data parallelism only: dp_shard = 1, tp = 1, pp = 1, cp = 1, "
             "mixed_precision = fp32, no cpu_offload")
 
     def layout(self, world_size: int) -> dict[str, int]:
         """Every degree of a world of `world_size` ranks, as `resized` events record them."""
         replicate, shard = self.degrees(world_size)
-        return {"dp_replicate": replicate, "dp_shard": shard, "tp": self.tp, "pp": self.pp}
+        return {"dp_replicate": replicate, "dp_shard": shard, "cp": self.cp, "tp": self.tp,
+                "pp": self.pp}
 
     def degrees(self, world_size: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard) for a world of `world_size` ranks, with -1 resolved.
 
         Takes the world size rather than reading scaling.num_workers, because the world a
         layout is built for can differ from the configured one (a resized world). The
-        data-parallel dimensions share what tensor parallelism leaves: world / tp ranks.
+        data-parallel dimensions share what the model dimensions leave: world / (tp x cp x pp).
         """
         if world_size % self.tp:
             raise ConfigError(f"parallel.tp = {self.tp} is invalid: must divide the world "
                               f"size {world_size}")
-        if world_size % (self.tp * self.pp):
-            raise ConfigError(f"parallel.pp = {self.pp} is invalid: tp x pp = "
-                              f"{self.tp * self.pp} must divide the world size {world_size}")
-        world_size //= self.tp * self.pp
+        if world_size % (self.tp * self.cp):
+            raise ConfigError(f"parallel.cp = {self.cp} is invalid: tp x cp = "
+                              f"{self.tp * self.cp} must divide the world size {world_size}")
+        model = self.tp * self.cp * self.pp
+        if world_size % model:
+            raise ConfigError(f"parallel.pp = {self.pp} is invalid: tp x cp x pp = "
+                              f"{model} must divide the world size {world_size}")
+        world_size //= model
         fixed = self.dp_shard if self.dp_replicate == -1 else self.dp_replicate
         if world_size % fixed:
             name = "dp_shard" if self.dp_replicate == -1 else "dp_replicate"
@@ -244,7 +252,7 @@ class ParallelConfig:
             return self.dp_replicate, world_size // self.dp_replicate
         if self.dp_replicate * self.dp_shard != world_size:
             raise ConfigError(f"parallel.dp_shard = {self.dp_shard} is invalid: dp_replicate x "
-                              f"dp_shard must equal the world size / (tp x pp) = {world_size} "
+                              f"dp_shard must equal the world size / (tp x cp x pp) = {world_size} "
                               f"(or set one of them to -1)")
         return self.dp_replicate, self.dp_shard
 
