@@ -14,17 +14,21 @@ from bench.common import fmt
 
 WORKERS = 4
 BASELINE = "ddp4"
-# name -> (what it is, dp_replicate x dp_shard x tp x pp, further overrides).
+# name -> (what it is, dp_replicate x dp_shard x cp x tp x pp, further overrides).
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 LAYOUTS: dict[str, tuple[str, str, list[str]]] = {
-    "ddp4": ("DDP", "4x1x1x1", []),
-    "fsdp4": ("FSDP2 ZeRO-3", "1x4x1x1", []),
-    "fsdp4-zero2": ("FSDP2 ZeRO-2", "1x4x1x1", ["parallel.reshard_after_forward=false"]),
-    "hsdp2x2": ("HSDP", "2x2x1x1", []),
-    "tp2-fsdp2": ("TP x FSDP2", "1x2x2x1", []),
-    "pp2-fsdp2": ("PP 1f1b x FSDP2", "1x2x1x2", []),
-    "tp2-pp2": ("TP x PP 1f1b", "1x1x2x2", []),
-    "pp4-interleaved": ("PP interleaved 1f1b", "1x1x1x4",
+    "ddp4": ("DDP", "4x1x1x1x1", []),
+    "fsdp4": ("FSDP2 ZeRO-3", "1x4x1x1x1", []),
+    "fsdp4-zero2": ("FSDP2 ZeRO-2", "1x4x1x1x1", ["parallel.reshard_after_forward=false"]),
+    "hsdp2x2": ("HSDP", "2x2x1x1x1", []),
+    "tp2-fsdp2": ("TP x FSDP2", "1x2x1x2x1", []),
+    "pp2-fsdp2": ("PP 1f1b x FSDP2", "1x2x1x1x2", []),
+    "tp2-pp2": ("TP x PP 1f1b", "1x1x1x2x2", []),
+    "pp4-interleaved": ("PP interleaved 1f1b", "1x1x1x1x4",
                         ["parallel.pp_schedule=interleaved_1f1b"]),
+    "cp2-fsdp2": ("CP x FSDP2", "1x2x2x1x1", []),
+    "cp4": ("CP", "1x1x4x1x1", []),
+    "tp2-cp2": ("TP x CP", "1x1x2x2x1", []),
 }
 MODEL = ["task.args.n_layers=8", "task.args.tie_embeddings=false"]
 
@@ -39,9 +43,9 @@ def parse_args() -> argparse.Namespace:
 
 
 def layout_overrides(name: str) -> list[str]:
-    """A layout's --set overrides: both data-parallel degrees, tp and pp when above 1."""
+    """A layout's --set overrides: both data-parallel degrees, cp, tp and pp when above 1."""
     _, dims, extra = LAYOUTS[name]
-    degrees = zip(("dp_replicate", "dp_shard", "tp", "pp"), dims.split("x"), strict=True)
+    degrees = zip(DEGREES, dims.split("x"), strict=True)
     return [f"parallel.{k}={v}" for k, v in degrees if k.startswith("dp") or v != "1"] + extra
 
 
@@ -92,7 +96,7 @@ def summarise(results: list[dict[str, Any]], names: list[str]) -> dict[str, dict
 def print_table(summary: dict[str, dict[str, Any]], results: list[dict[str, Any]],
                 args: argparse.Namespace) -> None:
     agg = "median of rounds" if args.rounds > 1 else "one round"
-    head = (f"{'layout':<16} | {'kind':<19} | {'dims r x s x tp x pp':>20} | {'tokens/s':>9} | "
+    head = (f"{'layout':<16} | {'kind':<19} | {'r x s x cp x tp x pp':>20} | {'tokens/s':>9} | "
             f"{'vs ddp4':>7} | {'final loss':>10} | {'max |dloss|':>11} | {'wall s':>6}")
     print(f"\ntokens/s (steady state, steps {args.exclude + 1}..{args.steps}, {agg}); model "
           f"{' '.join(MODEL)} for every row\n" + head + "\n" + "-" * len(head))

@@ -91,13 +91,13 @@ class _GatherRanks(torch.autograd.Function):
         size = dist.get_world_size(group)
         # Concatenated along dim 0, as gloo wants the output; viewed with a dimension of its own.
         out = tensor.new_empty((size * tensor.shape[0], *tensor.shape[1:]))
-        dist.all_gather_into_tensor(out, tensor.contiguous(), group=group)
+        dist.all_gather_single(out, tensor.contiguous(), group=group)
         return out.view(size, *tensor.shape)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         mine = grad.new_empty(grad.shape[1:])
-        dist.reduce_scatter_tensor(mine, grad.contiguous().flatten(0, 1), group=ctx.group)
+        dist.reduce_scatter_single(mine, grad.contiguous().flatten(0, 1), group=ctx.group)
         return mine, None
 
 

@@ -25,6 +25,12 @@ LAYOUTS = [
     pytest.param(4, ["parallel.cp=2", "parallel.dp_shard=2"], id="cp2xfsdp2"),
     pytest.param(4, ["parallel.cp=2", "parallel.tp=2", "parallel.dp_shard=1"], id="tp2xcp2"),
 ]
+# Every layout with cp that `stalwart plan` lists for 4 workers (test_cli_layout_matrix.py).
+MORE = [
+    pytest.param(4, ["parallel.cp=2", "parallel.dp_replicate=2", "parallel.dp_shard=1"],
+                 id="replicate2xcp2"),
+    pytest.param(4, ["parallel.cp=4", "parallel.dp_shard=1"], id="cp4"),
+]
 
 
 def first_gradients(rank: int, world: int, cache: str, layout: list[str]
@@ -49,7 +55,7 @@ def one_process_gradients(cache_dir) -> dict[str, torch.Tensor]:  # noqa: F811
     return run_ranks(first_gradients, 1, cache_dir, [])[0]
 
 
-@pytest.mark.parametrize(("world", "layout"), LAYOUTS)
+@pytest.mark.parametrize(("world", "layout"), LAYOUTS + MORE)
 def test_context_parallel_trains_like_one_process(cache_dir, single_process_losses,  # noqa: F811
                                                   world, layout):
     per_rank = run_ranks(train_losses, world, cache_dir, layout)

@@ -194,6 +194,17 @@ CASES: dict[str, Case] = {
                                        "KIND:TARGET=N,step=S"),
     "profile_zero": Case(("run", "config.toml", "--profile", "0"),
                          expect="--profile '0' is invalid: steps count from 1"),
+    # -- layouts the model cannot be split by, refused before workers start
+    "cp_not_dividing_seq_len": _run_set("task.args.seq_len=34", "parallel.cp=2",
+                                        "parallel.dp_replicate=1",
+                                        expect="parallel.cp = 2 is invalid: the sequence length "
+                                               "34 must be a multiple of 2 x cp = 4"),
+    "cp_not_dividing_world": _run_set("parallel.cp=3", expect="parallel.cp = 3 is invalid: "
+                                      "tp x cp = 3 must divide the world size 2"),
+    "cp_with_pp": Case(("run", "config.toml", *_sets(
+        "scaling.num_workers=4", "parallel.cp=2", "parallel.pp=2", "parallel.dp_replicate=1",
+        "task.args.tie_embeddings=false")), expect="parallel.cp = 2 is invalid with "
+        "parallel.pp = 2: context parallelism does not yet run inside pipeline stages"),
     # -- task.args, checked by the task on the driver
     "val_fraction_5": _run_set("task.args.val_fraction=5",
                                expect="task.args.val_fraction = 5 is invalid: must be a number "

@@ -52,15 +52,15 @@ def test_reference_config_lists_every_layout_of_its_two_workers() -> None:
     # No --memory-gb: the devices of a run here, CPU workers sharing this machine's memory.
     assert "devices: 2 x " in proc.stdout and "(CPU workers: this machine's " in proc.stdout
     rows = table(proc.stdout)
-    degrees = {tuple(int(c) for c in r[:4]) for r in rows}
+    degrees = {tuple(int(c) for c in r[:5]) for r in rows}  # dp_replicate dp_shard cp tp pp
     # pp = 2 is left out, with why: the reference GPT ties its embedding and head.
-    assert degrees == {(1, 2, 1, 1), (2, 1, 1, 1), (1, 1, 2, 1)}
+    assert degrees == {(1, 2, 1, 1, 1), (2, 1, 1, 1, 1), (1, 1, 2, 1, 1), (1, 1, 1, 2, 1)}
     assert ("left out (a run of this config refuses them before start):\n"
-            "  dp_replicate=1 x dp_shard=1 x tp=1 x pp=2: parallel.pp = 2 needs "
+            "  dp_replicate=1 x dp_shard=1 x cp=1 x tp=1 x pp=2: parallel.pp = 2 needs "
             "task.args.tie_embeddings = false") in proc.stdout
     assert all("yes" in r for r in rows)
     # The model fits unsharded with room to spare: DDP, the config's own layout, is fastest.
-    assert rows[0][:4] == ["2", "1", "1", "1"]
+    assert rows[0][:5] == ["2", "1", "1", "1", "1"]
     assert " ".join(rows[0]).endswith("<- recommended, config")
     assert "recommended: dp_replicate=2 x dp_shard=1 x tp=1 x pp=1, ZeRO-0" in proc.stdout
     assert "--set parallel.dp_replicate=2 --set parallel.dp_shard=1" in proc.stdout
@@ -70,10 +70,10 @@ def test_7b_on_8_devices_of_80_gb_fits_and_recommends_zero3_over_all() -> None:
     proc = run("7b")
     assert proc.returncode == 0, proc.stderr
     rows = table(proc.stdout)
-    assert all(a * b * c * d == 8 for a, b, c, d in (map(int, r[:4]) for r in rows))
+    assert all(a * b * c * d * e == 8 for a, b, c, d, e in (map(int, r[:5]) for r in rows))
     fits = [r for r in rows if "yes" in r]
     assert fits and any("no" in r for r in rows)  # 8 full replicas (DDP) need 130 GiB
-    assert rows[0][:4] == ["1", "8", "1", "1"] and "recommended" in rows[0][-1]
+    assert rows[0][:5] == ["1", "8", "1", "1", "1"] and "recommended" in rows[0][-1]
     assert "GiB+" in rows[0] and "13.0" in rows[0]  # 16 x 7e9 / 8, activations unknown: a lower bound
     assert "recommended: dp_replicate=1 x dp_shard=8 x tp=1 x pp=1" in proc.stdout
 

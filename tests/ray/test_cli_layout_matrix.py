@@ -28,26 +28,33 @@ MATRIX = [*TINY, "task.args.tie_embeddings=false", "train.steps=4", "run.log_eve
           "train.warmup_steps=2", "data.val_every=0",
           "checkpoint.persist_every=2"]
 
-# What plan lists for the tiny GPT (2 heads, 2 blocks): tp <= 2, pp <= 2, every data split.
+# What plan lists for the tiny GPT (2 heads, 2 blocks, 64 tokens): tp <= 2, pp <= 2, cp up to
+# 4 (not with pp), every data split.
 EXPECTED = {
-    2: {(2, 1, 1, 1), (1, 2, 1, 1), (1, 1, 2, 1), (1, 1, 1, 2)},
-    4: {(4, 1, 1, 1), (2, 2, 1, 1), (1, 4, 1, 1), (2, 1, 2, 1), (1, 2, 2, 1),
-        (2, 1, 1, 2), (1, 2, 1, 2), (1, 1, 2, 2)},
+    2: {(2, 1, 1, 1, 1), (1, 2, 1, 1, 1), (1, 1, 2, 1, 1), (1, 1, 1, 2, 1), (1, 1, 1, 1, 2)},
+    4: {(4, 1, 1, 1, 1), (2, 2, 1, 1, 1), (1, 4, 1, 1, 1), (2, 1, 1, 2, 1), (1, 2, 1, 2, 1),
+        (2, 1, 1, 1, 2), (1, 2, 1, 1, 2), (1, 1, 1, 2, 2), (2, 1, 2, 1, 1), (1, 2, 2, 1, 1),
+        (1, 1, 4, 1, 1), (1, 1, 2, 2, 1)},
 }
-DEGREES = ("dp_replicate", "dp_shard", "tp", "pp")
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 
 # The 4-worker layouts, each with the tests/dist/ case that matches its loss to one process's:
 # the file and the case id (test_layout_matches_one_process in test_data_parallel.py,
-# test_pipeline_matches_one_process in test_pipeline.py).
+# test_pipeline_matches_one_process in test_pipeline.py,
+# test_context_parallel_trains_like_one_process in test_context_parallel.py).
 DIST_CHECKED = {
-    (4, 1, 1, 1): ("test_data_parallel.py", "ddp4"),
-    (2, 1, 2, 1): ("test_data_parallel.py", "replicate2xtp2"),
-    (2, 2, 1, 1): ("test_data_parallel.py", "hsdp2x2"),
-    (1, 4, 1, 1): ("test_data_parallel.py", "fsdp4"),
-    (1, 2, 2, 1): ("test_data_parallel.py", "fsdp2xtp2"),
-    (2, 1, 1, 2): ("test_pipeline.py", "replicate2xpp2"),
-    (1, 2, 1, 2): ("test_pipeline.py", "fsdp2xpp2"),
-    (1, 1, 2, 2): ("test_pipeline.py", "tp2xpp2"),
+    (4, 1, 1, 1, 1): ("test_data_parallel.py", "ddp4"),
+    (2, 1, 1, 2, 1): ("test_data_parallel.py", "replicate2xtp2"),
+    (2, 2, 1, 1, 1): ("test_data_parallel.py", "hsdp2x2"),
+    (1, 4, 1, 1, 1): ("test_data_parallel.py", "fsdp4"),
+    (1, 2, 1, 2, 1): ("test_data_parallel.py", "fsdp2xtp2"),
+    (2, 1, 1, 1, 2): ("test_pipeline.py", "replicate2xpp2"),
+    (1, 2, 1, 1, 2): ("test_pipeline.py", "fsdp2xpp2"),
+    (1, 1, 1, 2, 2): ("test_pipeline.py", "tp2xpp2"),
+    (2, 1, 2, 1, 1): ("test_context_parallel.py", "replicate2xcp2"),
+    (1, 2, 2, 1, 1): ("test_context_parallel.py", "cp2xfsdp2"),
+    (1, 1, 4, 1, 1): ("test_context_parallel.py", "cp4"),
+    (1, 1, 2, 2, 1): ("test_context_parallel.py", "tp2xcp2"),
 }
 
 
@@ -63,8 +70,8 @@ def listed_layouts(workers: int, cwd: Path) -> set[tuple[int, ...]]:
     proc = stalwart_here("plan", str(REFERENCE_CONFIG), *sets(*MATRIX), "--devices",
                          str(workers), cwd=cwd)
     rows = [line.split() for line in proc.stdout.splitlines()]
-    return {tuple(int(c) for c in r[:4]) for r in rows
-            if len(r) > 4 and all(c.isdigit() for c in r[:5])}
+    return {tuple(int(c) for c in r[:5]) for r in rows
+            if len(r) > 5 and all(c.isdigit() for c in r[:6])}
 
 
 def train(layout: tuple[int, ...], workers: int, cwd: Path
