@@ -29,6 +29,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.parallel.blocks import blocks_of
 from stalwart.parallel.dims import fsdp_mesh
+from stalwart.parallel.grad_compression import reduce_dtype
 
 if TYPE_CHECKING:
     from stalwart.core.config import ParallelConfig
@@ -54,9 +55,11 @@ def apply_data_parallel(model: torch.nn.Module, mesh: DeviceMesh, config: Parall
     # HSDP when replicate > 1: shard inside each replica group (possibly of one rank),
     # all-reduce across them.
     kwargs: dict = {"mesh": fsdp_mesh(mesh, replicate=replicate > 1)}
-    if config.mixed_precision == "bf16":
-        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
-                                                   reduce_dtype=torch.float32)
+    compressed = reduce_dtype(config)  # a half-precision reduction, if asked for
+    if config.mixed_precision == "bf16" or compressed is not None:
+        kwargs["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16 if config.mixed_precision == "bf16" else None,
+            reduce_dtype=compressed or torch.float32)
     if config.cpu_offload:
         kwargs["offload_policy"] = CPUOffloadPolicy()
     for block in blocks_of(model):

@@ -25,12 +25,14 @@ from torch.distributed.checkpoint.state_dict import (
     set_state_dict,
 )
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel
 
 from stalwart.checkpointing.memory.tier import StateAccess
 from stalwart.core.batch import as_pair, batch_samples, compute_loss, loss_takes_batch, to_device
 from stalwart.core.errors import TaskError
 from stalwart.core.numerics import Action
 from stalwart.core.stream import SampleIds, StreamDataset
+from stalwart.parallel import grad_compression
 from stalwart.parallel.context_parallel import ContextShard
 from stalwart.parallel.data_parallel import gradient_sync, unwrapped
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
@@ -136,6 +138,11 @@ class TrainEngine:
                 model, mesh=self.mesh, config=config.parallel, task=task,
                 materialize=partial(materialize, device=device, init=task.init_weights)
                 if deferred else None)
+        # DDP's compression hook; PowerSGD's state rides in the checkpoint ("comm").
+        self.compression = (grad_compression.register(self.model, config.parallel, rank=rank)
+                            if isinstance(self.model, DistributedDataParallel) else None)
+        self.grad_bytes = (grad_compression.reduction_bytes(self.model, config.parallel)
+                           if self.dp_size > 1 and self.dims.tp == 1 else None)
         # A model with frozen parameters (adapters on a pretrained base) checkpoints only
         # what trains: the frozen rest comes from the task's own files at every start, so
         # a load leaves it as it is (not strict). DCP's load still refuses a checkpoint
@@ -259,7 +266,8 @@ class TrainEngine:
                             samples_seen=self.samples_seen, local_s=tried.local_s,
                             data_wait_s=tried.data_wait,
                             ledger=ledger if self.rank == 0 else None,
-                            metrics=tried.metrics, skipped=skipped, replays=replays)
+                            metrics=self._with_grad_bytes(tried.metrics, step),
+                            skipped=skipped, replays=replays)
         return report, tried.stop or tried.data_failed
 
     def _attempt(self, step_data: Any, step: int, *, stop_requested: bool, data_wait: float,
@@ -358,6 +366,21 @@ class TrainEngine:
                        checks=values[head:], fingerprinted=checks.fingerprinted,
                        tokens=tokens, local_s=local.seconds(), next_error=next_error)
 
+    def _with_grad_bytes(self, metrics: dict[str, float], step: int) -> dict[str, float]:
+        """The step's metrics and, under data parallelism, `grad_bytes`: what this rank's
+        gradient reduction carried (PowerSGD's factors from its start step on)."""
+        if self.grad_bytes is None:
+            return metrics
+        compressing = step > self.config.parallel.powersgd_start_step
+        return {**metrics, "grad_bytes": float(self.grad_bytes[compressing])}
+
+    def replica_classes(self) -> list[tuple[int, ...]]:
+        """Each rank's class: ranks of one class hold the same state (the memory tier sends
+        them no copy of each other's snapshots). PowerSGD's error feedback is each rank's own."""
+        own = self.compression is not None
+        return [self.dims.replica_class(r) + ((r,) if own else ())
+                for r in range(self.world_size)]
+
     def _ledger(self, ids: SampleIds) -> SampleIds:
         """The whole global batch's sample ids, gathered from every data-parallel rank (each
         fills its slice; tensor and pipeline peers fill the same one, hence the division)."""
@@ -446,6 +469,7 @@ class TrainEngine:
             "optim": optim_sd,
             "scheduler": self.scheduler.state_dict(),
             "train": self._train_state(),
+            **({"comm": self.compression.state_dict()} if self.compression else {}),
         }
 
     def _train_state(self) -> dict[str, Any]:
@@ -466,6 +490,7 @@ class TrainEngine:
             "optim": optim,
             "scheduler": self.scheduler.state_dict(),
             "train": self._train_state(),
+            **({"comm": self.compression.scalar_state()} if self.compression else {}),
         }
 
     def state_signature(self) -> tuple[int, ...]:
@@ -515,6 +540,8 @@ class TrainEngine:
         self.step = int(state["train"]["step"])
         self.samples_seen = int(state["train"]["samples_seen"])
         self.numerics.load_state(state["train"].get("numerics", ""))
+        if self.compression is not None:
+            self.compression.load_state_dict(state.get("comm", {}))
 
     def _apply_configured_hyperparameters(self) -> None:
         """A checkpoint carries the hyperparameters it was trained with. A run restored from

@@ -314,10 +314,9 @@ class Worker:
         ck = self.config.checkpoint
         self._tiered = ck.memory_tier
         if self._tiered:
-            dims = self.engine.dims
             self.tier.join(self._engine_view(), rank=rank, generation=generation, nodes=nodes,
                            replicas=ck.replicas, limit_gb=ck.memory_limit_gb,
-                           replica_class=[dims.replica_class(r) for r in range(world_size)],
+                           replica_class=self.engine.replica_classes(),
                            keep=self.config.numerics.snapshots_kept,
                            schedule=snapshot_schedule(self.config, device))
         self._world_connections = tcp_connections() - before

@@ -38,6 +38,7 @@ from stalwart.checkpointing.memory.limits import GIB, MemoryLimit, memory_limit,
 from stalwart.checkpointing.memory.reader import MemoryReader, build_metadata
 from stalwart.checkpointing.memory.replication import Replicator, holders_for
 from stalwart.checkpointing.memory.store import Inventory, MemoryStore
+from stalwart.checkpointing.optional_keys import drop_keys_it_lacks
 from stalwart.checkpointing.safe_load import SafeLoadPlanner
 from stalwart.checkpointing.snapshot import Shard, ShardLayout, SnapshotStager, build_layout
 from stalwart.checkpointing.snapshot_schedule import (
@@ -376,6 +377,7 @@ class MemoryTier:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single
             warnings.simplefilter("ignore", UserWarning)  # process": yes, no collectives
             try:
+                drop_keys_it_lacks(state, reader.read_metadata().state_dict_metadata)
                 dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(), no_dist=True)
             except CheckpointException as exc:  # DCP wraps the reader's errors: unwrap ours
                 for inner, _trace in exc.failures.values():

@@ -30,6 +30,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
 from stalwart.checkpointing.errors import CheckpointError, describe_load_error
+from stalwart.checkpointing.optional_keys import drop_keys_it_lacks
 from stalwart.checkpointing.safe_load import FileTable, SafeLoadPlanner, VerifiedReader
 from stalwart.checkpointing.snapshot import Shard
 from stalwart.checkpointing.snapshot_planner import SnapshotSavePlanner
@@ -293,7 +294,7 @@ class StorageCheckpointer:
         reader = VerifiedReader(path, files=files)
         try:
             with contextlib.suppress(Exception):  # dcp.load reads it again and says why
-                _drop_keys_it_lacks(state, reader)
+                drop_keys_it_lacks(state, reader.read_metadata().state_dict_metadata)
             dcp.load(state, storage_reader=reader, planner=SafeLoadPlanner(),
                      process_group=self.group, no_dist=self.group is None)
         except CheckpointError:
@@ -314,18 +315,3 @@ class StorageCheckpointer:
             if self.group is not None:
                 dist.destroy_process_group(self.group)
                 self.group = None
-
-
-# State a checkpoint of an earlier stalwart may lack, as (table, key): the loader keeps its
-# own value for it (a fresh one) rather than refusing the checkpoint.
-ADDED_LATER = (("train", "numerics"),)
-
-
-def _drop_keys_it_lacks(state: dict[str, Any], reader: VerifiedReader) -> None:
-    """Take out of `state` the keys of ADDED_LATER the checkpoint does not hold, so that
-    DCP loads the rest (it refuses a key missing from the checkpoint)."""
-    held = reader.read_metadata().state_dict_metadata
-    for table, key in ADDED_LATER:
-        inner = state.get(table)
-        if isinstance(inner, dict) and key in inner and f"{table}.{key}" not in held:
-            del inner[key]

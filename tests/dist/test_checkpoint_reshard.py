@@ -20,6 +20,8 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 SAVE_AT, CONTINUE = 4, 3
 UNTIED = ["task.args.n_layers=4", "task.args.tie_embeddings=false"]
+POWERSGD = ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.grad_compression=powersgd",
+            "parallel.powersgd_start_step=2"]
 
 
 def full_weights(engine: TrainEngine) -> dict[str, torch.Tensor]:
@@ -76,6 +78,9 @@ def load_then_continue(rank, world, cache, layout, storage):
                  id="fsdp4-to-tp2xcp2"),
     pytest.param((4, ["parallel.cp=2", "parallel.dp_shard=2"]),
                  (4, ["parallel.cp=2", "parallel.dp_shard=2"]), id="cp2xfsdp2-to-itself"),
+    # PowerSGD's error feedback and factors come back: the resume is exact (a restarted
+    # process has other DDP buckets in its first step; the state is kept per parameter).
+    pytest.param((2, POWERSGD), (2, POWERSGD), id="ddp2-powersgd-to-itself"),
     pytest.param((2, [*UNTIED, "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"]),
                  (4, [*UNTIED, "parallel.tp=2", "parallel.dp_shard=2"]),
                  id="pp2-interleaved-to-fsdp2xtp2"),

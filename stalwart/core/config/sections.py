@@ -23,6 +23,8 @@ AC_MODES = ("none", "selective", "full")
 SNAPSHOT_AUTO = "auto"
 PRECISIONS = ("fp32", "bf16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+# stalwart.parallel.grad_compression.COMPRESSIONS (the basement names them itself).
+GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 
 
 def _require(ok: bool, name: str, value: Any, allowed: str) -> None:
@@ -190,6 +192,12 @@ class ParallelConfig:
     """`bf16`: FSDP2 computes in bfloat16 with fp32 master weights and fp32 gradient reduction."""
     cpu_offload: bool = False
     """FSDP2 keeps sharded parameters, gradients and optimizer state in host memory (ZeRO-Offload); needs GPU workers."""
+    grad_compression: str = "none"
+    """Compress the data-parallel gradient reduction: `bf16` or `fp16` (half the bytes: DDP's compression hooks, or FSDP2's reduce dtype), or `powersgd` (DDP's PowerSGD hook: low-rank factors with error feedback, its state checkpointed; replicated data parallelism only)."""
+    powersgd_rank: int = 4
+    """With `grad_compression = "powersgd"`: the rank of each gradient matrix's approximation (more: closer, more bytes)."""
+    powersgd_start_step: int = 10
+    """With `grad_compression = "powersgd"`: plain all-reduce for the steps before this one (PowerSGD's warm-up)."""
     invariant_reduction: bool = False
     """Sum gradients in one fixed order (a pairwise tree over the micro-batches) whatever the data-parallel degree, so a run that resizes ends bit-identical to one that never did. Replicated data parallelism only (`dp_shard = 1`, `tp = pp = 1`, fp32)."""
 
@@ -210,6 +218,22 @@ class ParallelConfig:
                  self.activation_checkpointing, f"one of {', '.join(AC_MODES)}")
         _require(self.mixed_precision in PRECISIONS, "parallel.mixed_precision",
                  self.mixed_precision, f"one of {', '.join(PRECISIONS)}")
+        _require(self.grad_compression in GRAD_COMPRESSIONS, "parallel.grad_compression",
+                 self.grad_compression, f"one of {', '.join(GRAD_COMPRESSIONS)}")
+        _require(self.grad_compression != "powersgd" or (
+            self.dp_shard == 1 and self.tp == 1 and self.pp == 1 and self.cp == 1
+            and self.mixed_precision == "fp32" and not self.cpu_offload),
+            "parallel.grad_compression", self.grad_compression,
+            "powersgd needs replicated data parallelism (DDP): dp_shard = 1, tp = 1, pp = 1, "
+            "cp = 1, mixed_precision = fp32, no cpu_offload; bf16 and fp16 work with any layout")
+        _require(self.powersgd_rank >= 1, "parallel.powersgd_rank", self.powersgd_rank,
+                 "must be >= 1")
+        _require(self.powersgd_start_step >= 0, "parallel.powersgd_start_step",
+                 self.powersgd_start_step, "must be >= 0")
+        _require(not self.invariant_reduction or self.grad_compression == "none",
+                 "parallel.invariant_reduction", self.invariant_reduction,
+                 f"sums exact gradients in one order; it cannot take parallel.grad_compression "
+                 f"= {self.grad_compression}")
         _require(not self.invariant_reduction or (
             self.dp_shard == 1 and self.tp == 1 and self.pp == 1 and self.cp == 1
             and self.mixed_precision == "fp32" and not self.cpu_offload),
