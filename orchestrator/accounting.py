@@ -67,7 +67,7 @@ class Throughput(ControllerObserver):
                 world_size=self.world_size, samples_seen=r.samples_seen, time=r.time,
                 window_s=round(elapsed, 6), steps_in_window=len(self._unlogged_ends),
                 val_loss=r.val_loss, data_wait_s=round(self._wait_since_log, 6),
-                task_metrics=r.metrics))
+                grad_bytes=r.grad_bytes, task_metrics=r.metrics))
             self._last_log_time, self._tokens_since_log = r.time, 0
             self._wait_since_log = 0.0
             self._unlogged_ends = {}

@@ -131,6 +131,7 @@ class PowerSGD:
         self.qs = {n: torch.zeros(cols * self._rank(rows, cols), dtype=p.dtype, device=p.device)
                    for n, p in params for rows, cols in [_matrix(p.shape)]
                    if self._compressed(rows, cols)}
+        self._in_flight: torch.futures.Future[torch.Tensor] | None = None
         self.q_ready = False
         """Whether Q holds factors (set at the first compressed step; until then torch draws
         them from its seeded generator, the same draws after a restore)."""
@@ -179,7 +180,14 @@ class PowerSGD:
                     self.q_ready = True
             return fut.value()
 
-        return powerSGD_hook(state, bucket).then(keep)
+        # One bucket at a time. torch's hook starts its second and third all-reduce from the
+        # callbacks of the one before, on whichever thread finished it: with two buckets in
+        # flight the ranks could start them in different orders, which gloo detects as a
+        # size mismatch and aborts on (NCCL would hang). The wait costs only overlap.
+        if self._in_flight is not None:
+            self._in_flight.wait()
+        self._in_flight = powerSGD_hook(state, bucket).then(keep)
+        return self._in_flight
 
     def state_dict(self) -> dict[str, Any]:
         return {"iter": self.torch_state.iter, "q_ready": self.q_ready,

@@ -48,6 +48,9 @@ class StepReport:
     """The step's update was dropped (a numerical fault, or numerics.skip_steps)."""
     replays: int = 0
     """Times the step was trained again after a numerical fault."""
+    grad_bytes: int | None = None
+    """Bytes of gradient this rank's data-parallel reduction carried (None: no reduction
+    counted, see TrainEngine.grad_bytes)."""
 
 
 @dataclass(frozen=True, kw_only=True)

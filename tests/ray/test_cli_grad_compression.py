@@ -15,7 +15,8 @@ pytestmark = [pytest.mark.ray, pytest.mark.timeout(600), pytest.mark.usefixtures
 POWERSGD = [*TINY, "train.steps=20", "checkpoint.persist_every=10", "checkpoint.keep_last=0",
             "run.log_every=1", "data.val_every=0", "parallel.dp_replicate=2",
             "parallel.dp_shard=1", "parallel.grad_compression=powersgd",
-            "parallel.powersgd_start_step=5", "failure.max_failures=1"]
+            "parallel.powersgd_start_step=5", "parallel.powersgd_rank=4",
+            "failure.max_failures=1"]
 
 
 def test_a_killed_powersgd_rank_is_restored_from_memory_exactly(tmp_path):

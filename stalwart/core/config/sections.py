@@ -23,6 +23,7 @@ AC_MODES = ("none", "selective", "full")
 SNAPSHOT_AUTO = "auto"
 PRECISIONS = ("fp32", "bf16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
+TRAIN_PRECISIONS = ("default", "float8")
 # stalwart.parallel.grad_compression.COMPRESSIONS (the basement names them itself).
 GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 
@@ -178,6 +179,8 @@ class ParallelConfig:
     """Tensor-parallel degree: each layer's matrices are split over this many ranks by the task's plan (`TrainTask.apply_tensor_parallel`). Must divide the attention heads."""
     cp: int = 1
     """Context-parallel degree: each sequence is split over this many ranks, two mirrored chunks each so that causal attention's work is even, by the task's hook (`TrainTask.apply_context_parallel`); attention all-gathers the keys and values. The sequence length must be a multiple of `2 x cp`. FSDP2 shards over `dp_shard x cp`."""
+    ep: int = 1
+    """Expert-parallel degree: each MoE layer's experts are split over this many data-parallel ranks by the task's hook (`TrainTask.apply_expert_parallel`), which send tokens to them and back all-to-all. Must divide `dp_shard` and the experts; needs `tp = cp = pp = 1`. Not a dimension of its own: it splits the data-parallel ranks' experts, not the world."""
     pp: int = 1
     """Pipeline-parallel degree: the blocks are cut into stages on this many ranks by the task's split (`TrainTask.split_pipeline`). `pp x dp_replicate x dp_shard x cp x tp = scaling.num_workers`; at least `pp` accumulation micro-batches per step."""
     pp_schedule: str = "1f1b"
@@ -194,8 +197,8 @@ class ParallelConfig:
     """FSDP2 keeps sharded parameters, gradients and optimizer state in host memory (ZeRO-Offload); needs GPU workers."""
     grad_compression: str = "none"
     """Compress the data-parallel gradient reduction: `bf16` or `fp16` (half the bytes: DDP's compression hooks, or FSDP2's reduce dtype), or `powersgd` (DDP's PowerSGD hook: low-rank factors with error feedback, its state checkpointed; replicated data parallelism only)."""
-    powersgd_rank: int = 4
-    """With `grad_compression = "powersgd"`: the rank of each gradient matrix's approximation (more: closer, more bytes)."""
+    powersgd_rank: int = 32
+    """With `grad_compression = "powersgd"`: the rank of each gradient matrix's approximation (more: closer, more bytes). A matrix is sent whole unless its factors are at most half its size: at width 128, rank 32 leaves square matrices whole."""
     powersgd_start_step: int = 10
     """With `grad_compression = "powersgd"`: plain all-reduce for the steps before this one (PowerSGD's warm-up)."""
     invariant_reduction: bool = False
@@ -211,6 +214,10 @@ class ParallelConfig:
                  self.dp_replicate, "at most one of dp_replicate and dp_shard may be -1")
         _require(self.tp >= 1, "parallel.tp", self.tp, "must be >= 1")
         _require(self.cp >= 1, "parallel.cp", self.cp, "must be >= 1")
+        _require(self.ep >= 1, "parallel.ep", self.ep, "must be >= 1")
+        _require(self.ep == 1 or (self.tp == 1 and self.cp == 1 and self.pp == 1),
+                 "parallel.ep", self.ep, "expert parallelism composes with data parallelism "
+                 "only: it needs tp = 1, cp = 1 and pp = 1")
         _require(self.pp >= 1, "parallel.pp", self.pp, "must be >= 1")
         _require(self.pp_schedule in PP_SCHEDULES, "parallel.pp_schedule", self.pp_schedule,
                  f"one of {', '.join(PP_SCHEDULES)}")
@@ -236,16 +243,16 @@ class ParallelConfig:
                  f"= {self.grad_compression}")
         _require(not self.invariant_reduction or (
             self.dp_shard == 1 and self.tp == 1 and self.pp == 1 and self.cp == 1
-            and self.mixed_precision == "fp32" and not self.cpu_offload),
+            and self.ep == 1 and self.mixed_precision == "fp32" and not self.cpu_offload),
             "parallel.invariant_reduction", self.invariant_reduction,
-            "needs replicated data parallelism only: dp_shard = 1, tp = 1, pp = 1, cp = 1, "
+            "needs replicated data parallelism only: dp_shard = 1, tp = 1, pp = 1, cp = 1, ep = 1, "
             "mixed_precision = fp32, no cpu_offload")
 
     def layout(self, world_size: int) -> dict[str, int]:
         """Every degree of a world of `world_size` ranks, as `resized` events record them."""
         replicate, shard = self.degrees(world_size)
         return {"dp_replicate": replicate, "dp_shard": shard, "cp": self.cp, "tp": self.tp,
-                "pp": self.pp}
+                "pp": self.pp, "ep": self.ep}
 
     def degrees(self, world_size: int) -> tuple[int, int]:
         """(dp_replicate, dp_shard) for a world of `world_size` ranks, with -1 resolved.
@@ -271,14 +278,19 @@ class ParallelConfig:
             raise ConfigError(f"parallel.{name} = {fixed} is invalid: must divide the world "
                               f"size {world_size}")
         if self.dp_replicate == -1:
-            return world_size // self.dp_shard, self.dp_shard
-        if self.dp_shard == -1:
-            return self.dp_replicate, world_size // self.dp_replicate
-        if self.dp_replicate * self.dp_shard != world_size:
+            replicate, shard = world_size // self.dp_shard, self.dp_shard
+        elif self.dp_shard == -1:
+            replicate, shard = self.dp_replicate, world_size // self.dp_replicate
+        elif self.dp_replicate * self.dp_shard != world_size:
             raise ConfigError(f"parallel.dp_shard = {self.dp_shard} is invalid: dp_replicate x "
                               f"dp_shard must equal the world size / (tp x cp x pp) = {world_size} "
                               f"(or set one of them to -1)")
-        return self.dp_replicate, self.dp_shard
+        else:
+            replicate, shard = self.dp_replicate, self.dp_shard
+        if shard % self.ep:
+            raise ConfigError(f"parallel.ep = {self.ep} is invalid: must divide dp_shard = "
+                              f"{shard} (the experts are split over data-parallel shard ranks)")
+        return replicate, shard
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -301,9 +313,13 @@ class TrainConfig:
     """Clip the global gradient norm to this value; 0 disables clipping."""
     seed: int = 0
     """Seeds model initialisation and the sample order."""
+    precision: str = "default"
+    """`default`: as `parallel.mixed_precision` says; `float8`: the linear layers' matmuls in float8 (TorchAO), on CUDA devices with compute capability 8.9 or later only (GPU workers; `pip install 'stalwart[float8]'`)."""
 
     def __post_init__(self) -> None:
         _check_kinds(self, "train")
+        _require(self.precision in TRAIN_PRECISIONS, "train.precision", self.precision,
+                 f"one of {', '.join(TRAIN_PRECISIONS)}")
         _require(self.steps >= 1, "train.steps", self.steps, "must be >= 1")
         _require(self.global_batch_size >= 1, "train.global_batch_size",
                  self.global_batch_size, "must be >= 1")
