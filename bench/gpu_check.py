@@ -54,6 +54,7 @@ CHECKS = (
     Check("numerics", ("numerics",), gpu_checks_numerics.numerics, True),
     Check("offload", ("offload",), features.offload, True),
     Check("compile", ("compile",), features.compiled, True),
+    Check("float8", ("float8",), features.float8, True),
     Check("activation_checkpointing", ("activation_checkpointing",),
           features.activation_checkpointing, True),
     Check("memory", ("memory",), features.memory, True),

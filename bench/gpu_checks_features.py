@@ -1,5 +1,5 @@
-"""Checks of bench/gpu_check.py that build the engine with one [parallel] option on (FSDP2 CPU
-offload, torch.compile, activation checkpointing) and check that a step runs, and the memory
+"""Checks of bench/gpu_check.py that build the engine with one option on (FSDP2 CPU offload,
+torch.compile, activation checkpointing, float8 training) and check that a step runs, and the memory
 check: `stalwart plan`'s estimate against the device's peak allocation."""
 
 from __future__ import annotations
@@ -81,6 +81,16 @@ def compiled(ctx: Ctx) -> dict[str, Any]:
     # and the gradients now exist).
     return _feature_row("compile", {"compile": _one_step(ctx, "parallel.compile=true",
                                                          warmup=2)})
+
+
+def float8(ctx: Ctx) -> dict[str, Any]:
+    from stalwart.parallel.float8 import float8_unsupported
+
+    why = float8_unsupported(ctx.device)
+    if why is not None:
+        return skipped("float8", f"train.precision = float8 cannot run here: {why}")
+    return _feature_row("float8", {"float8": _one_step(ctx, "train.precision=float8",
+                                                       warmup=1)})
 
 
 def activation_checkpointing(ctx: Ctx) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""Layouts: tokens/s of each parallel layout of the reference task on 4 CPU workers."""
+"""Layouts: tokens/s of each parallel layout of the reference task on 4 CPU workers (and of
+the MoE example's, expert parallelism among them, against its own FSDP2 row)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,14 @@ LAYOUTS: dict[str, tuple[str, str, list[str]]] = {
     "cp2-fsdp2": ("CP x FSDP2", "1x2x2x1x1", []),
     "cp4": ("CP", "1x1x4x1x1", []),
     "tp2-cp2": ("TP x CP", "1x1x2x2x1", []),
+    "moe-fsdp4": ("MoE FSDP2", "1x4x1x1x1", []),
+    "moe-ep2-fsdp4": ("MoE EP x FSDP2", "1x4x1x1x1", ["parallel.ep=2"]),
+    "moe-ep4": ("MoE EP", "1x4x1x1x1", ["parallel.ep=4"]),
 }
+# The MoE rows train the MoE example (examples/moe/config.toml, the same shape overrides):
+# they are compared with its FSDP2 row, the others with DDP on the reference GPT.
+MOE_BASELINE = "moe-fsdp4"
+MOE_CONFIG = str(Path(__file__).resolve().parents[1] / "examples" / "moe" / "config.toml")
 MODEL = ["task.args.n_layers=8", "task.args.tie_embeddings=false"]
 
 
@@ -61,7 +69,8 @@ def one_run(name: str, rnd: int, *, args: argparse.Namespace, work: Path, tps: i
         return out
 
     result = common.rate_run(
-        tag, common.stalwart_command(args.config, overrides + layout, run_dir),
+        tag, common.stalwart_command(MOE_CONFIG if name.startswith("moe-") else args.config,
+                                     overrides + layout, run_dir),
         args, work, {"layout": name, "dims": LAYOUTS[name][1], "round": rnd,
                      "overrides": layout, "run_dir": str(run_dir)}, measure,
         lambda r: f", final loss {r['final_loss']:.4f}")
@@ -84,12 +93,14 @@ def summarise(results: list[dict[str, Any]], names: list[str]) -> dict[str, dict
             "loss_by_step": ok[0]["loss_by_step"] if ok else None,
             "measured_rounds": len(ok), "failed_rounds": len(runs) - len(ok),
             "errors": [r["error"] for r in runs if "error" in r]}
-    base = summary.get(BASELINE, {}).get("tokens_per_s")
-    base_losses = summary.get(BASELINE, {}).get("loss_by_step")
-    for s in summary.values():
-        s["relative_to_ddp4"] = s["tokens_per_s"] / base if s["tokens_per_s"] and base else None
-        s["loss_max_abs_diff_vs_ddp4"] = (common.max_loss_diff(s["loss_by_step"], base_losses)
-                                          if s["loss_by_step"] and base_losses else None)
+    for name, s in summary.items():
+        baseline = summary.get(MOE_BASELINE if name.startswith("moe-") else BASELINE, {})
+        base, base_losses = baseline.get("tokens_per_s"), baseline.get("loss_by_step")
+        s["relative_to_baseline"] = (s["tokens_per_s"] / base if s["tokens_per_s"] and base
+                                     else None)
+        s["loss_max_abs_diff_vs_baseline"] = (
+            common.max_loss_diff(s["loss_by_step"], base_losses)
+            if s["loss_by_step"] and base_losses else None)
     return summary
 
 
@@ -97,16 +108,18 @@ def print_table(summary: dict[str, dict[str, Any]], results: list[dict[str, Any]
                 args: argparse.Namespace) -> None:
     agg = "median of rounds" if args.rounds > 1 else "one round"
     head = (f"{'layout':<16} | {'kind':<19} | {'r x s x cp x tp x pp':>20} | {'tokens/s':>9} | "
-            f"{'vs ddp4':>7} | {'final loss':>10} | {'max |dloss|':>11} | {'wall s':>6}")
+            f"{'vs base':>7} | {'final loss':>10} | {'max |dloss|':>11} | {'wall s':>6}")
     print(f"\ntokens/s (steady state, steps {args.exclude + 1}..{args.steps}, {agg}); model "
           f"{' '.join(MODEL)} for every row\n" + head + "\n" + "-" * len(head))
     for name, s in summary.items():
         print(f"{name:<16} | {s['description']:<19} | {s['dims']:>20} | "
-              f"{fmt(s['tokens_per_s'], '9,.0f')} | {fmt(s['relative_to_ddp4'], '7.3f')} | "
-              f"{fmt(s['final_loss'], '10.4f')} | {fmt(s['loss_max_abs_diff_vs_ddp4'], '11.2e')}"
+              f"{fmt(s['tokens_per_s'], '9,.0f')} | {fmt(s['relative_to_baseline'], '7.3f')} | "
+              f"{fmt(s['final_loss'], '10.4f')} | "
+              f"{fmt(s['loss_max_abs_diff_vs_baseline'], '11.2e')}"
               f" | {fmt(s['wall_s'], '6.1f')}" + ("  FAILED" if s["failed_rounds"] else ""))
-    print("(max |dloss|: the largest loss difference to ddp4 over the logged steps; wall s: "
-          "the whole `stalwart run`, Ray start-up and final checkpoint included)")
+    print(f"(base: {BASELINE}, and {MOE_BASELINE} for the MoE rows; max |dloss|: the largest "
+          f"loss difference to the base over the logged steps; wall s: the whole `stalwart run`, "
+          f"Ray start-up and final checkpoint included)")
     if failed := [r for r in results if "tokens_per_s" not in r]:
         print("\nfailed runs:")
         for r in failed:

@@ -43,9 +43,10 @@ def needs_fsdp(mesh: DeviceMesh, config: ParallelConfig) -> bool:
             or config.mixed_precision != "fp32" or config.cpu_offload)
 
 
-def apply_data_parallel(model: torch.nn.Module, mesh: DeviceMesh, config: ParallelConfig
-                        ) -> torch.nn.Module:
-    """Wrap `model` for the mesh's data-parallel layout; returns the module to train."""
+def apply_data_parallel(model: torch.nn.Module, mesh: DeviceMesh, config: ParallelConfig,
+                        ignored: set[torch.nn.Parameter] | None = None) -> torch.nn.Module:
+    """Wrap `model` for the mesh's data-parallel layout; returns the module to train.
+    `ignored`: parameters FSDP2 leaves whole and unreduced (experts split over ep ranks)."""
     replicate = mesh["dp_replicate"].size()
     if not needs_fsdp(mesh, config):
         if replicate == 1 or config.invariant_reduction:  # the engine reduces (invariant_reduce)
@@ -55,6 +56,8 @@ def apply_data_parallel(model: torch.nn.Module, mesh: DeviceMesh, config: Parall
     # HSDP when replicate > 1: shard inside each replica group (possibly of one rank),
     # all-reduce across them.
     kwargs: dict = {"mesh": fsdp_mesh(mesh, replicate=replicate > 1)}
+    if ignored:
+        kwargs["ignored_params"] = ignored
     compressed = reduce_dtype(config)  # a half-precision reduction, if asked for
     if config.mixed_precision == "bf16" or compressed is not None:
         kwargs["mp_policy"] = MixedPrecisionPolicy(

@@ -37,6 +37,9 @@ class ParallelDims:
     tp: int
     pp: int = 1
     cp: int = 1
+    ep: int = 1
+    """Expert parallel: splits the experts over ep consecutive dp_shard ranks (not a mesh
+    dimension: parallel/expert_parallel.py makes its groups)."""
     stages_per_rank: int = 1
     """Pipeline stages each pp rank runs: 2 for the interleaved schedules (virtual stages)."""
     pp_schedule: str = "1f1b"
@@ -47,7 +50,7 @@ class ParallelDims:
         replicate, shard = parallel.degrees(world_size)
         looped = parallel.pp > 1 and parallel.pp_schedule in ("interleaved_1f1b", "zero_bubble")
         return cls(dp_replicate=replicate, dp_shard=shard, tp=parallel.tp, pp=parallel.pp,
-                   cp=parallel.cp, stages_per_rank=2 if looped else 1, pp_schedule=parallel.pp_schedule)
+                   cp=parallel.cp, ep=parallel.ep, stages_per_rank=2 if looped else 1, pp_schedule=parallel.pp_schedule)
 
     @property
     def world_size(self) -> int:
@@ -77,6 +80,13 @@ class ParallelDims:
                 f"data-parallel ranks ({self.describe()}): its split backward does not "
                 f"compose with data parallelism; use pp_schedule = interleaved_1f1b (the same "
                 f"stages per rank) or dp_replicate = dp_shard = 1")
+        if self.ep > 1 and (self.tp, self.cp, self.pp) != (1, 1, 1):
+            raise ConfigError(f"parallel.ep = {self.ep} is invalid with {self.describe()}: "
+                              f"expert parallelism composes with data parallelism only "
+                              f"(tp = cp = pp = 1)")
+        if self.ep > 1 and self.dp_shard % self.ep:
+            raise ConfigError(f"parallel.ep = {self.ep} is invalid: must divide dp_shard = "
+                              f"{self.dp_shard}")
         if self.cp > 1 and self.pp > 1:
             raise ConfigError(
                 f"parallel.cp = {self.cp} is invalid with parallel.pp = {self.pp}: context "
@@ -110,8 +120,9 @@ class ParallelDims:
         return mesh
 
     def describe(self) -> str:
+        ep = f" (ep={self.ep})" if self.ep > 1 else ""
         return (f"pp={self.pp} x dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard} "
-                f"x cp={self.cp} x tp={self.tp}")
+                f"x cp={self.cp} x tp={self.tp}{ep}")
 
 
 def fsdp_mesh(mesh: DeviceMesh, *, replicate: bool) -> DeviceMesh:

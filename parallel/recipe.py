@@ -25,12 +25,14 @@ if TYPE_CHECKING:
 
 def parallelize(model: torch.nn.Module, *, mesh: DeviceMesh | None, config: ParallelConfig,
                 task: TrainTask,
-                materialize: Callable[[torch.nn.Module], None] | None = None
-                ) -> torch.nn.Module:
+                materialize: Callable[[torch.nn.Module], None] | None = None,
+                experts: set[torch.nn.Parameter] | None = None) -> torch.nn.Module:
     """`mesh` None: a single process without a process group (only steps 2 and 3 apply).
 
     `materialize`: for a model built on the meta device, what allocates and fills it
-    (parallel/meta_init.py), called once its parameters are split (step 4)."""
+    (parallel/meta_init.py), called once its parameters are split (step 4). `experts`: the
+    parameters expert parallelism split (parallel/expert_parallel.py), which data
+    parallelism leaves whole."""
     materialize = materialize or (lambda _: None)
     # 1. Tensor parallel first: it replaces parameters with DTensors sharded over the tp
     #    mesh, which FSDP below then shards again over dp (2-D parameters).
@@ -55,7 +57,7 @@ def parallelize(model: torch.nn.Module, *, mesh: DeviceMesh | None, config: Para
     #    A meta-device model is allocated after FSDP shards it (each rank then holds only
     #    its shards), but before DDP, which needs real parameters to wrap.
     if mesh is not None and needs_fsdp(mesh, config):
-        model = apply_data_parallel(model, mesh, config)
+        model = apply_data_parallel(model, mesh, config, ignored=experts)
         materialize(model)
         return model
     materialize(model)

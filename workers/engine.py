@@ -36,6 +36,7 @@ from stalwart.parallel import grad_compression
 from stalwart.parallel.context_parallel import ContextShard
 from stalwart.parallel.data_parallel import gradient_sync, unwrapped
 from stalwart.parallel.dims import ParallelDims, dp_coordinates
+from stalwart.parallel.expert_parallel import ExpertGradients, expert_shard
 from stalwart.parallel.grad_norm import clip_grad_norm
 from stalwart.parallel.invariant_reduce import PairwiseAccumulator
 from stalwart.parallel.meta_init import materialize, on_meta
@@ -121,7 +122,12 @@ class TrainEngine:
         if not deferred:
             model = model.to(device)
             task.init_weights(model)
+        if config.train.precision == "float8":  # before any split (parallel/float8.py)
+            from stalwart.parallel.float8 import apply_float8
+
+            apply_float8(model, device)
         self.pipeline: Pipeline | None = None
+        self.expert_grads: ExpertGradients | None = None
         if self.dims.pp > 1:
             assert self.mesh is not None, "pipeline parallelism needs a process group"
             # Imported here: torch's pipelining costs every rank's start half a second.
@@ -134,15 +140,25 @@ class TrainEngine:
             # The optimizer and checkpoints see this rank's stages as one module.
             self.model = self.pipeline.rank_module
         else:
+            # Expert parallel: this rank keeps its experts, which data parallelism leaves out.
+            experts: list[torch.nn.Parameter] = []
+            if self.dims.ep > 1:
+                shard = expert_shard(self.dp_rank, self.dp_size, self.dims.ep,
+                                     list(range(world_size)))  # tp = cp = pp = 1
+                experts = task.apply_expert_parallel(model, shard)
+                self.expert_grads = ExpertGradients(experts, shard)
             self.model = parallelize(
                 model, mesh=self.mesh, config=config.parallel, task=task,
                 materialize=partial(materialize, device=device, init=task.init_weights)
-                if deferred else None)
+                if deferred else None, experts=set(experts))
         # DDP's compression hook; PowerSGD's state rides in the checkpoint ("comm").
         self.compression = (grad_compression.register(self.model, config.parallel, rank=rank)
                             if isinstance(self.model, DistributedDataParallel) else None)
+        # Counted where a rank reduces its parameters' whole gradients: not split by tp, nor
+        # experts reduced over their replicas only.
         self.grad_bytes = (grad_compression.reduction_bytes(self.model, config.parallel)
-                           if self.dp_size > 1 and self.dims.tp == 1 else None)
+                           if self.dp_size > 1 and self.dims.tp == 1 and self.dims.ep == 1
+                           else None)
         # A model with frozen parameters (adapters on a pretrained base) checkpoints only
         # what trains: the frozen rest comes from the task's own files at every start, so
         # a load leaves it as it is (not strict). DCP's load still refuses a checkpoint
@@ -266,8 +282,8 @@ class TrainEngine:
                             samples_seen=self.samples_seen, local_s=tried.local_s,
                             data_wait_s=tried.data_wait,
                             ledger=ledger if self.rank == 0 else None,
-                            metrics=self._with_grad_bytes(tried.metrics, step),
-                            skipped=skipped, replays=replays)
+                            metrics=tried.metrics, skipped=skipped, replays=replays,
+                            grad_bytes=self._grad_bytes(step))
         return report, tried.stop or tried.data_failed
 
     def _attempt(self, step_data: Any, step: int, *, stop_requested: bool, data_wait: float,
@@ -318,11 +334,16 @@ class TrainEngine:
             if self.invariant is not None:
                 local.done()
                 self.invariant.reduce_into_grads(self.dp_group)
+            if self.expert_grads is not None:
+                self.expert_grads.reduce()
         grad_norm = None
         if cfg.grad_clip > 0:
+            experts = self.expert_grads
             grad_norm = clip_grad_norm(self.model.parameters(), cfg.grad_clip,
                                        pp_group=self.mesh["pp"].get_group()
-                                       if self.pipeline else None)
+                                       if self.pipeline else None,
+                                       split=(set(experts.params), experts.shard.group)
+                                       if experts is not None else None)
         if before_update is not None:
             before_update()
         checks = self.numerics.checks(
@@ -366,13 +387,12 @@ class TrainEngine:
                        checks=values[head:], fingerprinted=checks.fingerprinted,
                        tokens=tokens, local_s=local.seconds(), next_error=next_error)
 
-    def _with_grad_bytes(self, metrics: dict[str, float], step: int) -> dict[str, float]:
-        """The step's metrics and, under data parallelism, `grad_bytes`: what this rank's
-        gradient reduction carried (PowerSGD's factors from its start step on)."""
+    def _grad_bytes(self, step: int) -> int | None:
+        """What this rank's gradient reduction carried in `step` (PowerSGD's factors from its
+        start step on); None without data parallelism, or with tp or ep (not counted)."""
         if self.grad_bytes is None:
-            return metrics
-        compressing = step > self.config.parallel.powersgd_start_step
-        return {**metrics, "grad_bytes": float(self.grad_bytes[compressing])}
+            return None
+        return self.grad_bytes[step > self.config.parallel.powersgd_start_step]
 
     def replica_classes(self) -> list[tuple[int, ...]]:
         """Each rank's class: ranks of one class hold the same state (the memory tier sends

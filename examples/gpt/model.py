@@ -207,12 +207,15 @@ class GPT(nn.Module):
         nn.init.normal_(self.tok_embeddings.weight, std=cfg.init_std)
         for layer in self.layers:
             attn, ffn = layer.attention, layer.feed_forward
-            for linear in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
+            # A subclass's own feed-forward (examples/moe) initialises itself.
+            dense = [ffn.w1, ffn.w3] if isinstance(ffn, FeedForward) else []
+            for linear in (attn.wq, attn.wk, attn.wv, *dense):
                 nn.init.normal_(linear.weight, std=cfg.init_std)
             # Projections that write into the residual stream are scaled down so
             # its variance does not grow with depth (GPT-2).
             nn.init.normal_(attn.wo.weight, std=residual_std)
-            nn.init.normal_(ffn.w2.weight, std=residual_std)
+            if dense:
+                nn.init.normal_(ffn.w2.weight, std=residual_std)
             nn.init.ones_(layer.attention_norm.weight)
             nn.init.ones_(layer.ffn_norm.weight)
         nn.init.ones_(self.norm.weight)

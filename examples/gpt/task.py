@@ -36,17 +36,20 @@ BYTE_VOCAB = 256
 
 
 class GPTTask(TrainTask):
+    config_class: type[GPTConfig] = GPTConfig
+    """The model's config, built from [task.args] (a subclass's model has its own)."""
+
     def __init__(self, *, val_fraction: float = 0.02, **model_args: Any) -> None:
         # build_task constructs the task on the driver before anything starts, so every
         # argument is checked here, with its config key in the message (see docs/tasks.md).
-        allowed = {f.name for f in dataclasses.fields(GPTConfig)}
+        allowed = {f.name for f in dataclasses.fields(self.config_class)}
         unknown = sorted(set(model_args) - allowed)
         if unknown:
             raise TaskError(f"unknown key task.args.{unknown[0]}; allowed: val_fraction, "
                             f"{', '.join(sorted(allowed))}")
         self.val_fraction = _check_val_fraction(val_fraction)
         try:
-            self.model_config = GPTConfig(**model_args)
+            self.model_config = self.config_class(**model_args)
         except GPTConfigError as exc:
             raise TaskError(f"task.args.{exc.field} = {exc.value!r} is invalid: "
                             f"{exc.allowed}") from None

@@ -232,7 +232,7 @@ class Resized(Event):
     old_world_size: int
     new_world_size: int
     old_layout: dict[str, int]
-    """{"dp_replicate", "dp_shard", "cp", "tp", "pp"}."""
+    """{"dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"}."""
     new_layout: dict[str, int]
     reason: str
     """shrink, grow, preempted or drain."""
@@ -489,13 +489,17 @@ class MetricsRow:
     data_wait_s: float | None = None
     """Seconds the window's steps waited for their data (the mean over ranks, summed over the
     steps): reading that did not keep up with training."""
+    grad_bytes: int | None = None
+    """Bytes of gradient each rank handed its data-parallel reduction in this step, after
+    `parallel.grad_compression` (a ring all-reduce puts about twice that on the wire); with
+    data parallelism and tp = ep = 1 only."""
     task_metrics: dict[str, float] = dataclasses.field(default_factory=dict)
     """The task's own metrics at this step (`val_<name>` on validation steps): columns of
     their own in the file, next to the ones above."""
 
     def to_row(self) -> dict[str, Any]:
         row = dataclasses.asdict(self)
-        for key in ("val_loss", "data_wait_s"):
+        for key in ("val_loss", "data_wait_s", "grad_bytes"):
             if row[key] is None:
                 del row[key]
         row.update(row.pop("task_metrics"))

@@ -44,6 +44,7 @@ class Layout(Protocol):
     tp: int
     pp: int
     cp: int
+    ep: int
 
     def check_composition(self) -> None: ...
 
@@ -60,6 +61,17 @@ class SequenceShard(Protocol):
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's queries [B, H, T/cp, hd] over the whole sequence."""
+
+
+class ExpertPlace(Protocol):
+    """A rank's share of every MoE layer's experts under expert parallelism:
+    stalwart.parallel.expert_parallel.ExpertShard, named here by its shape."""
+
+    rank: int
+    size: int
+
+    def local_experts(self, n_experts: int) -> range:
+        """The global ids of the experts this rank holds."""
 
 
 class Dataset(Protocol):
@@ -86,6 +98,10 @@ class ModelDims:
     """Feed-forward hidden width."""
     block_params: int | None = None
     """Parameters of one block (the largest FSDP unit); None: sized from d_model."""
+    n_experts: int | None = None
+    """Routed experts per MoE layer; None: a dense model."""
+    expert_params: int | None = None
+    """Parameters of all routed experts (every layer): what expert parallelism splits."""
 
 
 class TrainTask:
@@ -123,6 +139,10 @@ class TrainTask:
                             is TrainTask.apply_context_parallel):
             raise TaskError(f"parallel.cp = {dims.cp}: task {type(self).__name__} cannot split "
                             f"its sequences (implement apply_context_parallel)")
+        if dims.ep > 1 and (type(self).apply_expert_parallel
+                            is TrainTask.apply_expert_parallel):
+            raise TaskError(f"parallel.ep = {dims.ep}: task {type(self).__name__} has no "
+                            f"experts to split (implement apply_expert_parallel)")
         if dims.pp > 1 and type(self).split_pipeline is TrainTask.split_pipeline:
             raise TaskError(f"parallel.pp = {dims.pp}: task {type(self).__name__} has no "
                             f"pipeline split (implement split_pipeline)")
@@ -142,6 +162,15 @@ class TrainTask:
         every batch tensor of two or more dimensions cut along dim 1. The loss must be a mean
         over tokens that every rank holds equally many of (no padding masked out)."""
         raise TaskError(f"task {type(self).__name__} has no context-parallel attention")
+
+    def apply_expert_parallel(self, model: torch.nn.Module, shard: ExpertPlace
+                              ) -> list[torch.nn.Parameter]:
+        """Keep only `shard`'s experts of each MoE layer (under their names in the whole
+        model) and make the layers send tokens to the others' (`shard` is a
+        stalwart.parallel.expert_parallel.ExpertShard); return the kept experts' parameters:
+        data parallelism leaves them out, and their gradients are reduced over the expert
+        replicas instead."""
+        raise TaskError(f"task {type(self).__name__} has no experts to split")
 
     def split_pipeline(self, model: torch.nn.Module, stage_ids: list[int], num_stages: int
                        ) -> tuple[list[torch.nn.Module], torch.nn.Module]:

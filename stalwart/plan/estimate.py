@@ -57,6 +57,10 @@ class ModelShape:
     trainable: int | None = None
     """Parameters that train (adapters on a frozen base); None: all of them. A frozen one
     has no gradient and no optimizer state."""
+    n_experts: int | None = None
+    """Routed experts per MoE layer; None: a dense model (no expert parallelism)."""
+    expert_params: int | None = None
+    """Parameters of all routed experts: expert parallelism splits them, unsharded."""
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():  # every size is optional but positive
@@ -90,7 +94,8 @@ class ModelShape:
             return dataclasses.replace(cls.from_param_count(n_params), **frozen)
         return cls(n_params=n_params, n_layers=dims.n_layers, d_model=dims.d_model,
                    n_heads=dims.n_heads, seq_len=dims.seq_len, vocab_size=dims.vocab_size,
-                   ffn_hidden=dims.ffn_hidden, block_params=dims.block_params, **frozen)
+                   ffn_hidden=dims.ffn_hidden, block_params=dims.block_params,
+                   n_experts=dims.n_experts, expert_params=dims.expert_params, **frozen)
 
     @classmethod
     def from_param_count(cls, n_params: int, *, n_layers: int | None = None,
@@ -134,6 +139,9 @@ class PlanLayout:
     """Tensor-parallel degree."""
     cp: int = 1
     """Context-parallel degree: each sequence split over cp ranks, which FSDP2 shards over too."""
+    ep: int = 1
+    """Expert-parallel degree: the experts split over ep of the dp_shard ranks, whole (FSDP2
+    shards only the dense part then)."""
     pp: int = 1
     """Pipeline stages."""
     zero3: bool = True
@@ -156,7 +164,7 @@ class PlanLayout:
     interleaved_1f1b, zero_bubble) holds about pp on the first stage."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "cp", "pp", "micro_batch_size"):
+        for name in ("dp_replicate", "dp_shard", "tp", "cp", "ep", "pp", "micro_batch_size"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.pp_microbatches is None or self.pp_microbatches >= 1,
                f"pp_microbatches must be >= 1, got {self.pp_microbatches}")
@@ -191,8 +199,9 @@ class PlanLayout:
 
     def describe(self) -> str:
         cp = f" x cp={self.cp}" if self.cp > 1 else ""
+        ep = f" (ep={self.ep})" if self.ep > 1 else ""
         return (f"dp_replicate={self.dp_replicate} x dp_shard={self.dp_shard}{cp} x "
-                f"tp={self.tp} x pp={self.pp}, ZeRO-{self.zero_stage}")
+                f"tp={self.tp} x pp={self.pp}{ep}, ZeRO-{self.zero_stage}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,6 +248,11 @@ def estimate(shape: ModelShape, layout: PlanLayout) -> MemoryEstimate:
     # only while a unit is gathered and are counted in `buffers`. Every stored tensor is
     # sharded over dp_shard (x cp) under ZeRO-2 and ZeRO-3 alike (FSDP2 never keeps a full copy).
     shard = math.ceil(rank_params / layout.fsdp_degree)
+    if layout.ep > 1 and shape.expert_params:
+        # The experts are split over ep ranks whole; FSDP2 shards only the rest.
+        experts = math.ceil(shape.expert_params / layout.pp / layout.tp)
+        shard = (math.ceil((rank_params - experts) / layout.fsdp_degree)
+                 + math.ceil(experts / layout.ep))
     # Frozen parameters (a LoRA fine-tune's base) have no gradient and no optimizer state:
     # those scale with the trainable share, spread as the parameters are.
     trained = shard if shape.trainable is None else \
@@ -272,6 +286,8 @@ def _buffers(shape: ModelShape, layout: PlanLayout, rank_params: int) -> int | N
         # parameters gathered (below), less one block's gradient buffer.
         return None if layout.zero3 else compute * rank_params
     block = math.ceil(shape.block_params / layout.tp)
+    if layout.ep > 1 and shape.expert_params and shape.n_layers:
+        block -= shape.expert_params // shape.n_layers  # a rank's experts are never gathered
     # One block's unsharded gradient waits for its reduce-scatter; under bf16 FSDP2 upcasts
     # it into an fp32 buffer to reduce in fp32.
     grad_buffer = block * (compute + (4 if compute != 4 else 0))

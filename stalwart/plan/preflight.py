@@ -41,6 +41,7 @@ def run_layout(config: JobConfig) -> PlanLayout:
     par = config.parallel
     replicate, shard = par.degrees(config.scaling.num_workers)
     return PlanLayout(dp_replicate=replicate, dp_shard=shard, cp=par.cp, tp=par.tp, pp=par.pp,
+                      ep=par.ep,
                       zero3=par.reshard_after_forward, mixed_precision=par.mixed_precision,
                       cpu_offload=par.cpu_offload,
                       activation_checkpointing=par.activation_checkpointing,
@@ -66,7 +67,7 @@ def check_fits(shape: ModelShape, config: JobConfig, memory: WorkerMemory) -> No
     except PlanError as exc:  # no layout fits (plan's own message), or none can run
         raise PlanError(f"{head}; {exc}") from None
     flags = " ".join(f"--set parallel.{k}={getattr(best.layout, k)}"
-                     for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp"))
+                     for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"))
     raise PlanError(f"{head}; {best.layout.describe()} fits "
                     f"({format_bytes(best.estimate.device)} per worker): {flags}")
 

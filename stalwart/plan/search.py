@@ -75,9 +75,19 @@ def valid_layouts(devices: int, shape: ModelShape, options: PlanLayout | None = 
                     continue
                 dp = devices // (tp * pp * cp)
                 for shard in divisors(dp):
-                    layouts.append(dataclasses.replace(options, dp_replicate=dp // shard,
-                                                       dp_shard=shard, cp=cp, tp=tp, pp=pp))
+                    for ep in _expert_degrees(shape, shard, tp * cp * pp):
+                        layouts.append(dataclasses.replace(
+                            options, dp_replicate=dp // shard, dp_shard=shard, cp=cp, tp=tp,
+                            pp=pp, ep=ep))
     return layouts
+
+
+def _expert_degrees(shape: ModelShape, shard: int, model_parallel: int) -> list[int]:
+    """The ep an MoE model can take over `shard` ranks: those dividing both the shard ranks
+    and the experts, without other model parallelism; 1 for a dense model."""
+    if shape.n_experts is None or model_parallel > 1:
+        return [1]
+    return [ep for ep in divisors(shard) if shape.n_experts % ep == 0]
 
 
 def runnable_check(config: JobConfig) -> LayoutCheck:
@@ -90,7 +100,7 @@ def runnable_check(config: JobConfig) -> LayoutCheck:
 
     def check(layout: PlanLayout) -> str | None:
         degrees = {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
-                   "cp": layout.cp, "tp": layout.tp, "pp": layout.pp}
+                   "cp": layout.cp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep}
         try:
             parallel = dataclasses.replace(config.parallel, **degrees)
             # The layout's own world, fixed (no shrinking or growing) and without faults
@@ -115,7 +125,8 @@ def preference(candidate: Candidate) -> tuple[int, ...]:
        so the most data parallel layout usually has the best throughput;
     3. at the same degree, tensor before context before pipeline parallelism (lower pp,
        then lower cp): tp stays inside a node on fast links and splits the parameters too,
-       cp splits only the activations, pp pays a bubble of (pp - 1) / microbatches;
+       cp splits only the activations, pp pays a bubble of (pp - 1) / microbatches; then
+       the least expert parallelism (two all-to-alls per MoE layer);
     4. unsharded (dp_shard = 1: DDP, whole replicas) when it leaves HEADROOM of the device
        free by a complete estimate: sharding gathers every block's parameters in forward
        and again in backward, on top of the gradient reduction DDP makes too, so a model
@@ -126,7 +137,7 @@ def preference(candidate: Candidate) -> tuple[int, ...]:
     """
     layout = candidate.layout
     return (not candidate.fits, layout.tp * layout.cp * layout.pp, layout.pp, layout.cp,
-            not candidate.roomy, candidate.estimate.device, layout.dp_replicate,
+            layout.ep, not candidate.roomy, candidate.estimate.device, layout.dp_replicate,
             layout.dp_shard, layout.tp, layout.pp)
 
 
@@ -232,7 +243,7 @@ def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, 
     sizes = ", ".join(f"{name} {value:,}" for name, value in (
         ("blocks", shape.n_layers), ("block params", shape.block_params),
         ("d_model", shape.d_model), ("heads", shape.n_heads), ("seq_len", shape.seq_len),
-        ("vocab", shape.vocab_size)) if value is not None)
+        ("vocab", shape.vocab_size), ("experts", shape.n_experts)) if value is not None)
     lines = [
         f"model: {shape.n_params:,} parameters ({_count(shape.n_params)})"
         f"{'; ' + sizes if sizes else ''} [{source}]",
@@ -246,18 +257,18 @@ def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, 
         f"over {o.pp_microbatches or 'pp'} micro-batches",
         "",
     ]
-    head = ["dp_replicate", "dp_shard", "cp", "tp", "pp", "ZeRO", "params", "grads", "optimizer",
+    head = ["dp_replicate", "dp_shard", "cp", "tp", "pp", "ep", "ZeRO", "params", "grads", "optimizer",
             "buffers", "activations", "total"] + (["host"] if o.cpu_offload else []) + [
             "fits", ""]
     rows = []
     for i, (layout, est, fits, _) in enumerate(candidates):
         notes = (["recommended"] if i == 0 and fits else []) + (
             ["config"] if configured == (layout.dp_replicate, layout.dp_shard, layout.cp,
-                                         layout.tp, layout.pp) else [])
+                                         layout.tp, layout.pp, layout.ep) else [])
         unknown = "?"
         rows.append([str(layout.dp_replicate), str(layout.dp_shard), str(layout.cp),
-                     str(layout.tp),
-                     str(layout.pp), str(layout.zero_stage),
+                     str(layout.tp), str(layout.pp), str(layout.ep),
+                     str(layout.zero_stage),
                      *(format_bytes(b) + (" (host)" if est.offloaded else "")
                        for b in (est.params, est.grads, est.optimizer)),
                      unknown if est.buffers is None else format_bytes(est.buffers),
@@ -280,7 +291,7 @@ def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, 
     if left_out:
         lines += ["", "left out (a run of this config refuses them before start):"]
         lines += [f"  dp_replicate={lo.dp_replicate} x dp_shard={lo.dp_shard} x cp={lo.cp} x "
-                  f"tp={lo.tp} x pp={lo.pp}: {why}" for lo, why in left_out]
+                  f"tp={lo.tp} x pp={lo.pp} x ep={lo.ep}: {why}" for lo, why in left_out]
     return "\n".join(lines)
 
 

@@ -20,8 +20,9 @@ pytestmark = [pytest.mark.dist, pytest.mark.timeout(300)]
 
 SAVE_AT, CONTINUE = 4, 3
 UNTIED = ["task.args.n_layers=4", "task.args.tie_embeddings=false"]
+REFERENCE_SIZE = ["task.args.d_model=128", "task.args.n_heads=4", "task.args.n_layers=4"]
 POWERSGD = ["parallel.dp_replicate=2", "parallel.dp_shard=1", "parallel.grad_compression=powersgd",
-            "parallel.powersgd_start_step=2"]
+            "parallel.powersgd_start_step=2", "parallel.powersgd_rank=4"]
 
 
 def full_weights(engine: TrainEngine) -> dict[str, torch.Tensor]:
@@ -81,6 +82,10 @@ def load_then_continue(rank, world, cache, layout, storage):
     # PowerSGD's error feedback and factors come back: the resume is exact (a restarted
     # process has other DDP buckets in its first step; the state is kept per parameter).
     pytest.param((2, POWERSGD), (2, POWERSGD), id="ddp2-powersgd-to-itself"),
+    # The reference model's size: DDP makes two buckets (its first holds 1 MB), whose
+    # reductions must start in the same order on every rank.
+    pytest.param((2, [*POWERSGD, *REFERENCE_SIZE]), (2, [*POWERSGD, *REFERENCE_SIZE]),
+                 id="ddp2-powersgd-two-buckets-to-itself"),
     pytest.param((2, [*UNTIED, "parallel.pp=2", "parallel.pp_schedule=interleaved_1f1b"]),
                  (4, [*UNTIED, "parallel.tp=2", "parallel.dp_shard=2"]),
                  id="pp2-interleaved-to-fsdp2xtp2"),

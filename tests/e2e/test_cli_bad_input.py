@@ -205,6 +205,13 @@ CASES: dict[str, Case] = {
         "scaling.num_workers=4", "parallel.cp=2", "parallel.pp=2", "parallel.dp_replicate=1",
         "task.args.tie_embeddings=false")), expect="parallel.cp = 2 is invalid with "
         "parallel.pp = 2: context parallelism does not yet run inside pipeline stages"),
+    "ep_not_dividing_experts": Case(("run", "config.toml", *_sets(
+        'task.path="stalwart.examples.moe.task:MoETask"', "task.args.n_experts=6",
+        "parallel.ep=4", "scaling.num_workers=4", "parallel.dp_replicate=1",
+        "parallel.dp_shard=-1")),
+        expect="parallel.ep = 4 is invalid: must divide the model's 6 experts"),
+    "ep_without_shard_ranks": _run_set("parallel.ep=2", expect="parallel.ep = 2 is invalid: "
+                                       "must divide dp_shard = 1"),
     # -- task.args, checked by the task on the driver
     "val_fraction_5": _run_set("task.args.val_fraction=5",
                                expect="task.args.val_fraction = 5 is invalid: must be a number "

@@ -56,7 +56,7 @@ def test_reference_config_lists_every_layout_of_its_two_workers() -> None:
     # pp = 2 is left out, with why: the reference GPT ties its embedding and head.
     assert degrees == {(1, 2, 1, 1, 1), (2, 1, 1, 1, 1), (1, 1, 2, 1, 1), (1, 1, 1, 2, 1)}
     assert ("left out (a run of this config refuses them before start):\n"
-            "  dp_replicate=1 x dp_shard=1 x cp=1 x tp=1 x pp=2: parallel.pp = 2 needs "
+            "  dp_replicate=1 x dp_shard=1 x cp=1 x tp=1 x pp=2 x ep=1: parallel.pp = 2 needs "
             "task.args.tie_embeddings = false") in proc.stdout
     assert all("yes" in r for r in rows)
     # The model fits unsharded with room to spare: DDP, the config's own layout, is fastest.

@@ -89,7 +89,8 @@ def test_node_loss_shrinks_then_grows_back_bit_identical(tmp_path, cluster):
     assert [(e["old_world_size"], e["new_world_size"], e["reason"]) for e in resized] == [
         (4, 2, "shrink"), (2, 4, "grow")]
     # Resizing keeps the layout's shape and changes the data-parallel degree only.
-    assert resized[0]["new_layout"] == {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1}
+    assert resized[0]["new_layout"] == {"dp_replicate": 2, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1,
+                                           "ep": 1}
     (recovered,) = [e for e in events if e["kind"] == "recovered"]
     # Restored from the survivors' memory: the step before the node was lost, no step lost.
     assert recovered["world_size"] == 2 and recovered["source"] == "memory"

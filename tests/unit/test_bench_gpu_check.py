@@ -47,6 +47,7 @@ def test_on_cpu_every_check_has_figures_or_a_reason_and_none_errored(tmp_path: P
     assert {n for n, r in rows.items() if r.get("skipped") == "--skip"} == set(LEFT_OUT)
     # Without CUDA: no offload, no memory statistics, each said so.
     assert "CUDA" in rows["offload"]["skipped"] and "CPU" in rows["memory"]["skipped"]
+    assert "compute capability 8.9" in rows["float8"]["skipped"]
     throughput = rows["throughput"]["figures"]["by_variant"]
     assert all(v["tokens_per_s"] > 0 and v["loss_finite"] for v in throughput.values())
     # The engine and the plain FSDP2 loop start from the same weights on the same samples.

@@ -70,7 +70,7 @@ def test_cp_must_divide_the_world_with_tp() -> None:
     config = load_config(None, ["scaling.num_workers=8", "parallel.cp=2", "parallel.tp=2"])
     assert config.parallel.degrees(8) == (1, 2)  # dp_shard takes what tp x cp leaves
     assert config.parallel.layout(8) == {"dp_replicate": 1, "dp_shard": 2, "cp": 2, "tp": 2,
-                                         "pp": 1}
+                                         "pp": 1, "ep": 1}
 
 
 def test_the_gpt_refuses_a_sequence_that_2_cp_does_not_divide() -> None:

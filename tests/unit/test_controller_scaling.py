@@ -61,8 +61,10 @@ def test_shrink_when_only_a_smaller_world_can_form(tmp_path: Path,
         "fault kill:rank=3,step=5 has no target now: the world has 2 ranks")
     resized = w.event("resized")
     assert resized["old_world_size"] == 4 and resized["new_world_size"] == 2
-    assert resized["old_layout"] == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1, "pp": 1}
-    assert resized["new_layout"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "pp": 1}
+    assert resized["old_layout"] == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1, "pp": 1,
+                                           "ep": 1}
+    assert resized["new_layout"] == {"dp_replicate": 1, "dp_shard": 2, "cp": 1, "tp": 1, "pp": 1,
+                                           "ep": 1}
     assert resized["reason"] == "shrink" and resized["generation"] == 1
     assert any(m == "world resized 4 -> 2 (shrink)" for m in w.display.logs)
     rec = w.event("recovered")
@@ -129,7 +131,8 @@ def test_grow_when_the_cluster_has_room(tmp_path: Path, monkeypatch: pytest.Monk
     resized = w.event("resized")
     assert (resized["old_world_size"], resized["new_world_size"]) == (2, 4)
     assert resized["reason"] == "grow" and resized["step"] == 4
-    assert resized["new_layout"] == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1, "pp": 1}
+    assert resized["new_layout"] == {"dp_replicate": 1, "dp_shard": 4, "cp": 1, "tp": 1, "pp": 1,
+                                           "ep": 1}
     assert [(r["step"], r["world_size"]) for r in w.rows()] == [(2, 2), (4, 2), (6, 4)]
     assert w.controller.policy.failures == 0
 

@@ -81,7 +81,7 @@ def test_a_layout_that_fits_is_named_with_its_flags() -> None:
     assert message.endswith("; dp_replicate=1 x dp_shard=2 x tp=1 x pp=1, ZeRO-3 fits (7.63 MiB "
                             "per worker): --set parallel.dp_replicate=1 --set "
                             "parallel.dp_shard=2 --set parallel.cp=1 --set parallel.tp=1 --set "
-                            "parallel.pp=1")
+                            "parallel.pp=1 --set parallel.ep=1")
 
 
 def test_the_audits_model_is_refused_on_this_machine() -> None:

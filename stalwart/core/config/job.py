@@ -108,6 +108,11 @@ class JobConfig:
         them each with pipeline parallelism), and cpu_offload has GPU workers."""
         replicate, shard = self.parallel.degrees(world)
         dp = replicate * shard
+        _require(self.train.precision != "float8" or self.scaling.gpus_per_worker > 0,
+                 "train.precision", self.train.precision,
+                 "float8 needs GPU workers (scaling.gpus_per_worker > 0) whose devices have "
+                 "compute capability 8.9 or later (Ada, Hopper); CPU workers have no float8 "
+                 "matmuls")
         _require(not self.parallel.cpu_offload or self.scaling.gpus_per_worker > 0,
                  "parallel.cpu_offload", self.parallel.cpu_offload,
                  "needs GPU workers (scaling.gpus_per_worker > 0); on CPU workers the "
