@@ -134,3 +134,12 @@ def test_cp_splits_activations_and_shards_the_model_with_dp_shard() -> None:
     assert cp2.activations < 0.6 * plain.activations
     assert cp2.params * 2 == plain.params  # FSDP2 shards over dp_shard x cp
     assert PlanLayout(cp=2).zero_stage == 3 and PlanLayout(cp=2).uses_fsdp
+
+
+def test_a_resize_keeps_cp_and_changes_the_data_parallel_degree() -> None:
+    config = load_config(None, ["scaling.num_workers=4", "scaling.min_workers=2",
+                                "parallel.cp=2", "parallel.dp_replicate=1",
+                                "parallel.dp_shard=-1", "train.global_batch_size=8",
+                                "train.micro_batch_size=2"])
+    assert config.largest_world(3) == 2  # 3 ranks cannot hold cp = 2
+    assert config.parallel.layout(2)["cp"] == 2 and config.parallel.degrees(2) == (1, 1)
