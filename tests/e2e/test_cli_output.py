@@ -47,7 +47,7 @@ def test_a_misspelled_command_and_key_name_the_one_meant(tmp_path: Path) -> None
     assert key.returncode == 2 and key.stderr == (
         "stalwart: error: unknown key train.setps in [train]; did you mean train.steps? "
         "allowed: steps, global_batch_size, micro_batch_size, lr, min_lr_ratio, warmup_steps, "
-        "weight_decay, grad_clip, seed\n")
+        "weight_decay, grad_clip, seed, precision\n")
     assert not (tmp_path / "runs").exists()
 
 
