@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from stalwart.core.batch import map_tensors
+
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
@@ -53,16 +55,13 @@ class ContextShard:
     def split(self, batch: Any) -> Any:
         """This rank's tokens of a batch: every tensor of two or more dimensions is cut along
         dim 1, the sequence; others (per-sample values) are kept whole."""
-        if isinstance(batch, torch.Tensor):
-            if batch.dim() < 2:
-                return batch
-            index = chunk_positions(batch.shape[1], self.size, self.rank, batch.device)
-            return batch.index_select(1, index)
-        if isinstance(batch, dict):
-            return {k: self.split(v) for k, v in batch.items()}
-        if isinstance(batch, tuple | list):
-            return type(batch)(self.split(v) for v in batch)
-        return batch
+        return map_tensors(batch, self._mine)
+
+    def _mine(self, tensor: torch.Tensor) -> torch.Tensor:
+        if tensor.dim() < 2:
+            return tensor
+        return tensor.index_select(1, chunk_positions(tensor.shape[1], self.size, self.rank,
+                                                      tensor.device))
 
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's queries [B, H, T/cp, hd] over the whole

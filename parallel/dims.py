@@ -50,7 +50,8 @@ class ParallelDims:
         replicate, shard = parallel.degrees(world_size)
         looped = parallel.pp > 1 and parallel.pp_schedule in ("interleaved_1f1b", "zero_bubble")
         return cls(dp_replicate=replicate, dp_shard=shard, tp=parallel.tp, pp=parallel.pp,
-                   cp=parallel.cp, ep=parallel.ep, stages_per_rank=2 if looped else 1, pp_schedule=parallel.pp_schedule)
+                   cp=parallel.cp, ep=parallel.ep, stages_per_rank=2 if looped else 1,
+                   pp_schedule=parallel.pp_schedule)
 
     @property
     def world_size(self) -> int:
@@ -80,13 +81,6 @@ class ParallelDims:
                 f"data-parallel ranks ({self.describe()}): its split backward does not "
                 f"compose with data parallelism; use pp_schedule = interleaved_1f1b (the same "
                 f"stages per rank) or dp_replicate = dp_shard = 1")
-        if self.ep > 1 and (self.tp, self.cp, self.pp) != (1, 1, 1):
-            raise ConfigError(f"parallel.ep = {self.ep} is invalid with {self.describe()}: "
-                              f"expert parallelism composes with data parallelism only "
-                              f"(tp = cp = pp = 1)")
-        if self.ep > 1 and self.dp_shard % self.ep:
-            raise ConfigError(f"parallel.ep = {self.ep} is invalid: must divide dp_shard = "
-                              f"{self.dp_shard}")
         if self.cp > 1 and self.pp > 1:
             raise ConfigError(
                 f"parallel.cp = {self.cp} is invalid with parallel.pp = {self.pp}: context "

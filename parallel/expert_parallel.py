@@ -111,14 +111,19 @@ class ExpertGradients:
 
     def __init__(self, params: list[torch.Tensor], shard: ExpertShard) -> None:
         self.params, self.shard = params, shard
+        self.norm_split = (set(params), shard.group)
+        """What the gradient norm adds once per ep group (parallel/grad_norm.py `split`)."""
 
     def reduce(self) -> None:
         grads = [p.grad for p in self.params if p.grad is not None]
         if not grads:
             return
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        if self.shard.replicas is not None:
-            dist.all_reduce(flat, group=self.shard.replicas)
+        if self.shard.replicas is None:  # one copy of each expert: nothing to sum
+            for g in grads:
+                g.div_(self.shard.dp_size)
+            return
+        flat = torch.cat([g.reshape(-1) for g in grads])  # one all-reduce for them all
+        dist.all_reduce(flat, group=self.shard.replicas)
         flat /= self.shard.dp_size
         start = 0
         for g in grads:

@@ -35,7 +35,6 @@ if TYPE_CHECKING:
 
     from stalwart.core.config import ParallelConfig
 
-COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 HALF = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # PowerSGD compresses a matrix only when that shrinks it at least this much (torch's default).
 MIN_COMPRESSION_RATE = 2
@@ -94,6 +93,15 @@ def _matrix(shape: torch.Size) -> tuple[int, int]:
     return rows, max(1, int(torch.Size(shape).numel()) // max(rows, 1))
 
 
+def _factors(shape: torch.Size, matrix_rank: int) -> tuple[int, int, int] | None:
+    """(rows, cols, rank) of the factors torch's hook sends for a gradient of `shape`, or
+    None when it sends that gradient whole (its factors would not be half its size)."""
+    rows, cols = _matrix(shape)
+    rank = min(rows, cols, matrix_rank)
+    return (rows, cols, rank) if _should_compress(rows, cols, rank, MIN_COMPRESSION_RATE)[0] \
+        else None
+
+
 def reduction_bytes(model: torch.nn.Module, config: ParallelConfig) -> tuple[int, int]:
     """Bytes of gradient one rank hands its data-parallel reduction each step: (before
     PowerSGD starts or without it, once it compresses). Its parameters as this rank holds
@@ -105,10 +113,8 @@ def reduction_bytes(model: torch.nn.Module, config: ParallelConfig) -> tuple[int
         return whole, whole
     compressed = 0
     for p in params:
-        rows, cols = _matrix(p.shape)
-        rank = min(rows, cols, config.powersgd_rank)
-        small = _should_compress(rows, cols, rank, MIN_COMPRESSION_RATE)[0]
-        compressed += 4 * ((rows + cols) * rank if small else p.numel())
+        factors = _factors(p.shape, config.powersgd_rank)
+        compressed += 4 * ((factors[0] + factors[1]) * factors[2] if factors else p.numel())
     return whole, compressed
 
 
@@ -128,48 +134,41 @@ class PowerSGD:
         # Made now, with every key a checkpoint may hold: a restore loads into them.
         self.errors = {n: torch.zeros(p.numel(), dtype=p.dtype, device=p.device)
                        for n, p in params}
-        self.qs = {n: torch.zeros(cols * self._rank(rows, cols), dtype=p.dtype, device=p.device)
-                   for n, p in params for rows, cols in [_matrix(p.shape)]
-                   if self._compressed(rows, cols)}
+        self.qs = {n: torch.zeros(factors[1] * factors[2], dtype=p.dtype, device=p.device)
+                   for n, p in params if (factors := _factors(p.shape, matrix_rank))}
         self._in_flight: torch.futures.Future[torch.Tensor] | None = None
         self.q_ready = False
         """Whether Q holds factors (set at the first compressed step; until then torch draws
         them from its seeded generator, the same draws after a restore)."""
         model.register_comm_hook(self, PowerSGD._hook)
 
-    def _rank(self, rows: int, cols: int) -> int:
-        return min(rows, cols, self.matrix_rank)
-
-    def _compressed(self, rows: int, cols: int) -> bool:
-        return _should_compress(rows, cols, self._rank(rows, cols), MIN_COMPRESSION_RATE)[0]
-
-    def _q_order(self, grads: list[torch.Tensor], names: list[str]) -> list[str]:
-        """The parameters whose Q torch's hook lays out in a bucket, in its order: the
-        compressed matrices grouped by shape, each group in bucket order."""
+    def _factor_layout(self, grads: list[torch.Tensor], names: list[str]
+                       ) -> tuple[list[str], int]:
+        """How torch's hook lays out a bucket's factors: the parameters whose Q it keeps, in
+        its order (the compressed matrices grouped by shape, each group in bucket order),
+        and the length of all their P."""
         groups: dict[tuple[int, int], list[str]] = defaultdict(list)
+        p_size = 0
         for grad, name in zip(grads, names, strict=True):
-            shape = _matrix(grad.shape)
-            if self._compressed(*shape):
-                groups[shape].append(name)
-        return [n for group in groups.values() for n in group]
+            if factors := _factors(grad.shape, self.matrix_rank):
+                rows, cols, rank = factors
+                groups[(rows, cols)].append(name)
+                p_size += rows * rank
+        return [n for group in groups.values() for n in group], p_size
 
     @staticmethod
     def _hook(self: PowerSGD, bucket):  # noqa: ANN001, ANN205 (DDP reads annotations as types)
         state, index = self.torch_state, bucket.index()
         names = [self.names[p] for p in bucket.parameters()]
-        q_order = self._q_order(bucket.gradients(), names)
-        if state.iter >= state.start_powerSGD_iter:
+        q_order, p_size = self._factor_layout(bucket.gradients(), names)
+        compressing = state.iter >= state.start_powerSGD_iter
+        if compressing:
             state.error_dict[index] = torch.cat([self.errors[n] for n in names])
             if self.q_ready and q_order:  # warm start from the kept factors
-                buffer = bucket.buffer()
                 state.q_memory_dict[index] = torch.cat([self.qs[n] for n in q_order])
                 # P is recomputed from Q every step; torch's hook only needs its room, and
                 # finding it tells the hook not to draw Q afresh.
-                p_size = sum(rows * self._rank(rows, cols) for rows, cols in
-                             (_matrix(g.shape) for g in bucket.gradients())
-                             if self._compressed(rows, cols))
-                state.p_memory_dict[index] = buffer.new_empty(p_size)
-        compressing = state.iter >= state.start_powerSGD_iter
+                state.p_memory_dict[index] = bucket.buffer().new_empty(p_size)
 
         def keep(fut: torch.futures.Future[torch.Tensor]) -> torch.Tensor:
             if compressing:

@@ -13,7 +13,6 @@ import torch
 
 from stalwart.parallel.activation_checkpoint import apply_activation_checkpointing
 from stalwart.parallel.blocks import blocks_of
-from stalwart.parallel.context_parallel import ContextShard
 from stalwart.parallel.data_parallel import apply_data_parallel, needs_fsdp
 
 if TYPE_CHECKING:
@@ -21,16 +20,20 @@ if TYPE_CHECKING:
 
     from stalwart.core.config import ParallelConfig
     from stalwart.core.task import TrainTask
+    from stalwart.parallel.context_parallel import ContextShard
 
 
 def parallelize(model: torch.nn.Module, *, mesh: DeviceMesh | None, config: ParallelConfig,
                 task: TrainTask,
                 materialize: Callable[[torch.nn.Module], None] | None = None,
+                context: ContextShard | None = None,
                 experts: set[torch.nn.Parameter] | None = None) -> torch.nn.Module:
     """`mesh` None: a single process without a process group (only steps 2 and 3 apply).
 
     `materialize`: for a model built on the meta device, what allocates and fills it
-    (parallel/meta_init.py), called once its parameters are split (step 4). `experts`: the
+    (parallel/meta_init.py), called once its parameters are split (step 4). `context`: this
+    rank's part of each sequence under context parallelism, the one the engine cuts batches
+    by (parallel/context_parallel.py). `experts`: the
     parameters expert parallelism split (parallel/expert_parallel.py), which data
     parallelism leaves whole."""
     materialize = materialize or (lambda _: None)
@@ -40,8 +43,8 @@ def parallelize(model: torch.nn.Module, *, mesh: DeviceMesh | None, config: Para
         task.apply_tensor_parallel(model, mesh["tp"], sequence_parallel=config.sequence_parallel)
     # 1b. Context parallel: attention learns the rank's share of the sequence. It changes no
     #     parameter, so its place among the steps only needs to precede compilation.
-    if mesh is not None and mesh["cp"].size() > 1:
-        task.apply_context_parallel(model, ContextShard.of(mesh["cp"]))
+    if context is not None:
+        task.apply_context_parallel(model, context)
 
     # 2. Activation checkpointing wraps whole blocks, after TP so that recomputation
     #    replays the block's TP collectives too, and before FSDP so that FSDP's hooks sit

@@ -150,7 +150,7 @@ class TrainEngine:
             self.model = parallelize(
                 model, mesh=self.mesh, config=config.parallel, task=task,
                 materialize=partial(materialize, device=device, init=task.init_weights)
-                if deferred else None, experts=set(experts))
+                if deferred else None, context=self.context, experts=set(experts))
         # DDP's compression hook; PowerSGD's state rides in the checkpoint ("comm").
         self.compression = (grad_compression.register(self.model, config.parallel, rank=rank)
                             if isinstance(self.model, DistributedDataParallel) else None)
@@ -338,12 +338,11 @@ class TrainEngine:
                 self.expert_grads.reduce()
         grad_norm = None
         if cfg.grad_clip > 0:
-            experts = self.expert_grads
             grad_norm = clip_grad_norm(self.model.parameters(), cfg.grad_clip,
                                        pp_group=self.mesh["pp"].get_group()
                                        if self.pipeline else None,
-                                       split=(set(experts.params), experts.shard.group)
-                                       if experts is not None else None)
+                                       split=self.expert_grads.norm_split
+                                       if self.expert_grads is not None else None)
         if before_update is not None:
             before_update()
         checks = self.numerics.checks(

@@ -8,12 +8,12 @@ the routed slots (`expert_load_<e>`). Experts split over `parallel.ep` ranks.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from stalwart.core.errors import TaskError
-from stalwart.core.task import ModelDims
+from stalwart.core.task import ExpertPlace, ModelDims
 from stalwart.examples.gpt.task import GPTTask
 from stalwart.examples.moe.model import MoEConfig, MoEGPT
 
@@ -51,7 +51,8 @@ class MoETask(GPTTask):
             raise TaskError(f"parallel.ep = {dims.ep} is invalid: must divide the model's "
                             f"{cfg.n_experts} experts (task.args.n_experts)")
 
-    def apply_expert_parallel(self, model: MoEGPT, shard: Any) -> list[torch.nn.Parameter]:
+    def apply_expert_parallel(self, model: MoEGPT, shard: ExpertPlace
+                              ) -> list[torch.nn.Parameter]:
         """Keep this rank's experts of every layer; returns their parameters."""
         kept = []
         for moe in model.moe_layers():

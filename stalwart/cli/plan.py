@@ -171,7 +171,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
                        check)
     configured = None
     if config is not None and devices == config.scaling.num_workers:
-        configured = (*config.parallel.degrees(devices), par.cp, par.tp, par.pp, par.ep)
+        configured = config.parallel.layout(devices)
     print(format_plan(candidates, shape=shape, source=source, devices=devices,
                       memory_bytes=memory, options=options, configured=configured,
                       left_out=left_out, memory_source=target.source))
@@ -187,10 +187,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(f"  {why_recommended(best)}")
     # Only the degrees this version's [parallel] has (pp comes with pipeline parallelism).
     keys = {f.name for f in dataclasses.fields(ParallelConfig)}
-    degrees = {"dp_replicate": best.layout.dp_replicate, "dp_shard": best.layout.dp_shard,
-               "cp": best.layout.cp, "tp": best.layout.tp, "pp": best.layout.pp,
-               "ep": best.layout.ep}
-    print("  " + " ".join(f"--set parallel.{k}={v}" for k, v in degrees.items() if k in keys))
+    print("  " + " ".join(f"--set parallel.{k}={v}" for k, v in best.layout.degrees().items()
+                          if k in keys))
     return 0
 
 

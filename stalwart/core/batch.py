@@ -14,7 +14,7 @@ their own names (and as `val_<name>` after a validation pass).
 from __future__ import annotations
 
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,15 +29,20 @@ Batch = Any
 """A tensor, a tuple or list of tensors, or a dict of tensors (nested ones too)."""
 
 
+def map_tensors(batch: Batch, fn: Callable[[torch.Tensor], torch.Tensor]) -> Batch:
+    """The batch with `fn` applied to every tensor in it (other leaves kept as they are)."""
+    if isinstance(batch, torch.Tensor):
+        return fn(batch)
+    if isinstance(batch, Mapping):
+        return {k: map_tensors(v, fn) for k, v in batch.items()}
+    if isinstance(batch, (tuple, list)):
+        return type(batch)(map_tensors(v, fn) for v in batch)
+    return batch
+
+
 def to_device(batch: Batch, device: torch.device) -> Batch:
     """The batch with every tensor in it moved to `device` (other leaves kept as they are)."""
-    if isinstance(batch, torch.Tensor):
-        return batch.to(device, non_blocking=True)
-    if isinstance(batch, Mapping):
-        return {k: to_device(v, device) for k, v in batch.items()}
-    if isinstance(batch, (tuple, list)):
-        return type(batch)(to_device(v, device) for v in batch)
-    return batch
+    return map_tensors(batch, lambda t: t.to(device, non_blocking=True))
 
 
 def default_token_count(batch: Batch) -> int:

@@ -127,6 +127,10 @@ class ModelShape:
         return self.n_params - self.n_layers * self.block_params
 
 
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep")
+"""A layout's [parallel] degrees, in the order ParallelConfig.layout gives them."""
+
+
 @dataclass(frozen=True, kw_only=True)
 class PlanLayout:
     """One parallel layout to plan for: the four degrees and the options that size memory."""
@@ -164,7 +168,7 @@ class PlanLayout:
     interleaved_1f1b, zero_bubble) holds about pp on the first stage."""
 
     def __post_init__(self) -> None:
-        for name in ("dp_replicate", "dp_shard", "tp", "cp", "ep", "pp", "micro_batch_size"):
+        for name in (*DEGREES, "micro_batch_size"):
             _check(getattr(self, name) >= 1, f"{name} must be >= 1, got {getattr(self, name)}")
         _check(self.pp_microbatches is None or self.pp_microbatches >= 1,
                f"pp_microbatches must be >= 1, got {self.pp_microbatches}")
@@ -191,6 +195,10 @@ class PlanLayout:
     def zero_stage(self) -> int:
         """0 when nothing is sharded (DDP or one data-parallel rank), else 3 or 2."""
         return 0 if self.fsdp_degree == 1 else 3 if self.zero3 else 2
+
+    def degrees(self) -> dict[str, int]:
+        """The [parallel] degrees this layout sets, as ParallelConfig.layout names them."""
+        return {name: getattr(self, name) for name in DEGREES}
 
     @property
     def fsdp_degree(self) -> int:

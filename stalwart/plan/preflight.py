@@ -66,8 +66,7 @@ def check_fits(shape: ModelShape, config: JobConfig, memory: WorkerMemory) -> No
                               check=runnable_check(config)), memory.bytes)
     except PlanError as exc:  # no layout fits (plan's own message), or none can run
         raise PlanError(f"{head}; {exc}") from None
-    flags = " ".join(f"--set parallel.{k}={getattr(best.layout, k)}"
-                     for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp", "ep"))
+    flags = " ".join(f"--set parallel.{k}={v}" for k, v in best.layout.degrees().items())
     raise PlanError(f"{head}; {best.layout.describe()} fits "
                     f"({format_bytes(best.estimate.device)} per worker): {flags}")
 

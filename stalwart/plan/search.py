@@ -99,10 +99,8 @@ def runnable_check(config: JobConfig) -> LayoutCheck:
     task = build_task(config.task.path, config.task.args)
 
     def check(layout: PlanLayout) -> str | None:
-        degrees = {"dp_replicate": layout.dp_replicate, "dp_shard": layout.dp_shard,
-                   "cp": layout.cp, "tp": layout.tp, "pp": layout.pp, "ep": layout.ep}
         try:
-            parallel = dataclasses.replace(config.parallel, **degrees)
+            parallel = dataclasses.replace(config.parallel, **layout.degrees())
             # The layout's own world, fixed (no shrinking or growing) and without faults
             # (their ranks belong to the config's world).
             scaling = dataclasses.replace(config.scaling, num_workers=layout.devices,
@@ -234,7 +232,7 @@ def format_bytes(n: float) -> str:
 
 def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, devices: int,
                 memory_bytes: int, options: PlanLayout,
-                configured: tuple[int, ...] | None = None,
+                configured: dict[str, int] | None = None,
                 left_out: list[tuple[PlanLayout, str]] = (),
                 memory_source: str | None = None) -> str:
     """The plan as plain aligned text: a header, one row per layout (best first), notes,
@@ -263,8 +261,7 @@ def format_plan(candidates: list[Candidate], *, shape: ModelShape, source: str, 
     rows = []
     for i, (layout, est, fits, _) in enumerate(candidates):
         notes = (["recommended"] if i == 0 and fits else []) + (
-            ["config"] if configured == (layout.dp_replicate, layout.dp_shard, layout.cp,
-                                         layout.tp, layout.pp, layout.ep) else [])
+            ["config"] if configured == layout.degrees() else [])
         unknown = "?"
         rows.append([str(layout.dp_replicate), str(layout.dp_shard), str(layout.cp),
                      str(layout.tp), str(layout.pp), str(layout.ep),

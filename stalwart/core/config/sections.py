@@ -24,7 +24,7 @@ SNAPSHOT_AUTO = "auto"
 PRECISIONS = ("fp32", "bf16")
 PP_SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b", "zero_bubble")
 TRAIN_PRECISIONS = ("default", "float8")
-# stalwart.parallel.grad_compression.COMPRESSIONS (the basement names them itself).
+# parallel.grad_compression's values; stalwart/parallel/grad_compression.py implements each.
 GRAD_COMPRESSIONS = ("none", "bf16", "fp16", "powersgd")
 
 
